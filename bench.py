@@ -1,0 +1,400 @@
+"""Training throughput, MFU and peak memory, side by side with the peers a user would pick.
+
+    python bench.py single                                # 1 GPU: ours vs HF LlamaForCausalLM
+    torchrun --nproc_per_node=2 bench.py dp               # 2 GPUs: our DataParallel vs torch DDP
+    python bench.py single --shape=tiny --device=cpu --steps=3 --warmup=1   # smoke test, seconds
+
+Every row times full training steps: forward + backward + fused AdamW step + zero_grad, bf16
+autocast over fp32 master weights (ours and the peers alike), micro batch --batch of T tokens,
+random token ids (a few pre-generated batches, rotated), no data loading. Warm-up steps (which
+include compilation) are not timed; the timed steps are bracketed by device synchronisation.
+
+    tokens/s = B * T * steps * GPUs / seconds
+    MFU      = tokens/s * FLOPs per token / (peak * GPUs)
+
+FLOPs per token come from OUR model's flops_per_token(T) for every row: the HF peer has the same
+shape (asserted: same parameter count), so it does the same matmuls and the MFU columns compare
+directly. Peak memory is torch.cuda.max_memory_allocated (weights + grads + AdamW state +
+activations), reset before each row; in dp mode the largest over the ranks.
+
+dp mode rows: "ours 1 GPU" (our compiled model on each rank alone, no communication; the
+per-GPU baseline of the scaling ratio), "ours DP" (parallel.DataParallel around the compiled
+model's inner module: the hooks live on the parameters) and "torch DDP"
+(DistributedDataParallel(bucket_cap_mb, gradient_as_bucket_view=True), then torch.compile of
+the DDP module: PyTorch's recommended order, whose DDPOptimizer splits the compiled graph at
+bucket boundaries so the all-reduce overlaps backward; --ddp_compile=inner compiles the module
+first and wraps it afterwards instead).
+"""
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+import traceback
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+import logs
+import optim
+import parallel
+from model import ModelConfig, Transformer
+
+SHAPES = {  # 124m: GPT-2-small-shaped LLaMA (RoPE, RMSNorm, SwiGLU, untied head); the defaults
+    "124m": dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "tiny": dict(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64),
+}
+GOALS = {"mfu": 0.45, "vs_hf": 1.2, "dp_scaling": 1.9, "vs_ddp": 0.98}
+
+# ---------------------------------------------------------------------------- arguments
+p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+p.add_argument("mode", choices=["single", "dp"])
+p.add_argument("--shape", choices=list(SHAPES), default="124m")
+p.add_argument("--batch", type=int, default=16, help="micro batch per GPU (sequences)")
+p.add_argument("--seq_len", type=int, default=0, help="T; 0 = the shape's block_size")
+p.add_argument("--steps", type=int, default=30, help="timed steps per row")
+p.add_argument("--warmup", type=int, default=10, help="untimed steps per row (compilation happens here)")
+p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+p.add_argument("--runs", default="", help="comma-separated subset of rows; single: "
+               "ours-eager,ours-compiled,hf-eager,hf-compiled; dp: ours-1gpu,ours-dp,torch-ddp")
+p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+               help="autocast compute dtype; auto: bfloat16 on GPU, float32 on CPU (CPU bf16 is ~10x slower)")
+p.add_argument("--compile", type=int, default=1, help="dp mode: compile the model (0 = eager)")
+p.add_argument("--ddp_compile", choices=["outer", "inner"], default="outer",
+               help="outer: torch.compile(DDP(model)) (DDPOptimizer); inner: DDP(torch.compile(model))")
+p.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size, ours and DDP")
+p.add_argument("--peak_tflops", type=float, default=0.0, help="override the per-GPU peak for MFU")
+p.add_argument("--seed", type=int, default=0)
+p.add_argument("--commit", default="", help="git commit to record (default: git rev-parse)")
+p.add_argument("--json", default="", help="write every number here")
+args = p.parse_args()
+RUNS = {"single": ["ours-eager", "ours-compiled", "hf-eager", "hf-compiled"],
+        "dp": ["ours-1gpu", "ours-dp", "torch-ddp"]}[args.mode]
+runs = [r.strip() for r in args.runs.split(",") if r.strip()] or RUNS
+for r in runs:
+    if r not in RUNS:
+        p.error(f"--runs: unknown row {r!r} for mode {args.mode}; choose from {', '.join(RUNS)}")
+
+# ---------------------------------------------------------------------------- setup
+grid = parallel.init(SimpleNamespace(device=args.device, tp=1, ep=1))
+if args.mode == "dp" and grid.world < 2:
+    p.error("dp mode needs several processes: torchrun --nproc_per_node=2 bench.py dp")
+if args.mode == "single" and grid.world > 1:
+    p.error("single mode is one process: python bench.py single")
+device, main = grid.device, grid.is_main
+say = print if main else (lambda *a, **k: None)
+cuda = device.type == "cuda"
+if cuda:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+# bf16 autocast over fp32 weights, gradients and optimizer state (as pretrain.py)
+dtype = {"auto": torch.bfloat16 if cuda else torch.float32,
+         "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+mcfg = ModelConfig(**SHAPES[args.shape])
+T = args.seq_len or mcfg.block_size
+B = args.batch
+opt_cfg = SimpleNamespace(optimizer="adamw", lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+peak = logs.peak_tflops(device, args.peak_tflops)  # TFLOP/s per GPU; None on CPU / unknown GPU
+with torch.device("meta"):
+    flops_per_token = Transformer(mcfg).flops_per_token(T)  # counts shapes only: no memory
+
+
+def commit():
+    if args.commit:
+        return args.commit
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def hf_version():
+    try:
+        import transformers
+        return transformers.__version__
+    except ImportError:
+        return None
+
+
+meta = {"mode": args.mode, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "commit": commit(), "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+        "gpus": grid.world if cuda else 0, "processes": grid.world,
+        "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
+        "transformers": hf_version(), "python": platform.python_version(), "shape": args.shape,
+        "model": asdict(mcfg), "batch_per_gpu": B, "seq_len": T, "steps": args.steps,
+        "warmup": args.warmup, "flops_per_token": flops_per_token, "peak_tflops_per_gpu": peak,
+        "bucket_mb": args.bucket_mb}
+say(f"# bench {args.mode} | {meta['device']} x {grid.world} | torch {meta['torch']} | "
+    f"transformers {meta['transformers']} | commit {meta['commit']} | {meta['date']}")
+say(f"# shape {args.shape}: {mcfg.n_layer} layers, width {mcfg.n_embd}, {mcfg.n_head} heads, "
+    f"ffn {mcfg.hidden}, vocab {mcfg.padded_vocab}, T={T} | micro batch {B} per GPU | {meta['dtype']} | "
+    f"{args.warmup} warm-up + {args.steps} timed steps | {flops_per_token / 1e6:.1f} MFLOPs/token | "
+    f"peak {peak or 'n/a'} TFLOP/s per GPU")
+
+
+# ---------------------------------------------------------------------------- models
+class SkipRow(Exception):
+    """A row that cannot run here (a missing optional package): reported, not an error."""
+
+
+def build_ours():
+    torch.manual_seed(args.seed)  # same seed everywhere: identical weights on every rank
+    with torch.device(device):  # initialise in place on the GPU: no host-side init, no copy
+        model = Transformer(mcfg)
+    return model.to(device)
+
+
+def build_hf():
+    """HF LlamaForCausalLM with exactly our shape, SDPA attention, no KV cache (training)."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        raise SkipRow("transformers is not installed (pip install transformers)")
+    hcfg = LlamaConfig(
+        vocab_size=mcfg.padded_vocab, hidden_size=mcfg.n_embd, intermediate_size=mcfg.hidden,
+        num_hidden_layers=mcfg.n_layer, num_attention_heads=mcfg.n_head, num_key_value_heads=mcfg.kv_heads,
+        max_position_embeddings=mcfg.block_size, rms_norm_eps=mcfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": mcfg.rope_theta},
+        tie_word_embeddings=mcfg.tie_embeddings, attention_bias=mcfg.bias, mlp_bias=mcfg.bias,
+        initializer_range=mcfg.init_std, use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(hcfg)
+    model = model.to(device=device, dtype=torch.float32)  # fp32 master weights, as ours
+    model.train()
+    hf_params_match(model)
+    return model
+
+
+def hf_params_match(hf):
+    """Same shape <=> same parameter count (HF gets our padded vocabulary, so normally exact)."""
+    with torch.device("meta"):
+        ours = Transformer(mcfg).num_params()
+    theirs = sum(p.numel() for p in hf.parameters())
+    slack = 2 * (mcfg.padded_vocab - mcfg.vocab_size) * mcfg.n_embd  # embedding + head padding rows
+    say(f"  parameters: ours {ours:,} | HF {theirs:,}")
+    if abs(ours - theirs) > slack:
+        raise AssertionError(f"HF model has {theirs:,} parameters, ours {ours:,}: shapes differ, "
+                             f"the comparison would be unfair")
+    return theirs
+
+
+# ---------------------------------------------------------------------------- timing
+def sync():
+    if cuda:
+        torch.cuda.synchronize(device)
+
+
+def reduce_(value, op):
+    """Max/min of a number over the ranks (one process: the number itself)."""
+    if grid.world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+def free():
+    gc.collect()
+    torch._dynamo.reset()  # drop compiled graphs (and what they hold) of the previous row
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def measure(name, build, n_gpus, peer=None, min_time=False):
+    """Build a row's model with build() -> (params, forward(x, y) -> loss, finish, zero_grad),
+    warm up, time args.steps training steps; returns the row's numbers (or its error)."""
+    row = {"run": name, "peer": peer, "gpus": n_gpus}
+    say(f"\n## {name}")
+    state = None
+    try:
+        free()
+        t_build = time.perf_counter()
+        state = build()
+        params, forward, finish, zero_grad = state
+        row["params"] = sum(p.numel() for p in params.parameters())
+        optimizer = optim.build_optimizer(params, opt_cfg)  # fused AdamW on CUDA
+        state = state + (optimizer,)
+        g = torch.Generator(device=device).manual_seed(args.seed + 1 + grid.rank)  # distinct data per rank
+        batches = [(torch.randint(0, mcfg.vocab_size, (B, T), device=device, generator=g),
+                    torch.randint(0, mcfg.vocab_size, (B, T), device=device, generator=g)) for _ in range(4)]
+
+        def step(i):
+            x, y = batches[i % len(batches)]
+            with autocast():
+                loss = forward(x, y)
+            loss.backward()
+            finish()  # data parallel: wait for the gradient all-reduce (no-op otherwise)
+            optimizer.step()
+            zero_grad()
+            return loss
+
+        t0 = time.perf_counter()
+        for i in range(args.warmup):
+            loss = step(i)
+        sync()
+        row["warmup_s"] = time.perf_counter() - t0
+        row["build_s"] = t0 - t_build
+        say(f"  built in {row['build_s']:.1f}s, warm-up ({args.warmup} steps, incl. compilation) "
+            f"{row['warmup_s']:.1f}s")
+        if grid.world > 1:
+            dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            loss = step(args.warmup + i)
+        sync()
+        dt = time.perf_counter() - t0
+        # data-parallel rows are in lockstep: the slowest rank's time is the job's; the 1-GPU
+        # baseline (independent ranks) takes the fastest, which can only lower the scaling ratio
+        dt = reduce_(dt, dist.ReduceOp.MIN if min_time else dist.ReduceOp.MAX)
+        row["loss"] = loss.item()
+        if not math.isfinite(row["loss"]):
+            raise FloatingPointError(f"loss is {row['loss']}")
+        tok_s = B * T * args.steps * n_gpus / dt
+        row.update(tokens_per_s=tok_s, step_ms=1e3 * dt / args.steps,
+                   mfu=tok_s * flops_per_token / (peak * 1e12 * n_gpus) if peak else None,
+                   peak_mem_gb=reduce_(torch.cuda.max_memory_allocated(device) / 1e9, dist.ReduceOp.MAX)
+                   if cuda else None)
+        mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+        say(f"  {tok_s:,.0f} tokens/s | {row['step_ms']:.1f} ms/step | MFU {mfu} | loss {row['loss']:.3f}")
+    except SkipRow as e:
+        row["skipped"] = str(e)
+        say(f"  skipped: {e}")
+    except Exception as e:  # one broken row (a compile error, OOM) must not lose the others
+        row["error"] = f"{type(e).__name__}: {e}"
+        say(traceback.format_exc() if main else "", end="")
+        print(f"  [rank {grid.rank}] {name} failed: {row['error'][:500]}")
+    del state
+    free()
+    return row
+
+
+# ---------------------------------------------------------------------------- rows
+# a row's build() -> (model, forward(x, y) -> loss[, finish, zero_grad]); the optimizer takes
+# model's parameters; zero_grad defaults to model.zero_grad(set_to_none=True)
+def ours_row(compile_):
+    def build():
+        raw = build_ours()
+        return raw, (torch.compile(raw) if compile_ else raw)
+    return build
+
+
+def hf_row(compile_):
+    def build():
+        hf = build_hf()
+        fwd = torch.compile(hf) if compile_ else hf
+        # HF shifts labels inside: logits for all T positions (the same work), loss over T-1
+        return hf, lambda x, y: fwd(input_ids=x, labels=x).loss
+    return build
+
+
+def ours_dp():
+    raw = build_ours()
+    dp = parallel.DataParallel(raw, grid, args.bucket_mb)  # gradient hooks live on the parameters,
+    fwd = torch.compile(raw) if args.compile else raw       # so compile the inner module
+    return raw, fwd, dp.finish, lambda: dp.zero_grad(set_to_none=True)
+
+
+def torch_ddp():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    raw = build_ours()
+    kw = dict(device_ids=[device.index] if cuda else None, bucket_cap_mb=args.bucket_mb,
+              gradient_as_bucket_view=True)
+    if args.compile and args.ddp_compile == "inner":
+        return raw, DDP(torch.compile(raw), **kw)
+    ddp = DDP(raw, **kw)
+    return raw, (torch.compile(ddp) if args.compile else ddp)
+
+
+BUILDS = {"ours-eager": ours_row(False), "ours-compiled": ours_row(True),
+          "hf-eager": hf_row(False), "hf-compiled": hf_row(True),
+          "ours-1gpu": ours_row(bool(args.compile)), "ours-dp": ours_dp, "torch-ddp": torch_ddp}
+PEERS = {"ours-eager": "hf-eager", "ours-compiled": "hf-compiled", "ours-dp": "torch-ddp"}
+ONE_GPU = ("ours-eager", "ours-compiled", "hf-eager", "hf-compiled", "ours-1gpu")
+
+
+def complete(build_fn):
+    def build():
+        out = build_fn()
+        model = out[0]
+        finish = out[2] if len(out) > 2 else (lambda: None)
+        zero = out[3] if len(out) > 3 else (lambda: model.zero_grad(set_to_none=True))
+        return model, out[1], finish, zero
+    return build
+
+
+rows = [measure(name, complete(BUILDS[name]), 1 if name in ONE_GPU else grid.world,
+                peer=PEERS.get(name), min_time=name == "ours-1gpu") for name in runs]
+
+# ---------------------------------------------------------------------------- report
+by = {r["run"]: r for r in rows}
+
+
+def ratio(a, b):
+    ra, rb = by.get(a, {}), by.get(b, {})
+    if ra.get("tokens_per_s") and rb.get("tokens_per_s"):
+        return ra["tokens_per_s"] / rb["tokens_per_s"]
+    return None
+
+
+for r in rows:
+    r["ratio_vs_peer"] = ratio(r["run"], r["peer"]) if r["peer"] else None
+
+goals = {}
+if args.mode == "single":
+    hf_best = max((by[k] for k in ("hf-eager", "hf-compiled") if by.get(k, {}).get("tokens_per_s")),
+                  key=lambda r: r["tokens_per_s"], default=None)
+    if hf_best:
+        goals["ours_compiled_vs_best_hf"] = (ratio("ours-compiled", hf_best["run"]), GOALS["vs_hf"], hf_best["run"])
+    if by.get("ours-compiled", {}).get("mfu") is not None:
+        goals["ours_compiled_mfu"] = (by["ours-compiled"]["mfu"], GOALS["mfu"], None)
+else:
+    goals["ours_dp_scaling_vs_1gpu"] = (ratio("ours-dp", "ours-1gpu"), GOALS["dp_scaling"], "ours-1gpu")
+    goals["ours_dp_vs_torch_ddp"] = (ratio("ours-dp", "torch-ddp"), GOALS["vs_ddp"], "torch-ddp")
+goals = {k: {"value": v, "goal": g, "versus": vs, "met": v >= g}
+         for k, (v, g, vs) in goals.items() if v is not None}
+
+
+def cell(v, fmt):
+    return "n/a" if v is None else format(v, fmt)
+
+
+say(f"\n{args.mode}: {args.shape} shape, micro batch {B} x T={T} per GPU, {meta['dtype']} autocast, AdamW, "
+    f"{meta['device']} x {grid.world}, torch {meta['torch']}, commit {meta['commit']}, {meta['date']}\n")
+say("| run | tokens/s | MFU % | peak mem GB | ratio vs peer |")
+say("|---|---:|---:|---:|---:|")
+for r in rows:
+    if "tokens_per_s" not in r:
+        why = r.get("skipped") or "failed: " + r.get("error", "?")[:80]
+        say(f"| {r['run']} | {why} | | | |")
+        continue
+    rat = f"{r['ratio_vs_peer']:.2f}x vs {r['peer']}" if r["ratio_vs_peer"] else ""
+    mfu = None if r["mfu"] is None else 100 * r["mfu"]
+    unit = ("GPU" if cuda else "proc") + ("s" if r["gpus"] > 1 else "")
+    say(f"| {r['run']} ({r['gpus']} {unit}) | {r['tokens_per_s']:,.0f} | "
+        f"{cell(mfu, '.1f')} | {cell(r['peak_mem_gb'], '.2f')} | {rat} |")
+if goals:
+    say("\ngoals:")
+for k, g in goals.items():
+    kind = "MFU" if "mfu" in k else "x"
+    val = f"{100 * g['value']:.1f}% (goal >= {100 * g['goal']:.0f}%)" if kind == "MFU" else \
+        f"{g['value']:.3f}x vs {g['versus']} (goal >= {g['goal']}x)"
+    say(f"  {k}: {val} {'MET' if g['met'] else 'NOT MET'}")
+if main and args.json:
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({**meta, "rows": rows, "goals": goals}, f, indent=2)
+    say(f"\nwrote {args.json}")
+parallel.shutdown()

@@ -1,0 +1,200 @@
+"""Configs: a Python file of assignments, then --key=value overrides, then validation.
+
+    python pretrain.py configs/tiny.py --lr=3e-4 --compile=True --data=/path/to/corpus
+
+Every key must exist in the defaults below (or in ModelConfig); an override is parsed as a
+Python literal and must have the default's type. The result is a flat SimpleNamespace `cfg`
+that is printed once and saved into every checkpoint.
+"""
+import ast
+import difflib
+import os
+from dataclasses import asdict
+from types import SimpleNamespace
+
+from model import ModelConfig
+
+# Training defaults shared by every stage. Model keys come from ModelConfig; a stage script may
+# add keys of its own through `load(argv, extra=...)`.
+TRAIN_DEFAULTS = dict(
+    # I/O
+    out_dir="out/run",
+    resume=False,            # continue from the latest checkpoint in out_dir
+    init_from="",            # start from the weights of a checkpoint folder
+    ckpt_every=500,          # steps between checkpoints (0: only at the end)
+    keep_last=2,             # checkpoints kept on disk
+    # data
+    data="stdlib",           # "stdlib" | a local file/folder (.txt .md .py .jsonl .parquet) | "hf:<name>"
+    text_field="text",
+    data_dir="",             # where the tokenized memmaps go ("" -> data/<name>)
+    val_fraction=0.01,
+    max_docs=0,              # 0: all documents
+    tokenizer="cl100k_base",
+    tokenizer_vocab=0,       # >0: keep only the first N tokens of the BPE (small models)
+    # batch: batch_size sequences per optimizer step, split over data-parallel ranks and
+    # gradient-accumulation micro-steps of micro_batch_size sequences each
+    batch_size=32,
+    micro_batch_size=8,
+    seq_len=0,               # 0 -> block_size
+    # optimization
+    max_steps=1000,
+    stop_at=0,               # stop early at this step, e.g. to fit a job time limit (0: run to max_steps)
+    optimizer="adamw",
+    lr=6e-4,
+    min_lr_ratio=0.1,        # final lr = lr * min_lr_ratio
+    schedule="cosine",       # cosine | linear | wsd | constant (all after linear warmup)
+    warmup_steps=100,
+    wsd_decay_frac=0.2,      # WSD: fraction of steps spent decaying at the end
+    weight_decay=0.1,
+    beta1=0.9,
+    beta2=0.95,
+    eps=1e-8,
+    grad_clip=1.0,           # 0: no clipping
+    # system
+    seed=1337,
+    device="auto",           # auto | cpu | cuda
+    dtype="auto",            # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+    compile=False,
+    grad_bucket_mb=25.0,     # data-parallel all-reduce bucket size
+    tp=1,                    # tensor-parallel size (later issue)
+    ep=1,                    # expert-parallel size (later issue)
+    # evaluation and logging
+    eval_every=250,
+    eval_batches=20,
+    log_every=10,
+    progress=True,           # tqdm bar on rank 0
+    peak_tflops=0.0,         # per-GPU peak for MFU; 0 -> look up the GPU in a table
+    tensorboard=False,
+    wandb=False,
+    wandb_project="ingot",
+    sample_tokens=128,       # sample printed at the end (0: none)
+    sample_prompt="def ",
+    sample_temperature=0.8,
+    sample_top_k=50,
+)
+
+
+def defaults(extra=None):
+    d = {**asdict(ModelConfig()), **TRAIN_DEFAULTS}
+    d.update(extra or {})
+    return d
+
+
+def _unknown(key, valid):
+    near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    hint = f" Did you mean {' or '.join(near)}?" if near else ""
+    return KeyError(f"unknown config key '{key}'.{hint} (valid keys are listed in config.py and model.py's ModelConfig)")
+
+
+def _check_type(key, value, default):
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise TypeError(f"config key '{key}' must be {type(default).__name__} (default {default!r}), "
+                        f"got {value!r} of type {type(value).__name__}")
+    return value
+
+
+def parse_override(arg, d):
+    """'--key=value' -> (key, value): value is a Python literal of the default's type.
+    Strings need no quotes (--data=/my/corpus); '--flag' alone means True."""
+    if not arg.startswith("--"):
+        raise ValueError(f"expected --key=value, got '{arg}'")
+    key, eq, raw = arg[2:].partition("=")
+    key = key.replace("-", "_")
+    if key not in d:
+        raise _unknown(key, list(d))
+    if not eq:
+        if isinstance(d[key], bool):
+            return key, True
+        raise ValueError(f"'--{key}' needs a value: --{key}=...")
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw  # a bare string
+    if isinstance(d[key], str) and not isinstance(value, str):
+        value = raw
+    return key, _check_type(key, value, d[key])
+
+
+def read_file(path, d):
+    """Execute a config file (plain Python) and keep its public assignments."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file '{path}' not found (configs live in configs/, e.g. configs/tiny.py)")
+    scope = {}
+    with open(path) as f:
+        exec(compile(f.read(), path, "exec"), scope)
+    out = {}
+    for key, value in scope.items():
+        if key.startswith("_") or callable(value) or type(value).__name__ == "module":
+            continue
+        if key not in d:
+            raise _unknown(key, list(d))
+        out[key] = _check_type(key, value, d[key])
+    return out
+
+
+def load(argv, extra=None, world=None):
+    """argv: [config_file.py] [--key=value ...] -> validated flat namespace."""
+    d = defaults(extra)
+    values = dict(d)
+    args = list(argv)
+    if args and not args[0].startswith("--"):
+        values.update(read_file(args.pop(0), d))
+    for a in args:
+        k, v = parse_override(a, d)
+        values[k] = v
+    cfg = SimpleNamespace(**values)
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")) if world is None else world)
+    return cfg
+
+
+def validate(cfg, world=1):
+    """Fail early, with a message that says what to change."""
+    ModelConfig.from_cfg(cfg)  # model checks (heads divide width, known activation, ...)
+
+    def need(ok, msg):
+        if not ok:
+            raise ValueError(msg)
+    need(cfg.lr > 0, f"lr={cfg.lr} must be positive")
+    need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1]")
+    need(cfg.max_steps > 0, f"max_steps={cfg.max_steps} must be positive")
+    need(0 <= cfg.stop_at <= cfg.max_steps, f"stop_at={cfg.stop_at} must be in [0, max_steps={cfg.max_steps}]")
+    need(cfg.warmup_steps >= 0, f"warmup_steps={cfg.warmup_steps} must be >= 0")
+    need(cfg.schedule in ("cosine", "linear", "wsd", "constant"),
+         f"schedule='{cfg.schedule}' is not one of cosine, linear, wsd, constant")
+    need(0 < cfg.wsd_decay_frac <= 1, f"wsd_decay_frac={cfg.wsd_decay_frac} must be in (0, 1]")
+    need(cfg.weight_decay >= 0, f"weight_decay={cfg.weight_decay} must be >= 0")
+    need(0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1, f"beta1={cfg.beta1}, beta2={cfg.beta2} must be in [0, 1)")
+    need(cfg.grad_clip >= 0, f"grad_clip={cfg.grad_clip} must be >= 0 (0 disables clipping)")
+    need(cfg.optimizer in ("adamw",), f"optimizer='{cfg.optimizer}' is not available (choose adamw)")
+    need(cfg.device in ("auto", "cpu", "cuda"), f"device='{cfg.device}' must be auto, cpu or cuda")
+    need(cfg.dtype in ("auto", "float32", "bfloat16"), f"dtype='{cfg.dtype}' must be auto, float32 or bfloat16")
+    need(cfg.tp == 1 and cfg.ep == 1, "tp and ep must be 1: tensor and expert parallelism are not in this version")
+    need(world % (cfg.tp * cfg.ep) == 0, f"world size {world} is not divisible by tp*ep={cfg.tp * cfg.ep}")
+    dp = world // (cfg.tp * cfg.ep)
+    need(cfg.micro_batch_size > 0 and cfg.batch_size > 0, "batch_size and micro_batch_size must be positive")
+    need(cfg.batch_size % (cfg.micro_batch_size * dp) == 0,
+         f"batch_size={cfg.batch_size} must be divisible by micro_batch_size*data_parallel="
+         f"{cfg.micro_batch_size}*{dp}={cfg.micro_batch_size * dp}: change batch_size or micro_batch_size")
+    need(0 <= cfg.seq_len <= cfg.block_size, f"seq_len={cfg.seq_len} must be in [0, block_size={cfg.block_size}] (0 means block_size)")
+    need(0 <= cfg.val_fraction < 1, f"val_fraction={cfg.val_fraction} must be in [0, 1)")
+    need(cfg.keep_last >= 1, f"keep_last={cfg.keep_last} must be >= 1")
+    need(cfg.ckpt_every >= 0 and cfg.eval_every >= 0 and cfg.log_every > 0,
+         "ckpt_every and eval_every must be >= 0 and log_every > 0")
+    need(cfg.tokenizer_vocab == 0 or cfg.tokenizer_vocab >= 257,
+         f"tokenizer_vocab={cfg.tokenizer_vocab} must be 0 (full BPE) or >= 257 (256 bytes + EOS)")
+    need(cfg.peak_tflops >= 0, f"peak_tflops={cfg.peak_tflops} must be >= 0")
+    need(cfg.grad_bucket_mb > 0, f"grad_bucket_mb={cfg.grad_bucket_mb} must be positive")
+
+
+def show(cfg):
+    width = max(len(k) for k in vars(cfg))
+    return "\n".join(f"  {k:<{width}} = {v!r}" for k, v in sorted(vars(cfg).items()))

@@ -1,0 +1,26 @@
+# GPT-2-small-class LLaMA-style model (about 125M parameters) for 2 GPUs.
+#   torchrun --nproc_per_node=2 pretrain.py configs/small.py
+# The default corpus (the Python standard library) is ~25M tokens: point `data` at a larger
+# corpus (a folder of text/jsonl/parquet, or hf:<dataset> when online) for a real run.
+out_dir = "out/small"
+tokenizer = "cl100k_base"
+tokenizer_vocab = 32768
+pad_vocab_multiple = 128
+n_layer = 12
+n_head = 12
+n_kv_head = 4
+n_embd = 768
+block_size = 1024
+activation = "swiglu"
+norm = "rmsnorm"
+pos_emb = "rope"
+batch_size = 256           # 256 x 1024 = 262k tokens per optimizer step
+micro_batch_size = 32
+max_steps = 2000
+lr = 1e-3
+warmup_steps = 100
+schedule = "cosine"
+weight_decay = 0.1
+compile = True
+eval_every = 250
+ckpt_every = 500

@@ -1,0 +1,87 @@
+"""Honest observability for every stage: metrics to stdout, JSONL, TensorBoard / W&B; MFU.
+
+Only rank 0 writes anything. MFU = tokens/s * FLOPs per token / (peak * GPUs), with the model's
+own FLOPs formula (model.flops_per_token) and the GPU's dense bf16 peak from the table below.
+"""
+import json
+import os
+import resource
+import time
+
+import torch
+
+# dense bf16 tensor-core peak, TFLOP/s per GPU (no sparsity)
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
+
+
+def peak_tflops(device, override=0.0):
+    """Per-GPU peak for MFU, or None (CPU, unknown GPU without override)."""
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, v in PEAK_TFLOPS.items():
+        if key in name:
+            return v
+    return None
+
+
+def peak_memory_gb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # CPU: peak RSS (kB on Linux)
+
+
+class Logger:
+    def __init__(self, cfg, grid, name="train"):
+        self.main = grid.is_main
+        self.tb = self.wandb = self.file = None
+        if not self.main:
+            return
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        self.file = open(os.path.join(cfg.out_dir, f"{name}_metrics.jsonl"), "a")
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(os.path.join(cfg.out_dir, "tb"))
+            except ImportError:
+                print("tensorboard=True but tensorboard is not installed (pip install tensorboard); skipping")
+        if cfg.wandb:
+            try:
+                import wandb
+                self.wandb = wandb.init(project=cfg.wandb_project, config=vars(cfg), dir=cfg.out_dir)
+            except ImportError:
+                print("wandb=True but wandb is not installed (pip install wandb); skipping")
+
+    def log(self, step, metrics):
+        if not self.main:
+            return
+        rec = {"step": step, "time": time.time(), **metrics}
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)):
+                if self.tb:
+                    self.tb.add_scalar(k, v, step)
+        if self.wandb:
+            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+    def close(self):
+        if self.file:
+            self.file.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def fmt(metrics):
+    """One log line: 'loss 3.2104 | lr 6.00e-04 | ...'."""
+    parts = []
+    for k, v in metrics.items():
+        if isinstance(v, float):
+            parts.append(f"{k} {v:.3e}" if (abs(v) < 1e-2 and v != 0) else f"{k} {v:.4g}")
+        else:
+            parts.append(f"{k} {v}")
+    return " | ".join(parts)

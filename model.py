@@ -1,0 +1,570 @@
+"""The Transformer: GPT-2/3 and LLaMA families by config, KV-cache generation, FLOPs.
+
+One decoder-only model covers both families; ModelConfig picks the pieces:
+
+    GPT-2:  pos_emb="learned", norm="layernorm", activation="gelu", bias=True, tie_embeddings=True
+    LLaMA:  pos_emb="rope", norm="rmsnorm", activation="swiglu", n_kv_head < n_head (GQA)
+
+Read top to bottom: config, norms, RoPE, attention, MLP, block, the model (forward,
+init, parameter/FLOP counts), then the KV cache and sampling used by generate().
+Shapes use B (batch), T (time), C (n_embd), H (query heads), KV (key/value heads),
+D (head_dim), V (vocab_size), S (key length, = cached + new tokens).
+"""
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+try:  # optional: Tri Dao's kernels; SDPA is the always-available fallback
+    from flash_attn import flash_attn_func
+    HAS_FLASH_ATTN = True
+except Exception:  # ImportError, or a wheel built against another torch/CUDA
+    flash_attn_func = None
+    HAS_FLASH_ATTN = False
+
+# SDPA learned grouped-query attention (enable_gqa) in torch 2.5; on 2.4 we repeat kv heads.
+SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+IGNORE = -100  # target id that contributes no loss (prompt tokens, padding)
+ACTIVATIONS = ("gelu", "relu", "relu2", "swiglu", "geglu")
+NORMS = ("layernorm", "rmsnorm")
+POS_EMBS = ("rope", "learned")
+
+
+def round_up(n, multiple):
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 50304        # tokenizer vocabulary (ids >= vocab_size never occur)
+    pad_vocab_multiple: int = 64   # embedding/head rows padded to a multiple of this (speed)
+    block_size: int = 1024         # longest sequence (learned positions / RoPE cache length)
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int = 0             # 0 -> n_head (MHA); 1 -> MQA; in between -> GQA
+    n_embd: int = 768
+    ffn_hidden: int = 0            # 0 -> 4*n_embd (plain) or 8/3*n_embd rounded up to 64 (gated)
+    activation: str = "swiglu"     # gelu | relu | relu2 | swiglu | geglu
+    norm: str = "rmsnorm"          # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    prenorm: bool = True           # False -> post-norm (original Transformer / BERT)
+    pos_emb: str = "rope"          # rope | learned
+    rope_theta: float = 10000.0
+    bias: bool = False             # biases in linears (and LayerNorm)
+    tie_embeddings: bool = False
+    qk_norm: bool = False          # RMSNorm on q and k per head (OLMo-2 / Gemma-3 style)
+    dropout: float = 0.0
+    init_std: float = 0.02
+    grad_checkpoint: bool = False  # recompute each block in backward (activation checkpointing)
+
+    @classmethod
+    def from_cfg(cls, cfg):
+        """Pick this dataclass's keys out of a flat training config namespace."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)})
+
+    def __post_init__(self):
+        # fail at construction with a message that says what to change, not deep in a forward
+        for name in ("vocab_size", "pad_vocab_multiple", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
+        for name in ("n_kv_head", "ffn_hidden"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 picks the default)")
+        for name in ("norm_eps", "init_std", "rope_theta"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
+                             f"pick n_embd a multiple of n_head")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}: "
+                             f"pick n_kv_head a divisor of n_head (1 = MQA, 0 or n_head = MHA)")
+        for name, valid in (("activation", ACTIVATIONS), ("norm", NORMS), ("pos_emb", POS_EMBS)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"unknown {name}={getattr(self, name)!r}: choose one of {', '.join(valid)}")
+        if self.pos_emb == "rope" and self.head_dim % 2:
+            raise ValueError(f"pos_emb='rope' needs an even head_dim, got n_embd/n_head = {self.head_dim}: "
+                             f"change n_embd or n_head")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def kv_heads(self):
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
+    @property
+    def padded_vocab(self):
+        return round_up(self.vocab_size, self.pad_vocab_multiple)
+
+    @property
+    def gated(self):
+        return self.activation in ("swiglu", "geglu")
+
+    @property
+    def hidden(self):
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        # gated MLPs have three matrices instead of two; 8/3 keeps the parameter count of 4x (LLaMA)
+        return round_up(int(8 * self.n_embd / 3), 64) if self.gated else 4 * self.n_embd
+
+
+# ----------------------------------------------------------------------------- norms
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 (bf16 sums of squares lose too much) and cast back."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+
+
+def make_norm(cfg, dim):
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(dim, cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+def rope_tables(head_dim, length, theta, device=None):
+    """cos/sin of position * frequency, (length, head_dim/2), fp32.
+
+    Computed the way HF's LlamaRotaryEmbedding does (fp32 inverse frequencies times fp32
+    positions), so imported LLaMA weights reproduce HF's numbers.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(length, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (x[i], x[i + D/2]) by position-dependent angles ("rotate half", as HF LLaMA).
+
+    x: (B, T, heads, D); cos/sin: (B or 1, T, 1, D/2) in fp32. Real arithmetic rather than
+    complex numbers so torch.compile fuses it into one elementwise kernel; done in fp32 and
+    cast back because bf16 angles are off by ~1e-2 at long positions.
+    """
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+def position_ids(attention_mask):
+    """(B, S) 0/1 mask of real tokens -> positions counted from each row's first real token.
+
+    Left-padded rows then see positions 0, 1, 2, ... exactly as if they were run alone.
+    Padding gets position 0 (its output is never used).
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# ----------------------------------------------------------------------------- attention
+
+class Attention(nn.Module):
+    """Causal self-attention with MHA / GQA / MQA, optional per-head q/k RMSNorm.
+
+    n_head, n_kv_head and head_dim are instance attributes read in forward, not cfg, because
+    tensor parallelism shrinks them to the heads this rank owns.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        # one fused matmul; output rows ordered [q heads | k heads | v heads]
+        self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=cfg.bias)
+        self.proj = nn.Linear(self.n_head * self.head_dim, cfg.n_embd, bias=cfg.bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.dropout = cfg.dropout
+
+    def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0):
+        B, T, _ = x.shape
+        H, KV, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.qkv(x).split([H * D, KV * D, KV * D], dim=-1)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, KV, D), v.view(B, T, KV, D)
+        if self.qk_norm:  # before RoPE, as in OLMo-2 / Qwen-3
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        p = self.dropout if self.training else 0.0
+
+        if (HAS_FLASH_ATTN and cache is None and mask is None and is_causal
+                and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+            # flash-attn takes (B, T, heads, D) directly and handles GQA natively
+            y = flash_attn_func(q, k, v, dropout_p=p, causal=True)
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+            if cache is not None:
+                k, v = cache.update(layer, k, v)  # (B, KV, S, D): everything cached so far + new
+            gqa = KV != H
+            if gqa and (mask is not None or not SDPA_GQA):
+                # the fused kernels that take a mask don't all support GQA: give them full heads
+                k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+                gqa = False
+            kw = {"enable_gqa": True} if gqa else {}
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, **kw)
+            y = y.transpose(1, 2)
+        return self.proj(y.reshape(B, T, H * D))
+
+
+# ----------------------------------------------------------------------------- MLP
+
+def activation_fn(name):
+    # gelu is the exact erf form (F.gelu default); GPT-2 used the tanh approximation, which
+    # differs by < 1e-3 -- HF import of GPT-2 weights matches to that tolerance, not bitwise.
+    if name in ("gelu", "geglu"):
+        return F.gelu
+    if name == "relu":
+        return F.relu
+    if name == "relu2":  # squared ReLU (Primer, modded-nanogpt)
+        return lambda x: F.relu(x).square()
+    return F.silu  # swiglu
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gated = cfg.gated
+        # gated: one matmul yields rows [gate | up]; out = act(gate) * up
+        self.fc = nn.Linear(cfg.n_embd, 2 * cfg.hidden if cfg.gated else cfg.hidden, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.hidden, cfg.n_embd, bias=cfg.bias)
+        self.act = activation_fn(cfg.activation)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return self.proj(h)
+
+
+# ----------------------------------------------------------------------------- block
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.prenorm = cfg.prenorm
+        self.norm1 = make_norm(cfg, cfg.n_embd)
+        self.attn = Attention(cfg)
+        self.norm2 = make_norm(cfg, cfg.n_embd)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0):
+        if self.prenorm:  # residual stream stays un-normalised: stable deep training (GPT-2 onwards)
+            x = x + self.drop(self.attn(self.norm1(x), cos, sin, mask, is_causal, cache, layer))
+            x = x + self.drop(self.mlp(self.norm2(x)))
+        else:  # post-norm: normalise after each residual add (original Transformer)
+            x = self.norm1(x + self.drop(self.attn(x, cos, sin, mask, is_causal, cache, layer)))
+            x = self.norm2(x + self.drop(self.mlp(x)))
+        return x
+
+
+# ----------------------------------------------------------------------------- the model
+
+class Transformer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        C, V = cfg.n_embd, cfg.padded_vocab
+        self.tok_emb = nn.Embedding(V, C)
+        if cfg.pos_emb == "learned":
+            self.pos_emb = nn.Embedding(cfg.block_size, C)
+        else:
+            # non-persistent: derived from the config, so never saved in checkpoints
+            cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        # post-norm already ends every block with a norm
+        self.norm_f = make_norm(cfg, C) if cfg.prenorm else nn.Identity()
+        self.head = nn.Linear(C, V, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """GPT-2 init: N(0, init_std) matrices and embeddings, residual output projections scaled
+        by 1/sqrt(2 n_layer) (two residual adds per layer keep the stream's variance ~constant),
+        zero biases, unit norm weights. Also rebuilds the RoPE tables, so a model created on the
+        meta device and materialised with to_empty() is fully initialised by calling this.
+        """
+        cfg = self.cfg
+        if cfg.pos_emb == "rope":
+            cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_theta, self.rope_cos.device)
+            self.rope_cos, self.rope_sin = cos, sin
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+        for name, m in self.named_modules():  # fixed order -> same seed, same weights
+            if isinstance(m, nn.Linear):
+                if m is self.head and cfg.tie_embeddings:
+                    continue  # shared with tok_emb, initialised there
+                std = out_std if name.endswith(("attn.proj", "mlp.proj")) else cfg.init_std
+                nn.init.normal_(m.weight, 0.0, std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, 0.0, cfg.init_std)
+            elif isinstance(m, (RMSNorm, nn.LayerNorm)):
+                nn.init.ones_(m.weight)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) casts every floating buffer; RoPE tables must stay fp32
+        # (bf16 angles are visibly wrong at long positions), so rebuild them after a cast.
+        super()._apply(fn, recurse)
+        if self.cfg.pos_emb == "rope" and self.rope_cos.dtype != torch.float32:
+            c = self.cfg
+            self.rope_cos, self.rope_sin = rope_tables(c.head_dim, c.block_size, c.rope_theta, self.rope_cos.device)
+        return self
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, idx, targets=None, *, reduction="mean", cache=None, pos=None, attn_mask=None):
+        """idx (B, T) token ids -> logits (B, T, vocab_size), or the loss when targets are given.
+
+        targets: (B, T) ids, IGNORE (-100) where no loss is wanted; reduction "mean" | "sum" |
+          "none" (-> (B, T), zeros at ignored positions).
+        cache: a KVCache; the new tokens' keys/values are appended at cache.length and the
+          tokens attend to everything cached.
+        pos: (B, T) position ids; default: cache.length + 0..T-1, or derived from a 2-D attn_mask.
+        attn_mask: (B, S) 0/1 or bool, True = real token (S = cached + new tokens), combined with
+          causality; or a ready (B, [1,] T, S) boolean mask (True = attend) used as is.
+        Padded vocabulary rows are sliced off, so they are never sampled nor part of the loss.
+        """
+        x = self.hidden_states(idx, cache=cache, pos=pos, attn_mask=attn_mask)
+        logits = self.head(x)[..., :self.cfg.vocab_size]
+        if targets is None:
+            return logits
+        return self.loss(logits, targets, reduction)
+
+    @staticmethod
+    def loss(logits, targets, reduction="mean"):
+        # upcast: softmax over 50k classes in bf16 is noticeably wrong; one fp32 copy of the
+        # (already vocab-sliced) logits, which torch.compile fuses into the loss kernel
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                               ignore_index=IGNORE, reduction=reduction)
+        return loss.view(targets.shape) if reduction == "none" else loss
+
+    def hidden_states(self, idx, *, cache=None, pos=None, attn_mask=None):
+        """The final-normalised hidden states (B, T, C), before the head."""
+        cfg = self.cfg
+        B, T = idx.shape
+        start = cache.length if cache is not None else 0  # a Python int: no host sync
+        if start + T > cfg.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds block_size={cfg.block_size}: "
+                             f"shorten the input or raise block_size")
+        if pos is None and attn_mask is not None and attn_mask.dim() == 2:
+            pos = position_ids(attn_mask)[:, start:]
+
+        x = self.tok_emb(idx)
+        if cfg.pos_emb == "learned":
+            x = x + self.pos_emb(pos if pos is not None else torch.arange(start, start + T, device=idx.device))
+        x = self.drop(x)
+        cos = sin = None
+        if cfg.pos_emb == "rope":
+            if pos is None:  # static slice: the training path compiles to no gather
+                cos, sin = self.rope_cos[None, start:start + T, None], self.rope_sin[None, start:start + T, None]
+            else:
+                cos, sin = self.rope_cos[pos][:, :, None], self.rope_sin[pos][:, :, None]
+
+        mask, is_causal = self._attention_mask(attn_mask, T, start, idx.device)
+        for i, block in enumerate(self.blocks):
+            if cfg.grad_checkpoint and self.training and cache is None:
+                x = checkpoint(block, x, cos, sin, mask, is_causal, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask, is_causal, cache, i)
+        if cache is not None:
+            cache.length += T
+        return self.norm_f(x)
+
+    @staticmethod
+    def _attention_mask(attn_mask, T, start, device):
+        """-> (boolean mask (B|1, 1, T, S) or None, is_causal) for SDPA.
+
+        Training and prefill without padding take SDPA's is_causal path: no mask tensor, so
+        the flash kernel applies. Only padding or a partly filled cache need an explicit mask.
+        """
+        S = start + T
+        if attn_mask is None:
+            if start == 0:
+                return None, True
+            if T == 1:  # one new token attends to every cached key
+                return None, False
+            key = None
+        elif attn_mask.dim() == 2:
+            if attn_mask.shape[-1] != S:
+                raise ValueError(f"attn_mask covers {attn_mask.shape[-1]} keys but there are {S} "
+                                 f"(cached {start} + new {T}): pass the mask of all tokens so far")
+            key = attn_mask.bool()
+        else:
+            mask = attn_mask.bool()
+            return (mask.unsqueeze(1) if mask.dim() == 3 else mask), False
+        q_pos = torch.arange(start, S, device=device)[:, None]
+        k_pos = torch.arange(S, device=device)[None, :]
+        mask = k_pos <= q_pos  # causal, offset by what is already cached
+        if key is None:
+            return mask[None, None], False
+        # every query also sees itself, so padding queries have a non-empty row (no NaN)
+        mask = (mask & key[:, None, :]) | (k_pos == q_pos)
+        return mask[:, None], False
+
+    # ------------------------------------------------------------------ counting
+
+    def num_params(self, non_embedding=False):
+        """Unique parameters (a tied head counts once). non_embedding=True leaves out the token
+        and position tables and an untied head."""
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
+        if non_embedding:
+            n -= self.tok_emb.weight.numel()
+            if self.cfg.pos_emb == "learned":
+                n -= self.pos_emb.weight.numel()
+            if not self.cfg.tie_embeddings:
+                n -= self.head.weight.numel()
+        return n
+
+    def non_embedding_params(self):
+        """Matmul parameters inside the blocks: the 2-D weights of every nn.Linear (no norms, biases)."""
+        return sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
+
+    def flops_per_token(self, T=None):
+        """Training FLOPs per token at sequence length T (default block_size), as in DESIGN.md:
+
+            6 * N          every matmul weight: 2 FLOPs per multiply-add forward, 4 backward
+            6 * C * Vp     the head (C x padded vocab), which N leaves out
+            6 * L * T * C  attention scores and weighted values: 2 matmuls of T x C per token,
+                           halved because causal attention computes only the lower triangle
+
+        N counts the modules of this process: call it on the unsharded model (under tensor
+        parallelism the blocks hold 1/tp of the weights).
+        """
+        cfg = self.cfg
+        T = cfg.block_size if T is None else T
+        return (6 * self.non_embedding_params() + 6 * cfg.n_embd * cfg.padded_vocab
+                + 6 * cfg.n_layer * T * cfg.n_embd)
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
+                 stop_tokens=None, pad_id=None, attention_mask=None, generator=None, seed=None):
+        """Sample continuations of a batch of prompts with a KV cache.
+
+        idx: (B, T) prompts, left-padded; attention_mask (B, T) 0/1 marks real tokens (None = all).
+        temperature 0 -> greedy; top_k / top_p (nucleus) filter before sampling.
+        A row that emits one of stop_tokens then repeats pad_id (default: that stop token);
+        generation ends early once every row has stopped.
+        Returns (B, T + n_generated). Runs in eval mode (no dropout) and restores the mode.
+        """
+        B, T = idx.shape
+        if T + max_new_tokens > self.cfg.block_size:
+            raise ValueError(f"prompt length {T} + max_new_tokens {max_new_tokens} exceeds "
+                             f"block_size={self.cfg.block_size}: shorten the prompt or generate fewer tokens")
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+        if generator is None and seed is not None:
+            generator = torch.Generator(idx.device).manual_seed(seed)
+        if isinstance(stop_tokens, int):
+            stop_tokens = [stop_tokens]
+        stops = torch.as_tensor(list(stop_tokens), device=idx.device) if stop_tokens else None
+        mask = None if attention_mask is None else attention_mask.bool()
+        done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        fill = torch.full((B,), -1 if pad_id is None else pad_id, dtype=idx.dtype, device=idx.device)
+
+        was_training = self.training
+        self.eval()
+        try:
+            cache = KVCache(T + max_new_tokens)
+            x = self.hidden_states(idx, cache=cache, attn_mask=mask)  # prefill: all prompts at once
+            out = [idx]
+            for step in range(max_new_tokens):
+                logits = self.head(x[:, -1])[:, :self.cfg.vocab_size]  # head on the last position only
+                nxt = sample(logits, temperature, top_k, top_p, generator)
+                if stops is not None:
+                    nxt = torch.where(done, fill, nxt)
+                    hit = torch.isin(nxt, stops) & ~done
+                    if pad_id is None:
+                        fill = torch.where(hit, nxt, fill)
+                    done = done | hit
+                out.append(nxt[:, None])
+                if step == max_new_tokens - 1 or (stops is not None and bool(done.all())):
+                    break
+                if mask is not None:
+                    mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+                x = self.hidden_states(nxt[:, None], cache=cache, attn_mask=mask)
+        finally:
+            self.train(was_training)
+        return torch.cat(out, dim=1)
+
+
+# ----------------------------------------------------------------------------- KV cache and sampling
+
+class KVCache:
+    """Keys and values of every layer, preallocated (B, KV, max_len, D) on first use.
+
+    Buffers take the dtype, device and head count of the first keys written, so the cache
+    follows autocast and tensor parallelism without being told. `length` is a Python int,
+    advanced by Transformer.forward after all layers have appended.
+    """
+
+    def __init__(self, max_len):
+        self.max_len = max_len
+        self.length = 0
+        self.k, self.v = [], []
+
+    def update(self, layer, k, v):
+        """Write k, v (B, KV, T, D) at positions length..length+T; return all cached (B, KV, S, D)."""
+        B, KV, T, D = k.shape
+        if layer == len(self.k):
+            self.k.append(k.new_zeros(B, KV, self.max_len, D))
+            self.v.append(v.new_zeros(B, KV, self.max_len, D))
+        S = self.length + T
+        if S > self.max_len:
+            raise ValueError(f"KVCache holds {self.max_len} positions, {S} needed: allocate a longer cache")
+        self.k[layer][:, :, self.length:S] = k
+        self.v[layer][:, :, self.length:S] = v
+        return self.k[layer][:, :, :S], self.v[layer][:, :, :S]
+
+
+def top_k_filter(logits, k):
+    """Keep the k largest logits per row, -inf elsewhere."""
+    kth = logits.topk(min(k, logits.shape[-1]), dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits, p):
+    """Nucleus filtering: keep the smallest set of most likely tokens whose probability sums to >= p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    before = F.pad(probs.cumsum(dim=-1)[..., :-1], (1, 0))  # mass of all strictly more likely tokens
+    sorted_logits = sorted_logits.masked_fill(before >= p, float("-inf"))  # the set was already complete
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """(B, V) logits -> (B,) token ids."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None and top_p < 1.0:
+        logits = top_p_filter(logits, top_p)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)

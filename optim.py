@@ -1,0 +1,47 @@
+"""Optimizer construction and learning-rate schedules, shared by every stage.
+
+AdamW with decoupled weight decay on matrices only: norms, biases and other 1-D parameters are
+not decayed (decaying a gain towards 0 fights the normalisation it implements).
+Muon for hidden matrices arrives in muon.py (its own issue) and plugs in here.
+"""
+import math
+
+import torch
+
+
+def param_groups(model, weight_decay):
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():  # unique parameters: a tied weight appears once
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model, cfg):
+    if cfg.optimizer != "adamw":
+        raise ValueError(f"optimizer='{cfg.optimizer}' is not available (choose adamw)")
+    on_cuda = next(model.parameters()).is_cuda
+    # fused AdamW: one kernel for all parameters on GPU; foreach on CPU
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=on_cuda, foreach=None if on_cuda else True)
+
+
+def lr_at(step, cfg):
+    """Linear warmup to cfg.lr, then cosine / linear / WSD decay to lr*min_lr_ratio, or constant."""
+    lr, lo, n, w = cfg.lr, cfg.lr * cfg.min_lr_ratio, cfg.max_steps, cfg.warmup_steps
+    if step < w:
+        return lr * (step + 1) / w
+    if cfg.schedule == "constant":
+        return lr
+    if cfg.schedule == "wsd":  # warmup-stable-decay: flat, then a linear ramp down at the end
+        start = n - max(1, int(cfg.wsd_decay_frac * n))
+        if step < start:
+            return lr
+        frac = (step - start) / max(1, n - 1 - start)
+        return lr + (lo - lr) * min(frac, 1.0)
+    frac = min((step - w) / max(1, n - 1 - w), 1.0)
+    if cfg.schedule == "linear":
+        return lr + (lo - lr) * frac
+    return lo + 0.5 * (lr - lo) * (1 + math.cos(math.pi * frac))  # cosine

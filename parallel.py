@@ -1,0 +1,200 @@
+"""Process grid and data parallelism, written with raw torch.distributed collectives.
+
+    grid = parallel.init(cfg)                  # from torchrun's environment (or one plain process)
+    model = parallel.DataParallel(model, grid) # gradient all-reduce overlapping backward
+
+Ranks form arange(world).view(dp, ep, tp) with TP innermost, so tensor-parallel partners are
+neighbouring GPUs. Tensor, expert and fully-sharded parallelism arrive in later files/issues;
+the Grid already carries their sizes and groups.
+"""
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+@dataclass
+class Grid:
+    world: int
+    rank: int
+    local_rank: int
+    dp: int
+    tp: int
+    ep: int
+    dp_rank: int
+    tp_rank: int
+    ep_rank: int
+    dp_group: object  # process groups (None when one process)
+    tp_group: object
+    ep_group: object
+    device: torch.device
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+
+def _groups(world, rank, dp, ep, tp):
+    """Every rank must create every group (new_group is collective); keep the ones it is in."""
+    ranks = torch.arange(world).view(dp, ep, tp)
+    mine = {}
+    for name, lines in (("tp", ranks.reshape(-1, tp)),
+                        ("ep", ranks.transpose(1, 2).reshape(-1, ep)),
+                        ("dp", ranks.permute(1, 2, 0).reshape(-1, dp))):
+        for line in lines.tolist():
+            g = dist.new_group(line)
+            if rank in line:
+                mine[name] = (g, line.index(rank))
+    return mine
+
+
+def init(cfg):
+    """Build the Grid from the torchrun environment: NCCL on GPUs, gloo on CPU.
+    Without torchrun (no WORLD_SIZE) this is one process and no process group is created."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' but no CUDA GPU is visible; use --device=cpu")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    tp, ep = cfg.tp, cfg.ep
+    dp = world // (tp * ep)
+    if world > 1:
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(minutes=30),
+                                    device_id=device if use_cuda else None)
+        g = _groups(world, rank, dp, ep, tp)
+        return Grid(world, rank, local_rank, dp, tp, ep, g["dp"][1], g["tp"][1], g["ep"][1],
+                    g["dp"][0], g["tp"][0], g["ep"][0], device)
+    return Grid(1, 0, 0, 1, 1, 1, 0, 0, 0, None, None, None, device)
+
+
+def shutdown():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_mean(x, group=None):
+    """Average a tensor over a group (works on gloo, which has no AVG op)."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, group=group)
+        x /= dist.get_world_size(group)
+    return x
+
+
+class DataParallel(nn.Module):
+    """Replicated model; gradients averaged over the data-parallel group during backward.
+
+    Gradients live in flat buckets (p.grad is a view into one), in the reverse order of
+    registration, which is roughly the order backward produces them. When every gradient of a
+    bucket has been accumulated, a hook launches an async all-reduce of the whole bucket, so
+    communication overlaps the rest of backward. Inside `no_sync()` (non-final
+    gradient-accumulation micro-steps) nothing is launched; gradients just accumulate.
+    `finish()` waits for the reductions and must run before clipping and the optimizer step.
+    """
+
+    def __init__(self, module, grid, bucket_mb=25.0):
+        super().__init__()
+        self.module, self.group, self.world = module, grid.dp_group, grid.dp
+        self.sync = True
+        self.handles = []
+        self.buckets, self.bucket_of = [], {}
+        if self.world == 1:
+            return  # one replica: nothing to synchronise
+        self.op = dist.ReduceOp.AVG if dist.get_backend(self.group) == "nccl" else dist.ReduceOp.SUM
+        with torch.no_grad():  # start identical everywhere: the group's first rank wins
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+        params = [p for p in module.parameters() if p.requires_grad]  # unique: tied counted once
+        # buckets: consecutive params (reverse order) until bucket_mb is reached, one dtype each
+        limit = int(bucket_mb * 2**20)
+        cur, size = [], 0
+        for p in reversed(params):
+            if cur and (size + p.numel() * p.element_size() > limit or p.dtype != cur[0].dtype):
+                self.buckets.append(cur)
+                cur, size = [], 0
+            cur.append(p)
+            size += p.numel() * p.element_size()
+        if cur:
+            self.buckets.append(cur)
+        self.buckets = [self._make_bucket(ps) for ps in self.buckets]
+        for b in self.buckets:
+            for p in b["params"]:
+                self.bucket_of[p] = b
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _make_bucket(self, params):
+        flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        off = 0
+        for p in params:
+            p.grad = flat[off:off + p.numel()].view_as(p)  # backward accumulates straight into the bucket
+            off += p.numel()
+        return dict(flat=flat, params=params, ready=0)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip communication: for all but the last gradient-accumulation micro-step."""
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    def _on_grad(self, p):
+        if not self.sync:
+            return
+        b = self.bucket_of[p]
+        b["ready"] += 1
+        if b["ready"] == len(b["params"]):
+            self._launch(b)
+
+    def _launch(self, b):
+        b["ready"] = -1  # launched
+        self.handles.append((dist.all_reduce(b["flat"], op=self.op, group=self.group, async_op=True), b))
+
+    def finish(self):
+        """Wait for all reductions (launching buckets whose params got no gradient) and average."""
+        if self.world == 1:
+            return
+        for b in self.buckets:
+            if b["ready"] != -1:
+                self._launch(b)
+        for h, b in self.handles:
+            h.wait()
+            if self.op == dist.ReduceOp.SUM:
+                b["flat"].div_(self.world)
+            b["ready"] = 0
+        self.handles = []
+
+    def zero_grad(self, set_to_none=True):
+        """Zero the buckets in place; the gradients must stay views into them."""
+        if self.world == 1:
+            return self.module.zero_grad(set_to_none)
+        for b in self.buckets:
+            b["flat"].zero_()
+            b["ready"] = 0
+            off = 0
+            for p in b["params"]:
+                if p.grad is None or p.grad.data_ptr() != b["flat"][off:].data_ptr():
+                    p.grad = b["flat"][off:off + p.numel()].view_as(p)
+                off += p.numel()
+
+    # checkpoints and optimizers see the inner model's names
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self.module.load_state_dict(*args, **kwargs)

@@ -1,0 +1,167 @@
+"""Pretraining, top to bottom.
+
+    python pretrain.py configs/tiny.py                            # one process (CPU or GPU)
+    torchrun --nproc_per_node=2 pretrain.py configs/small.py      # data parallel over 2 GPUs
+    torchrun --nproc_per_node=2 pretrain.py configs/tiny.py --max_steps=50 --lr=1e-3
+"""
+import contextlib
+import math
+import os
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+import checkpoint
+import config
+import data
+import logs
+import optim
+import parallel
+from model import ModelConfig, Transformer
+
+# ---------------------------------------------------------------------------- setup
+cfg = config.load(sys.argv[1:])
+grid = parallel.init(cfg)
+main = grid.is_main
+say = print if main else (lambda *a, **k: None)
+device = grid.device
+dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+         "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+# bf16 autocast on GPU: matmuls in bf16, master weights, optimizer and reductions in fp32
+autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16
+            else contextlib.nullcontext())
+if device.type == "cuda":
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights
+
+# ---------------------------------------------------------------------------- data
+tok = data.get_tokenizer(cfg.tokenizer, cfg.tokenizer_vocab)
+cfg.vocab_size = tok.n_vocab  # the model's vocabulary is the tokenizer's (padded inside the model)
+data_dir = cfg.data_dir or data.default_data_dir(cfg.data, cfg.tokenizer, cfg.tokenizer_vocab)
+if grid.local_rank == 0:  # one writer per machine; the others wait at the barrier
+    data.prepare(cfg.data, tok, data_dir, val_fraction=cfg.val_fraction, text_field=cfg.text_field,
+                 max_docs=cfg.max_docs, verbose=main)
+if grid.world > 1:
+    torch.distributed.barrier()
+T = cfg.seq_len or cfg.block_size
+accum = cfg.batch_size // (cfg.micro_batch_size * grid.dp)
+loader = data.Loader(os.path.join(data_dir, "train.bin"), cfg.micro_batch_size, T,
+                     grid.dp_rank, grid.dp, seed=cfg.seed, device=device)
+say(f"config:\n{config.show(cfg)}")
+say(f"world {grid.world} (dp {grid.dp}) on {device} | {dtype} | global batch {cfg.batch_size} x {T} tokens"
+    f" = {cfg.micro_batch_size} sequences x {grid.dp} ranks x {accum} accumulation steps")
+
+# ---------------------------------------------------------------------------- model and optimizer
+mcfg = ModelConfig.from_cfg(cfg)
+raw = Transformer(mcfg).to(device)
+if cfg.init_from:
+    checkpoint.load_model(cfg.init_from, raw)
+optimizer = optim.build_optimizer(raw, cfg)
+step = 0
+if cfg.resume:
+    path = checkpoint.latest(cfg.out_dir)
+    if path is None:
+        say(f"resume: no checkpoint in {cfg.out_dir}, starting from scratch")
+    else:
+        state = checkpoint.load(path, raw, optimizer, rank=grid.rank)
+        loader.load_state_dict(state["loader"])
+        step = state["step"]
+        say(f"resumed from {path} at step {step}")
+model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)  # broadcasts rank 0's weights
+fwd = torch.compile(raw) if cfg.compile else raw  # hooks live on the parameters, so compile the inner model
+n_params = raw.num_params()
+flops_per_token = raw.flops_per_token(T)
+peak = logs.peak_tflops(device, cfg.peak_tflops)
+say(f"model: {n_params / 1e6:.2f}M parameters ({raw.non_embedding_params() / 1e6:.2f}M non-embedding), "
+    f"{flops_per_token / 1e6:.1f} MFLOPs/token, peak {peak or 'n/a'} TFLOP/s per device")
+logger = logs.Logger(cfg, grid)
+
+
+@torch.no_grad()
+def evaluate():
+    """Mean validation loss over the same windows on every call, averaged over all ranks."""
+    raw.eval()
+    total = torch.zeros(2, device=device)
+    for x, y in data.eval_batches(os.path.join(data_dir, "val.bin"), cfg.micro_batch_size, T,
+                                  grid.dp_rank, grid.dp, cfg.eval_batches, device=device):
+        with autocast:
+            total[0] += fwd(x, y).float()
+        total[1] += 1
+    if grid.world > 1:
+        torch.distributed.all_reduce(total, group=grid.dp_group)
+    raw.train()
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def save():
+    checkpoint.save(cfg.out_dir, step, raw, optimizer, cfg, loader.state_dict(), cfg.keep_last, grid.rank)
+
+
+# ---------------------------------------------------------------------------- training loop
+last = cfg.stop_at or cfg.max_steps
+bar = tqdm(total=cfg.max_steps, initial=step, disable=not (main and cfg.progress), dynamic_ncols=True)
+t0 = time.perf_counter()
+t_steps = 0
+while step < last:
+    lr = optim.lr_at(step, cfg)
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(accum):
+        x, y = loader.next()
+        # communicate only on the last micro-step; earlier ones accumulate gradients locally
+        with model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+            with autocast:
+                loss = fwd(x, y) / accum  # mean over the global batch = sum of per-micro-step means / accum
+            loss.backward()
+        loss_sum += loss.detach()
+    model.finish()  # wait for the gradient all-reduce before looking at gradients
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip or float("inf"))
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    step += 1
+    t_steps += 1
+    bar.update(1)
+
+    if step % cfg.log_every == 0 or step == last:
+        if grid.world > 1:
+            torch.distributed.all_reduce(loss_sum, group=grid.dp_group)
+            loss_sum /= grid.dp
+        loss_val = loss_sum.item()  # the sync point: GPU work of the interval is done here
+        dt = time.perf_counter() - t0
+        tok_s = t_steps * cfg.batch_size * T / dt
+        m = {"loss": loss_val, "lr": lr, "grad_norm": grad_norm.item(), "tok_s": tok_s,
+             "mfu": tok_s * flops_per_token / (peak * 1e12 * grid.world) if peak else "n/a",
+             "mem_gb": logs.peak_memory_gb(device)}
+        logger.log(step, m)
+        if not math.isfinite(loss_val):
+            raise FloatingPointError(f"loss is {loss_val} at step {step}: lower lr or check the data")
+        bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{tok_s:.3g}")
+        if main:
+            bar.write(f"step {step}/{cfg.max_steps} | " + logs.fmt(m))
+        t0, t_steps = time.perf_counter(), 0
+    if cfg.eval_every and (step % cfg.eval_every == 0 or step == last):
+        val = evaluate()
+        logger.log(step, {"val_loss": val})
+        if main:
+            bar.write(f"step {step} | val loss {val:.4f}")
+        t0, t_steps = time.perf_counter(), 0  # keep evaluation out of the throughput numbers
+    if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last:
+        save()
+        t0, t_steps = time.perf_counter(), 0
+bar.close()
+
+# ---------------------------------------------------------------------------- sample
+if main and cfg.sample_tokens > 0:
+    raw.eval()
+    prompt = torch.tensor([tok.encode(cfg.sample_prompt) or [tok.eos_id]], device=device)
+    with autocast:
+        out = raw.generate(prompt, min(cfg.sample_tokens, cfg.block_size - prompt.shape[1]),
+                           temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
+                           stop_tokens=[tok.eos_id])
+    print(f"--- sample after {step} steps ---\n{tok.decode(out[0].tolist())}\n---")
+logger.close()
+parallel.shutdown()
