@@ -17,16 +17,18 @@ shape (asserted: same parameter count), so it does the same matmuls and the MFU 
 directly. Peak memory is torch.cuda.max_memory_allocated (weights + grads + AdamW state +
 activations), reset before each row; in dp mode the largest over the ranks.
 
-dp mode rows: "ours 1 GPU" (our compiled model on each rank alone, no communication; the
-per-GPU baseline of the scaling ratio), "ours DP" (parallel.DataParallel around the compiled
-model's inner module: the hooks live on the parameters) and "torch DDP"
-(DistributedDataParallel(bucket_cap_mb, gradient_as_bucket_view=True), then torch.compile of
-the DDP module: PyTorch's recommended order, whose DDPOptimizer splits the compiled graph at
-bucket boundaries so the all-reduce overlaps backward; --ddp_compile=inner compiles the module
-first and wraps it afterwards instead).
+Rows. single: ours-eager, ours-compiled, hf-eager, hf-compiled (HF LlamaForCausalLM, SDPA
+attention, use_cache=False, our exact shape; loss via labels=x, HF shifts them inside).
+dp (torchrun): ours-1gpu (our compiled model on every rank alone, no communication: the per-GPU
+baseline of the scaling ratio), ours-dp (parallel.DataParallel; the compiled module is the inner
+one, since the gradient hooks live on its parameters) and torch-ddp (DistributedDataParallel
+with the same bucket size and gradient_as_bucket_view=True, then torch.compile of the DDP
+module: PyTorch's recommended order, whose DDPOptimizer splits the graph at bucket boundaries so
+the all-reduce overlaps backward; --ddp_compile=inner compiles first and wraps afterwards).
+A row that fails (compile error, OOM) prints its error and the table goes on; in dp mode a
+failure on only one rank leaves the other waiting in a collective, so give the run a timeout.
 """
 import argparse
-import contextlib
 import datetime
 import gc
 import json
@@ -58,7 +60,7 @@ p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 p.add_argument("mode", choices=["single", "dp"])
 p.add_argument("--shape", choices=list(SHAPES), default="124m")
 p.add_argument("--batch", type=int, default=16, help="micro batch per GPU (sequences)")
-p.add_argument("--seq_len", type=int, default=0, help="T; 0 = the shape's block_size")
+p.add_argument("--seq_len", type=int, default=0, help="T (and block_size); 0 = the shape's block_size")
 p.add_argument("--steps", type=int, default=30, help="timed steps per row")
 p.add_argument("--warmup", type=int, default=10, help="untimed steps per row (compilation happens here)")
 p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -98,8 +100,8 @@ if cuda:
 dtype = {"auto": torch.bfloat16 if cuda else torch.float32,
          "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
 autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-mcfg = ModelConfig(**SHAPES[args.shape])
-T = args.seq_len or mcfg.block_size
+mcfg = ModelConfig(**{**SHAPES[args.shape], **({"block_size": args.seq_len} if args.seq_len else {})})
+T = mcfg.block_size
 B = args.batch
 opt_cfg = SimpleNamespace(optimizer="adamw", lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 peak = logs.peak_tflops(device, args.peak_tflops)  # TFLOP/s per GPU; None on CPU / unknown GPU
@@ -213,62 +215,13 @@ def free():
 
 
 def measure(name, build, n_gpus, peer=None, min_time=False):
-    """Build a row's model with build() -> (params, forward(x, y) -> loss, finish, zero_grad),
-    warm up, time args.steps training steps; returns the row's numbers (or its error)."""
+    """One row: its numbers, or why it has none. Memory is freed before each row, and the
+    row's locals (model, optimizer, compiled graphs) die with time_row's frame."""
     row = {"run": name, "peer": peer, "gpus": n_gpus}
     say(f"\n## {name}")
-    state = None
     try:
         free()
-        t_build = time.perf_counter()
-        state = build()
-        params, forward, finish, zero_grad = state
-        row["params"] = sum(p.numel() for p in params.parameters())
-        optimizer = optim.build_optimizer(params, opt_cfg)  # fused AdamW on CUDA
-        state = state + (optimizer,)
-        g = torch.Generator(device=device).manual_seed(args.seed + 1 + grid.rank)  # distinct data per rank
-        batches = [(torch.randint(0, mcfg.vocab_size, (B, T), device=device, generator=g),
-                    torch.randint(0, mcfg.vocab_size, (B, T), device=device, generator=g)) for _ in range(4)]
-
-        def step(i):
-            x, y = batches[i % len(batches)]
-            with autocast():
-                loss = forward(x, y)
-            loss.backward()
-            finish()  # data parallel: wait for the gradient all-reduce (no-op otherwise)
-            optimizer.step()
-            zero_grad()
-            return loss
-
-        t0 = time.perf_counter()
-        for i in range(args.warmup):
-            loss = step(i)
-        sync()
-        row["warmup_s"] = time.perf_counter() - t0
-        row["build_s"] = t0 - t_build
-        say(f"  built in {row['build_s']:.1f}s, warm-up ({args.warmup} steps, incl. compilation) "
-            f"{row['warmup_s']:.1f}s")
-        if grid.world > 1:
-            dist.barrier()
-        sync()
-        t0 = time.perf_counter()
-        for i in range(args.steps):
-            loss = step(args.warmup + i)
-        sync()
-        dt = time.perf_counter() - t0
-        # data-parallel rows are in lockstep: the slowest rank's time is the job's; the 1-GPU
-        # baseline (independent ranks) takes the fastest, which can only lower the scaling ratio
-        dt = reduce_(dt, dist.ReduceOp.MIN if min_time else dist.ReduceOp.MAX)
-        row["loss"] = loss.item()
-        if not math.isfinite(row["loss"]):
-            raise FloatingPointError(f"loss is {row['loss']}")
-        tok_s = B * T * args.steps * n_gpus / dt
-        row.update(tokens_per_s=tok_s, step_ms=1e3 * dt / args.steps,
-                   mfu=tok_s * flops_per_token / (peak * 1e12 * n_gpus) if peak else None,
-                   peak_mem_gb=reduce_(torch.cuda.max_memory_allocated(device) / 1e9, dist.ReduceOp.MAX)
-                   if cuda else None)
-        mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
-        say(f"  {tok_s:,.0f} tokens/s | {row['step_ms']:.1f} ms/step | MFU {mfu} | loss {row['loss']:.3f}")
+        time_row(row, build, n_gpus, min_time)
     except SkipRow as e:
         row["skipped"] = str(e)
         say(f"  skipped: {e}")
@@ -276,14 +229,64 @@ def measure(name, build, n_gpus, peer=None, min_time=False):
         row["error"] = f"{type(e).__name__}: {e}"
         say(traceback.format_exc() if main else "", end="")
         print(f"  [rank {grid.rank}] {name} failed: {row['error'][:500]}")
-    del state
-    free()
     return row
 
 
+def time_row(row, build, n_gpus, min_time):
+    """build() -> (model, forward(x, y) -> loss[, finish, zero_grad]); warm up, then time
+    args.steps training steps bracketed by device synchronisation."""
+    t_build = time.perf_counter()
+    model, forward, *rest = build()
+    finish, zero_grad = rest or (lambda: None, lambda: model.zero_grad(set_to_none=True))
+    row["params"] = sum(p.numel() for p in model.parameters())
+    optimizer = optim.build_optimizer(model, opt_cfg)  # fused AdamW on CUDA
+    g = torch.Generator(device=device).manual_seed(args.seed + 1 + grid.rank)  # distinct data per rank
+    batches = [(torch.randint(0, mcfg.vocab_size, (B, T), device=device, generator=g),
+                torch.randint(0, mcfg.vocab_size, (B, T), device=device, generator=g)) for _ in range(4)]
+
+    def step(i):
+        x, y = batches[i % len(batches)]
+        with autocast():
+            loss = forward(x, y)
+        loss.backward()
+        finish()  # data parallel: wait for the gradient all-reduce (no-op otherwise)
+        optimizer.step()
+        zero_grad()
+        return loss
+
+    t0 = time.perf_counter()
+    for i in range(args.warmup):
+        step(i)
+    sync()
+    row["build_s"], row["warmup_s"] = t0 - t_build, time.perf_counter() - t0
+    say(f"  params {row['params']:,} | built in {row['build_s']:.1f}s | warm-up ({args.warmup} steps, "
+        f"incl. compilation) {row['warmup_s']:.1f}s")
+    if grid.world > 1:
+        dist.barrier()
+    sync()
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        loss = step(args.warmup + i)
+    sync()
+    dt = time.perf_counter() - t0
+    # data-parallel rows run in lockstep: the slowest rank's time is the job's; the 1-GPU
+    # baseline (independent ranks) takes the fastest, which can only lower the scaling ratio
+    dt = reduce_(dt, dist.ReduceOp.MIN if min_time else dist.ReduceOp.MAX)
+    row["loss"] = loss.item()  # last step's loss (this rank's batch): ~ln(vocab) early on
+    if not math.isfinite(row["loss"]):
+        raise FloatingPointError(f"loss is {row['loss']}")
+    tok_s = B * T * args.steps * n_gpus / dt
+    row.update(tokens_per_s=tok_s, step_ms=1e3 * dt / args.steps,
+               mfu=tok_s * flops_per_token / (peak * 1e12 * n_gpus) if peak else None,
+               peak_mem_gb=reduce_(torch.cuda.max_memory_allocated(device) / 1e9, dist.ReduceOp.MAX)
+               if cuda else None)
+    mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+    say(f"  {tok_s:,.0f} tokens/s | {row['step_ms']:.1f} ms/step | MFU {mfu} | loss {row['loss']:.3f}")
+
+
 # ---------------------------------------------------------------------------- rows
-# a row's build() -> (model, forward(x, y) -> loss[, finish, zero_grad]); the optimizer takes
-# model's parameters; zero_grad defaults to model.zero_grad(set_to_none=True)
+# a row's build() -> (model, forward(x, y) -> loss[, finish, zero_grad]); the optimizer gets
+# model's parameters; without finish/zero_grad: nothing / model.zero_grad(set_to_none=True)
 def ours_row(compile_):
     def build():
         raw = build_ours()
@@ -325,18 +328,9 @@ PEERS = {"ours-eager": "hf-eager", "ours-compiled": "hf-compiled", "ours-dp": "t
 ONE_GPU = ("ours-eager", "ours-compiled", "hf-eager", "hf-compiled", "ours-1gpu")
 
 
-def complete(build_fn):
-    def build():
-        out = build_fn()
-        model = out[0]
-        finish = out[2] if len(out) > 2 else (lambda: None)
-        zero = out[3] if len(out) > 3 else (lambda: model.zero_grad(set_to_none=True))
-        return model, out[1], finish, zero
-    return build
-
-
-rows = [measure(name, complete(BUILDS[name]), 1 if name in ONE_GPU else grid.world,
+rows = [measure(name, BUILDS[name], 1 if name in ONE_GPU else grid.world,
                 peer=PEERS.get(name), min_time=name == "ours-1gpu") for name in runs]
+free()
 
 # ---------------------------------------------------------------------------- report
 by = {r["run"]: r for r in rows}
@@ -371,26 +365,24 @@ def cell(v, fmt):
     return "n/a" if v is None else format(v, fmt)
 
 
-say(f"\n{args.mode}: {args.shape} shape, micro batch {B} x T={T} per GPU, {meta['dtype']} autocast, AdamW, "
-    f"{meta['device']} x {grid.world}, torch {meta['torch']}, commit {meta['commit']}, {meta['date']}\n")
-say("| run | tokens/s | MFU % | peak mem GB | ratio vs peer |")
-say("|---|---:|---:|---:|---:|")
+prec = f"{meta['dtype']} autocast over fp32 weights" if dtype != torch.float32 else "fp32"
+say(f"\n{args.mode}: {args.shape} shape, micro batch {B} x T={T} per GPU, {prec}, AdamW, {meta['device']} "
+    f"x {grid.world}, torch {meta['torch']}, transformers {meta['transformers']}, commit {meta['commit']}, "
+    f"{meta['date']}\n")
+say("| run | tokens/s | MFU % | peak mem GB | ratio vs peer |\n|---|---:|---:|---:|---:|")
 for r in rows:
     if "tokens_per_s" not in r:
-        why = r.get("skipped") or "failed: " + r.get("error", "?")[:80]
-        say(f"| {r['run']} | {why} | | | |")
+        say(f"| {r['run']} | {r.get('skipped') or 'failed: ' + r.get('error', '?')[:80]} | | | |")
         continue
     rat = f"{r['ratio_vs_peer']:.2f}x vs {r['peer']}" if r["ratio_vs_peer"] else ""
-    mfu = None if r["mfu"] is None else 100 * r["mfu"]
     unit = ("GPU" if cuda else "proc") + ("s" if r["gpus"] > 1 else "")
     say(f"| {r['run']} ({r['gpus']} {unit}) | {r['tokens_per_s']:,.0f} | "
-        f"{cell(mfu, '.1f')} | {cell(r['peak_mem_gb'], '.2f')} | {rat} |")
+        f"{cell(r['mfu'] and 100 * r['mfu'], '.1f')} | {cell(r['peak_mem_gb'], '.2f')} | {rat} |")
 if goals:
     say("\ngoals:")
 for k, g in goals.items():
-    kind = "MFU" if "mfu" in k else "x"
-    val = f"{100 * g['value']:.1f}% (goal >= {100 * g['goal']:.0f}%)" if kind == "MFU" else \
-        f"{g['value']:.3f}x vs {g['versus']} (goal >= {g['goal']}x)"
+    val = (f"{100 * g['value']:.1f}% (goal >= {100 * g['goal']:.0f}%)" if k.endswith("mfu")
+           else f"{g['value']:.3f}x vs {g['versus']} (goal >= {g['goal']}x)")
     say(f"  {k}: {val} {'MET' if g['met'] else 'NOT MET'}")
 if main and args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -41,11 +41,14 @@ torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weight
 tok = data.get_tokenizer(cfg.tokenizer, cfg.tokenizer_vocab)
 cfg.vocab_size = tok.n_vocab  # the model's vocabulary is the tokenizer's (padded inside the model)
 data_dir = cfg.data_dir or data.default_data_dir(cfg.data, cfg.tokenizer, cfg.tokenizer_vocab)
-if grid.local_rank == 0:  # one writer per machine; the others wait at the barrier
-    data.prepare(cfg.data, tok, data_dir, val_fraction=cfg.val_fraction, text_field=cfg.text_field,
-                 max_docs=cfg.max_docs, verbose=main)
-if grid.world > 1:
-    torch.distributed.barrier()
+# rank 0 tokenizes (once: later runs reuse the memmaps) while the others wait; then the first
+# rank of every other node checks too, a no-op on a shared file system
+for writer in (grid.rank == 0, grid.local_rank == 0 and grid.rank != 0):
+    if writer:
+        data.prepare(cfg.data, tok, data_dir, val_fraction=cfg.val_fraction, text_field=cfg.text_field,
+                     max_docs=cfg.max_docs, verbose=main)
+    if grid.world > 1:
+        torch.distributed.barrier()
 T = cfg.seq_len or cfg.block_size
 accum = cfg.batch_size // (cfg.micro_batch_size * grid.dp)
 loader = data.Loader(os.path.join(data_dir, "train.bin"), cfg.micro_batch_size, T,
@@ -100,16 +103,23 @@ def save():
     checkpoint.save(cfg.out_dir, step, raw, optimizer, cfg, loader.state_dict(), cfg.keep_last, grid.rank)
 
 
+def now():
+    """Wall time after the GPU has caught up (only called at log / eval / checkpoint steps)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 # ---------------------------------------------------------------------------- training loop
 last = cfg.stop_at or cfg.max_steps
 bar = tqdm(total=cfg.max_steps, initial=step, disable=not (main and cfg.progress), dynamic_ncols=True)
-t0 = time.perf_counter()
+t0 = now()
 t_steps = 0
+loss_sum = torch.zeros((), device=device)  # summed over the steps since the last log line
 while step < last:
     lr = optim.lr_at(step, cfg)
     for g in optimizer.param_groups:
         g["lr"] = lr
-    loss_sum = torch.zeros((), device=device)
     for micro in range(accum):
         x, y = loader.next()
         # communicate only on the last micro-step; earlier ones accumulate gradients locally
@@ -130,8 +140,8 @@ while step < last:
         if grid.world > 1:
             torch.distributed.all_reduce(loss_sum, group=grid.dp_group)
             loss_sum /= grid.dp
-        loss_val = loss_sum.item()  # the sync point: GPU work of the interval is done here
-        dt = time.perf_counter() - t0
+        loss_val = loss_sum.item() / t_steps  # mean over the interval's steps
+        dt = now() - t0
         tok_s = t_steps * cfg.batch_size * T / dt
         m = {"loss": loss_val, "lr": lr, "grad_norm": grad_norm.item(), "tok_s": tok_s,
              "mfu": tok_s * flops_per_token / (peak * 1e12 * grid.world) if peak else "n/a",
@@ -142,16 +152,20 @@ while step < last:
         bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{tok_s:.3g}")
         if main:
             bar.write(f"step {step}/{cfg.max_steps} | " + logs.fmt(m))
-        t0, t_steps = time.perf_counter(), 0
-    if cfg.eval_every and (step % cfg.eval_every == 0 or step == last):
-        val = evaluate()
-        logger.log(step, {"val_loss": val})
-        if main:
-            bar.write(f"step {step} | val loss {val:.4f}")
-        t0, t_steps = time.perf_counter(), 0  # keep evaluation out of the throughput numbers
-    if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last:
-        save()
-        t0, t_steps = time.perf_counter(), 0
+        t0, t_steps = now(), 0
+        loss_sum.zero_()
+    do_eval = cfg.eval_every and (step % cfg.eval_every == 0 or step == last)
+    do_save = (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last
+    if do_eval or do_save:
+        t_pause = now()  # evaluation and checkpoints stay out of the throughput numbers
+        if do_eval:
+            val = evaluate()
+            logger.log(step, {"val_loss": val})
+            if main:
+                bar.write(f"step {step} | val loss {val:.4f}")
+        if do_save:
+            save()
+        t0 += now() - t_pause
 bar.close()
 
 # ---------------------------------------------------------------------------- sample
