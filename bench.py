@@ -49,10 +49,11 @@ import optim
 import parallel
 from model import ModelConfig, Transformer
 
-SHAPES = {  # 124m: GPT-2-small-shaped LLaMA (RoPE, RMSNorm, SwiGLU, untied head); the defaults
-    "124m": dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
-    "tiny": dict(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64),
-}
+# LLaMA style, so HF's LlamaForCausalLM has the same shape: RoPE, RMSNorm, SwiGLU, no biases, untied head
+LLAMA = dict(pos_emb="rope", norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=False,
+             qk_norm=False, n_kv_head=0, ffn_hidden=0, dropout=0.0, norm_eps=1e-5, rope_theta=10000.0)
+SHAPES = {"124m": dict(LLAMA, vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+          "tiny": dict(LLAMA, vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64)}
 GOALS = {"mfu": 0.45, "vs_hf": 1.2, "dp_scaling": 1.9, "vs_ddp": 0.98}
 
 # ---------------------------------------------------------------------------- arguments
@@ -77,9 +78,11 @@ p.add_argument("--seed", type=int, default=0)
 p.add_argument("--commit", default="", help="git commit to record (default: git rev-parse)")
 p.add_argument("--json", default="", help="write every number here")
 args = p.parse_args()
-RUNS = {"single": ["ours-eager", "ours-compiled", "hf-eager", "hf-compiled"],
-        "dp": ["ours-1gpu", "ours-dp", "torch-ddp"]}[args.mode]
+RUNS = {"single": ["ours-eager", "ours-compiled", "ours-compiled-blocks", "hf-eager", "hf-compiled"],
+        "dp": ["ours-1gpu", "ours-dp", "ours-dp-whole", "torch-ddp"]}[args.mode]
 runs = [r.strip() for r in args.runs.split(",") if r.strip()] or RUNS
+if args.steps < 1 or args.warmup < 0 or args.batch < 1:
+    p.error("need --steps >= 1, --warmup >= 0, --batch >= 1")
 for r in runs:
     if r not in RUNS:
         p.error(f"--runs: unknown row {r!r} for mode {args.mode}; choose from {', '.join(RUNS)}")
@@ -288,8 +291,11 @@ def time_row(row, build, n_gpus, min_time):
 # a row's build() -> (model, forward(x, y) -> loss[, finish, zero_grad]); the optimizer gets
 # model's parameters; without finish/zero_grad: nothing / model.zero_grad(set_to_none=True)
 def ours_row(compile_):
+    """compile_: False | "whole" (torch.compile(model)) | "blocks" (model.compile_blocks())."""
     def build():
         raw = build_ours()
+        if compile_ == "blocks":
+            return raw, raw.compile_blocks()
         return raw, (torch.compile(raw) if compile_ else raw)
     return build
 
@@ -303,11 +309,16 @@ def hf_row(compile_):
     return build
 
 
-def ours_dp():
-    raw = build_ours()
-    dp = parallel.DataParallel(raw, grid, args.bucket_mb)  # gradient hooks live on the parameters,
-    fwd = torch.compile(raw) if args.compile else raw       # so compile the inner module
-    return raw, fwd, dp.finish, lambda: dp.zero_grad(set_to_none=True)
+def ours_dp(whole=False):
+    """Gradient hooks live on the parameters, so the inner module is compiled: per block by
+    default (each block's gradients are handed over, and all-reduced, as its backward ends);
+    whole=True compiles it as one graph, whose backward hands every gradient over at the end."""
+    def build():
+        raw = build_ours()
+        dp = parallel.DataParallel(raw, grid, args.bucket_mb)
+        fwd = (torch.compile(raw) if whole else raw.compile_blocks()) if args.compile else raw
+        return raw, fwd, dp.finish, lambda: dp.zero_grad(set_to_none=True)
+    return build
 
 
 def torch_ddp():
@@ -321,11 +332,13 @@ def torch_ddp():
     return raw, (torch.compile(ddp) if args.compile else ddp)
 
 
-BUILDS = {"ours-eager": ours_row(False), "ours-compiled": ours_row(True),
-          "hf-eager": hf_row(False), "hf-compiled": hf_row(True),
-          "ours-1gpu": ours_row(bool(args.compile)), "ours-dp": ours_dp, "torch-ddp": torch_ddp}
-PEERS = {"ours-eager": "hf-eager", "ours-compiled": "hf-compiled", "ours-dp": "torch-ddp"}
-ONE_GPU = ("ours-eager", "ours-compiled", "hf-eager", "hf-compiled", "ours-1gpu")
+BUILDS = {"ours-eager": ours_row(False), "ours-compiled": ours_row("whole"),
+          "ours-compiled-blocks": ours_row("blocks"), "hf-eager": hf_row(False), "hf-compiled": hf_row(True),
+          "ours-1gpu": ours_row("blocks" if args.compile else False), "ours-dp": ours_dp(),
+          "ours-dp-whole": ours_dp(whole=True), "torch-ddp": torch_ddp}
+PEERS = {"ours-eager": "hf-eager", "ours-compiled": "hf-compiled", "ours-compiled-blocks": "hf-compiled",
+         "ours-dp": "torch-ddp", "ours-dp-whole": "torch-ddp"}
+ONE_GPU = ("ours-eager", "ours-compiled", "ours-compiled-blocks", "hf-eager", "hf-compiled", "ours-1gpu")
 
 
 rows = [measure(name, BUILDS[name], 1 if name in ONE_GPU else grid.world,

@@ -335,6 +335,19 @@ class Transformer(nn.Module):
             self.rope_cos, self.rope_sin = rope_tables(c.head_dim, c.block_size, c.rope_theta, self.rope_cos.device)
         return self
 
+    def compile_blocks(self, **kw):
+        """torch.compile each block and the loss separately, in place.
+
+        Compiling the whole model makes its backward one autograd node that hands over every
+        gradient at the very end, so data-parallel gradient hooks could only start
+        communicating after backward. Per-block graphs finish one by one, and the all-reduce
+        of a block's gradients overlaps the backward of the blocks before it.
+        """
+        for block in self.blocks:
+            block.compile(**kw)
+        self.loss = torch.compile(Transformer.loss, **kw)  # fuses the fp32 upcast into the loss
+        return self
+
     # ------------------------------------------------------------------ forward
 
     def forward(self, idx, targets=None, *, reduction="mean", cache=None, pos=None, attn_mask=None):
