@@ -10,8 +10,9 @@ init, parameter/FLOP counts), then the KV cache and sampling used by generate().
 Shapes use B (batch), T (time), C (n_embd), H (query heads), KV (key/value heads),
 D (head_dim), V (vocab_size), S (key length, = cached + new tokens).
 """
+import functools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -29,9 +30,10 @@ except Exception:  # ImportError, or a wheel built against another torch/CUDA
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 IGNORE = -100  # target id that contributes no loss (prompt tokens, padding)
-ACTIVATIONS = ("gelu", "relu", "relu2", "swiglu", "geglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "relu2", "swiglu", "geglu")
 NORMS = ("layernorm", "rmsnorm")
 POS_EMBS = ("rope", "learned")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def round_up(n, multiple):
@@ -48,13 +50,17 @@ class ModelConfig:
     n_kv_head: int = 0             # 0 -> n_head (MHA); 1 -> MQA; in between -> GQA
     n_embd: int = 768
     ffn_hidden: int = 0            # 0 -> 4*n_embd (plain) or 8/3*n_embd rounded up to 64 (gated)
-    activation: str = "swiglu"     # gelu | relu | relu2 | swiglu | geglu
+    activation: str = "swiglu"     # gelu | gelu_tanh | relu | relu2 | swiglu | geglu
     norm: str = "rmsnorm"          # layernorm | rmsnorm
     norm_eps: float = 1e-5
     prenorm: bool = True           # False -> post-norm (original Transformer / BERT)
     pos_emb: str = "rope"          # rope | learned
     rope_theta: float = 10000.0
+    # {} or Llama-3.1 frequency scaling, in HF's form: {"rope_type": "llama3", "factor": 8.0,
+    # "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    rope_scaling: dict = field(default_factory=dict)
     bias: bool = False             # biases in linears (and LayerNorm)
+    qkv_bias: bool = False         # bias on the q/k/v projection only (Qwen2); implied by bias
     tie_embeddings: bool = False
     qk_norm: bool = False          # RMSNorm on q and k per head (OLMo-2 / Gemma-3 style)
     dropout: float = 0.0
@@ -89,6 +95,11 @@ class ModelConfig:
         if self.pos_emb == "rope" and self.head_dim % 2:
             raise ValueError(f"pos_emb='rope' needs an even head_dim, got n_embd/n_head = {self.head_dim}: "
                              f"change n_embd or n_head")
+        if self.rope_scaling:
+            missing = set(LLAMA3_ROPE_KEYS) - set(self.rope_scaling)
+            if self.rope_scaling.get("rope_type") != "llama3" or missing:
+                raise ValueError(f"rope_scaling={self.rope_scaling!r}: only {{}} (none) or rope_type 'llama3' "
+                                 f"with keys {', '.join(LLAMA3_ROPE_KEYS)} is supported")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
 
@@ -138,13 +149,21 @@ def make_norm(cfg, dim):
 
 # ----------------------------------------------------------------------------- RoPE
 
-def rope_tables(head_dim, length, theta, device=None):
+def rope_tables(head_dim, length, theta, device=None, scaling=None):
     """cos/sin of position * frequency, (length, head_dim/2), fp32.
 
     Computed the way HF's LlamaRotaryEmbedding does (fp32 inverse frequencies times fp32
-    positions), so imported LLaMA weights reproduce HF's numbers.
+    positions), so imported LLaMA weights reproduce HF's numbers. scaling: ModelConfig.rope_scaling.
     """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if scaling:  # Llama-3.1: slow the low frequencies down by `factor`, blend the middle band
+        factor, lo, hi, old_len = (scaling[k] for k in LLAMA3_ROPE_KEYS)
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        middle = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        inv_freq = torch.where(middle, blended, scaled)
     angles = torch.outer(torch.arange(length, device=device).float(), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -182,7 +201,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         # one fused matmul; output rows ordered [q heads | k heads | v heads]
-        self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=cfg.bias)
+        self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim,
+                             bias=cfg.bias or cfg.qkv_bias)
         self.proj = nn.Linear(self.n_head * self.head_dim, cfg.n_embd, bias=cfg.bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
@@ -223,10 +243,12 @@ class Attention(nn.Module):
 # ----------------------------------------------------------------------------- MLP
 
 def activation_fn(name):
-    # gelu is the exact erf form (F.gelu default); GPT-2 used the tanh approximation, which
-    # differs by < 1e-3 -- HF import of GPT-2 weights matches to that tolerance, not bitwise.
+    # gelu is the exact erf form (F.gelu default); gelu_tanh the tanh approximation GPT-2 used
+    # (HF's gelu_new), < 1e-3 apart: imported GPT-2 weights need gelu_tanh to match HF's logits.
     if name in ("gelu", "geglu"):
         return F.gelu
+    if name == "gelu_tanh":
+        return functools.partial(F.gelu, approximate="tanh")
     if name == "relu":
         return F.relu
     if name == "relu2":  # squared ReLU (Primer, modded-nanogpt)
@@ -287,7 +309,7 @@ class Transformer(nn.Module):
             self.pos_emb = nn.Embedding(cfg.block_size, C)
         else:
             # non-persistent: derived from the config, so never saved in checkpoints
-            cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_theta)
+            cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_theta, scaling=cfg.rope_scaling)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.drop = nn.Dropout(cfg.dropout)
@@ -308,7 +330,8 @@ class Transformer(nn.Module):
         """
         cfg = self.cfg
         if cfg.pos_emb == "rope":
-            cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_theta, self.rope_cos.device)
+            cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_theta, self.rope_cos.device,
+                                   cfg.rope_scaling)
             self.rope_cos, self.rope_sin = cos, sin
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
         for name, m in self.named_modules():  # fixed order -> same seed, same weights
@@ -332,7 +355,8 @@ class Transformer(nn.Module):
         super()._apply(fn, recurse)
         if self.cfg.pos_emb == "rope" and self.rope_cos.dtype != torch.float32:
             c = self.cfg
-            self.rope_cos, self.rope_sin = rope_tables(c.head_dim, c.block_size, c.rope_theta, self.rope_cos.device)
+            self.rope_cos, self.rope_sin = rope_tables(c.head_dim, c.block_size, c.rope_theta, self.rope_cos.device,
+                                                       c.rope_scaling)
         return self
 
     def compile_blocks(self, **kw):
