@@ -274,6 +274,10 @@ def time_row(row, build, n_gpus, min_time):
     dt = time.perf_counter() - t0
     # data-parallel rows run in lockstep: the slowest rank's time is the job's; the 1-GPU
     # baseline (independent ranks) takes the fastest, which can only lower the scaling ratio
+    if grid.world > 1:  # per-rank times: a slow GPU shows up here
+        row["rank_step_ms"] = [reduce_(1e3 * dt / args.steps if grid.rank == r else 0.0, dist.ReduceOp.MAX)
+                               for r in range(grid.world)]
+        say(f"  per-rank ms/step: {', '.join(f'{t:.1f}' for t in row['rank_step_ms'])}")
     dt = reduce_(dt, dist.ReduceOp.MIN if min_time else dist.ReduceOp.MAX)
     row["loss"] = loss.item()  # last step's loss (this rank's batch): ~ln(vocab) early on
     if not math.isfinite(row["loss"]):

@@ -135,7 +135,13 @@ class Tokenizer:
 
 
 def get_tokenizer(name="cl100k_base", vocab=0):
-    """vocab > 0 keeps the first vocab-1 BPE ranks plus EOS at vocab-1 (small models, small heads)."""
+    """vocab > 0 keeps the first vocab-1 BPE ranks plus EOS at vocab-1 (small models, small heads).
+    A folder is a Hugging Face model's: its tokenizer files are read by hf.py."""
+    if os.path.isdir(name):
+        if vocab:
+            raise ValueError(f"tokenizer_vocab={vocab} cannot truncate the tokenizer of model folder {name!r}")
+        import hf  # lazily: the HF formats are hf.py's concern
+        return hf.load_hf_tokenizer(name)
     return Tokenizer(name, vocab)
 
 

@@ -16,6 +16,7 @@ from tqdm import tqdm
 import checkpoint
 import config
 import data
+import hf
 import logs
 import optim
 import parallel
@@ -38,9 +39,12 @@ if device.type == "cuda":
 torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights
 
 # ---------------------------------------------------------------------------- data
+# init_from = a Hugging Face model folder: its config.json sets the model keys, its tokenizer the vocabulary
+from_hf = hf.configure(cfg)
 tok = data.get_tokenizer(cfg.tokenizer, cfg.tokenizer_vocab)
-cfg.vocab_size = tok.n_vocab  # the model's vocabulary is the tokenizer's (padded inside the model)
-data_dir = cfg.data_dir or data.default_data_dir(cfg.data, cfg.tokenizer, cfg.tokenizer_vocab)
+if not from_hf:
+    cfg.vocab_size = tok.n_vocab  # the model's vocabulary is the tokenizer's (padded inside the model)
+data_dir = cfg.data_dir or data.default_data_dir(cfg.data, tok.name, cfg.tokenizer_vocab)
 # rank 0 tokenizes (once: later runs reuse the memmaps) while the others wait; then the first
 # rank of every other node checks too, a no-op on a shared file system
 for writer in (grid.rank == 0, grid.local_rank == 0 and grid.rank != 0):
@@ -61,7 +65,7 @@ say(f"world {grid.world} (dp {grid.dp}) on {device} | {dtype} | global batch {cf
 mcfg = ModelConfig.from_cfg(cfg)
 raw = Transformer(mcfg).to(device)
 if cfg.init_from:
-    checkpoint.load_model(cfg.init_from, raw)
+    (hf.load_weights if from_hf else checkpoint.load_model)(cfg.init_from, raw)
 optimizer = optim.build_optimizer(raw, cfg)
 step = 0
 if cfg.resume:

@@ -12,11 +12,15 @@ import torch
 
 import checkpoint
 import data
+import hf
 from model import ModelConfig, Transformer
 
 
 def load(path, device="cpu"):
-    """A run folder or a checkpoint folder -> (model in eval mode, tokenizer, cfg)."""
+    """A run folder, a checkpoint folder or an HF model folder -> (model in eval mode, tokenizer, cfg)."""
+    if hf.is_hf_folder(path):
+        model = hf.load_hf(path, device)
+        return model, hf.load_hf_tokenizer(path), model.cfg
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         found = checkpoint.latest(path)
         if found is None:
@@ -32,7 +36,7 @@ def load(path, device="cpu"):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", help="run folder (out/<run>) or checkpoint folder (out/<run>/step_N)")
+    p.add_argument("path", help="run folder (out/<run>), checkpoint folder (out/<run>/step_N) or HF model folder")
     p.add_argument("--prompt", default="")
     p.add_argument("--n", type=int, default=1, help="number of samples")
     p.add_argument("--tokens", type=int, default=200, help="new tokens per sample")
