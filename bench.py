@@ -74,6 +74,8 @@ p.add_argument("--ddp_compile", choices=["outer", "inner"], default="outer",
                help="outer: torch.compile(DDP(model)) (DDPOptimizer); inner: DDP(torch.compile(model))")
 p.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size, ours and DDP")
 p.add_argument("--peak_tflops", type=float, default=0.0, help="override the per-GPU peak for MFU")
+p.add_argument("--sm_carveout", type=int, default=0,
+               help="keep N SMs free of cuBLAS matmuls, for NCCL kernels to overlap (experimental torch API)")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--commit", default="", help="git commit to record (default: git rev-parse)")
 p.add_argument("--json", default="", help="write every number here")
@@ -99,6 +101,8 @@ cuda = device.type == "cuda"
 if cuda:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+    if args.sm_carveout:
+        torch._C._set_sm_carveout_experimental(args.sm_carveout)
 # bf16 autocast over fp32 weights, gradients and optimizer state (as pretrain.py)
 dtype = {"auto": torch.bfloat16 if cuda else torch.float32,
          "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
