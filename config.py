@@ -20,7 +20,7 @@ TRAIN_DEFAULTS = dict(
     # I/O
     out_dir="out/run",
     resume=False,            # continue from the latest checkpoint in out_dir
-    init_from="",            # start from the weights of a checkpoint folder
+    init_from="",            # start from the weights of a checkpoint folder or a local HF model folder
     ckpt_every=500,          # steps between checkpoints (0: only at the end)
     keep_last=2,             # checkpoints kept on disk
     # data
