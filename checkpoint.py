@@ -1,8 +1,8 @@
 """Checkpoints: save and resume, atomically, independent of the parallel layout.
 
     out/<run>/step_000500/
-        model.safetensors   full (unsharded) weights by parameter name; tied weights stored once
-        optimizer.pt        optimizer state keyed by parameter *name*, not position
+        model.safetensors   full (unsharded) weights by the one-process parameter names; tied once
+        optimizer.pt        optimizer state by parameter *name*, full tensors: {name: {exp_avg, ...}}
         trainer.pt          step, loader position, every rank's RNG states, the config
         config.json         the config, for humans and for `sample.py`
     out/<run>/latest        the name of the newest complete checkpoint
@@ -10,6 +10,10 @@
 A checkpoint is written into a hidden temporary folder and renamed into place, and `latest` is
 replaced atomically afterwards, so a process killed mid-save leaves the previous checkpoint
 intact and loadable. Only the newest `keep_last` checkpoints are kept.
+
+Layout independence: gather() turns any layout's weights and optimizer state (data parallel,
+tensor parallel, FSDP, both) into full tensors under the one-process names, and load() cuts
+them back into whatever layout the resuming run uses.
 """
 import json
 import os
@@ -19,16 +23,19 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+import fsdp
+import tp
+from model import Transformer
 
-def _unique_state(model):
-    """State dict without the second name of tied tensors (safetensors refuses shared storage)."""
+
+def _dedupe(sd):
+    """Drop the second name of tied tensors (safetensors refuses shared storage)."""
     out, seen = {}, set()
-    for name, t in model.state_dict().items():
+    for name, t in sd.items():
         key = (t.data_ptr(), t.shape, t.dtype)
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = t.detach().contiguous().cpu()
+        if key not in seen:
+            seen.add(key)
+            out[name] = t.detach().contiguous().cpu()
     return out
 
 
@@ -39,42 +46,13 @@ def _fsync_write(path, write):
         os.fsync(f.fileno())
 
 
-def optimizer_state(model, optimizer):
-    """torch.optim state keyed by parameter name, so any layout can load it."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    sd = optimizer.state_dict()
-    idx_to_name = {}
-    groups = []
-    for g_live, g in zip(optimizer.param_groups, sd["param_groups"]):
-        for p, i in zip(g_live["params"], g["params"]):
-            idx_to_name[i] = names[id(p)]
-        groups.append({**{k: v for k, v in g.items() if k != "params"},
-                       "params": [names[id(p)] for p in g_live["params"]]})
-    state = {idx_to_name[i]: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
-             for i, s in sd["state"].items()}
-    return {"state": state, "param_groups": groups}
-
-
-def load_optimizer_state(model, optimizer, saved):
-    names = {id(p): n for n, p in model.named_parameters()}
-    live_groups = optimizer.param_groups
-    if len(saved["param_groups"]) != len(live_groups):
-        raise ValueError(f"checkpoint has {len(saved['param_groups'])} optimizer parameter groups, "
-                         f"this run has {len(live_groups)}: was the optimizer config changed?")
-    sd = {"state": {}, "param_groups": []}
-    i = 0
-    for g_live, g in zip(live_groups, saved["param_groups"]):
-        live_names = [names[id(p)] for p in g_live["params"]]
-        if live_names != g["params"]:
-            diff = sorted(set(live_names) ^ set(g["params"]))
-            raise ValueError(f"optimizer parameters differ from the checkpoint's: {diff[:8]}")
-        ids = list(range(i, i + len(live_names)))
-        for n, j in zip(live_names, ids):
-            if n in saved["state"]:
-                sd["state"][j] = saved["state"][n]
-        sd["param_groups"].append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
-        i += len(live_names)
-    optimizer.load_state_dict(sd)
+def gather(model, optimizer, grid, wrapper=None):
+    """(weights, optimizer state) as full tensors under the one-process names, from any layout
+    (plain, data parallel, TP, FSDP, TP x FSDP). Collective: every rank calls it.
+    optimizer state: {param name: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}}."""
+    if isinstance(wrapper, fsdp.FSDP):
+        return fsdp.full_state_dict(wrapper), (fsdp.full_optim_state(wrapper, optimizer) if optimizer else None)
+    return tp.full_state_dict(model, grid), (tp.full_optim_state(model, optimizer, grid) if optimizer else None)
 
 
 def rng_state():
@@ -100,8 +78,8 @@ def _gather_rng():
     return out
 
 
-def save(out_dir, step, model, optimizer, cfg, loader_state=None, keep_last=2, rank=0):
-    """Collective when distributed (RNG states are gathered); rank 0 writes."""
+def save(out_dir, step, weights, optim_state, cfg, loader_state=None, keep_last=2, rank=0):
+    """Write gather()'s output. Collective when distributed (RNG states are gathered); rank 0 writes."""
     rngs = _gather_rng()
     if rank != 0:
         return None
@@ -111,9 +89,9 @@ def save(out_dir, step, model, optimizer, cfg, loader_state=None, keep_last=2, r
     tmp = os.path.join(out_dir, f".tmp_{name}_{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    save_file(_unique_state(model), os.path.join(tmp, "model.safetensors"))
-    if optimizer is not None:
-        _fsync_write(os.path.join(tmp, "optimizer.pt"), lambda f: torch.save(optimizer_state(model, optimizer), f))
+    save_file(_dedupe(weights), os.path.join(tmp, "model.safetensors"))
+    if optim_state is not None:
+        _fsync_write(os.path.join(tmp, "optimizer.pt"), lambda f: torch.save(optim_state, f))
     trainer = {"step": step, "loader": loader_state, "rng": rngs, "cfg": vars(cfg)}
     _fsync_write(os.path.join(tmp, "trainer.pt"), lambda f: torch.save(trainer, f))
     _fsync_write(os.path.join(tmp, "config.json"), lambda f: f.write(json.dumps(vars(cfg), indent=1).encode()))
@@ -149,18 +127,25 @@ def latest(out_dir):
     return ckpts[-1] if ckpts else None
 
 
-def load_model(path, model, strict=True):
-    """Load weights by name into `model`; a mismatch names the offending keys."""
+def read_weights(path, cfg):
+    """model.safetensors -> full state dict with every name of model config `cfg` (tied names
+    filled in); a mismatch with the config names the offending keys."""
     file = os.path.join(path, "model.safetensors")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no model.safetensors in '{path}': is it a checkpoint folder (out/<run>/step_N)?")
     saved = load_file(file)
-    want = _unique_state(model)
-    missing = sorted(set(want) - set(saved))
-    unexpected = sorted(set(saved) - set(want))
-    shapes = [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(want[k].shape)}"
-              for k in sorted(set(want) & set(saved)) if saved[k].shape != want[k].shape]
-    if strict and (missing or unexpected or shapes):
+    with torch.device("meta"):  # the one-process model's names and full shapes, no memory
+        ref = Transformer(cfg).state_dict(keep_vars=True)
+    alias = {}  # tied names -> the name the tensor is stored under
+    for k, v in ref.items():
+        alias.setdefault(id(v), k)
+    need = {k for k, v in ref.items() if alias[id(v)] == k}
+    missing = sorted(k for k in need if k not in saved and not any(
+        alias[id(ref[o])] == k and o in saved for o in ref))
+    unexpected = sorted(set(saved) - set(ref))
+    shapes = [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(ref[k].shape)}"
+              for k in sorted(set(ref) & set(saved)) if saved[k].shape != ref[k].shape]
+    if missing or unexpected or shapes:
         msg = [f"checkpoint '{path}' does not fit this model config:"]
         if missing:
             msg.append(f"  missing in checkpoint: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
@@ -168,39 +153,55 @@ def load_model(path, model, strict=True):
             msg.append(f"  not in model: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
         if shapes:
             msg.append("  shape mismatch: " + "; ".join(shapes[:10]))
-        diff = _config_diff(path, model)
+        diff = _config_diff(path, cfg)
         if diff:
             msg.append("  model config differs: " + ", ".join(diff))
         raise ValueError("\n".join(msg))
-    sd = model.state_dict()
-    with torch.no_grad():
-        for k, v in saved.items():
-            if k in sd:
-                sd[k].copy_(v)
+    for k, v in ref.items():  # every tied name gets the stored tensor
+        if k not in saved:
+            saved[k] = next(saved[o] for o in ref if o in saved and id(ref[o]) == id(v))
     return saved
 
 
-def _config_diff(path, model):
+def load_model(path, model):
+    """Load a checkpoint's weights into a plain (unsharded) model."""
+    sd = read_weights(path, model.cfg)
+    with torch.no_grad():
+        for k, t in model.state_dict().items():
+            t.copy_(sd[k])
+    return sd
+
+
+def _config_diff(path, cfg):
     try:
         with open(os.path.join(path, "config.json")) as f:
             saved = json.load(f)
     except (OSError, ValueError):
         return []
-    mine = vars(model.cfg) if hasattr(model, "cfg") else {}
-    return [f"{k}={saved[k]!r} (checkpoint) vs {v!r} (now)" for k, v in mine.items()
+    return [f"{k}={saved[k]!r} (checkpoint) vs {v!r} (now)" for k, v in vars(cfg).items()
             if k in saved and saved[k] != v]
 
 
-def load(path, model, optimizer=None, rank=0):
-    """Restore model, optimizer and this rank's RNG; returns the trainer dict (step, loader, cfg)."""
-    load_model(path, model)
+def load(path, model, optimizer, grid, wrapper=None):
+    """Restore weights, optimizer state (saved by any layout) and this rank's RNG into this
+    layout; returns the trainer dict (step, loader, cfg). Collective under FSDP."""
+    weights = read_weights(path, model.cfg)
+    opt_state = None
     if optimizer is not None:
         opt_file = os.path.join(path, "optimizer.pt")
         if not os.path.isfile(opt_file):
             raise FileNotFoundError(f"no optimizer.pt in '{path}': cannot resume optimizer state")
-        load_optimizer_state(model, optimizer, torch.load(opt_file, map_location="cpu", weights_only=False))
+        opt_state = torch.load(opt_file, map_location="cpu", weights_only=False)
+    if isinstance(wrapper, fsdp.FSDP):
+        fsdp.load_full_state_dict(wrapper, weights)
+        if opt_state is not None:
+            fsdp.load_full_optim_state(wrapper, optimizer, opt_state)
+    else:
+        tp.load_full_state_dict(model, grid, weights)
+        if opt_state is not None:
+            tp.load_full_optim_state(model, optimizer, grid, opt_state)
     trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=False)
     rngs = trainer.get("rng") or []
-    if rank < len(rngs):
-        set_rng_state(rngs[rank])
+    if grid.rank < len(rngs):
+        set_rng_state(rngs[grid.rank])
     return trainer

@@ -56,7 +56,8 @@ TRAIN_DEFAULTS = dict(
     dtype="auto",            # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
     compile=False,
     grad_bucket_mb=25.0,     # data-parallel all-reduce bucket size
-    tp=1,                    # tensor-parallel size (later issue)
+    tp=1,                    # tensor-parallel size (Megatron style, innermost: neighbouring GPUs)
+    data_parallel="ddp",     # how the world // tp replicas split the batch: ddp (replicated) | fsdp (sharded)
     ep=1,                    # expert-parallel size (later issue)
     # evaluation and logging
     eval_every=250,
@@ -177,7 +178,13 @@ def validate(cfg, world=1):
     need(cfg.optimizer in ("adamw",), f"optimizer='{cfg.optimizer}' is not available (choose adamw)")
     need(cfg.device in ("auto", "cpu", "cuda"), f"device='{cfg.device}' must be auto, cpu or cuda")
     need(cfg.dtype in ("auto", "float32", "bfloat16"), f"dtype='{cfg.dtype}' must be auto, float32 or bfloat16")
-    need(cfg.tp == 1 and cfg.ep == 1, "tp and ep must be 1: tensor and expert parallelism are not in this version")
+    need(cfg.tp >= 1, f"tp={cfg.tp} must be >= 1")
+    need(cfg.ep == 1, "ep must be 1: expert parallelism is not in this version")
+    need(cfg.data_parallel in ("ddp", "fsdp"), f"data_parallel='{cfg.data_parallel}' must be ddp or fsdp")
+    need(not (cfg.compile and (cfg.tp > 1 or cfg.data_parallel == "fsdp")),
+         "compile=True works with data_parallel='ddp' and tp=1 only (TP's and FSDP's collectives run in "
+         "hooks torch.compile does not trace): set --compile=False")
+    need(cfg.n_head % cfg.tp == 0, f"n_head={cfg.n_head} is not divisible by tp={cfg.tp}: each rank needs whole heads")
     need(world % (cfg.tp * cfg.ep) == 0, f"world size {world} is not divisible by tp*ep={cfg.tp * cfg.ep}")
     dp = world // (cfg.tp * cfg.ep)
     need(cfg.micro_batch_size > 0 and cfg.batch_size > 0, "batch_size and micro_batch_size must be positive")

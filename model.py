@@ -387,10 +387,19 @@ class Transformer(nn.Module):
         Padded vocabulary rows are sliced off, so they are never sampled nor part of the loss.
         """
         x = self.hidden_states(idx, cache=cache, pos=pos, attn_mask=attn_mask)
-        logits = self.head(x)[..., :self.cfg.vocab_size]
         if targets is None:
-            return logits
-        return self.loss(logits, targets, reduction)
+            return self.logits(x)
+        return self.head_loss(x, targets, reduction)
+
+    # The output layer in two methods, so that tensor parallelism (tp.py) can replace them on the
+    # instance with vocab-parallel versions (a loss that never gathers the full logits).
+    def logits(self, x):
+        """Hidden states (..., C) -> logits (..., vocab_size): padded vocabulary rows sliced off."""
+        return self.head(x)[..., :self.cfg.vocab_size]
+
+    def head_loss(self, x, targets, reduction="mean"):
+        """Hidden states (B, T, C) and targets (B, T) -> cross-entropy of the head's logits."""
+        return self.loss(self.logits(x), targets, reduction)
 
     @staticmethod
     def loss(logits, targets, reduction="mean"):
@@ -532,7 +541,7 @@ class Transformer(nn.Module):
             x = self.hidden_states(idx, cache=cache, attn_mask=mask)  # prefill: all prompts at once
             out = [idx]
             for step in range(max_new_tokens):
-                logits = self.head(x[:, -1])[:, :self.cfg.vocab_size]  # head on the last position only
+                logits = self.logits(x[:, -1])  # head on the last position only
                 nxt = sample(logits, temperature, top_k, top_p, generator)
                 if stops is not None:
                     nxt = torch.where(done, fill, nxt)

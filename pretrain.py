@@ -3,6 +3,7 @@
     python pretrain.py configs/tiny.py                            # one process (CPU or GPU)
     torchrun --nproc_per_node=2 pretrain.py configs/small.py      # data parallel over 2 GPUs
     torchrun --nproc_per_node=2 pretrain.py configs/tiny.py --max_steps=50 --lr=1e-3
+    torchrun --nproc_per_node=4 pretrain.py configs/small.py --tp=2 --data_parallel=fsdp --compile=False
 """
 import contextlib
 import math
@@ -16,10 +17,12 @@ from tqdm import tqdm
 import checkpoint
 import config
 import data
+import fsdp
 import hf
 import logs
 import optim
 import parallel
+import tp
 from model import ModelConfig, Transformer
 
 # ---------------------------------------------------------------------------- setup
@@ -58,31 +61,38 @@ accum = cfg.batch_size // (cfg.micro_batch_size * grid.dp)
 loader = data.Loader(os.path.join(data_dir, "train.bin"), cfg.micro_batch_size, T,
                      grid.dp_rank, grid.dp, seed=cfg.seed, device=device)
 say(f"config:\n{config.show(cfg)}")
-say(f"world {grid.world} (dp {grid.dp}) on {device} | {dtype} | global batch {cfg.batch_size} x {T} tokens"
+say(f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, tp {grid.tp}) on {device} | {dtype} | global batch {cfg.batch_size} x {T} tokens"
     f" = {cfg.micro_batch_size} sequences x {grid.dp} ranks x {accum} accumulation steps")
 
 # ---------------------------------------------------------------------------- model and optimizer
 mcfg = ModelConfig.from_cfg(cfg)
-raw = Transformer(mcfg).to(device)
+raw = Transformer(mcfg).to(device)  # the full model on every rank, from the same seed
 if cfg.init_from:
     (hf.load_weights if from_hf else checkpoint.load_model)(cfg.init_from, raw)
-optimizer = optim.build_optimizer(raw, cfg)
+n_params, n_body = raw.num_params(), raw.non_embedding_params()
+flops_per_token = raw.flops_per_token(T)  # counted on the full model, before it is cut
+tp.tensor_parallel(raw, grid)  # TP: keep this rank's heads / MLP columns / vocabulary rows (tp=1: no-op)
+if cfg.data_parallel == "fsdp":  # shard what TP left over the data-parallel ranks
+    model = fsdp.FSDP(raw, grid, compute_dtype=dtype if dtype != torch.float32 else None)
+else:  # replicate it; broadcasts rank 0's weights
+    model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)
+optimizer = optim.build_optimizer(model if cfg.data_parallel == "fsdp" else raw, cfg)
 step = 0
 if cfg.resume:
     path = checkpoint.latest(cfg.out_dir)
     if path is None:
         say(f"resume: no checkpoint in {cfg.out_dir}, starting from scratch")
-    else:
-        state = checkpoint.load(path, raw, optimizer, rank=grid.rank)
+    else:  # saved by any layout: full tensors, cut to this one
+        state = checkpoint.load(path, raw, optimizer, grid, model)
         loader.load_state_dict(state["loader"])
         step = state["step"]
         say(f"resumed from {path} at step {step}")
-model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)  # broadcasts rank 0's weights
-fwd = torch.compile(raw) if cfg.compile else raw  # hooks live on the parameters, so compile the inner model
-n_params = raw.num_params()
-flops_per_token = raw.flops_per_token(T)
+if cfg.data_parallel == "fsdp":
+    fwd = model  # gathers each block's shards around its forward
+else:  # DataParallel's hooks live on the parameters, so compile the inner model
+    fwd = torch.compile(raw) if cfg.compile else raw
 peak = logs.peak_tflops(device, cfg.peak_tflops)
-say(f"model: {n_params / 1e6:.2f}M parameters ({raw.non_embedding_params() / 1e6:.2f}M non-embedding), "
+say(f"model: {n_params / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M non-embedding), "
     f"{flops_per_token / 1e6:.1f} MFLOPs/token, peak {peak or 'n/a'} TFLOP/s per device")
 logger = logs.Logger(cfg, grid)
 
@@ -103,8 +113,16 @@ def evaluate():
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def save():
-    checkpoint.save(cfg.out_dir, step, raw, optimizer, cfg, loader.state_dict(), cfg.keep_last, grid.rank)
+def save():  # every rank helps gather the full tensors; rank 0 writes
+    weights, opt_state = checkpoint.gather(raw, optimizer, grid, model)
+    checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, loader.state_dict(), cfg.keep_last, grid.rank)
+
+
+def clip_grad_norm_(max_norm):
+    """Every parameter counted once: sharded pieces summed over their group, replicas once."""
+    if cfg.data_parallel == "fsdp":
+        return fsdp.clip_grad_norm_(model, max_norm)
+    return tp.clip_grad_norm_(raw.parameters(), max_norm, grid)
 
 
 def now():
@@ -133,7 +151,7 @@ while step < last:
             loss.backward()
         loss_sum += loss.detach()
     model.finish()  # wait for the gradient all-reduce before looking at gradients
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip or float("inf"))
+    grad_norm = clip_grad_norm_(cfg.grad_clip or float("inf"))
     optimizer.step()
     model.zero_grad(set_to_none=True)
     step += 1
@@ -173,13 +191,14 @@ while step < last:
 bar.close()
 
 # ---------------------------------------------------------------------------- sample
-if main and cfg.sample_tokens > 0:
+if cfg.sample_tokens > 0:  # every rank generates (TP shards need all ranks), the same seed; rank 0 prints
     raw.eval()
     prompt = torch.tensor([tok.encode(cfg.sample_prompt) or [tok.eos_id]], device=device)
-    with autocast:
+    full = model.summon_full_params() if cfg.data_parallel == "fsdp" else contextlib.nullcontext()
+    with full, autocast:
         out = raw.generate(prompt, min(cfg.sample_tokens, cfg.block_size - prompt.shape[1]),
                            temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
-                           stop_tokens=[tok.eos_id])
-    print(f"--- sample after {step} steps ---\n{tok.decode(out[0].tolist())}\n---")
+                           stop_tokens=[tok.eos_id], seed=cfg.seed)
+    say(f"--- sample after {step} steps ---\n{tok.decode(out[0].tolist())}\n---")
 logger.close()
 parallel.shutdown()

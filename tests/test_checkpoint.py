@@ -13,7 +13,10 @@ import torch
 import checkpoint
 import config
 import optim
+import parallel
 from model import ModelConfig, Transformer
+
+GRID = parallel.init(SimpleNamespace(device="cpu", tp=1, ep=1))  # one plain process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,12 +43,12 @@ def train_step(model, opt, seed):
 def test_round_trip_and_continue(tmp_path, tied):
     cfg, model, opt = make(tie_embeddings=tied)
     train_step(model, opt, 1)
-    path = checkpoint.save(str(tmp_path), 1, model, opt, cfg, {"pos": 5})
+    path = checkpoint.save(str(tmp_path), 1, *checkpoint.gather(model, opt, GRID), cfg, {"pos": 5})
     _, model2, opt2 = make(tie_embeddings=tied, seed=999)
     with torch.no_grad():
         for p in model2.parameters():
             p.zero_()
-    state = checkpoint.load(path, model2, opt2)
+    state = checkpoint.load(path, model2, opt2, GRID)
     assert state["step"] == 1 and state["loader"] == {"pos": 5}
     for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
         assert torch.equal(a, b), k
@@ -61,7 +64,7 @@ def test_round_trip_and_continue(tmp_path, tied):
 def test_keep_last_and_latest(tmp_path):
     cfg, model, opt = make()
     for s in (1, 2, 3, 4):
-        checkpoint.save(str(tmp_path), s, model, opt, cfg, keep_last=2)
+        checkpoint.save(str(tmp_path), s, *checkpoint.gather(model, opt, GRID), cfg, keep_last=2)
     names = [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))]
     assert names == ["step_000003", "step_000004"]
     assert checkpoint.latest(str(tmp_path)).endswith("step_000004")
@@ -73,10 +76,10 @@ KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
     import torch, checkpoint
-    from test_checkpoint import make, train_step
+    from test_checkpoint import GRID, make, train_step
     cfg, model, opt = make()
     train_step(model, opt, 1)
-    checkpoint.save({out!r}, 1, model, opt, cfg)
+    checkpoint.save({out!r}, 1, *checkpoint.gather(model, opt, GRID), cfg)
     torch.save(model.state_dict(), os.path.join({out!r}, "expected.pt"))
     train_step(model, opt, 2)
     real = checkpoint._fsync_write
@@ -88,7 +91,7 @@ KILL_SCRIPT = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         real(path, write)
     checkpoint._fsync_write = dying_write
-    checkpoint.save({out!r}, 2, model, opt, cfg)
+    checkpoint.save({out!r}, 2, *checkpoint.gather(model, opt, GRID), cfg)
 """)
 
 
@@ -101,19 +104,19 @@ def test_killed_mid_save_keeps_previous(tmp_path):
     path = checkpoint.latest(out)
     assert path.endswith("step_000001")
     _, model, opt = make()
-    checkpoint.load(path, model, opt)
+    checkpoint.load(path, model, opt, GRID)
     expected = torch.load(os.path.join(out, "expected.pt"))
     for k, v in expected.items():
         assert torch.equal(model.state_dict()[k], v), k
     # the next save cleans the leftover up
     cfg, model, opt = make()
-    checkpoint.save(out, 3, model, opt, cfg)
+    checkpoint.save(out, 3, *checkpoint.gather(model, opt, GRID), cfg)
     assert not any(e.startswith(".tmp_") for e in os.listdir(out))
 
 
 def test_mismatched_config_names_keys(tmp_path):
     cfg, model, opt = make()
-    path = checkpoint.save(str(tmp_path), 1, model, opt, cfg)
+    path = checkpoint.save(str(tmp_path), 1, *checkpoint.gather(model, opt, GRID), cfg)
     _, wider, _ = make(n_embd=32)
     with pytest.raises(ValueError, match=r"(?s)shape mismatch: blocks.0.attn.proj.weight: checkpoint \(16, 16\) vs model \(32, 32\).*n_embd=16 \(checkpoint\) vs 32 \(now\)"):
         checkpoint.load_model(path, wider)

@@ -1,0 +1,199 @@
+"""Parallel forms on several GPUs, side by side with PyTorch's own, in one run.
+
+    torchrun --nproc_per_node=2 bench_parallel.py speed                # ~1B LLaMA, seq 2048, bf16
+    torchrun --nproc_per_node=2 bench_parallel.py capacity --cap_gb=24  # largest model FSDP=2 trains
+    torchrun --nproc_per_node=2 bench_parallel.py speed --shape=tiny --device=cpu --steps=2   # smoke test
+
+speed rows (same global batch: --batch sequences per GPU for the data-parallel forms, the same
+total on the TP group): ours-fsdp (fsdp.FSDP, bf16 compute, fp32 master shards and reduce) vs
+torch-fsdp2 (`fully_shard` per block and on the root, MixedPrecisionPolicy(bf16 params, fp32
+reduce)); ours-dp (parallel.DataParallel) vs torch-ddp (DistributedDataParallel, 25 MB buckets);
+ours-tp (tp.tensor_parallel over all GPUs, dp = 1). Every row runs eager (our FSDP's hooks and
+storage resizing are not traced by torch.compile), bf16 autocast, fused AdamW, random tokens.
+tokens/s counts the global batch once; MFU = tokens/s * model.flops_per_token(T) / (peak * GPUs).
+
+capacity: for growing LLaMA shapes, FSDP over all GPUs with activation checkpointing, each
+process capped at --cap_gb of GPU memory (torch.cuda.set_per_process_memory_fraction, set after
+the model is built and sharded, so the cap covers training, not the one-off full-size init);
+a row passes when --steps optimizer steps complete.
+"""
+import argparse
+import gc
+import json
+import os
+import time
+import traceback
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+import fsdp
+import logs
+import optim
+import parallel
+import tp
+from model import ModelConfig, Transformer
+
+LLAMA = dict(vocab_size=50304, activation="swiglu", norm="rmsnorm", pos_emb="rope")
+SHAPES = {  # ~1B: Llama-3.2-1B-like width/depth with a 50k vocabulary (1.21B parameters)
+    "1b": dict(LLAMA, block_size=2048, n_layer=16, n_embd=2048, n_head=16, n_kv_head=8, ffn_hidden=8192),
+    "tiny": dict(LLAMA, vocab_size=512, block_size=64, n_layer=2, n_embd=64, n_head=4, n_kv_head=2),
+}
+CAPACITY = [  # (name, shape): 2.1B, 2.5B, 2.9B, 3.3B parameters at width 2560
+    (f"{L}-layers", dict(LLAMA, block_size=2048, n_layer=L, n_embd=2560, n_head=20, n_kv_head=4,
+                          ffn_hidden=10240, grad_checkpoint=True)) for L in (20, 24, 28, 32)]
+
+p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+p.add_argument("mode", choices=["speed", "capacity"])
+p.add_argument("--shape", choices=list(SHAPES), default="1b")
+p.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
+p.add_argument("--steps", type=int, default=10)
+p.add_argument("--warmup", type=int, default=3)
+p.add_argument("--runs", default="ours-fsdp,torch-fsdp2,ours-dp,torch-ddp,ours-tp")
+p.add_argument("--cap_gb", type=float, default=24.0)
+p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+p.add_argument("--json", default="")
+args = p.parse_args()
+
+world = int(os.environ.get("WORLD_SIZE", "1"))
+grid = parallel.init(SimpleNamespace(device=args.device, tp=1, ep=1))  # dp = world
+tp_grid = parallel.init(SimpleNamespace(device=args.device, tp=world, ep=1))  # same processes, tp = world
+device, cuda, main = grid.device, grid.device.type == "cuda", grid.is_main
+say = print if main else (lambda *a, **k: None)
+if cuda:
+    torch.backends.cuda.matmul.allow_tf32 = True
+dtype = torch.bfloat16 if cuda else torch.float32
+opt_cfg = SimpleNamespace(optimizer="adamw", lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+peak = logs.peak_tflops(device)
+
+
+def build(shape):
+    torch.manual_seed(0)  # the same full model on every rank
+    with torch.device(device):
+        return Transformer(ModelConfig(**shape))
+
+
+def ours_fsdp(raw):
+    m = fsdp.FSDP(raw, grid, compute_dtype=dtype if cuda else None)
+    return m, m, m.finish, m.zero_grad
+
+
+def torch_fsdp2(raw):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for block in raw.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(raw, mp_policy=mp)
+    return raw, raw, (lambda: None), (lambda: raw.zero_grad(set_to_none=True))
+
+
+def ours_dp(raw):
+    m = parallel.DataParallel(raw, grid)
+    return raw, raw, m.finish, m.zero_grad
+
+
+def torch_ddp(raw):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    m = DDP(raw, device_ids=[device.index] if cuda else None, bucket_cap_mb=25, gradient_as_bucket_view=True)
+    return raw, m, (lambda: None), (lambda: raw.zero_grad(set_to_none=True))
+
+
+def ours_tp(raw):
+    tp.tensor_parallel(raw, tp_grid)
+    return raw, raw, (lambda: None), (lambda: raw.zero_grad(set_to_none=True))
+
+
+ROWS = {"ours-fsdp": ours_fsdp, "torch-fsdp2": torch_fsdp2, "ours-dp": ours_dp, "torch-ddp": torch_ddp,
+        "ours-tp": ours_tp}
+
+
+def measure(name, shape, wrap, cap_gb=0.0):
+    """Build, wrap, warm up, time; returns a dict row (or its error)."""
+    row = {"run": name}
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    try:
+        raw = build(shape)
+        row["params"] = raw.num_params()
+        fpt = raw.flops_per_token(shape["block_size"])
+        params_of, fwd, finish, zero_grad = wrap(raw)
+        opt = optim.build_optimizer(params_of, opt_cfg)
+        is_tp = name == "ours-tp"
+        B = args.batch * (world if is_tp else 1)  # TP ranks share one batch: the same global batch
+        T = shape["block_size"]
+        g = torch.Generator(device=device).manual_seed(1 + (0 if is_tp else grid.rank))
+        data = [torch.randint(0, shape["vocab_size"], (B, T + 1), device=device, generator=g) for _ in range(3)]
+        if cuda:
+            gc.collect()
+            torch.cuda.empty_cache()
+            if cap_gb:
+                total = torch.cuda.get_device_properties(device).total_memory
+                torch.cuda.set_per_process_memory_fraction(cap_gb * 2**30 / total, device)
+            torch.cuda.reset_peak_memory_stats(device)
+
+        def step(i):
+            d = data[i % len(data)]
+            with torch.autocast(device.type, dtype=dtype, enabled=cuda):
+                loss = fwd(d[:, :-1], d[:, 1:])
+            loss.backward()
+            finish()
+            opt.step()
+            zero_grad()
+            return loss
+
+        for i in range(args.warmup):
+            step(i)
+        sync()
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            loss = step(i)
+        sync()
+        dt = max_over_ranks(time.perf_counter() - t0)
+        tok_s = B * T * args.steps * (1 if is_tp else world) / dt
+        row.update(tokens_per_s=tok_s, step_ms=1e3 * dt / args.steps, loss=loss.item(),
+                   mfu=tok_s * fpt / (peak * 1e12 * world) if peak else None,
+                   peak_mem_gb=max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30) if cuda else None)
+        say(f"  {name}: {row['params'] / 1e9:.2f}B params | {tok_s:,.0f} tokens/s | {row['step_ms']:.1f} ms/step"
+            f" | MFU {100 * (row['mfu'] or 0):.1f}% | peak {row['peak_mem_gb'] or 0:.2f} GiB | loss {row['loss']:.3f}")
+    except Exception as e:  # OOM in a capacity row is a result, not a crash
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        say(f"  {name}: FAILED {row['error']}")
+        if not isinstance(e, torch.cuda.OutOfMemoryError):
+            say(traceback.format_exc())
+    finally:
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+    if world > 1:
+        dist.barrier()
+    return row
+
+
+def sync():
+    if cuda:
+        torch.cuda.synchronize(device)
+
+
+def max_over_ranks(v):
+    t = torch.tensor([v], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+say(f"# bench_parallel {args.mode} | {torch.cuda.get_device_name(device) if cuda else 'cpu'} x {world} | "
+    f"torch {torch.__version__} | {time.strftime('%Y-%m-%d %H:%M')}")
+if args.mode == "speed":
+    rows = [measure(name, SHAPES[args.shape], ROWS[name]) for name in args.runs.split(",")]
+    by = {r["run"]: r.get("tokens_per_s") for r in rows}
+    for a, b in (("ours-fsdp", "torch-fsdp2"), ("ours-dp", "torch-ddp"), ("ours-tp", "ours-fsdp")):
+        if by.get(a) and by.get(b):
+            say(f"  {a} / {b}: {by[a] / by[b]:.3f}x tokens/s")
+else:
+    rows = [measure(name, shape, ours_fsdp, cap_gb=args.cap_gb) for name, shape in CAPACITY]
+if main and args.json:
+    with open(args.json, "w") as f:
+        json.dump({"mode": args.mode, "world": world, "batch": args.batch, "rows": rows}, f, indent=1)
+parallel.shutdown()

@@ -1,0 +1,468 @@
+"""Fully sharded data parallelism (ZeRO-3), written with raw torch.distributed collectives.
+
+    model = fsdp.FSDP(raw, grid, compute_dtype=torch.bfloat16)  # after tp.tensor_parallel, before the optimizer
+    optimizer = optim.build_optimizer(model, cfg)                # AdamW over this rank's fp32 shards
+    loss = model(x, y); loss.backward()                          # every micro-step (no_sync() is a no-op)
+    model.finish(); fsdp.clip_grad_norm_(model, cfg.grad_clip); optimizer.step(); model.zero_grad()
+
+Units: each block, plus a root unit of everything else (embeddings, final norm, head; a tied head
+is stored once). A unit's parameters are flattened into one fp32 buffer padded to a multiple of dp;
+dp-rank r keeps elements [r*S, (r+1)*S) as its master shard. Decayed matrices come before 1-D
+parameters and a shard is cut where they meet, so each shard nn.Parameter has one weight-decay
+setting; decayed shards are shaped (1, n), so optim.param_groups' "p.dim() >= 2" rule still holds.
+
+One micro-step of block i (all-gather and reduce-scatter over grid.dp_group, async):
+  forward   pre-hook: wait for block i's all-gather (issued while block i-1 ran), point the block's
+            parameters at views of the gathered buffer, issue block i+1's all-gather.
+            post-hook: free the buffer's storage (resize to 0: autograd keeps its views, now
+            empty) and wrap the output in _PreBackward.
+  backward  _PreBackward: refill the storage (all-gather issued one block earlier), issue block
+            i-1's. The parameters are split() views of one leaf, so the gradient arrives as one
+            flat tensor; the leaf's post-accumulate-grad hook casts it to fp32, reduce-scatters it
+            (mean over dp) and frees the buffer. The result is added to the shard's .grad when the
+            next unit's reduce-scatter is issued, so each one overlaps a block's backward.
+The root is gathered when forward starts and kept until its gradient is reduced at the end of
+backward: the head is the first thing backward needs (PyTorch FSDP2 does the same). Activation
+checkpointing recomputes a block inside backward, after _PreBackward refilled it: the hooks see
+`in_backward` and leave it alone.
+
+Gradient accumulation: every micro-step reduce-scatters and adds into the fp32 shard gradient, so
+no rank ever holds a full gradient between micro-steps (ZeRO-3's point); the price is one
+reduce-scatter per micro-step. no_sync() is a no-op, kept for pretrain.py.
+
+Overlap: an async NCCL collective runs on the process group's internal stream after the work
+already queued on the compute stream, and work.wait() makes the compute stream (not the host) wait
+for it: that internal stream is the side stream prefetches run on, and the process group keeps a
+pending collective's tensors alive until it is waited for. On CPU (gloo) the same code is plain and
+synchronous. compute_dtype=bf16 all-gathers a bf16 copy of the fp32 shards; gradients reduce in fp32.
+
+TP x FSDP: wrap after tp.tensor_parallel; FSDP shards each rank's TP slices over dp. Parameter hooks
+(tp.py sums gradients of pieces TP ranks share) move onto the views. For the gradient norm each unit
+knows the runs of its shard this TP rank counts (p.tp_split: replicated parameters and shared pieces
+are counted by their first holder only). Checkpoints are full tensors under one-process names.
+Limits: one backward per forward (no retain_graph, no torch.autograd.grad); compiling a block's
+__call__ would trace these hooks (compile its forward, or inside it); no expert parallelism yet.
+"""
+import contextlib
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+# torch 2.13 renamed the flat collectives (the old names warn); torch 2.4-2.12 have only the old ones
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _decayed(p):
+    return p.dim() >= 2  # optim.param_groups' rule
+
+
+def _counted(p, grid):
+    """Bool mask, p's local shape: the elements this TP rank counts in the gradient norm."""
+    if grid.tp == 1 or not hasattr(p, "tp_split"):  # TP-replicated: TP rank 0 counts it
+        return torch.full(p.shape, grid.tp_rank == 0, dtype=torch.bool)
+    import tp
+    (dim, segments), mask, off = p.tp_split, torch.zeros(p.shape, dtype=torch.bool), 0
+    for size, chunks in segments:  # a piece several TP ranks hold: its first holder counts it
+        first = tp._first_holder(tp._piece(grid.tp_rank, chunks, grid.tp), chunks, grid.tp)
+        mask.narrow(dim, off, size // chunks).fill_(first == grid.tp_rank)
+        off += size // chunks
+    return mask
+
+
+class Unit:
+    """The flattened, sharded parameters of one module (a block, or the root's leftovers)."""
+
+    def __init__(self, params, grid, compute_dtype):
+        # params: [(names, parameter, [(module, attribute), ...])], one entry per unique tensor
+        self.group, self.dp, self.rank = grid.dp_group, grid.dp, grid.dp_rank
+        self.params = sorted(params, key=lambda e: not _decayed(e[1]))  # stable: model order otherwise
+        p0 = self.params[0][1]
+        self.device, self.dtype = p0.device, compute_dtype or p0.dtype
+        self.shapes = [p.shape for _, p, _ in self.params]
+        numel = sum(p.numel() for _, p, _ in self.params)
+        self.padded = -(-numel // self.dp) * self.dp
+        self.S = self.padded // self.dp  # this rank's shard length
+        self.sizes = [p.numel() for _, p, _ in self.params] + [self.padded - numel]  # padding last
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1).float() for _, p, _ in self.params]
+                             + [torch.zeros(self.padded - numel, device=self.device)])
+            if self.dp > 1:  # start identical everywhere: the group's first rank wins
+                dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
+            lo = self.rank * self.S
+            self.shard = flat[lo:lo + self.S].clone()  # fp32 master
+        # cut this rank's [lo, lo + S) where decayed parameters end; padding joins the last part
+        n_decay = sum(p.numel() for _, p, _ in self.params if _decayed(p))
+        self.shards, self.ranges = [], []  # shard Parameters; their [a, b) within self.shard
+        for start, end, decay in ((0, n_decay, True), (n_decay, self.padded, False)):
+            a, b = max(start, lo) - lo, min(end, lo + self.S) - lo
+            if a < b:
+                t = self.shard[a:b]
+                self.shards.append(nn.Parameter(t.view(1, -1) if decay else t))  # shares self.shard's storage
+                self.ranges.append((a, b))
+        # the runs of this shard counted in the gradient norm (all of it without TP)
+        mask = torch.cat([_counted(p, grid).reshape(-1) for _, p, _ in self.params]
+                         + [torch.zeros(self.padded - numel, dtype=torch.bool)])[lo:lo + self.S]
+        cuts = [0] + (torch.nonzero(mask[1:] != mask[:-1]).flatten() + 1).tolist() + [self.S]
+        self.counted = [(a, b) for a, b in zip(cuts, cuts[1:]) if mask[a]]
+        self.hooks = [list(p._backward_hooks.values()) if p._backward_hooks else [] for _, p, _ in self.params]
+        for _, p, locs in self.params:  # the model keeps the Parameter objects, but no memory
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            for mod, attr in locs:
+                mod._parameters[attr] = None
+        self.full = self.work = None  # gathered flat buffer (compute dtype; autograd leaf), pending all-gather
+        self.ready = self.in_backward = False  # ready: full's storage holds (or is receiving) the weights
+        self.grad = None  # fp32 flat shard gradient; the shard Parameters' .grad are views of it
+        self.op_avg = self.dp > 1 and dist.get_backend(self.group) == "nccl"  # gloo: SUM, then divide
+
+    # ------------------------------------------------------------------ the collectives
+
+    def gather(self, fresh):
+        """Issue the all-gather of the full weights (async). fresh: a new leaf tensor (forward);
+        otherwise refill the storage of the one autograd saved views of (backward)."""
+        if fresh or self.full is None:
+            self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+        else:
+            self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        # write through an alias: an in-place write to `full` itself would bump the version
+        # counter that autograd checks on the views it saved in forward
+        out = torch.empty(0, dtype=self.dtype, device=self.device).set_(self.full.untyped_storage(), 0, (self.padded,))
+        src = self.shard.to(self.dtype)  # the bf16 copy, or the fp32 shard itself
+        if self.dp > 1:
+            self.work = _all_gather(out, src, group=self.group, async_op=True)
+        else:
+            out.copy_(src)
+        self.ready = True
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()  # GPU: the compute stream waits, not the host
+            self.work = None
+
+    def install(self, hook):
+        """Point the modules' parameters at views of the gathered buffer."""
+        full = self.full
+        if torch.is_grad_enabled() and not full.requires_grad:
+            full.requires_grad_(True)  # the views' gradients sum into full.grad: one flat tensor
+            full.register_post_accumulate_grad_hook(hook)
+        for (_, _, locs), v, shape, hooks in zip(self.params, full.split(self.sizes), self.shapes, self.hooks):
+            v = v.view(shape)
+            if full.requires_grad:
+                for h in hooks:
+                    v.register_hook(h)
+            for mod, attr in locs:
+                mod._parameters[attr] = v
+
+    def release(self):
+        """Free the gathered weights; the tensor (and autograd's views of it) stays, empty."""
+        self.full.untyped_storage().resize_(0)
+        self.ready = False
+
+    def drop(self):
+        for _, _, locs in self.params:
+            for mod, attr in locs:
+                mod._parameters[attr] = None
+        if self.full is not None:
+            self.wait()
+            self.release()
+        self.full, self.in_backward = None, False
+
+    def reduce_scatter(self, g):
+        """Flat full gradient -> (work, fp32 shard) summed or averaged over dp; async."""
+        g = g.float()  # reduce in fp32 (a copy when computing in bf16)
+        if self.dp == 1:
+            return None, g
+        out = torch.empty(self.S, dtype=torch.float32, device=self.device)
+        op = dist.ReduceOp.AVG if self.op_avg else dist.ReduceOp.SUM
+        return _reduce_scatter(out, g, op=op, group=self.group, async_op=True), out
+
+    def accumulate(self, work, out):
+        if work is not None:
+            work.wait()
+        if self.dp > 1 and not self.op_avg:
+            out.div_(self.dp)
+        if self.grad is None or self.shards[0].grad is None:  # first micro-step (or after zero_grad)
+            self.grad = out
+            for p, (a, b) in zip(self.shards, self.ranges):
+                p.grad = out[a:b].view_as(p)
+        else:
+            self.grad.add_(out)
+
+    def all_gather_fp32(self, local):
+        """(S,) laid out like this rank's shard -> the full padded flat, fp32, synchronous."""
+        local = local.float().contiguous()
+        if self.dp == 1:
+            return local.clone()
+        out = torch.empty(self.padded, dtype=torch.float32, device=local.device)
+        _all_gather(out, local, group=self.group)
+        return out
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity whose backward runs right before the backward of the block that produced x."""
+
+    @staticmethod
+    def forward(ctx, fsdp, i, x):
+        ctx.fsdp, ctx.i = fsdp, i
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.fsdp._pre_backward(ctx.i)
+        return None, None, g
+
+
+class FSDP(nn.Module):
+    """ZeRO-3 over grid.dp_group: see the module docstring. Same driving API as parallel.DataParallel."""
+
+    def __init__(self, module, grid, compute_dtype=None):
+        super().__init__()
+        if grid.ep > 1:
+            raise NotImplementedError("FSDP with expert parallelism (ep > 1) is not written yet")
+        self.module, self.grid = module, grid
+        self.summoned = False
+        self.pending = []  # [(unit, work, out)]: issued reduce-scatters, oldest first
+        self.sd_keys = list(module.state_dict().keys())
+        entries = {}  # id(param) -> (names, param, homes): each unique tensor, every (module, attr) holding it
+        for mname, mod in module.named_modules():
+            for attr, p in mod._parameters.items():
+                if p is not None and p.requires_grad:
+                    e = entries.setdefault(id(p), ([], p, []))
+                    e[0].append(f"{mname}.{attr}" if mname else attr)
+                    e[2].append((mod, attr))
+        groups = [[] for _ in range(len(module.blocks) + 1)]  # 0: root; 1 + i: blocks[i]
+        for e in entries.values():
+            head = e[0][0].split(".")
+            groups[1 + int(head[1]) if head[0] == "blocks" else 0].append(e)
+        self.units = [Unit(g, grid, compute_dtype) for g in groups]
+        for i, u in enumerate(self.units):  # registered, so .parameters() yields the shards
+            for j, p in enumerate(u.shards):
+                self.register_parameter(f"unit{i}_shard{j}", p)
+        for i, block in enumerate(module.blocks, start=1):
+            block.register_forward_pre_hook(functools.partial(self._pre_forward, i))
+            block.register_forward_hook(functools.partial(self._post_forward, i))
+        if grid.dp > 1:  # buffers too (DataParallel's rule); RoPE tables are derived anyway
+            with torch.no_grad():
+                for b in module.buffers():
+                    dist.broadcast(b, src=dist.get_global_rank(grid.dp_group, 0), group=grid.dp_group)
+
+    # ------------------------------------------------------------------ forward / backward choreography
+
+    def forward(self, *args, **kwargs):
+        if self.summoned:
+            return self.module(*args, **kwargs)
+        root = self.units[0]
+        root.drop()
+        root.gather(fresh=True)
+        root.wait()
+        root.install(functools.partial(self._post_backward, 0))
+        if len(self.units) > 1 and not self.units[1].ready:
+            self.units[1].gather(fresh=True)  # prefetch block 0 while the embedding runs
+        out = self.module(*args, **kwargs)
+        if not (torch.is_grad_enabled() and out.requires_grad):
+            root.drop()  # no backward will come (evaluation)
+        return out
+
+    def _pre_forward(self, i, module, args):
+        u = self.units[i]
+        if self.summoned or u.in_backward:  # recompute of a checkpointed block: already gathered
+            return
+        if not u.ready:
+            u.gather(fresh=True)
+        u.wait()
+        u.install(functools.partial(self._post_backward, i))
+        if i + 1 < len(self.units) and not self.units[i + 1].ready:
+            self.units[i + 1].gather(fresh=True)  # overlaps this block's compute
+
+    def _post_forward(self, i, module, args, out):
+        u = self.units[i]
+        if self.summoned or u.in_backward:
+            return out
+        if torch.is_grad_enabled() and out.requires_grad:
+            u.release()  # reshard after forward; backward gathers again
+            return _PreBackward.apply(self, i, out)
+        u.drop()
+        return out
+
+    def _pre_backward(self, i):
+        u = self.units[i]
+        if not u.ready:
+            u.gather(fresh=False)
+        u.wait()
+        u.in_backward = True
+        prev = self.units[i - 1]
+        if i > 1 and prev.full is not None and not prev.ready and not prev.in_backward:
+            prev.gather(fresh=False)  # overlaps this block's backward
+
+    def _post_backward(self, i, full):
+        u = self.units[i]
+        g, full.grad = full.grad, None
+        work, out = u.reduce_scatter(g)
+        del g
+        u.drop()  # the full weights are not needed again this micro-step
+        self.pending.append((u, work, out))
+        self._drain(keep=1)  # the older one had a block's backward to finish in
+
+    def _drain(self, keep=0):
+        while len(self.pending) > keep:
+            u, work, out = self.pending.pop(0)
+            u.accumulate(work, out)
+
+    # ------------------------------------------------------------------ the DataParallel API
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """A no-op: every micro-step reduce-scatters into the shard gradients (memory-lean)."""
+        yield
+
+    def finish(self):
+        """Wait for the outstanding reduce-scatters: before clipping and the optimizer step."""
+        self._drain()
+
+    def zero_grad(self, set_to_none=True):
+        for u in self.units:  # the next reduce-scatter's output becomes the gradient: nothing to zero
+            u.grad = None
+            for p in u.shards:
+                p.grad = None
+
+    @contextlib.contextmanager
+    def summon_full_params(self):
+        """The model's own Parameters, gathered in fp32, for sampling or helpers that read the
+        plain model (generate, tp's state helpers). Collective; changes inside are discarded."""
+        for u in self.units:
+            u.drop()
+            for (_, p, locs), v, shape in zip(u.params, u.all_gather_fp32(u.shard).split(u.sizes), u.shapes):
+                p.data = v.view(shape)
+                for mod, attr in locs:
+                    mod._parameters[attr] = p
+        self.summoned = True
+        try:
+            yield self.module
+        finally:
+            self.summoned = False
+            for u in self.units:
+                u.drop()
+                for _, p, _ in u.params:
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+# ---------------------------------------------------------------------------- gradient norm
+
+def clip_grad_norm_(model, max_norm):
+    """torch.nn.utils.clip_grad_norm_ over the whole model, every parameter counted once.
+
+    FSDP shards are disjoint (padding is zero), so squares add up over dp. Under TP each rank adds
+    the runs it counts (its own slices; replicated parameters and shared pieces on their first
+    holder only), summed over the TP group. Returns the total norm, without a host sync.
+    """
+    grid = model.grid
+    units = [u for u in model.units if u.grad is not None and u.shards[0].grad is not None]
+    sq = torch.zeros((), device=model.units[0].device)
+    for u in units:
+        for a, b in u.counted:
+            sq += u.grad[a:b].square().sum()
+    for size, group in ((grid.tp, grid.tp_group), (grid.dp, grid.dp_group)):
+        if size > 1:
+            dist.all_reduce(sq, group=group)
+    norm = sq.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch's: multiply even when it is 1
+    for u in units:
+        u.grad.mul_(coef)  # the shard Parameters' .grad are views of u.grad
+    return norm
+
+
+# ---------------------------------------------------------------------------- layout-independent state
+
+def _by_name(model, local_of):
+    """{first name: full fp32 tensor on CPU} from a per-unit (S,) local tensor laid out like the
+    shard (skipped where local_of gives None). Collective over dp (and TP)."""
+    out = {}
+    for u in model.units:
+        local = local_of(u)
+        if local is None:
+            continue
+        for (names, p, _), v, shape in zip(u.params, u.all_gather_fp32(local).split(u.sizes), u.shapes):
+            v = v.view(shape)
+            if model.grid.tp > 1:  # this TP rank's slice -> the full tensor
+                import tp
+                v = tp.full_tensor(p, v, model.grid)
+            out[names[0]] = v.to("cpu", copy=True)
+    return out
+
+
+def _local(model, u, full_of):
+    """This rank's (S,) slice of unit u's flat layout, from full tensors: full_of(names) -> tensor."""
+    parts = []
+    for (names, p, _), shape in zip(u.params, u.shapes):
+        t = full_of(names)
+        if model.grid.tp > 1:  # the full tensor -> this TP rank's slice
+            import tp
+            t = tp.local_tensor(p, t, model.grid)
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{names[0]}: state has shape {tuple(t.shape)}, this model {tuple(shape)}")
+        parts.append(t.reshape(-1).float().to(u.device))
+    lo = u.rank * u.S
+    return torch.cat(parts + [torch.zeros(u.sizes[-1], device=u.device)])[lo:lo + u.S]
+
+
+def _pick(sd, names):
+    for n in names:  # a tied tensor may be saved under any of its names
+        if n in sd:
+            return sd[n]
+    raise KeyError(f"state lacks {names[0]}: is it from a different model config?")
+
+
+def full_state_dict(model):
+    """{name: full fp32 tensor on CPU}: the keys and order of the unwrapped one-process model's
+    state_dict (tied names share one tensor). Collective over dp (and TP): every rank calls it."""
+    full = _by_name(model, lambda u: u.shard)
+    for u in model.units:
+        for names, _, _ in u.params:
+            full.update({n: full[names[0]] for n in names[1:]})
+    full.update({k: v.detach().cpu() for k, v in model.module.state_dict().items()})  # persistent buffers
+    return {k: full[k] for k in model.sd_keys if k in full}
+
+
+@torch.no_grad()
+def load_full_state_dict(model, sd):
+    """Every rank copies its slice of each unit out of full tensors (saved by any layout)."""
+    for u in model.units:
+        u.drop()
+        u.shard.copy_(_local(model, u, lambda names: _pick(sd, names)))
+    for k, b in model.module.named_buffers():
+        if k in sd:
+            b.copy_(sd[k])
+
+
+def full_optim_state(model, optimizer):
+    """{param name: {"exp_avg": full, "exp_avg_sq": full, "step": tensor}}: the AdamW state of a
+    one-process run over the unwrapped model. Collective over dp (and TP)."""
+    out = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        def local(u):  # the unit's shard Parameters tile [0, S): concatenate their state
+            st = [optimizer.state.get(p, {}) for p in u.shards]
+            return torch.cat([s[key].reshape(-1) for s in st]) if all(key in s for s in st) else None
+        for name, t in _by_name(model, local).items():
+            out.setdefault(name, {})[key] = t
+    for u in model.units:
+        step = optimizer.state.get(u.shards[0], {}).get("step")
+        for names, _, _ in u.params:
+            if names[0] in out:
+                out[names[0]]["step"] = step.detach().cpu().clone()
+    return out
+
+
+def load_full_optim_state(model, optimizer, state):
+    """Slice full_optim_state's output (saved by any layout) into this rank's shards."""
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    new = {}
+    for u in model.units:
+        if u.params[0][0][0] not in state:
+            continue  # no state yet (saved before the first step)
+        flats = {k: _local(model, u, lambda names: _pick(state, names)[k]) for k in ("exp_avg", "exp_avg_sq")}
+        step = state[u.params[0][0][0]]["step"]
+        for p, (a, b) in zip(u.shards, u.ranges):
+            new[index[id(p)]] = {"step": step.clone(), **{k: f[a:b].clone().view_as(p) for k, f in flats.items()}}
+    optimizer.load_state_dict({"state": new, "param_groups": optimizer.state_dict()["param_groups"]})

@@ -1,0 +1,323 @@
+"""Tensor parallelism equals one process.
+
+Layers (2 gloo ranks): column/row-parallel linears, the vocab-parallel embedding and cross-entropy
+against nn.Linear, nn.Embedding and F.cross_entropy (values and gradients, ignore_index, a vocab
+that TP does not divide). Model: TP2, TP4 and TP2 x DP2 against one process on the same global batch
+(fp32, relative error <= 1e-5): initial full weights, first gradients, gradient norms, weights
+after 3 AdamW steps, the optimizer state; replicated parameters and shared (replicated kv) pieces
+bitwise identical across TP ranks after every step; a one-process checkpoint (weights and
+optimizer state) loaded into TP2 gives the same logits, per-token losses, greedy generation and
+next step; an HF folder read with tp.hf_shard_fn gives the one-process weights.
+"""
+import copy
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import config
+import hf
+import optim
+import parallel
+import tp
+from distributed import spawn
+from model import ModelConfig, Transformer
+
+G, T, STEPS = 8, 16, 3
+CONFIGS = {  # vocab 97 (padded to 128 = 2 x 64: rank 1's shard ends in 31 padding rows)
+    "llama_qknorm": dict(qk_norm=True),                       # 4 q heads, 2 kv heads: one of each kind per rank
+    "mqa_qkvbias": dict(n_kv_head=1, qkv_bias=True),          # 1 kv head replicated on both ranks
+    "gpt2_tied": dict(n_kv_head=0, tie_embeddings=True, pos_emb="learned", norm="layernorm",
+                      activation="gelu", bias=True),
+}
+HF_OK = ("mqa_qkvbias", "gpt2_tied")  # exportable to HF (qk_norm is not)
+
+
+def small_cfg(**kw):
+    d = config.defaults()
+    d.update(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+             block_size=T, device="cpu", lr=1e-3, weight_decay=0.1,
+             grad_clip=0.05,  # small enough that clipping really scales the gradients
+             grad_bucket_mb=0.01, eps=1e-6)  # eps: see tests/test_parallel.py
+    d.update(kw)
+    return SimpleNamespace(**d)
+
+
+def global_batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, 97, (G, T), generator=g)
+    y = torch.randint(0, 97, (G, T), generator=g)
+    y[:, :3] = -100  # ignored positions
+    return x, y
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
+
+
+def assert_close(got, ref, what, tol=1e-5):
+    if isinstance(ref, dict):
+        assert got.keys() == ref.keys(), what
+        for k in ref:
+            assert_close(got[k], ref[k], f"{what}: {k}", tol)
+    else:
+        assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(ref.shape)}"
+        err = rel_err(got, ref)
+        assert err <= tol, f"{what}: relative error {err:.2e}"
+
+
+# ----------------------------------------------------------------------------- layers
+
+def _layers(rank, out_dir):
+    grid = parallel.init(SimpleNamespace(device="cpu", tp=2, ep=1))
+    g = grid.tp_group
+    torch.manual_seed(0)  # same full layers and inputs on both ranks
+    res = {}
+
+    def run(name, tp_fn, ref_fn, x):
+        xt, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yt, yr = tp_fn(xt), ref_fn(xr)
+        gy = torch.randn_like(yr)
+        (yt * gy).sum().backward()
+        (yr * gy).sum().backward()
+        res[name] = (yt.detach(), yr.detach())
+        res[name + " dx"] = (xt.grad, xr.grad)
+
+    lin = nn.Linear(8, 6)
+    col = tp.ColumnParallelLinear(copy.deepcopy(lin), grid)
+    run("column", lambda x: tp.Gather.apply(col(x), g), lin, torch.randn(3, 5, 8))
+    for n in ("weight", "bias"):
+        res[f"column d{n}"] = (tp.full_tensor(getattr(col, n), getattr(col, n).grad, grid), getattr(lin, n).grad)
+
+    lin = nn.Linear(8, 6)
+    row = tp.RowParallelLinear(copy.deepcopy(lin), grid)
+    run("row", lambda x: row(tp.Split.apply(x, g)), lin, torch.randn(3, 5, 8))
+    for n in ("weight", "bias"):
+        res[f"row d{n}"] = (tp.full_tensor(getattr(row, n), getattr(row, n).grad, grid), getattr(lin, n).grad)
+
+    emb = nn.Embedding(14, 4)  # vocabulary 13, padded to 14 = 2 x 7
+    vp = tp.VocabParallelEmbedding(copy.deepcopy(emb), grid)
+    ids = torch.randint(0, 13, (3, 5))
+    out_t, out_r = vp(ids), emb(ids)
+    gy = torch.randn_like(out_r)
+    (out_t * gy).sum().backward()
+    (out_r * gy).sum().backward()
+    res["embedding"] = (out_t.detach(), out_r.detach())
+    res["embedding dweight"] = (tp.full_tensor(vp.weight, vp.weight.grad, grid), emb.weight.grad)
+
+    logits = torch.randn(4, 6, 14) * 3
+    targets = torch.randint(0, 13, (4, 6))
+    targets[0, :4] = -100
+    targets[1, 0], targets[1, 1], targets[1, 2] = 0, 6, 7  # both sides of the shard boundary, and 12
+    targets[1, 3] = 12
+    for red in ("mean", "sum", "none"):
+        run(f"cross-entropy {red}",
+            lambda z: tp.vocab_parallel_cross_entropy(tp.Split.apply(z, g), targets, g, 13, reduction=red),
+            lambda z: F.cross_entropy(z[..., :13].flatten(0, 1), targets.flatten(), reduction=red
+                                      ).view(targets.shape if red == "none" else ()), logits)
+    valid = targets != -100
+
+    def ref_logprobs(z):
+        lp = z[..., :13].log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+        return lp * valid
+    run("logprobs", lambda z: tp.vocab_parallel_logprobs(tp.Split.apply(z, g), targets, g, 13), ref_logprobs,
+        logits)
+    if rank == 0:
+        torch.save(res, os.path.join(out_dir, "layers.pt"))
+
+
+def test_layers_match_torch(tmp_path):
+    spawn(_layers, 2, str(tmp_path))
+    res = torch.load(tmp_path / "layers.pt")
+    for name, (got, ref) in res.items():
+        assert_close(got, ref, name, tol=1e-6)
+    assert res["cross-entropy mean dx"][0][..., 13].abs().max() == 0  # padding column: no gradient
+
+
+# ----------------------------------------------------------------------------- the model
+
+def _train(rank, out_dir, jobs, ref_path):
+    """TP (and DP) training in miniature; saves what the test compares. jobs: [(tp size, config
+    names)], one spawn for several layouts. tp 1 in one process is the reference: torch's
+    clip_grad_norm_ and the plain model."""
+    refs = torch.load(ref_path) if ref_path else None
+    for tp_size, names in jobs:
+        grid = parallel.init(SimpleNamespace(device="cpu", tp=tp_size, ep=1))
+        out = _train_layout(rank, out_dir, grid, tp_size, names, refs)
+        torch.save(out, os.path.join(out_dir, f"tp{tp_size}_rank{rank}.pt"))
+
+
+def _train_layout(rank, out_dir, grid, tp_size, names, refs):
+    loading = refs is not None  # else: this is the one-process reference
+    out = {}
+    for name in names:
+        cfg = small_cfg(tp=tp_size, **CONFIGS[name])
+        mcfg = ModelConfig.from_cfg(cfg)
+
+        def build(seed):
+            torch.manual_seed(seed)
+            raw = tp.tensor_parallel(Transformer(mcfg), grid)
+            return raw, optim.build_optimizer(raw, cfg), parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)
+
+        def step(raw, opt, model, s, rec):
+            per = G // grid.dp
+            x, y = (t[grid.dp_rank * per:(grid.dp_rank + 1) * per] for t in global_batch(s))
+            model(x, y).backward()
+            model.finish()
+            if rec is not None and s == 0:
+                rec["grads"] = {n: tp.full_tensor(p, p.grad, grid) for n, p in raw.named_parameters()}
+            clip = torch.nn.utils.clip_grad_norm_ if grid.world == 1 else tp.clip_grad_norm_
+            norm = clip(raw.parameters(), cfg.grad_clip, *([grid] if grid.world > 1 else []))
+            opt.step()
+            model.zero_grad()
+            return norm
+
+        raw, opt, model = build(0)
+        rec = {"init": tp.full_state_dict(raw, grid), "steps": [], "norms": [], "replicated": [], "shared_ok": []}
+        n_steps = STEPS if loading else STEPS + 1  # the reference also makes the step after loading
+        for s in range(n_steps):
+            rec["norms"].append(step(raw, opt, model, s, rec))
+            full = tp.full_state_dict(raw, grid)
+            rec["steps"].append(full)
+            rec["replicated"].append({n: p.detach().clone() for n, p in raw.named_parameters()
+                                      if not hasattr(p, "tp_split")})
+            # shared pieces (replicated kv heads, q/k norms) equal their first holder's copy, bitwise
+            rec["shared_ok"].append(all(torch.equal(p, tp.local_tensor(p, full[n], grid))
+                                        for n, p in raw.named_parameters()))
+            if s == STEPS - 1:
+                rec["optim"] = tp.full_optim_state(raw, opt, grid)
+                if not loading:
+                    rec["optim_ckpt"] = copy.deepcopy({n: dict(opt.state[p]) for n, p in raw.named_parameters()})
+                    x, y = global_batch(99)
+                    with torch.no_grad():
+                        rec["logits"], rec["nll"] = raw(x), raw(x, y, reduction="none")
+                    rec["gen"] = raw.generate(x[:2, :4], 6, temperature=0)
+        if loading:  # a one-process checkpoint after STEPS steps, loaded into this layout
+            ref = refs[name]
+            raw, opt, model = build(1)  # another init: everything must come from the load
+            tp.load_full_state_dict(raw, grid, ref["steps"][STEPS - 1])
+            tp.load_full_optim_state(raw, opt, grid, ref["optim"])
+            x, y = global_batch(99)
+            with torch.no_grad():
+                rec["logits"], rec["nll"] = raw(x), raw(x, y, reduction="none")
+            rec["gen"] = raw.generate(x[:2, :4], 6, temperature=0)
+            step(raw, opt, model, STEPS, None)
+            rec["after_load_step"] = tp.full_state_dict(raw, grid)
+            if name in HF_OK:  # an HF folder read shard by shard
+                path = os.path.join(out_dir, f"hf_{name}_{rank}")
+                hf.export_hf(_full_model(mcfg, ref["steps"][STEPS - 1]), path)
+                raw, _, _ = build(1)
+                hf.load_weights(path, raw, shard_fn=tp.hf_shard_fn(raw, grid))
+                rec["hf"] = tp.full_state_dict(raw, grid)
+                rec["hf_ref"] = hf.load_hf(path).state_dict()
+        out[name] = rec
+    return out
+
+
+def _full_model(mcfg, sd):
+    m = Transformer(mcfg)
+    m.load_state_dict(sd)
+    return m
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref")
+    _train(0, str(d), [(1, list(CONFIGS))], None)
+    return str(d / "tp1_rank0.pt"), torch.load(d / "tp1_rank0.pt")
+
+
+def _check(ranks, ref, tp_size, names):
+    for name in names:
+        r0 = ref[name]
+        for rank, out in enumerate(ranks):
+            got, what = out[name], f"{name} rank {rank}"
+            assert_close(got["init"], r0["init"], f"{what} initial weights")
+            assert_close(got["grads"], r0["grads"], f"{what} first gradients")
+            for s in range(STEPS):
+                assert_close(got["norms"][s], r0["norms"][s], f"{what} gradient norm step {s}")
+            assert_close(got["steps"][-1], r0["steps"][STEPS - 1], f"{what} weights after {STEPS} steps")
+            assert_close(got["optim"], r0["optim_ckpt"], f"{what} optimizer state")
+            assert_close(r0["optim"], r0["optim_ckpt"], "tp=1 full_optim_state vs the optimizer's own state", tol=0)
+            assert all(got["shared_ok"]), f"{what}: a shared piece differs from its first holder's"
+            assert_close(got["logits"], r0["logits"], f"{what} logits after loading")
+            assert_close(got["nll"], r0["nll"], f"{what} per-token loss after loading")
+            assert torch.equal(got["gen"], r0["gen"]), f"{what} greedy generation"
+            assert_close(got["after_load_step"], r0["steps"][STEPS], f"{what} step after loading")
+            if "hf" in got:
+                assert_close(got["hf"], got["hf_ref"], f"{what} HF shards", tol=0)
+        # replicated parameters bitwise identical across the ranks of a TP group, after every step
+        for a in range(0, len(ranks), tp_size):
+            for b in range(a + 1, a + tp_size):
+                for s in range(STEPS):
+                    for k, v in ranks[a][name]["replicated"][s].items():
+                        assert torch.equal(v, ranks[b][name]["replicated"][s][k]), \
+                            f"{name} step {s}: {k} differs between ranks {a} and {b}"
+    moved = max(rel_err(ref[names[0]]["steps"][-1][k], ref[names[0]]["init"][k]) for k in ref[names[0]]["init"])
+    assert moved > 1e-3  # guards against a no-op optimizer
+    assert ref[names[0]]["norms"][0] > 0.05  # ... and against clipping that never clips
+
+
+def test_tp2_equals_one_process(tmp_path, reference):
+    path, ref = reference
+    spawn(_train, 2, str(tmp_path), [(2, list(CONFIGS))], path)
+    _check([torch.load(tmp_path / f"tp2_rank{r}.pt") for r in range(2)], ref, 2, list(CONFIGS))
+
+
+def test_tp2_dp2_and_tp4_equal_one_process(tmp_path, reference):
+    # one spawn of 4 ranks, two layouts. TP2 x DP2: DataParallel over grid.dp_group wraps the TP
+    # model. TP4: 2 kv heads on 4 ranks (each kv head shared by 2 ranks), q/k norms shared by
+    # all 4, and rank 3's vocabulary shard holds 1 real row and 31 padding rows.
+    path, ref = reference
+    jobs = [(2, ["mqa_qkvbias"]), (4, ["llama_qknorm"])]
+    spawn(_train, 4, str(tmp_path), jobs, path)
+    for tp_size, names in jobs:
+        _check([torch.load(tmp_path / f"tp{tp_size}_rank{r}.pt") for r in range(4)], ref, tp_size, names)
+
+
+# ----------------------------------------------------------------------------- one process
+
+def test_clip_grad_norm_tp1_equals_torch():
+    grid = parallel.init(SimpleNamespace(device="cpu", tp=1, ep=1))
+    torch.manual_seed(0)
+    a = Transformer(ModelConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, block_size=8))
+    b = copy.deepcopy(a)
+    x = torch.randint(0, 50, (2, 8))
+    for m in (a, b):
+        m(x, x).backward()
+    na = tp.clip_grad_norm_(a.parameters(), 0.01, grid)
+    nb = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.01)
+    assert_close(na, nb, "norm")
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert_close(p.grad, q.grad, f"clipped grad {n}")
+    assert tp.tensor_parallel(a, grid) is a and isinstance(a.head, nn.Linear)  # tp=1: untouched
+
+
+def test_vocab_parallel_loss_one_process():
+    # group None (tp=1): the same functions, what DPO / GRPO call without tensor parallelism
+    torch.manual_seed(0)
+    z = torch.randn(3, 5, 16, requires_grad=True)
+    y = torch.randint(0, 13, (3, 5))
+    y[0, :2] = -100
+    got = tp.vocab_parallel_cross_entropy(z, y, None, vocab_size=13, reduction="none")
+    ref = F.cross_entropy(z[..., :13].flatten(0, 1), y.flatten(), reduction="none").view(y.shape)
+    assert_close(got, ref, "loss")
+    assert_close(tp.vocab_parallel_logprobs(z, y, None, 13), -ref, "logprobs")
+    (gz,) = torch.autograd.grad(got.sum() / (y != -100).sum(), z)
+    (rz,) = torch.autograd.grad(F.cross_entropy(z[..., :13].flatten(0, 1), y.flatten()), z)
+    assert_close(gz, rz, "gradient")
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(n_head=6, n_kv_head=3, n_embd=48), "n_head=6 is not divisible by tp=4"),
+    (dict(n_head=8, n_kv_head=0, n_embd=32, ffn_hidden=30, activation="gelu"), "hidden size 30"),
+    (dict(n_head=12, n_kv_head=6, n_embd=48), "n_kv_head=6 and tp=4"),
+    (dict(n_head=4, n_kv_head=1, n_embd=16, pad_vocab_multiple=2), "pad_vocab_multiple to a multiple of tp"),
+])
+def test_refuses_with_a_message(kw, msg):
+    grid = SimpleNamespace(tp=4, tp_rank=0, tp_group=None)  # the checks run before any collective
+    with pytest.raises(ValueError, match=msg):
+        tp.tensor_parallel(Transformer(ModelConfig(vocab_size=50, n_layer=1, block_size=8, **kw)), grid)
