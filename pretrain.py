@@ -67,11 +67,14 @@ say(f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, tp {grid.tp}) on {de
 # ---------------------------------------------------------------------------- model and optimizer
 mcfg = ModelConfig.from_cfg(cfg)
 raw = Transformer(mcfg).to(device)  # the full model on every rank, from the same seed
-if cfg.init_from:
-    (hf.load_weights if from_hf else checkpoint.load_model)(cfg.init_from, raw)
 n_params, n_body = raw.num_params(), raw.non_embedding_params()
 flops_per_token = raw.flops_per_token(T)  # counted on the full model, before it is cut
 tp.tensor_parallel(raw, grid)  # TP: keep this rank's heads / MLP columns / vocabulary rows (tp=1: no-op)
+if cfg.init_from:  # under TP each rank keeps only its slices (of an HF folder, it reads only those)
+    if from_hf:
+        hf.load_weights(cfg.init_from, raw, shard_fn=tp.hf_shard_fn(raw, grid))
+    else:
+        tp.load_full_state_dict(raw, grid, checkpoint.read_weights(cfg.init_from, mcfg))
 if cfg.data_parallel == "fsdp":  # shard what TP left over the data-parallel ranks
     model = fsdp.FSDP(raw, grid, compute_dtype=dtype if dtype != torch.float32 else None)
 else:  # replicate it; broadcasts rank 0's weights
