@@ -3,6 +3,8 @@
     torchrun --nproc_per_node=2 bench_parallel.py speed                # ~1B LLaMA, seq 2048, bf16
     torchrun --nproc_per_node=2 bench_parallel.py capacity --cap_gb=24  # largest model FSDP=2 trains
     torchrun --nproc_per_node=2 bench_parallel.py speed --shape=tiny --device=cpu --steps=2   # smoke test
+    torchrun --nproc_per_node=2 bench_parallel.py moe                  # 8-expert top-2 MoE: DP vs EP
+    torchrun --nproc_per_node=2 bench_parallel.py moe --shape=tiny --device=cpu --steps=2     # smoke test
 
 speed rows (same global batch: --batch sequences per GPU for the data-parallel forms, the same
 total on the TP group): ours-fsdp (fsdp.FSDP, bf16 compute, fp32 master shards and reduce) vs
@@ -16,6 +18,13 @@ capacity: for growing LLaMA shapes, FSDP over all GPUs with activation checkpoin
 process capped at --cap_gb of GPU memory (torch.cuda.set_per_process_memory_fraction, set after
 the model is built and sharded, so the cap covers training, not the one-off full-size init);
 a row passes when --steps optimizer steps complete.
+
+moe: the shape with 8 experts, top-2, in every layer (1b: 16 layers of width 2048, experts of
+4096 hidden units: 3.6B parameters, 1.2B active). moe-dp: every GPU holds every expert
+(moe.expert_parallel with ep = 1, parallel.DataParallel over all GPUs); moe-ep: experts sharded
+over all GPUs (ep = world, dp = 1), tokens exchanged with all_to_all; both dropless; moe-ep-cap:
+EP with capacity_factor 1.25 (static shapes, no host sync). Same --batch sequences per GPU in
+every row; MFU counts active parameters (model.flops_per_token).
 """
 import argparse
 import gc
@@ -30,6 +39,7 @@ import torch.distributed as dist
 
 import fsdp
 import logs
+import moe
 import optim
 import parallel
 import tp
@@ -40,12 +50,14 @@ SHAPES = {  # ~1B: Llama-3.2-1B-like width/depth with a 50k vocabulary (1.21B pa
     "1b": dict(LLAMA, block_size=2048, n_layer=16, n_embd=2048, n_head=16, n_kv_head=8, ffn_hidden=8192),
     "tiny": dict(LLAMA, vocab_size=512, block_size=64, n_layer=2, n_embd=64, n_head=4, n_kv_head=2),
 }
+MOE = dict(n_experts=8, moe_top_k=2)
+MOE_SHAPES = {"1b": dict(SHAPES["1b"], **MOE, moe_hidden=4096), "tiny": dict(SHAPES["tiny"], **MOE)}
 CAPACITY = [  # (name, shape): 2.1B, 2.5B, 2.9B, 3.3B parameters at width 2560
     (f"{L}-layers", dict(LLAMA, block_size=2048, n_layer=L, n_embd=2560, n_head=20, n_kv_head=4,
                           ffn_hidden=10240, grad_checkpoint=True)) for L in (20, 24, 28, 32)]
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-p.add_argument("mode", choices=["speed", "capacity"])
+p.add_argument("mode", choices=["speed", "capacity", "moe"])
 p.add_argument("--shape", choices=list(SHAPES), default="1b")
 p.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
 p.add_argument("--steps", type=int, default=10)
@@ -106,6 +118,16 @@ def ours_tp(raw):
 
 ROWS = {"ours-fsdp": ours_fsdp, "torch-fsdp2": torch_fsdp2, "ours-dp": ours_dp, "torch-ddp": torch_ddp,
         "ours-tp": ours_tp}
+ep_grid = (parallel.init(SimpleNamespace(device=args.device, tp=1, ep=world))  # same processes, ep = world
+           if args.mode == "moe" else None)
+
+
+def moe_wrap(g):
+    def wrap(raw):
+        moe.expert_parallel(raw, g)  # ep = 1: every expert here; ep = world: this rank's share
+        m = parallel.DataParallel(raw, g)
+        return raw, raw, m.finish, m.zero_grad
+    return wrap
 
 
 def measure(name, shape, wrap, cap_gb=0.0):
@@ -118,6 +140,7 @@ def measure(name, shape, wrap, cap_gb=0.0):
     try:
         raw = build(shape)
         row["params"] = raw.num_params()
+        row["active_params"] = raw.active_params()
         fpt = raw.flops_per_token(shape["block_size"])
         params_of, fwd, finish, zero_grad = wrap(raw)
         opt = optim.build_optimizer(params_of, opt_cfg)
@@ -191,6 +214,13 @@ if args.mode == "speed":
     for a, b in (("ours-fsdp", "torch-fsdp2"), ("ours-dp", "torch-ddp"), ("ours-tp", "ours-fsdp")):
         if by.get(a) and by.get(b):
             say(f"  {a} / {b}: {by[a] / by[b]:.3f}x tokens/s")
+elif args.mode == "moe":
+    shape = MOE_SHAPES[args.shape]
+    rows = [measure("moe-dp", shape, moe_wrap(grid)), measure("moe-ep", shape, moe_wrap(ep_grid)),
+            measure("moe-ep-cap", dict(shape, capacity_factor=1.25), moe_wrap(ep_grid))]
+    if rows[0].get("tokens_per_s") and rows[1].get("tokens_per_s"):
+        say(f"  moe-ep / moe-dp: {rows[1]['tokens_per_s'] / rows[0]['tokens_per_s']:.3f}x tokens/s "
+            f"({rows[0]['active_params'] / 1e9:.2f}B active of {rows[0]['params'] / 1e9:.2f}B parameters)")
 else:
     rows = [measure(name, shape, ours_fsdp, cap_gb=args.cap_gb) for name, shape in CAPACITY]
 if main and args.json:

@@ -50,9 +50,12 @@ def gather(model, optimizer, grid, wrapper=None):
     """(weights, optimizer state) as full tensors under the one-process names, from any layout
     (plain, data parallel, TP, FSDP, TP x FSDP). Collective: every rank calls it.
     optimizer state: {param name: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}}."""
+    weights = fsdp.full_state_dict(wrapper) if isinstance(wrapper, fsdp.FSDP) else tp.full_state_dict(model, grid)
+    if optimizer is not None and hasattr(optimizer, "full_optim_state"):  # muon.Muon: any layout, ZeRO-1 included
+        return weights, optimizer.full_optim_state(model, grid)
     if isinstance(wrapper, fsdp.FSDP):
-        return fsdp.full_state_dict(wrapper), (fsdp.full_optim_state(wrapper, optimizer) if optimizer else None)
-    return tp.full_state_dict(model, grid), (tp.full_optim_state(model, optimizer, grid) if optimizer else None)
+        return weights, (fsdp.full_optim_state(wrapper, optimizer) if optimizer else None)
+    return weights, (tp.full_optim_state(model, optimizer, grid) if optimizer else None)
 
 
 def rng_state():
@@ -192,7 +195,13 @@ def load(path, model, optimizer, grid, wrapper=None):
         if not os.path.isfile(opt_file):
             raise FileNotFoundError(f"no optimizer.pt in '{path}': cannot resume optimizer state")
         opt_state = torch.load(opt_file, map_location="cpu", weights_only=False)
-    if isinstance(wrapper, fsdp.FSDP):
+    if opt_state is not None and hasattr(optimizer, "load_full_optim_state"):  # muon.Muon: any layout
+        if isinstance(wrapper, fsdp.FSDP):
+            fsdp.load_full_state_dict(wrapper, weights)
+        else:
+            tp.load_full_state_dict(model, grid, weights)
+        optimizer.load_full_optim_state(model, grid, opt_state)
+    elif isinstance(wrapper, fsdp.FSDP):
         fsdp.load_full_state_dict(wrapper, weights)
         if opt_state is not None:
             fsdp.load_full_optim_state(wrapper, optimizer, opt_state)

@@ -50,6 +50,12 @@ TRAIN_DEFAULTS = dict(
     beta2=0.95,
     eps=1e-8,
     grad_clip=1.0,           # 0: no clipping
+    # Muon (optimizer="muon"): hidden matrices; embeddings, head, norms, biases stay on AdamW
+    muon_lr=0.0,             # 0 -> lr (with muon_scale="rms" AdamW's lr and weight decay carry over)
+    muon_momentum=0.95,      # Nesterov momentum
+    muon_scale="rms",        # rms: update * 0.2*sqrt(max(rows, cols)) | shape: * sqrt(max(1, rows/cols))
+    ns_dtype="bfloat16",     # Newton-Schulz precision: bfloat16 | float32 (exact tests)
+    zero1=False,             # ZeRO-1: optimizer state sharded over data-parallel ranks (ddp only)
     # system
     seed=1337,
     device="auto",           # auto | cpu | cuda
@@ -58,7 +64,7 @@ TRAIN_DEFAULTS = dict(
     grad_bucket_mb=25.0,     # data-parallel all-reduce bucket size
     tp=1,                    # tensor-parallel size (Megatron style, innermost: neighbouring GPUs)
     data_parallel="ddp",     # how the world // tp replicas split the batch: ddp (replicated) | fsdp (sharded)
-    ep=1,                    # expert-parallel size (later issue)
+    ep=1,                    # expert-parallel size: experts sharded over ep ranks that see different data (moe.py)
     # evaluation and logging
     eval_every=250,
     eval_batches=20,
@@ -175,18 +181,34 @@ def validate(cfg, world=1):
     need(cfg.weight_decay >= 0, f"weight_decay={cfg.weight_decay} must be >= 0")
     need(0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1, f"beta1={cfg.beta1}, beta2={cfg.beta2} must be in [0, 1)")
     need(cfg.grad_clip >= 0, f"grad_clip={cfg.grad_clip} must be >= 0 (0 disables clipping)")
-    need(cfg.optimizer in ("adamw",), f"optimizer='{cfg.optimizer}' is not available (choose adamw)")
+    need(cfg.optimizer in ("adamw", "muon"), f"optimizer='{cfg.optimizer}' is not available (choose adamw or muon)")
+    need(cfg.muon_lr >= 0, f"muon_lr={cfg.muon_lr} must be >= 0 (0 means lr)")
+    need(0 <= cfg.muon_momentum < 1, f"muon_momentum={cfg.muon_momentum} must be in [0, 1)")
+    need(cfg.muon_scale in ("rms", "shape"), f"muon_scale='{cfg.muon_scale}' must be rms or shape")
+    need(cfg.ns_dtype in ("bfloat16", "float32"), f"ns_dtype='{cfg.ns_dtype}' must be bfloat16 or float32")
+    need(not (cfg.zero1 and cfg.data_parallel == "fsdp"),
+         "zero1=True shards optimizer state over ddp replicas; data_parallel='fsdp' already shards it: drop one")
     need(cfg.device in ("auto", "cpu", "cuda"), f"device='{cfg.device}' must be auto, cpu or cuda")
     need(cfg.dtype in ("auto", "float32", "bfloat16"), f"dtype='{cfg.dtype}' must be auto, float32 or bfloat16")
     need(cfg.tp >= 1, f"tp={cfg.tp} must be >= 1")
-    need(cfg.ep == 1, "ep must be 1: expert parallelism is not in this version")
+    need(cfg.ep >= 1, f"ep={cfg.ep} must be >= 1")
+    need(cfg.ep == 1 or cfg.n_experts > 0, f"ep={cfg.ep} shards experts: set n_experts > 0 (a MoE model) or ep=1")
+    need(cfg.n_experts % cfg.ep == 0, f"n_experts={cfg.n_experts} is not divisible by ep={cfg.ep}: each rank needs whole experts")
+    need(not (cfg.n_experts and cfg.tp > 1), "mixture of experts with tensor parallelism (tp > 1) is not written yet: use tp=1")
+    need(not (cfg.n_experts and cfg.data_parallel == "fsdp"),
+         "mixture of experts with data_parallel='fsdp' is not written yet: use data_parallel='ddp'")
+    need(not (cfg.n_experts and cfg.optimizer != "adamw"),
+         f"mixture of experts with optimizer='{cfg.optimizer}' is not tested yet: use optimizer='adamw'")
+    need(not (cfg.ep > 1 and cfg.resume),
+         "resume with ep > 1 (cutting saved experts and their optimizer state on load) is not written yet: "
+         "resume with ep=1 (init_from works with any ep: the full model is loaded before experts are cut)")
     need(cfg.data_parallel in ("ddp", "fsdp"), f"data_parallel='{cfg.data_parallel}' must be ddp or fsdp")
     need(not (cfg.compile and (cfg.tp > 1 or cfg.data_parallel == "fsdp")),
          "compile=True works with data_parallel='ddp' and tp=1 only (TP's and FSDP's collectives run in "
          "hooks torch.compile does not trace): set --compile=False")
     need(cfg.n_head % cfg.tp == 0, f"n_head={cfg.n_head} is not divisible by tp={cfg.tp}: each rank needs whole heads")
     need(world % (cfg.tp * cfg.ep) == 0, f"world size {world} is not divisible by tp*ep={cfg.tp * cfg.ep}")
-    dp = world // (cfg.tp * cfg.ep)
+    dp = world // (cfg.tp * cfg.ep) * cfg.ep  # data-parallel ranks: EP ranks see different data too
     need(cfg.micro_batch_size > 0 and cfg.batch_size > 0, "batch_size and micro_batch_size must be positive")
     need(cfg.batch_size % (cfg.micro_batch_size * dp) == 0,
          f"batch_size={cfg.batch_size} must be divisible by micro_batch_size*data_parallel="

@@ -66,6 +66,17 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     grad_checkpoint: bool = False  # recompute each block in backward (activation checkpointing)
+    # mixture of experts (moe.py); n_experts = 0: dense MLP in every layer
+    n_experts: int = 0             # routed experts per MoE layer
+    moe_top_k: int = 2             # experts per token
+    n_shared_experts: int = 0      # always-on experts (one dense MLP of n_shared_experts * expert hidden)
+    moe_hidden: int = 0            # hidden size of one expert; 0 -> the dense MLP's hidden size
+    moe_every: int = 1             # every moe_every-th layer from moe_first_dense on is MoE
+    moe_first_dense: int = 0       # the first layers stay dense (DeepSeek's first_k_dense_replace)
+    capacity_factor: float = 0.0   # > 0: per-rank expert capacity ceil(cf * tokens * top_k / n_experts); 0: dropless
+    moe_renorm: bool = True        # renormalise the top-k router probabilities to sum to 1
+    aux_loss_coeff: float = 0.01   # load-balancing loss coefficient
+    z_loss_coeff: float = 0.001    # router z-loss coefficient
 
     @classmethod
     def from_cfg(cls, cfg):
@@ -102,6 +113,20 @@ class ModelConfig:
                                  f"with keys {', '.join(LLAMA3_ROPE_KEYS)} is supported")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.n_experts < 0:
+            raise ValueError(f"n_experts={self.n_experts} must be >= 0 (0 = dense)")
+        if self.n_experts:
+            if not 1 <= self.moe_top_k <= self.n_experts:
+                raise ValueError(f"moe_top_k={self.moe_top_k} must be in [1, n_experts={self.n_experts}]")
+            for name in ("n_shared_experts", "moe_hidden", "moe_first_dense", "capacity_factor",
+                         "aux_loss_coeff", "z_loss_coeff"):
+                if getattr(self, name) < 0:
+                    raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+            if self.moe_every < 1:
+                raise ValueError(f"moe_every={self.moe_every} must be >= 1 (1 = every layer)")
+            if self.moe_first_dense >= self.n_layer:
+                raise ValueError(f"moe_first_dense={self.moe_first_dense} leaves no MoE layer among "
+                                 f"n_layer={self.n_layer}: lower it or set n_experts=0")
 
     @property
     def kv_heads(self):
@@ -278,13 +303,17 @@ class MLP(nn.Module):
 # ----------------------------------------------------------------------------- block
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer=0):
         super().__init__()
         self.prenorm = cfg.prenorm
         self.norm1 = make_norm(cfg, cfg.n_embd)
         self.attn = Attention(cfg)
         self.norm2 = make_norm(cfg, cfg.n_embd)
-        self.mlp = MLP(cfg)
+        if cfg.n_experts:
+            import moe  # imported here: moe.py builds on this module's MLP
+            self.mlp = moe.MoE(cfg) if moe.moe_layer(cfg, layer) else MLP(cfg)
+        else:
+            self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0):
@@ -313,7 +342,7 @@ class Transformer(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         # post-norm already ends every block with a norm
         self.norm_f = make_norm(cfg, C) if cfg.prenorm else nn.Identity()
         self.head = nn.Linear(C, V, bias=False)
@@ -335,10 +364,12 @@ class Transformer(nn.Module):
             self.rope_cos, self.rope_sin = cos, sin
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
         for name, m in self.named_modules():  # fixed order -> same seed, same weights
+            if hasattr(m, "init_experts"):  # moe.MoE: expert weight tensors (E, out, in)
+                m.init_experts(cfg.init_std, out_std)
             if isinstance(m, nn.Linear):
                 if m is self.head and cfg.tie_embeddings:
                     continue  # shared with tok_emb, initialised there
-                std = out_std if name.endswith(("attn.proj", "mlp.proj")) else cfg.init_std
+                std = out_std if name.endswith(("attn.proj", "mlp.proj", "shared.proj")) else cfg.init_std
                 nn.init.normal_(m.weight, 0.0, std)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
@@ -381,6 +412,9 @@ class Transformer(nn.Module):
           "none" (-> (B, T), zeros at ignored positions).
         cache: a KVCache; the new tokens' keys/values are appended at cache.length and the
           tokens attend to everything cached.
+        MoE models (moe.py): in training mode with reduction "mean" the returned loss also holds
+          every MoE layer's router losses (load balance + z-loss, see router_loss()); the latest
+          values and expert loads stay on the layers for logging (moe.metrics(model)).
         pos: (B, T) position ids; default: cache.length + 0..T-1, or derived from a 2-D attn_mask.
         attn_mask: (B, S) 0/1 or bool, True = real token (S = cached + new tokens), combined with
           causality; or a ready (B, [1,] T, S) boolean mask (True = attend) used as is.
@@ -389,7 +423,14 @@ class Transformer(nn.Module):
         x = self.hidden_states(idx, cache=cache, pos=pos, attn_mask=attn_mask)
         if targets is None:
             return self.logits(x)
-        return self.head_loss(x, targets, reduction)
+        loss = self.head_loss(x, targets, reduction)
+        if self.cfg.n_experts and self.training and reduction == "mean":
+            loss = loss + self.router_loss()
+        return loss
+
+    def router_loss(self):
+        """Sum of the MoE layers' router losses (aux + z) of the latest forward; 0 when dense."""
+        return sum(b.mlp.router_loss for b in self.blocks if getattr(b.mlp, "is_moe", False))
 
     # The output layer in two methods, so that tensor parallelism (tp.py) can replace them on the
     # instance with vocab-parallel versions (a loss that never gathers the full logits).
@@ -487,8 +528,17 @@ class Transformer(nn.Module):
         return n
 
     def non_embedding_params(self):
-        """Matmul parameters inside the blocks: the 2-D weights of every nn.Linear (no norms, biases)."""
-        return sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
+        """Matmul parameters inside the blocks: the 2-D weights of every nn.Linear (no norms, biases);
+        for MoE layers the router and the *active* experts (moe_top_k of them per token)."""
+        n = sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
+        return n + sum(m.top_k * m.expert_numel() for m in self._moe_layers())
+
+    def active_params(self):
+        """Parameters one token uses: num_params() less the routed experts it does not visit."""
+        return self.num_params() - sum((m.n_experts - m.top_k) * m.expert_numel() for m in self._moe_layers())
+
+    def _moe_layers(self):
+        return [b.mlp for b in self.blocks if getattr(b.mlp, "is_moe", False)]
 
     def flops_per_token(self, T=None):
         """Training FLOPs per token at sequence length T (default block_size), as in DESIGN.md:

@@ -2,7 +2,7 @@
 
 AdamW with decoupled weight decay on matrices only: norms, biases and other 1-D parameters are
 not decayed (decaying a gain towards 0 fights the normalisation it implements).
-Muon for hidden matrices arrives in muon.py (its own issue) and plugs in here.
+Muon for hidden matrices (and ZeRO-1) live in muon.py; build_optimizer picks it by config.
 """
 import math
 
@@ -18,9 +18,14 @@ def param_groups(model, weight_decay):
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model, cfg):
-    if cfg.optimizer != "adamw":
-        raise ValueError(f"optimizer='{cfg.optimizer}' is not available (choose adamw)")
+def build_optimizer(model, cfg, grid=None):
+    """AdamW (torch's), or muon.Muon when cfg.optimizer == "muon" or cfg.zero1 (grid needed for
+    TP and ZeRO-1). Every group may carry "lr_scale": the loop sets lr = lr_at(step) * lr_scale."""
+    if cfg.optimizer not in ("adamw", "muon"):
+        raise ValueError(f"optimizer='{cfg.optimizer}' is not available (choose adamw or muon)")
+    if cfg.optimizer == "muon" or getattr(cfg, "zero1", False):
+        import muon
+        return muon.build(model, cfg, grid)
     on_cuda = next(model.parameters()).is_cuda
     # fused AdamW: one kernel for all parameters on GPU; foreach on CPU
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,

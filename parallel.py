@@ -4,8 +4,10 @@
     model = parallel.DataParallel(model, grid) # gradient all-reduce overlapping backward
 
 Ranks form arange(world).view(dp, ep, tp) with TP innermost, so tensor-parallel partners are
-neighbouring GPUs. Tensor, expert and fully-sharded parallelism arrive in later files/issues;
-the Grid already carries their sizes and groups.
+neighbouring GPUs. Tensor parallelism lives in tp.py, FSDP in fsdp.py, experts in moe.py.
+EP ranks see different data: the data-parallel world (loader shards, gradient averaging of
+non-expert parameters) is dp x ep, `grid.data_group` / `data_rank` / `data_world`; dp_group
+holds the replicas of one expert shard (= data_group when ep = 1).
 """
 import contextlib
 import datetime
@@ -32,19 +34,31 @@ class Grid:
     tp_group: object
     ep_group: object
     device: torch.device
+    data_group: object = None  # dp x ep ranks sharing tp_rank: they all see different data
 
     @property
     def is_main(self):
         return self.rank == 0
+
+    @property
+    def data_world(self):
+        return self.dp * self.ep
+
+    @property
+    def data_rank(self):
+        return self.dp_rank * self.ep + self.ep_rank
 
 
 def _groups(world, rank, dp, ep, tp):
     """Every rank must create every group (new_group is collective); keep the ones it is in."""
     ranks = torch.arange(world).view(dp, ep, tp)
     mine = {}
-    for name, lines in (("tp", ranks.reshape(-1, tp)),
-                        ("ep", ranks.transpose(1, 2).reshape(-1, ep)),
-                        ("dp", ranks.permute(1, 2, 0).reshape(-1, dp))):
+    groups = [("tp", ranks.reshape(-1, tp)),
+              ("ep", ranks.transpose(1, 2).reshape(-1, ep)),
+              ("dp", ranks.permute(1, 2, 0).reshape(-1, dp))]
+    if ep > 1:  # ordered by data_rank = dp_rank * ep + ep_rank
+        groups.append(("data", ranks.permute(2, 0, 1).reshape(tp, dp * ep)))
+    for name, lines in groups:
         for line in lines.tolist():
             g = dist.new_group(line)
             if rank in line:
@@ -75,7 +89,7 @@ def init(cfg):
                                     device_id=device if use_cuda else None)
         g = _groups(world, rank, dp, ep, tp)
         return Grid(world, rank, local_rank, dp, tp, ep, g["dp"][1], g["tp"][1], g["ep"][1],
-                    g["dp"][0], g["tp"][0], g["ep"][0], device)
+                    g["dp"][0], g["tp"][0], g["ep"][0], device, g.get("data", g["dp"])[0])
     return Grid(1, 0, 0, 1, 1, 1, 0, 0, 0, None, None, None, device)
 
 
@@ -93,7 +107,13 @@ def all_reduce_mean(x, group=None):
 
 
 class DataParallel(nn.Module):
-    """Replicated model; gradients averaged over the data-parallel group during backward.
+    """Replicated model; gradients averaged over the data-parallel ranks during backward.
+
+    Every gradient is divided by the data world dp x ep (each rank's loss is the mean over its own
+    batch). Parameters are summed over the ranks that hold them: non-expert ones over
+    grid.data_group (dp x ep), expert shards (p.expert, moe.py) over grid.dp_group, their replicas;
+    an expert's gradient on its owner already holds every EP rank's tokens (moe.py's exchange).
+    With ep = 1 both groups are the dp group.
 
     Gradients live in flat buckets (p.grad is a view into one), in the reverse order of
     registration, which is roughly the order backward produces them. When every gradient of a
@@ -105,7 +125,9 @@ class DataParallel(nn.Module):
 
     def __init__(self, module, grid, bucket_mb=25.0):
         super().__init__()
-        self.module, self.group, self.world = module, grid.dp_group, grid.dp
+        self.world = grid.dp * grid.ep  # data-parallel world: every gradient is divided by it
+        self.module, self.group = module, grid.data_group or grid.dp_group
+        self.expert_group = grid.dp_group
         self.sync = True
         self.handles = []
         self.buckets, self.bucket_of = [], {}
@@ -114,13 +136,17 @@ class DataParallel(nn.Module):
         self.op = dist.ReduceOp.AVG if dist.get_backend(self.group) == "nccl" else dist.ReduceOp.SUM
         with torch.no_grad():  # start identical everywhere: the group's first rank wins
             for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+                g = self._group_of(t)
+                if dist.get_world_size(g) > 1:
+                    dist.broadcast(t, src=dist.get_global_rank(g, 0), group=g)
         params = [p for p in module.parameters() if p.requires_grad]  # unique: tied counted once
-        # buckets: consecutive params (reverse order) until bucket_mb is reached, one dtype each
+        # buckets: consecutive params (reverse order) until bucket_mb is reached, one dtype and
+        # one group (expert or not) each
         limit = int(bucket_mb * 2**20)
         cur, size = [], 0
         for p in reversed(params):
-            if cur and (size + p.numel() * p.element_size() > limit or p.dtype != cur[0].dtype):
+            if cur and (size + p.numel() * p.element_size() > limit or p.dtype != cur[0].dtype
+                        or self._group_of(p) is not self._group_of(cur[0])):
                 self.buckets.append(cur)
                 cur, size = [], 0
             cur.append(p)
@@ -133,13 +159,20 @@ class DataParallel(nn.Module):
                 self.bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
+    def _group_of(self, t):
+        return self.expert_group if getattr(t, "expert", False) else self.group
+
     def _make_bucket(self, params):
         flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         off = 0
         for p in params:
             p.grad = flat[off:off + p.numel()].view_as(p)  # backward accumulates straight into the bucket
             off += p.numel()
-        return dict(flat=flat, params=params, ready=0)
+        group = self._group_of(params[0])
+        n = dist.get_world_size(group)
+        # what is left to divide by after the reduction (AVG already divided by n)
+        div = self.world // n if self.op == dist.ReduceOp.AVG else self.world
+        return dict(flat=flat, params=params, ready=0, group=group, n=n, div=div)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -163,7 +196,8 @@ class DataParallel(nn.Module):
 
     def _launch(self, b):
         b["ready"] = -1  # launched
-        self.handles.append((dist.all_reduce(b["flat"], op=self.op, group=self.group, async_op=True), b))
+        h = dist.all_reduce(b["flat"], op=self.op, group=b["group"], async_op=True) if b["n"] > 1 else None
+        self.handles.append((h, b))
 
     def finish(self):
         """Wait for all reductions (launching buckets whose params got no gradient) and average."""
@@ -173,9 +207,10 @@ class DataParallel(nn.Module):
             if b["ready"] != -1:
                 self._launch(b)
         for h, b in self.handles:
-            h.wait()
-            if self.op == dist.ReduceOp.SUM:
-                b["flat"].div_(self.world)
+            if h is not None:
+                h.wait()
+            if b["div"] != 1:
+                b["flat"].div_(b["div"])
             b["ready"] = 0
         self.handles = []
 

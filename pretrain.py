@@ -20,6 +20,7 @@ import data
 import fsdp
 import hf
 import logs
+import moe
 import optim
 import parallel
 import tp
@@ -57,17 +58,18 @@ for writer in (grid.rank == 0, grid.local_rank == 0 and grid.rank != 0):
     if grid.world > 1:
         torch.distributed.barrier()
 T = cfg.seq_len or cfg.block_size
-accum = cfg.batch_size // (cfg.micro_batch_size * grid.dp)
+# data-parallel ranks: dp x ep (expert-parallel ranks see different data too)
+accum = cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
 loader = data.Loader(os.path.join(data_dir, "train.bin"), cfg.micro_batch_size, T,
-                     grid.dp_rank, grid.dp, seed=cfg.seed, device=device)
+                     grid.data_rank, grid.data_world, seed=cfg.seed, device=device)
 say(f"config:\n{config.show(cfg)}")
-say(f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, tp {grid.tp}) on {device} | {dtype} | global batch {cfg.batch_size} x {T} tokens"
-    f" = {cfg.micro_batch_size} sequences x {grid.dp} ranks x {accum} accumulation steps")
+say(f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {device} | {dtype} | global batch {cfg.batch_size} x {T} tokens"
+    f" = {cfg.micro_batch_size} sequences x {grid.data_world} ranks x {accum} accumulation steps")
 
 # ---------------------------------------------------------------------------- model and optimizer
 mcfg = ModelConfig.from_cfg(cfg)
 raw = Transformer(mcfg).to(device)  # the full model on every rank, from the same seed
-n_params, n_body = raw.num_params(), raw.non_embedding_params()
+n_params, n_body, n_active = raw.num_params(), raw.non_embedding_params(), raw.active_params()
 flops_per_token = raw.flops_per_token(T)  # counted on the full model, before it is cut
 tp.tensor_parallel(raw, grid)  # TP: keep this rank's heads / MLP columns / vocabulary rows (tp=1: no-op)
 if cfg.init_from:  # under TP each rank keeps only its slices (of an HF folder, it reads only those)
@@ -75,11 +77,12 @@ if cfg.init_from:  # under TP each rank keeps only its slices (of an HF folder, 
         hf.load_weights(cfg.init_from, raw, shard_fn=tp.hf_shard_fn(raw, grid))
     else:
         tp.load_full_state_dict(raw, grid, checkpoint.read_weights(cfg.init_from, mcfg))
+moe.expert_parallel(raw, grid)  # MoE: keep this rank's experts, set the groups (dense: no-op)
 if cfg.data_parallel == "fsdp":  # shard what TP left over the data-parallel ranks
     model = fsdp.FSDP(raw, grid, compute_dtype=dtype if dtype != torch.float32 else None)
 else:  # replicate it; broadcasts rank 0's weights
     model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)
-optimizer = optim.build_optimizer(model if cfg.data_parallel == "fsdp" else raw, cfg)
+optimizer = optim.build_optimizer(model if cfg.data_parallel == "fsdp" else raw, cfg, grid)
 step = 0
 if cfg.resume:
     path = checkpoint.latest(cfg.out_dir)
@@ -95,7 +98,7 @@ if cfg.data_parallel == "fsdp":
 else:  # DataParallel's hooks live on the parameters, so compile the inner model
     fwd = torch.compile(raw) if cfg.compile else raw
 peak = logs.peak_tflops(device, cfg.peak_tflops)
-say(f"model: {n_params / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M non-embedding), "
+say(f"model: {n_params / 1e6:.2f}M parameters ({n_active / 1e6:.2f}M active, {n_body / 1e6:.2f}M active non-embedding), "
     f"{flops_per_token / 1e6:.1f} MFLOPs/token, peak {peak or 'n/a'} TFLOP/s per device")
 logger = logs.Logger(cfg, grid)
 
@@ -106,18 +109,19 @@ def evaluate():
     raw.eval()
     total = torch.zeros(2, device=device)
     for x, y in data.eval_batches(os.path.join(data_dir, "val.bin"), cfg.micro_batch_size, T,
-                                  grid.dp_rank, grid.dp, cfg.eval_batches, device=device):
+                                  grid.data_rank, grid.data_world, cfg.eval_batches, device=device):
         with autocast:
             total[0] += fwd(x, y).float()
         total[1] += 1
     if grid.world > 1:
-        torch.distributed.all_reduce(total, group=grid.dp_group)
+        torch.distributed.all_reduce(total, group=grid.data_group)
     raw.train()
     return (total[0] / total[1].clamp(min=1)).item()
 
 
 def save():  # every rank helps gather the full tensors; rank 0 writes
     weights, opt_state = checkpoint.gather(raw, optimizer, grid, model)
+    weights, opt_state = moe.gather_experts(raw, grid, weights, opt_state)  # EP: full expert tensors
     checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, loader.state_dict(), cfg.keep_last, grid.rank)
 
 
@@ -125,6 +129,8 @@ def clip_grad_norm_(max_norm):
     """Every parameter counted once: sharded pieces summed over their group, replicas once."""
     if cfg.data_parallel == "fsdp":
         return fsdp.clip_grad_norm_(model, max_norm)
+    if mcfg.n_experts:  # expert shards summed over the EP group (MoE refuses tp > 1)
+        return moe.clip_grad_norm_(raw.parameters(), max_norm, grid)
     return tp.clip_grad_norm_(raw.parameters(), max_norm, grid)
 
 
@@ -144,7 +150,7 @@ loss_sum = torch.zeros((), device=device)  # summed over the steps since the las
 while step < last:
     lr = optim.lr_at(step, cfg)
     for g in optimizer.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * g.get("lr_scale", 1.0)  # Muon's group: muon_lr / lr
     for micro in range(accum):
         x, y = loader.next()
         # communicate only on the last micro-step; earlier ones accumulate gradients locally
@@ -163,14 +169,16 @@ while step < last:
 
     if step % cfg.log_every == 0 or step == last:
         if grid.world > 1:
-            torch.distributed.all_reduce(loss_sum, group=grid.dp_group)
-            loss_sum /= grid.dp
+            torch.distributed.all_reduce(loss_sum, group=grid.data_group)
+            loss_sum /= grid.data_world
         loss_val = loss_sum.item() / t_steps  # mean over the interval's steps
         dt = now() - t0
         tok_s = t_steps * cfg.batch_size * T / dt
         m = {"loss": loss_val, "lr": lr, "grad_norm": grad_norm.item(), "tok_s": tok_s,
              "mfu": tok_s * flops_per_token / (peak * 1e12 * grid.world) if peak else "n/a",
              "mem_gb": logs.peak_memory_gb(device)}
+        # MoE: the last micro-step's router losses (included in loss), busiest expert, dropped slots
+        m.update(moe.metrics(raw, grid.data_group))
         logger.log(step, m)
         if not math.isfinite(loss_val):
             raise FloatingPointError(f"loss is {loss_val} at step {step}: lower lr or check the data")

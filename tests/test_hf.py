@@ -16,9 +16,10 @@ Proves:
   Llama-3 tiktoken rank file (cl100k ranks) and a vocabulary whose ids do not follow merge order;
   special tokens and the chat template carry over; our tiktoken tokenizer exported as tokenizer.json
   gives tiktoken's ids in transformers; unreadable formats raise naming the format;
-- init_from=<HF folder>: pretrain.py starts from the HF weights with the folder's tokenizer, and
+- init_from=<HF folder>: pretrain.py starts from the HF weights with the folder's tokenizer, also
+  under TP=2 (each rank reads its slices; same weights and first loss as one process), and
   sample.py reads both the HF folder and the resulting run.
-Not covered yet: TP=2 parity (tensor parallelism does not exist yet; load_weights' shard_fn is the hook).
+TP=2 logits parity with transformers: tests/test_hf_tp.py.
 """
 import base64
 import json
@@ -409,8 +410,9 @@ def test_unreadable_tokenizers(tmp_path):
 
 def test_init_from_hf_folder_in_pretrain_and_sample(byte_level, tmp_path):
     """An HF folder (GPT-2 weights + tokenizer.json) as init_from: the run's model is the HF model
-    (config from config.json, weights loaded, vocabulary = the folder's tokenizer's), and the
-    checkpoint samples with that tokenizer."""
+    (config from config.json, weights loaded, vocabulary = the folder's tokenizer's), also under
+    TP=2 (each rank reads its slices: same weights, same first loss), and the checkpoint samples
+    with that tokenizer."""
     n_vocab = byte_level.get_vocab_size()
     _, ref = build("gpt2", tmp_path / "hfmodel", vocab_size=n_vocab, n_layer=1)
     byte_level.save(os.path.join(ref, "tokenizer.json"))
@@ -418,23 +420,29 @@ def test_init_from_hf_folder_in_pretrain_and_sample(byte_level, tmp_path):
     corpus.mkdir()
     for i, name in enumerate(("os.py", "textwrap.py", "string.py")):
         (corpus / f"{i}.txt").write_text(stdlib_text(name, 4000))
-    out = tmp_path / "run"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain.py"), f"--init_from={ref}", f"--data={corpus}",
-                        f"--data_dir={tmp_path / 'data'}", f"--out_dir={out}", "--max_steps=1", "--lr=1e-9",
-                        "--warmup_steps=0", "--batch_size=2", "--micro_batch_size=2", "--block_size=32",
-                        "--eval_every=0", "--sample_tokens=0", "--progress=False"],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    out, out_tp = tmp_path / "run", tmp_path / "run_tp2"
+    for path, launch in ((out, []), (out_tp, ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])):
+        r = subprocess.run([sys.executable, *launch, os.path.join(ROOT, "pretrain.py"), f"--init_from={ref}",
+                            f"--data={corpus}", f"--data_dir={tmp_path / 'data'}", f"--out_dir={path}",
+                            "--max_steps=1", "--lr=1e-9", "--warmup_steps=0", "--batch_size=2", "--micro_batch_size=2",
+                            "--block_size=32", "--eval_every=0", "--sample_tokens=0", "--progress=False"]
+                           + (["--tp=2"] if launch else []), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
     ckpt = out / "step_000001"
     saved = json.loads((ckpt / "config.json").read_text())
     assert (saved["n_layer"], saved["pos_emb"], saved["activation"], saved["vocab_size"], saved["block_size"]) \
         == (1, "learned", "gelu_tanh", n_vocab, 32)
     from safetensors.torch import load_file
-    trained = load_file(str(ckpt / "model.safetensors"))
     start = hf.load_hf(ref, block_size=32).state_dict()
-    assert set(trained) <= set(start)
-    for k, v in trained.items():  # one step at lr 1e-9: still the HF weights
-        assert_close(v, start[k], tol=1e-6)
+    for run in (out, out_tp):
+        trained = load_file(str(run / "step_000001" / "model.safetensors"))
+        assert set(trained) <= set(start)
+        for k, v in trained.items():  # one step at lr 1e-9: still the HF weights
+            assert_close(v, start[k], tol=1e-6)
+    loss, loss_tp = (next(r["loss"] for r in map(json.loads, (run / "train_metrics.jsonl").open()) if "loss" in r)
+                     for run in (out, out_tp))
+    assert abs(loss - loss_tp) <= 1e-5 * loss, (loss, loss_tp)
     for path in (ref, str(out)):
         s = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), path, "--prompt=def ", "--tokens=5",
                             "--device=cpu"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)

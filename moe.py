@@ -1,0 +1,355 @@
+"""Mixture of experts: a routed feed-forward layer, its router losses, expert parallelism.
+
+    cfg = ModelConfig(..., n_experts=8, moe_top_k=2)  # model.Block builds MoE(cfg) in the chosen layers
+    model = Transformer(cfg)                          # the full model, same seed on every rank
+    moe.expert_parallel(model, grid)                  # keep this rank's experts, set the groups
+    model = parallel.DataParallel(model, grid)        # experts synced over dp, the rest over dp x ep
+    loss = model(x, y)                                # LM loss + every MoE layer's router losses
+    ...; moe.clip_grad_norm_(raw.parameters(), max_norm, grid); opt.step()
+
+Which layers: layer i is MoE when n_experts > 0, i >= moe_first_dense and
+(i - moe_first_dense) % moe_every == 0; the others keep model.MLP.
+
+The layer, for x (B, T, C), N = B T tokens:
+  router   logits = x W_r^T in fp32 (autocast off, fp32 copies of x and W_r), probs = softmax;
+           the top moe_top_k probabilities are the weights (renormalised to sum to 1 when
+           moe_renorm), y = sum_j w_j FFN_{e_j}(x) + shared(x).
+  experts  one weight tensor per matrix, w1 (E, [2]H, C) (gated: rows [gate | up] like MLP.fc) and
+           w2 (E, C, H), no biases. Computed batched: slots are laid out in a zero-padded
+           (experts, capacity, C) buffer and multiplied with torch.bmm, so every expert takes part
+           in every step (no tokens -> zero rows -> zero gradient). torch's grouped_mm is CUDA-bf16
+           only and not used yet.
+  shared   n_shared_experts always-on experts: one dense model.MLP of n_shared_experts * H units.
+  dtypes   under autocast the slots are exchanged and multiplied in the autocast dtype (bf16);
+           only the router (and its losses) is fp32. Init as MLP: w1 N(0, init_std), w2 (an
+           output projection) N(0, init_std / sqrt(2 n_layer)).
+  eval     Transformer.forward adds the router losses in training mode only (reduction "mean");
+           capacity dropping applies in eval and generation too.
+  slots    a token's k choices are k slots; slots are ordered choice-major (every token's first
+           choice, then every second choice, ...), which is the order capacity is granted in.
+  capacity capacity_factor > 0: each expert takes at most cap = ceil(cf * T * k / E) slots from
+           each sequence of T tokens; later slots are dropped (their output is 0; a dropped slot
+           still counts in the balance statistics). Per sequence, not per rank, so what is
+           dropped depends on the sequence alone, never on micro-batch size or the EP/DP layout.
+           Shapes are static (E, B * cap, C): no host sync.
+           capacity_factor = 0: dropless. The buffer is as long as the busiest expert, which
+           costs one host sync per layer (and, under EP, one small count exchange).
+
+Router losses (both added to the training loss by Transformer.forward and logged):
+  balance  aux = aux_loss_coeff * E * sum_i f_i P_i. f_i = routed slots sent to expert i /
+           (tokens * top_k), counted before capacity drops and summed over the whole data group
+           (dp x ep ranks: the global micro-batch), no gradient; P_i = mean router probability of
+           expert i over this rank's tokens. A perfectly balanced router gives exactly aux_loss_coeff.
+  z-loss   z = z_loss_coeff * mean over this rank's tokens of logsumexp(logits)^2.
+  What a user gets: per micro-step, the router losses of the global micro-batch (every data
+  rank's current micro-batch together). Each rank's value uses the global f and its local P /
+  z, so the mean of the ranks' values is the one-process value of that global micro-batch and,
+  after the data-parallel gradient average, so are the gradients. Hence, for a fixed global
+  micro-batch (micro_batch_size x dp x ep sequences), values and gradients do not depend on how
+  it is split over EP / DP ranks, and a step with accumulation is the mean over its
+  micro-batches. Changing the number of accumulation steps at a fixed global batch changes the
+  micro-batch the balance is measured on (as in Megatron-LM / DeepSpeed): that is not invariant.
+  Logged per layer after each forward (detached, no host sync until read): aux_loss, z_loss,
+  load (fraction of routed slots per expert, global), dropped (fraction of slots dropped, global).
+
+Expert parallelism (grid.ep > 1): rank ep_rank of an EP group keeps experts
+[ep_rank * E/ep, (ep_rank + 1) * E/ep). EP ranks see different data, so the data-parallel world
+is dp x ep (grid.data_group): non-expert parameters are replicated on all of it; an expert's
+replicas are its dp_group. Tokens travel with an autograd-aware all_to_all_single whose backward
+is the reverse exchange:
+  capacity  each rank sends its (E, B * cap, C) buffer split by owner (equal splits, no counts,
+            no host sync), the owner runs its experts on (E/ep, ep * B * cap, C), sends results back.
+  dropless  token counts per (rank, expert) exchanged with a small all_to_all_single (one host
+            sync for the split sizes), then tokens sorted by expert travel with uneven splits.
+Gradient normalisation: each rank's loss is the mean over its local batch; an expert on its owner
+receives the gradients of every EP rank's loss through the reverse exchange, so
+parallel.DataParallel sums expert gradients over dp_group and divides by dp * ep, like every
+other gradient: each equals the one-process gradient of the global-batch mean.
+Checkpoints: gather_experts() completes checkpoint.gather()'s output with full expert tensors, so
+an EP run saves the one-process layout; resuming *into* ep > 1 (cutting experts on load) is not
+written yet. Not here: TP with MoE, FSDP with MoE, Muon with MoE are refused by config.py.
+"""
+import math
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _size(group):
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+def _a2a(x, out_splits, in_splits, group):
+    """all_to_all_single along dim 0; splits None -> equal blocks."""
+    rows = x.shape[0] if out_splits is None else sum(out_splits)
+    out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """Send row blocks of x to every rank of the group (in_splits rows to each, in rank order) and
+    receive out_splits rows from each; backward sends the gradients back the reverse way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _a2a(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return _a2a(g, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _count(idx, n):
+    """torch.bincount(idx, minlength=n) for idx < n, without bincount's host sync on GPU."""
+    return torch.zeros(n, dtype=torch.long, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx))
+
+
+def moe_layer(cfg, i):
+    """Is layer i a mixture-of-experts layer under ModelConfig cfg?"""
+    return cfg.n_experts > 0 and i >= cfg.moe_first_dense and (i - cfg.moe_first_dense) % cfg.moe_every == 0
+
+
+class MoE(nn.Module):
+    is_moe = True
+
+    def __init__(self, cfg):
+        super().__init__()
+        from model import MLP, activation_fn  # model.py imports this module lazily
+        E, C, H = cfg.n_experts, cfg.n_embd, cfg.moe_hidden or cfg.hidden
+        self.n_experts, self.top_k, self.renorm = E, cfg.moe_top_k, cfg.moe_renorm
+        self.capacity_factor = cfg.capacity_factor
+        self.aux_coeff, self.z_coeff = cfg.aux_loss_coeff, cfg.z_loss_coeff
+        self.gated, self.act = cfg.gated, activation_fn(cfg.activation)
+        self.router = nn.Linear(C, E, bias=False)
+        self.w1 = nn.Parameter(torch.empty(E, 2 * H if cfg.gated else H, C))
+        self.w2 = nn.Parameter(torch.empty(E, C, H))
+        for p in (self.w1, self.w2):
+            p.expert = True  # parallel.DataParallel syncs these over their replicas only
+        self.shared = (MLP(replace(cfg, n_experts=0, ffn_hidden=cfg.n_shared_experts * H))
+                       if cfg.n_shared_experts else None)
+        # layout, set by expert_parallel(): this rank holds experts [ep_rank * E/ep, ...)
+        self.ep, self.ep_rank, self.ep_group, self.data_group = 1, 0, None, None
+        self.router_loss = None  # aux + z of the latest forward (differentiable)
+        self.stats = {}
+        self.init_experts(cfg.init_std, cfg.init_std)
+
+    @torch.no_grad()
+    def init_experts(self, std, out_std):
+        nn.init.normal_(self.w1, 0.0, std)
+        nn.init.normal_(self.w2, 0.0, out_std)
+
+    def expert_numel(self):
+        """Parameters of one routed expert."""
+        return self.w1[0].numel() + self.w2[0].numel()
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        N, C = x.shape
+        E, k = self.n_experts, self.top_k
+        with torch.autocast(x.device.type, enabled=False):  # router in fp32 even under bf16 autocast
+            logits = F.linear(x.float(), self.router.weight.float())
+        probs = logits.softmax(dim=-1)
+        w, e = probs.topk(k, dim=-1)  # (N, k)
+        if self.renorm:
+            w = w / w.sum(dim=-1, keepdim=True)
+        e_s = e.t().reshape(-1)  # slot s = j * N + n: token n's j-th choice (choice-major)
+        if torch.is_autocast_enabled(x.device.type):  # exchange and buffer in the compute dtype
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        xs = x.repeat(k, 1)  # (k N, C): the token of every slot
+        counts = _count(e_s, E)  # routed slots per expert, on this rank
+        if self.capacity_factor > 0:
+            # capacity per sequence: slot s belongs to sequence (s mod N) // T
+            B, T = (shape[0], shape[1]) if len(shape) == 3 else (1, N)
+            cap = max(1, math.ceil(self.capacity_factor * T * k / E))
+            seq = torch.arange(k * N, device=x.device) % N // T
+            key = seq * E + e_s  # (sequence, expert) of every slot
+            pos = self._position(key, _count(key, B * E))
+            keep = pos < cap
+            M = B * cap  # buffer rows per expert: [sequence 0's cap slots | sequence 1's | ...]
+            dest = torch.where(keep, e_s * M + seq * cap + pos, E * M)  # dropped slots -> a trash row
+            buf = x.new_zeros(E * M + 1, C).index_add(0, dest, xs)[:-1].view(E, M, C)
+            out = self._exchange(buf)  # (E, M, C): every expert's outputs, from their owners
+            ys = torch.cat([out.reshape(E * M, C), out.new_zeros(1, C)])[dest]  # dropped -> 0
+            dropped = (~keep).sum()
+        else:
+            ys = self._dropless(xs, e_s, counts)
+            dropped = counts.new_zeros(())
+        y = (ys.view(k, N, C) * w.t().unsqueeze(-1).to(ys.dtype)).sum(0)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        self._losses(logits, probs, counts, dropped)
+        return y.view(shape)
+
+    @staticmethod
+    def _position(e_s, counts):
+        """Each slot's position among the slots routed to its expert, in slot order."""
+        order = e_s.argsort(stable=True)
+        starts = counts.cumsum(0) - counts
+        pos = torch.empty_like(e_s)
+        pos[order] = torch.arange(e_s.numel(), device=e_s.device) - starts[e_s[order]]
+        return pos
+
+    def _ffn(self, buf):
+        """(G, M, C) rows of G local experts -> (G, M, C), batched over experts."""
+        h = torch.bmm(buf, self.w1.transpose(1, 2))
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return torch.bmm(h, self.w2.transpose(1, 2))
+
+    def _exchange(self, buf):
+        """Fixed capacity: (E, cap, C) slots of this rank's tokens -> the experts' outputs for them."""
+        if self.ep == 1:
+            return self._ffn(buf)
+        E, cap, C = buf.shape
+        ep, El = self.ep, E // self.ep
+        # block s of the buffer (experts of EP rank s) goes to rank s; we receive every rank's block for ours
+        r = AllToAll.apply(buf.reshape(E * cap, C), None, None, self.ep_group)
+        r = r.view(ep, El, cap, C).transpose(0, 1).reshape(El, ep * cap, C)
+        o = self._ffn(r).view(El, ep, cap, C).transpose(0, 1).reshape(E * cap, C)
+        return AllToAll.apply(o, None, None, self.ep_group).view(E, cap, C)
+
+    def _grouped(self, rows, expert, per_expert, cap):
+        """rows (R, C) sorted by local expert id `expert` (R,) -> FFN outputs (R, C), through a
+        zero-padded (experts, cap, C) buffer; per_expert (G,) rows per expert, cap >= its max."""
+        G, C = self.w1.shape[0], rows.shape[1]
+        starts = per_expert.cumsum(0) - per_expert
+        dest = expert * cap + torch.arange(rows.shape[0], device=rows.device) - starts[expert]
+        buf = rows.new_zeros(G * cap, C).index_add(0, dest, rows).view(G, cap, C)
+        return self._ffn(buf).reshape(G * cap, C)[dest]
+
+    def _dropless(self, xs, e_s, counts):
+        """Every slot computed: (k N, C) slot rows, expert ids (k N,) -> outputs (k N, C)."""
+        order = e_s.argsort(stable=True)
+        inv = order.argsort()
+        xs, e_sorted = xs[order], e_s[order]
+        if self.ep == 1:
+            cap = max(1, int(counts.max()))  # host sync: the buffer is as long as the busiest expert
+            return self._grouped(xs, e_sorted, counts, cap)[inv]
+        ep, El, g = self.ep, self.n_experts // self.ep, self.ep_group
+        recv = _a2a(counts, None, None, g)  # (ep * El,): rows each rank sends to each of our experts
+        host = torch.cat([counts.view(ep, El).sum(1), recv]).tolist()  # one host sync per layer
+        send, rc = host[:ep], host[ep:]
+        got = [sum(rc[s * El:(s + 1) * El]) for s in range(ep)]
+        xr = AllToAll.apply(xs, got, send, g)  # ordered (source rank, local expert)
+        rc_t = recv.view(ep, El)
+        local = torch.arange(El, device=xs.device).repeat(ep).repeat_interleave(recv, output_size=sum(got))
+        o2 = local.argsort(stable=True)  # regroup by local expert
+        per_e = rc_t.sum(0)
+        cap = max(1, max(sum(rc[s * El + i] for s in range(ep)) for i in range(El)))
+        yr = self._grouped(xr[o2], local[o2], per_e, cap)[o2.argsort()]
+        return AllToAll.apply(yr, send, got, g)[inv]
+
+    def _losses(self, logits, probs, counts, dropped):
+        E = self.n_experts
+        stats = torch.cat([counts, dropped.view(1)])  # global-batch statistics: sum over data ranks
+        if _size(self.data_group) > 1:
+            dist.all_reduce(stats, group=self.data_group)
+        total = stats[:E].sum()
+        f = stats[:E].float() / total  # fraction of routed slots per expert (no gradient)
+        aux = self.aux_coeff * E * (f * probs.mean(0)).sum()
+        z = self.z_coeff * logits.logsumexp(dim=-1).square().mean()
+        self.router_loss = aux + z
+        self.stats = {"aux_loss": aux.detach(), "z_loss": z.detach(), "load": f,
+                      "dropped": stats[E].float() / total}
+
+
+def layers(model):
+    return [m for m in model.modules() if getattr(m, "is_moe", False)]
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+def expert_parallel(model, grid):
+    """Keep this rank's experts of every MoE layer (in place) and give the layers their groups.
+    Call on the full model (same seed on every rank) before building the optimizer and
+    parallel.DataParallel; also with ep = 1, so that the balance statistics span the data group."""
+    moes = layers(model)
+    if not moes:
+        return model
+    if grid.tp > 1:
+        raise ValueError("mixture of experts with tensor parallelism (tp > 1) is not supported: use tp=1")
+    for m in moes:
+        if m.n_experts % grid.ep:
+            raise ValueError(f"n_experts={m.n_experts} is not divisible by ep={grid.ep}")
+        m.data_group = getattr(grid, "data_group", None) or grid.dp_group
+        m.ep, m.ep_rank, m.ep_group = grid.ep, grid.ep_rank, grid.ep_group
+        if grid.ep > 1:
+            El = m.n_experts // grid.ep
+            for name in ("w1", "w2"):
+                full = getattr(m, name)
+                p = nn.Parameter(full.detach()[grid.ep_rank * El:(grid.ep_rank + 1) * El].clone(),
+                                 requires_grad=full.requires_grad)
+                p.expert, p.ep_split = True, grid.ep
+                setattr(m, name, p)
+    return model
+
+
+def clip_grad_norm_(params, max_norm, grid):
+    """Global gradient norm with experts sharded over EP: squares of expert gradients summed over
+    the EP group, replicated ones counted once; every rank gets the same scale (tp = 1)."""
+    params = [p for p in params if p.grad is not None]
+    rep = torch.zeros((), device=params[0].grad.device)
+    shd = torch.zeros((), device=params[0].grad.device)
+    for p in params:
+        sq = p.grad.float().square().sum()
+        if getattr(p, "ep_split", 1) > 1:
+            shd = shd + sq
+        else:
+            rep = rep + sq
+    if _size(grid.ep_group) > 1:
+        dist.all_reduce(shd, group=grid.ep_group)
+    total = (rep + shd).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.dtype))
+    return total
+
+
+def gather_experts(model, grid, weights, opt_state=None):
+    """checkpoint.gather()'s output with every expert shard replaced by the full (E, ...) tensor,
+    all-gathered over the EP group in rank order: one-process names and shapes, so the checkpoint
+    is layout independent. Collective over the EP group; returns (weights, opt_state)."""
+    if grid.ep == 1:
+        return weights, opt_state
+
+    def full(t, p):
+        t = t.detach().to(p.device).contiguous()
+        parts = [torch.empty_like(t) for _ in range(grid.ep)]
+        dist.all_gather(parts, t, group=grid.ep_group)
+        return torch.cat(parts).cpu()
+
+    for name, p in model.named_parameters():
+        if getattr(p, "ep_split", 1) > 1:
+            weights[name] = full(weights[name], p)
+            for k, v in (opt_state or {}).get(name, {}).items():
+                if torch.is_tensor(v) and v.shape == p.shape:
+                    opt_state[name][k] = full(v, p)
+    return weights, opt_state
+
+
+def metrics(model, group=None):
+    """Router statistics of the latest forward as floats, for logging (host sync: log steps only).
+    aux_loss / z_loss: summed over layers, averaged over `group` (collective when given);
+    load_max: the busiest expert's share x n_experts (1 = balanced), worst layer; dropped: mean."""
+    moes = [m for m in layers(model) if m.stats]
+    if not moes:
+        return {}
+    losses = torch.stack([sum(m.stats["aux_loss"] for m in moes), sum(m.stats["z_loss"] for m in moes)]).float()
+    if _size(group) > 1:
+        dist.all_reduce(losses, group=group)
+        losses /= _size(group)
+    load = max((m.stats["load"].max() * m.n_experts).item() for m in moes)
+    dropped = sum(m.stats["dropped"].item() for m in moes) / len(moes)
+    return {"aux_loss": losses[0].item(), "z_loss": losses[1].item(), "load_max": load, "dropped": dropped}

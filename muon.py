@@ -1,0 +1,446 @@
+"""Muon for hidden matrices, AdamW for everything else: one optimizer; optional ZeRO-1.
+
+    opt = optim.build_optimizer(raw, cfg, grid)   # cfg.optimizer == "muon" (or cfg.zero1)
+    ...; model.finish(); clip; opt.step()
+
+Groups: kind "muon" (2-D weights inside the blocks: attention and MLP matrices, expert stacks
+treated as a batch of matrices) and kind "adamw" (embeddings, the output head, norms, biases,
+scalars; decayed if >= 2-D, as optim.param_groups). Every group has `lr_scale`: the training loop
+sets g["lr"] = lr_at(step) * g["lr_scale"], so cfg.muon_lr follows the same schedule.
+
+Muon, per matrix W with gradient G (momentum mu, Nesterov, as torch.optim.SGD(nesterov=True)):
+    B <- mu B + G;   U = G + mu B
+    O = NS5(U)                        per logical matrix: fused [q|k|v] rows and [gate|up] rows
+                                      are split by p.muon_split (set by build_optimizer)
+    W <- W (1 - lr wd) - lr s O       s = 0.2 sqrt(max(rows, cols))  (muon_scale "rms": the update's
+                                      RMS is AdamW's typical 0.2, so AdamW's lr and wd carry over)
+                                      s = sqrt(max(1, rows / cols))  (muon_scale "shape")
+NS5: X = U / (|U|_F + 1e-7), transposed when tall; 5 x { A = X X^T; X = a X + (b A + c A A) X }
+with (a, b, c) = (3.4445, -4.7750, 2.0315), in bf16 (ns_dtype; fp32 for exact tests).
+
+Newton-Schulz always sees a whole matrix. Under TP a sharded parameter (p.tp_split) has U
+gathered to its full form over the TP group (every TP rank computes the same O), and each rank
+keeps its own slice. Under ZeRO-1 (zero1=True, dp > 1) every parameter has one owner in the
+data-parallel group (greedy by size, largest first, onto the least loaded rank): only the owner
+keeps its optimizer state and updates it (whole matrices, so NS never runs on a piece); then the
+parameters are all-gathered from their owners (fp32). Gradients still arrive all-reduced by
+DataParallel, so a step moves all-reduce + all-gather, 1.5x DDP's traffic; reducing each gradient
+to its owner only (reduce-scatter) would bring that back to DDP's, but needs DataParallel's
+buckets cut by owner: not done yet. State memory per rank is ~1/dp of the total. With EP the
+owners are chosen within grid.dp_group (the replicas of one expert shard), for all parameters.
+
+FSDP (build_optimizer(fsdp_wrapper, cfg, grid)): a block unit's decayed flat shard holds only its
+hidden matrices, cut anywhere. Each matrix has one owner in the dp group (balanced by size),
+which keeps its momentum as a whole matrix; per unit the step all-gathers the flat gradient, the
+owners orthogonalise their matrices (TP-gathered when cut by TP too) into a zero flat buffer, and
+one reduce-scatter hands each rank the update of its shard. The AdamW part runs on the shards.
+EP (moe.py): expert stacks (E_local, rows, cols) are whole per rank; NS runs batched per expert,
+gate|up split. The router stays on AdamW.
+
+Checkpoints: full_optim_state() returns full tensors by one-process name (ZeRO-1 / FSDP owners
+broadcast their momentum, TP shards are gathered); load_full_optim_state() cuts them into any
+layout; checkpoint.gather / load call both for this optimizer. ({name: {"momentum_buffer"}} for
+Muon matrices, {name: {"step", "exp_avg", "exp_avg_sq"}} for AdamW parameters, as torch's AdamW.)
+Not here: gathering expert state over EP in checkpoints (moe.py's checkpoint path decides that);
+a per-parameter Python loop (no foreach kernels) and a .item() per AdamW step: fine on CPU, to be
+measured on GPU.
+"""
+import torch
+import torch.distributed as dist
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(G, steps=5, dtype=torch.bfloat16, eps=1e-7):
+    """Approximately orthogonalise G (..., rows, cols): U V^T of its SVD, singular values pushed
+    into roughly [0.7, 1.2]. Returns G's dtype."""
+    a, b, c = NS_COEFFS
+    X = G.to(dtype)
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+def shape_scale(rows, cols, mode):
+    return 0.2 * max(rows, cols) ** 0.5 if mode == "rms" else max(1.0, rows / cols) ** 0.5
+
+
+def orthogonalize(U, split, steps, dtype, mode):
+    """Scaled NS update of a full tensor U: per logical matrix (rows split by `split`)."""
+    parts = U.split(split, dim=-2) if split else [U]
+    out = [newton_schulz(u, steps, dtype) * shape_scale(u.shape[-2], u.shape[-1], mode) for u in parts]
+    return torch.cat(out, dim=-2) if split else out[0]
+
+
+def _tp_size(grid):
+    return 1 if grid is None else grid.tp
+
+
+class Muon(torch.optim.Optimizer):
+    """param groups with "kind": "muon" | "adamw" (see the module docstring)."""
+
+    def __init__(self, groups, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, momentum=0.95,
+                 scale="rms", ns_steps=5, ns_dtype=torch.bfloat16, grid=None, zero1=False, fsdp=None,
+                 fsdp_muon=None):
+        if scale not in ("rms", "shape"):
+            raise ValueError(f"muon scale '{scale}' must be rms or shape")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                        scale=scale, ns_steps=ns_steps, kind="adamw", lr_scale=1.0)
+        super().__init__(groups, defaults)
+        self.grid, self.ns_dtype = grid, ns_dtype
+        self.zero1 = bool(zero1) and grid is not None and grid.dp > 1
+        self.fsdp, self.fsdp_owner, self.fsdp_bufs = fsdp, {}, {}
+        if fsdp is not None:  # whole-matrix owners per FSDP unit, balanced by size over the dp group
+            load = [0] * fsdp.grid.dp
+            mats = [(ui, i, u.shapes[i].numel()) for ui, u in enumerate(fsdp.units) for i in range(len(u.params))
+                    if fsdp_muon.get((ui, i))]  # (the model's Parameters are empty under FSDP: use shapes)
+            for ui, i, n in sorted(mats, key=lambda m: (-m[2], m[0], m[1])):
+                r = min(range(fsdp.grid.dp), key=lambda r: (load[r], r))
+                self.fsdp_owner[(ui, i)] = r
+                load[r] += n
+        self.owner = {}  # id(param) -> owning dp rank (ZeRO-1)
+        if self.zero1:
+            ps = [p for g in self.param_groups for p in g["params"]]
+            load = [0] * grid.dp
+            for i in sorted(range(len(ps)), key=lambda i: (-ps[i].numel(), i)):  # same on every rank
+                r = min(range(grid.dp), key=lambda r: (load[r], r))
+                self.owner[id(ps[i])] = r
+                load[r] += ps[i].numel()
+
+    # ------------------------------------------------------------------ ownership
+
+    def owns(self, p):
+        return not self.zero1 or self.owner[id(p)] == self.grid.dp_rank
+
+    def state_bytes(self):
+        """Bytes of optimizer state held by this rank."""
+        return sum(v.numel() * v.element_size() for s in self.state.values() for v in s.values()
+                   if torch.is_tensor(v)) + sum(v.numel() * v.element_size() for v in self.fsdp_bufs.values())
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["kind"] == "muon" and self.fsdp is not None:
+                self._fsdp_muon(group)
+                continue
+            for p in group["params"]:
+                if p.grad is None or not self.owns(p):
+                    continue
+                if group["kind"] == "muon":
+                    self._muon(p, group)
+                else:
+                    self._adamw(p, group)
+        if self.zero1:
+            self._sync_params()
+        return loss
+
+    def _adamw(self, p, group):
+        """torch.optim.AdamW's arithmetic (single-tensor path)."""
+        g, st = p.grad, self.state[p]
+        if not st:
+            st["step"] = torch.tensor(0.0)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        st["step"] += 1
+        t = st["step"].item()
+        p.mul_(1 - lr * wd)
+        st["exp_avg"].lerp_(g, 1 - b1)
+        st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        denom = (st["exp_avg_sq"].sqrt() / bc2 ** 0.5).add_(eps)
+        p.addcdiv_(st["exp_avg"], denom, value=-lr / bc1)
+
+    def _muon(self, p, group):
+        g, st, mu = p.grad, self.state[p], group["momentum"]
+        if not st:
+            st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        buf = st["momentum_buffer"]
+        buf.mul_(mu).add_(g)
+        u = g.add(buf, alpha=mu)  # Nesterov
+        sharded = _tp_size(self.grid) > 1 and hasattr(p, "tp_split")
+        if sharded:  # NS needs the whole matrix: gather U over the TP group, keep our slice after
+            import tp
+            u = tp.full_tensor(p, u, self.grid)
+        o = orthogonalize(u, getattr(p, "muon_split", None), group["ns_steps"], self.ns_dtype, group["scale"])
+        if sharded:
+            o = tp.local_tensor(p, o, self.grid)
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(o, alpha=-group["lr"])
+
+    def _fsdp_muon(self, group):
+        """FSDP: per unit, all-gather the flat gradient; each matrix's owner updates its momentum
+        and orthogonalises the whole matrix (gathered over TP too); a reduce-scatter of the updates
+        (zero where not owned) hands every rank the slice its shard needs."""
+        from fsdp import _reduce_scatter
+        mu, grid = group["momentum"], self.fsdp.grid
+        for ui, u in enumerate(self.fsdp.units):
+            mine = [i for i in range(len(u.params)) if self.fsdp_owner.get((ui, i)) is not None]
+            if not mine or u.grad is None:
+                continue
+            full_g = u.all_gather_fp32(u.grad)
+            upd, off = torch.zeros_like(full_g), 0
+            for i, ((names, p, _), shape, n) in enumerate(zip(u.params, u.shapes, u.sizes)):
+                if self.fsdp_owner.get((ui, i)) == grid.dp_rank:
+                    g = full_g[off:off + n].view(shape)
+                    buf = self.fsdp_bufs.get((ui, i))
+                    if buf is None:
+                        buf = self.fsdp_bufs[(ui, i)] = torch.zeros_like(g)
+                    buf.mul_(mu).add_(g)
+                    v = g.add(buf, alpha=mu)
+                    sharded = grid.tp > 1 and hasattr(p, "tp_split")
+                    if sharded:
+                        import tp
+                        v = tp.full_tensor(p, v, grid)
+                    o = orthogonalize(v, getattr(p, "muon_split", None), group["ns_steps"], self.ns_dtype,
+                                      group["scale"])
+                    if sharded:
+                        o = tp.local_tensor(p, o, grid)
+                    upd[off:off + n] = o.reshape(-1)
+                off += n
+            if u.dp > 1:
+                out = torch.empty(u.S, dtype=upd.dtype, device=upd.device)
+                _reduce_scatter(out, upd, op=dist.ReduceOp.SUM, group=u.group)
+            else:
+                out = upd
+            for sp, (a, b) in zip(u.shards, u.ranges):
+                if any(sp is q for q in group["params"]):
+                    sp.mul_(1 - group["lr"] * group["weight_decay"])
+                    sp.add_(out[a:b].view_as(sp), alpha=-group["lr"])
+
+    def _sync_params(self):
+        """Every parameter from its owner: one all-gather of each rank's owned parameters (fp32)."""
+        grid = self.grid
+        ps = [p for g in self.param_groups for p in g["params"]]
+        mine = [[p for p in ps if self.owner[id(p)] == r] for r in range(grid.dp)]
+        n = max(sum(p.numel() for p in m) for m in mine)
+        flat, off = torch.zeros(n, dtype=torch.float32, device=ps[0].device), 0
+        for p in mine[grid.dp_rank]:
+            flat[off:off + p.numel()] = p.detach().reshape(-1)
+            off += p.numel()
+        out = [torch.empty_like(flat) for _ in range(grid.dp)]
+        dist.all_gather(out, flat, group=grid.dp_group)
+        for r, m in enumerate(mine):
+            if r == grid.dp_rank:
+                continue
+            off = 0
+            for p in m:
+                p.copy_(out[r][off:off + p.numel()].view_as(p))
+                off += p.numel()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def load_full_optim_state(self, model, grid, full):
+        """full_optim_state()'s output (saved by any layout) into this rank's state. Collective."""
+        import tp
+        if self.fsdp is not None:
+            return _fsdp_methods()[1](self, full)
+        tp.load_full_optim_state(model, self, grid, full)
+
+    def _fsdp_full_optim_state(self):
+        return _fsdp_methods()[0](self)
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        if self.zero1:  # full state loaded: keep what this rank owns
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if not self.owns(p):
+                        self.state.pop(p, None)
+
+    def full_optim_state(self, model, grid):
+        """{param name: {state key: full tensor / value}} on CPU, as a one-process run's optimizer:
+        ZeRO-1 owners broadcast their state over dp, TP shards are gathered. Collective."""
+        import tp
+        if self.fsdp is not None:
+            return self._fsdp_full_optim_state()
+        if not self.zero1:
+            return tp.full_optim_state(model, self, grid)
+        out = {}
+        for _, name, p in tp._state_by_index(model, self):
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            keys = ["momentum_buffer"] if group["kind"] == "muon" else ["step", "exp_avg", "exp_avg_sq"]
+            src = dist.get_global_rank(grid.dp_group, self.owner[id(p)])
+            st = self.state.get(p, {}) if self.owns(p) else {}
+            has = torch.tensor([1.0 if st else 0.0], device=p.device)
+            dist.broadcast(has, src=src, group=grid.dp_group)
+            if not has.item():
+                continue
+            for k in keys:
+                if k == "step":
+                    t = st[k].clone().float().to(p.device) if st else torch.zeros((), device=p.device)
+                    dist.broadcast(t, src=src, group=grid.dp_group)
+                    out.setdefault(name, {})[k] = t.cpu()
+                else:
+                    t = st[k].detach().clone() if st else torch.empty_like(p)
+                    dist.broadcast(t, src=src, group=grid.dp_group)
+                    out.setdefault(name, {})[k] = tp.full_tensor(p, t, grid).cpu()
+        return out
+
+
+def _fsdp_methods():
+    """FSDP checkpoint helpers, attached to Muon below (kept apart: they read fsdp.py's units)."""
+    import fsdp as F
+    import tp
+
+    def muon_names(self):
+        return {self.fsdp.units[ui].params[i][0][0] for ui, i in self.fsdp_owner}
+
+    def full(self):
+        w, grid, out = self.fsdp, self.fsdp.grid, {}
+        root = w.units[0].shards[0]
+        if not self.state.get(root):  # no step yet (the root's shards are AdamW on every rank)
+            return out
+        skip = muon_names(self)
+        for key in ("exp_avg", "exp_avg_sq"):
+            def local(u):
+                return torch.cat([self.state[sp][key].reshape(-1) if key in self.state.get(sp, {})
+                                  else torch.zeros(sp.numel(), device=sp.device) for sp in u.shards])
+            for name, t in F._by_name(w, local).items():
+                if name not in skip:
+                    out.setdefault(name, {})[key] = t
+        for name in out:
+            out[name]["step"] = self.state[root]["step"].detach().cpu().clone()
+        for (ui, i), r in sorted(self.fsdp_owner.items()):
+            u = w.units[ui]
+            names, p, _ = u.params[i]
+            t = self.fsdp_bufs[(ui, i)].clone() if r == grid.dp_rank else torch.empty(u.shapes[i], device=u.device)
+            if u.dp > 1:
+                dist.broadcast(t, src=dist.get_global_rank(u.group, r), group=u.group)
+            out[names[0]] = {"momentum_buffer": tp.full_tensor(p, t, grid).cpu()}
+        return out
+
+    def load(self, state):
+        w, grid = self.fsdp, self.fsdp.grid
+        if not state:
+            return
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        kind = {id(p): g["kind"] for g in self.param_groups for p in g["params"]}
+        step = next(v["step"] for v in state.values() if "step" in v)
+        new = {}
+        for ui, u in enumerate(w.units):
+            def of(key):
+                def f(names):
+                    e = F._pick(state, names)
+                    return e[key] if key in e else torch.zeros(e["momentum_buffer"].shape)
+                return f
+            flats = {k: F._local(w, u, of(k)) for k in ("exp_avg", "exp_avg_sq")}
+            for sp, (a, b) in zip(u.shards, u.ranges):
+                if kind[id(sp)] == "adamw":
+                    new[index[id(sp)]] = {"step": step.clone(), **{k: f[a:b].clone().view_as(sp) for k, f in flats.items()}}
+            for i, (names, p, _) in enumerate(u.params):
+                if self.fsdp_owner.get((ui, i)) == grid.dp_rank:
+                    t = tp.local_tensor(p, F._pick(state, names)["momentum_buffer"], grid)
+                    self.fsdp_bufs[(ui, i)] = t.float().to(u.device).clone()
+        torch.optim.Optimizer.load_state_dict(self, {"state": new, "param_groups": self.state_dict()["param_groups"]})
+    return full, load
+
+
+def _is_muon(name, ndim):
+    return name.startswith("blocks.") and ndim >= 2 and "router" not in name
+
+
+def _full_rows(p, shape):
+    """Rows of p's full (TP-gathered) matrices; expert stacks (E, rows, cols) keep whole matrices."""
+    if hasattr(p, "tp_split") and p.tp_split[0] == len(shape) - 2:
+        return sum(size for size, _ in p.tp_split[1])
+    return shape[-2]
+
+
+def _split(name, rows, cfg):
+    """Row sizes of the logical matrices in a fused weight of `rows` full rows: attn.qkv
+    [q | k | v] (from the model config), gated MLP fc / expert w1 [gate | up] (equal halves, so
+    shared experts of another width work too); None for a plain matrix."""
+    if name.endswith("attn.qkv.weight"):
+        return [cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
+    if cfg.gated and (name.endswith(".fc.weight") or name.endswith(".w1")):
+        return [rows // 2, rows // 2]
+    return None
+
+
+def mark_splits(model):
+    """p.muon_split on the fused weights (see _split)."""
+    for name, p in model.named_parameters():
+        split = _split(name, _full_rows(p, p.shape), model.cfg) if p.dim() >= 2 else None
+        if split:
+            p.muon_split = split
+
+
+def param_groups(model, cfg, use_muon=True):
+    """[muon, adamw decayed, adamw not decayed] (empty groups dropped)."""
+    muon_lr = cfg.muon_lr or cfg.lr
+    m, decay, no_decay = [], [], []
+    for name, p in model.named_parameters():  # unique: a tied weight appears once
+        if not p.requires_grad:
+            continue
+        if use_muon and _is_muon(name, p.dim()):
+            m.append(p)
+        else:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [dict(params=m, kind="muon", weight_decay=cfg.weight_decay, lr=muon_lr, lr_scale=muon_lr / cfg.lr),
+              dict(params=decay, kind="adamw", weight_decay=cfg.weight_decay),
+              dict(params=no_decay, kind="adamw", weight_decay=0.0)]
+    return [g for g in groups if g["params"]]
+
+
+def build(model, cfg, grid=None):
+    """The Muon(+AdamW) optimizer of cfg; optimizer="adamw" with zero1 gives AdamW-only groups."""
+    use_muon = cfg.optimizer == "muon"
+    if hasattr(model, "units"):
+        return _build_fsdp(model, cfg, use_muon)
+    if use_muon:
+        mark_splits(model)
+    if any(hasattr(p, "tp_split") for p in model.parameters()) and grid is None:
+        raise ValueError("a tensor-parallel model needs build_optimizer(model, cfg, grid)")
+    ns_dtype = _ns_dtype(cfg)
+    return Muon(param_groups(model, cfg, use_muon), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                weight_decay=cfg.weight_decay, momentum=getattr(cfg, "muon_momentum", 0.95),
+                scale=getattr(cfg, "muon_scale", "rms"), ns_dtype=ns_dtype, grid=grid,
+                zero1=getattr(cfg, "zero1", False))
+
+
+def _ns_dtype(cfg):
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[getattr(cfg, "ns_dtype", "bfloat16")]
+
+
+def _build_fsdp(wrapper, cfg, use_muon):
+    """Under FSDP the optimizer sees each unit's flat shards: a block unit's decayed shard holds
+    only hidden matrices (Muon, updated through whole-matrix owners), the rest is AdamW."""
+    if getattr(cfg, "zero1", False):
+        raise ValueError("zero1 with FSDP: FSDP already shards the optimizer state")
+    fsdp_muon, m, decay, no_decay = {}, [], [], []
+    for ui, u in enumerate(wrapper.units):
+        flags = [use_muon and _is_muon(names[0], len(shape)) for (names, _, _), shape in zip(u.params, u.shapes)]
+        decayed = [len(shape) >= 2 for shape in u.shapes]
+        if any(flags) and flags != decayed:
+            raise NotImplementedError(f"FSDP unit {ui} mixes Muon and AdamW matrices")
+        for i, ((names, p, _), f) in enumerate(zip(u.params, flags)):
+            if f:
+                fsdp_muon[(ui, i)] = True
+                split = _split(names[0], _full_rows(p, u.shapes[i]), wrapper.module.cfg)
+                if split:
+                    p.muon_split = split
+        for sp in u.shards:
+            (no_decay if sp.dim() < 2 else m if any(flags) else decay).append(sp)
+    muon_lr = cfg.muon_lr or cfg.lr
+    groups = [dict(params=decay, kind="adamw", weight_decay=cfg.weight_decay),
+              dict(params=no_decay, kind="adamw", weight_decay=0.0)]
+    if use_muon:  # present (maybe empty) on every rank: its lr / momentum drive the owners
+        groups.insert(0, dict(params=m, kind="muon", weight_decay=cfg.weight_decay, lr=muon_lr,
+                              lr_scale=muon_lr / cfg.lr))
+    return Muon(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                momentum=getattr(cfg, "muon_momentum", 0.95), scale=getattr(cfg, "muon_scale", "rms"),
+                ns_dtype=_ns_dtype(cfg), grid=wrapper.grid, fsdp=wrapper, fsdp_muon=fsdp_muon)
