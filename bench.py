@@ -4,33 +4,25 @@
     torchrun --nproc_per_node=2 bench.py dp               # 2 GPUs: our DataParallel vs torch DDP
     python bench.py single --shape=tiny --device=cpu --steps=3 --warmup=1   # smoke test, seconds
 
-Every row times full training steps: forward + backward + fused AdamW step + zero_grad, bf16
-autocast over fp32 master weights (ours and the peers alike), micro batch --batch of T tokens,
-random token ids (a few pre-generated batches, rotated), no data loading. Warm-up steps (which
-include compilation) are not timed; the timed steps are bracketed by device synchronisation.
+Every row times full training steps (forward + backward + fused AdamW + zero_grad), bf16 autocast
+over fp32 master weights for ours and the peers alike, micro batch --batch of T tokens, random
+tokens, no data loading; warm-up steps (compilation) untimed, timed steps bracketed by syncs.
+tokens/s = B*T*steps*GPUs / seconds; MFU = tokens/s * our model's flops_per_token(T) / (peak*GPUs)
+for every row (the HF peer has our exact shape, asserted by parameter count); peak memory is
+torch.cuda.max_memory_allocated, reset per row (dp mode: the largest over the ranks).
 
-    tokens/s = B * T * steps * GPUs / seconds
-    MFU      = tokens/s * FLOPs per token / (peak * GPUs)
-
-FLOPs per token come from OUR model's flops_per_token(T) for every row: the HF peer has the same
-shape (asserted: same parameter count), so it does the same matmuls and the MFU columns compare
-directly. Peak memory is torch.cuda.max_memory_allocated (weights + grads + AdamW state +
-activations), reset before each row; in dp mode the largest over the ranks.
-
-Rows. single: ours-eager, ours-compiled, hf-eager, hf-compiled (HF LlamaForCausalLM, SDPA
-attention, use_cache=False, our exact shape; loss via labels=x, HF shifts them inside).
-dp (torchrun): ours-1gpu (our compiled model on every rank alone, no communication: the per-GPU
-baseline of the scaling ratio), ours-dp (parallel.DataParallel; the compiled module is the inner
-one, since the gradient hooks live on its parameters) and torch-ddp (DistributedDataParallel
-with the same bucket size and gradient_as_bucket_view=True, then torch.compile of the DDP
-module: PyTorch's recommended order, whose DDPOptimizer splits the graph at bucket boundaries so
-the all-reduce overlaps backward; --ddp_compile=inner compiles first and wraps afterwards).
-A row that fails (compile error, OOM) prints its error and the table goes on; in dp mode a
-failure on only one rank leaves the other waiting in a collective, so give the run a timeout.
+single rows: ours eager / torch.compile(model) / model.compile_blocks(), HF LlamaForCausalLM
+eager / compiled (SDPA, use_cache=False, labels=x). dp rows (torchrun): ours-1gpu (each rank
+alone, no communication: the scaling baseline, same run), ours-dp (parallel.DataParallel over
+per-block compiled graphs), ours-dp-whole (one compiled graph), torch-ddp (DDP, 25 MB buckets,
+gradient_as_bucket_view, then torch.compile: PyTorch's recommended order). A failing row prints
+its error and the table goes on; a failure on one rank only leaves the other in a collective.
 """
 import argparse
 import datetime
 import gc
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -65,8 +57,7 @@ p.add_argument("--seq_len", type=int, default=0, help="T (and block_size); 0 = t
 p.add_argument("--steps", type=int, default=30, help="timed steps per row")
 p.add_argument("--warmup", type=int, default=10, help="untimed steps per row (compilation happens here)")
 p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-p.add_argument("--runs", default="", help="comma-separated subset of rows; single: "
-               "ours-eager,ours-compiled,hf-eager,hf-compiled; dp: ours-1gpu,ours-dp,torch-ddp")
+p.add_argument("--runs", default="", help="comma-separated subset of the mode's rows (see the docstring)")
 p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                help="autocast compute dtype; auto: bfloat16 on GPU, float32 on CPU (CPU bf16 is ~10x slower)")
 p.add_argument("--compile", type=int, default=1, help="dp mode: compile the model (0 = eager)")
@@ -128,11 +119,8 @@ def commit():
 
 
 def hf_version():
-    try:
-        import transformers
-        return transformers.__version__
-    except ImportError:
-        return None
+    found = importlib.util.find_spec("transformers") is not None
+    return importlib.metadata.version("transformers") if found else None
 
 
 meta = {"mode": args.mode, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -206,10 +194,9 @@ def sync():
 
 def reduce_(value, op):
     """Max/min of a number over the ranks (one process: the number itself)."""
-    if grid.world == 1:
-        return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
+    if grid.world > 1:
+        dist.all_reduce(t, op=op)
     return t.item()
 
 
