@@ -63,8 +63,9 @@ accum = cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
 loader = data.Loader(os.path.join(data_dir, "train.bin"), cfg.micro_batch_size, T,
                      grid.data_rank, grid.data_world, seed=cfg.seed, device=device)
 say(f"config:\n{config.show(cfg)}")
-say(f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {device} | {dtype} | global batch {cfg.batch_size} x {T} tokens"
-    f" = {cfg.micro_batch_size} sequences x {grid.data_world} ranks x {accum} accumulation steps")
+say(f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {device} | {dtype}"
+    f" | global batch {cfg.batch_size} x {T} tokens = {cfg.micro_batch_size} sequences x {grid.data_world}"
+    f" ranks x {accum} accumulation steps")
 
 # ---------------------------------------------------------------------------- model and optimizer
 mcfg = ModelConfig.from_cfg(cfg)
@@ -78,11 +79,12 @@ if cfg.init_from:  # under TP each rank keeps only its slices (of an HF folder, 
     else:
         tp.load_full_state_dict(raw, grid, checkpoint.read_weights(cfg.init_from, mcfg))
 moe.expert_parallel(raw, grid)  # MoE: keep this rank's experts, set the groups (dense: no-op)
-if cfg.data_parallel == "fsdp":  # shard what TP left over the data-parallel ranks
+sharded = cfg.data_parallel == "fsdp"
+if sharded:  # shard what TP left over the data-parallel ranks
     model = fsdp.FSDP(raw, grid, compute_dtype=dtype if dtype != torch.float32 else None)
 else:  # replicate it; broadcasts rank 0's weights
     model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)
-optimizer = optim.build_optimizer(model if cfg.data_parallel == "fsdp" else raw, cfg, grid)
+optimizer = optim.build_optimizer(model if sharded else raw, cfg, grid)
 step = 0
 if cfg.resume:
     path = checkpoint.latest(cfg.out_dir)
@@ -93,7 +95,7 @@ if cfg.resume:
         loader.load_state_dict(state["loader"])
         step = state["step"]
         say(f"resumed from {path} at step {step}")
-if cfg.data_parallel == "fsdp":
+if sharded:
     fwd = model  # gathers each block's shards around its forward
 else:  # DataParallel's hooks live on the parameters, so compile the inner model
     fwd = torch.compile(raw) if cfg.compile else raw
@@ -127,7 +129,7 @@ def save():  # every rank helps gather the full tensors; rank 0 writes
 
 def clip_grad_norm_(max_norm):
     """Every parameter counted once: sharded pieces summed over their group, replicas once."""
-    if cfg.data_parallel == "fsdp":
+    if sharded:
         return fsdp.clip_grad_norm_(model, max_norm)
     if mcfg.n_experts:  # expert shards summed over the EP group (MoE refuses tp > 1)
         return moe.clip_grad_norm_(raw.parameters(), max_norm, grid)
@@ -205,7 +207,7 @@ bar.close()
 if cfg.sample_tokens > 0:  # every rank generates (TP shards need all ranks), the same seed; rank 0 prints
     raw.eval()
     prompt = torch.tensor([tok.encode(cfg.sample_prompt) or [tok.eos_id]], device=device)
-    full = model.summon_full_params() if cfg.data_parallel == "fsdp" else contextlib.nullcontext()
+    full = model.summon_full_params() if sharded else contextlib.nullcontext()
     with full, autocast:
         out = raw.generate(prompt, min(cfg.sample_tokens, cfg.block_size - prompt.shape[1]),
                            temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
