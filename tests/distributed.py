@@ -1,4 +1,5 @@
-"""Launch a function on N CPU processes with the gloo backend, the way torchrun would."""
+"""Helpers of the distributed tests: launch a function on N CPU processes with the gloo backend,
+the way torchrun would, and compare results with a one-process run by relative error."""
 import os
 import socket
 
@@ -27,3 +28,19 @@ def spawn(fn, world, *args):
     """Run fn(rank, *args) in `world` fresh processes; raises if any of them fails."""
     mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True,
                        start_method="spawn")
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
+
+
+def assert_close(got, ref, what, tol=1e-5):
+    """Tensors, or (nested) dicts of them: same keys, same shapes, relative error <= tol."""
+    if isinstance(ref, dict):
+        assert got.keys() == ref.keys(), f"{what}: keys differ {sorted(set(got) ^ set(ref))}"
+        for k in ref:
+            assert_close(got[k], ref[k], f"{what}: {k}", tol)
+    else:
+        assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(ref.shape)}"
+        err = rel_err(got, ref)
+        assert err <= tol, f"{what}: relative error {err:.2e}"

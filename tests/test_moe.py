@@ -25,7 +25,7 @@ import config
 import moe
 import optim
 import parallel
-from distributed import spawn
+from distributed import rel_err, spawn
 from model import ModelConfig, Transformer
 
 
@@ -37,8 +37,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
 
 
 def layer_cfg(**kw):

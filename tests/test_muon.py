@@ -25,7 +25,7 @@ import muon
 import optim
 import parallel
 import tp
-from distributed import spawn
+from distributed import assert_close, rel_err, spawn
 from model import ModelConfig, Transformer
 
 G, T, STEPS, MORE = 8, 16, 3, 2
@@ -45,19 +45,8 @@ def global_batch(step):
     return torch.randint(0, 97, (G, T), generator=g), torch.randint(0, 97, (G, T), generator=g)
 
 
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
 
 
-def assert_close(got, ref, what, tol=1e-5):
-    if isinstance(ref, dict):
-        assert got.keys() == ref.keys(), f"{what}: keys {sorted(got)} vs {sorted(ref)}"
-        for k in ref:
-            assert_close(got[k], ref[k], f"{what}: {k}", tol)
-    else:
-        assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(ref.shape)}"
-        err = rel_err(got, ref)
-        assert err <= tol, f"{what}: relative error {err:.2e}"
 
 
 # ----------------------------------------------------------------------------- reference, from the formulas

@@ -15,7 +15,7 @@ import torch
 import config
 import optim
 import parallel
-from distributed import spawn
+from distributed import assert_close, rel_err, spawn
 from model import ModelConfig, Transformer
 
 G, T, STEPS = 8, 16, 3  # global batch (sequences), sequence length, optimizer steps
@@ -84,15 +84,8 @@ def run(tmp_path, world, accum, **cfg_kw):
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
 
 
-def assert_close(got, ref, what):
-    assert got.keys() == ref.keys()
-    for k in ref:
-        err = rel_err(got[k].float(), ref[k].float())
-        assert err <= 1e-5, f"{what}: {k} relative error {err:.2e}"
 
 
 @pytest.fixture(scope="module")

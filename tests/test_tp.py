@@ -23,7 +23,7 @@ import hf
 import optim
 import parallel
 import tp
-from distributed import spawn
+from distributed import assert_close, rel_err, spawn
 from model import ModelConfig, Transformer
 
 G, T, STEPS = 8, 16, 3
@@ -54,19 +54,8 @@ def global_batch(step):
     return x, y
 
 
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
 
 
-def assert_close(got, ref, what, tol=1e-5):
-    if isinstance(ref, dict):
-        assert got.keys() == ref.keys(), what
-        for k in ref:
-            assert_close(got[k], ref[k], f"{what}: {k}", tol)
-    else:
-        assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(ref.shape)}"
-        err = rel_err(got, ref)
-        assert err <= tol, f"{what}: relative error {err:.2e}"
 
 
 # ----------------------------------------------------------------------------- layers
