@@ -25,13 +25,7 @@ import torch.nn.functional as F
 
 from model import IGNORE, KVCache, ModelConfig, Transformer, top_k_filter, top_p_filter
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: extra intra-op threads only add overhead (and thrash a shared CPU)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: extra threads only add overhead
 
 
 TINY = dict(vocab_size=97, pad_vocab_multiple=64, block_size=32, n_layer=2, n_head=4, n_embd=32)

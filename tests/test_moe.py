@@ -29,12 +29,7 @@ from distributed import rel_err, spawn
 from model import ModelConfig, Transformer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: extra threads only add overhead
 
 
 

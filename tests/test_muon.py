@@ -11,6 +11,7 @@ state bytes per rank ~ 1/dp of the total; checkpoints resume exactly, in one pro
 layouts (one process -> each layout, each layout -> one process).
 """
 import collections
+import contextlib
 import os
 from types import SimpleNamespace
 
@@ -27,6 +28,21 @@ import parallel
 import tp
 from distributed import assert_close, rel_err, spawn
 from model import ModelConfig, Transformer
+
+
+@contextlib.contextmanager
+def ns_calls():
+    """Record the shape of every Newton-Schulz call made inside the block."""
+    calls, orig = [], muon.newton_schulz
+
+    def spy(G, *a, **k):
+        calls.append(tuple(G.shape))
+        return orig(G, *a, **k)
+    muon.newton_schulz = spy
+    try:
+        yield calls
+    finally:
+        muon.newton_schulz = orig
 
 G, T, STEPS, MORE = 8, 16, 3, 2
 
@@ -159,13 +175,7 @@ def _layout(grid, kw, out_dir, tag, load_from=None, steps=STEPS, save=True):
         model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)
     wrapper = model if cfg.data_parallel == "fsdp" else None
     start = checkpoint.load(load_from, raw, opt, grid, wrapper)["step"] if load_from else 0
-    calls, orig = [], muon.newton_schulz
-
-    def spy(G, *a, **k):
-        calls.append(tuple(G.shape))
-        return orig(G, *a, **k)
-    muon.newton_schulz = spy
-    try:
+    with ns_calls() as calls:
         for s in range(start, start + steps):
             per = G // grid.dp
             x, y = (t[grid.dp_rank * per:(grid.dp_rank + 1) * per] for t in global_batch(s))
@@ -177,8 +187,6 @@ def _layout(grid, kw, out_dir, tag, load_from=None, steps=STEPS, save=True):
                 tp.clip_grad_norm_(raw.parameters(), cfg.grad_clip, grid)
             opt.step()
             model.zero_grad()
-    finally:
-        muon.newton_schulz = orig
     weights, ostate = checkpoint.gather(raw, opt, grid, wrapper)
     if save:
         checkpoint.save(os.path.join(out_dir, tag), start + steps, weights, ostate, cfg, rank=grid.rank)
@@ -285,13 +293,7 @@ def _ep(rank, out_dir, ep, zero1=False):
     moe.expert_parallel(raw, grid)
     opt = optim.build_optimizer(raw, cfg, grid)
     model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)
-    calls, orig = [], muon.newton_schulz
-
-    def spy(G, *a, **k):
-        calls.append(tuple(G.shape))
-        return orig(G, *a, **k)
-    muon.newton_schulz = spy
-    try:
+    with ns_calls() as calls:
         for s in range(STEPS):
             per = G // grid.data_world
             x, y = (t[grid.data_rank * per:(grid.data_rank + 1) * per] for t in global_batch(s))
@@ -300,8 +302,6 @@ def _ep(rank, out_dir, ep, zero1=False):
             moe.clip_grad_norm_(raw.parameters(), cfg.grad_clip, grid)
             opt.step()
             model.zero_grad()
-    finally:
-        muon.newton_schulz = orig
     out = {}
     for n, p in raw.named_parameters():
         t = p.detach().clone()
