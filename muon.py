@@ -18,16 +18,20 @@ Muon, per matrix W with gradient G (momentum mu, Nesterov, as torch.optim.SGD(ne
 NS5: X = U / (|U|_F + 1e-7), transposed when tall; 5 x { A = X X^T; X = a X + (b A + c A A) X }
 with (a, b, c) = (3.4445, -4.7750, 2.0315), in bf16 (ns_dtype; fp32 for exact tests).
 
-Newton-Schulz always sees a whole matrix. Under TP a sharded parameter (p.tp_split) has U
-gathered to its full form over the TP group (every TP rank computes the same O), and each rank
-keeps its own slice. Under ZeRO-1 (zero1=True, dp > 1) every parameter has one owner in the
-data-parallel group (greedy by size, largest first, onto the least loaded rank): only the owner
-keeps its optimizer state and updates it (whole matrices, so NS never runs on a piece); then the
-parameters are all-gathered from their owners (fp32). Gradients still arrive all-reduced by
-DataParallel, so a step moves all-reduce + all-gather, 1.5x DDP's traffic; reducing each gradient
-to its owner only (reduce-scatter) would bring that back to DDP's, but needs DataParallel's
-buckets cut by owner: not done yet. State memory per rank is ~1/dp of the total. With EP the
-owners are chosen within grid.dp_group (the replicas of one expert shard), for all parameters.
+Newton-Schulz always sees a whole matrix; matrices of equal shape are stacked and run as one
+batched NS (tall ones transposed: a 124M LLaMA's 84 logical matrices make two batches). Under TP a sharded parameter
+(p.tp_split) has U gathered to its full form over the TP group (every TP rank computes the same
+O), and each rank keeps its own slice. Under ZeRO-1 (zero1=True, dp > 1) every parameter has one
+owner in the data-parallel group (greedy by size, largest first, onto the least loaded rank):
+DataParallel(owner=opt.grad_owner) reduces each gradient to its owner only (a reduce per owner
+and bucket, half an all-reduce), the owner keeps the optimizer state and updates the whole
+matrix, then the parameters are all-gathered from their owners (fp32): DDP's traffic in total,
+state memory ~1/dp per rank. clip_grad_norm_() sums the owned gradients' norms over dp. With EP
+the owners are chosen within grid.dp_group (the replicas of one expert shard), and gradients stay
+all-reduced (non-expert ones span dp x ep ranks, not one owner's group).
+
+The AdamW groups are stepped by torch.optim.AdamW itself (fused on GPU, foreach on CPU) over the
+parameters this rank owns; it shares this optimizer's `state`, so checkpoints see one optimizer.
 
 FSDP (build_optimizer(fsdp_wrapper, cfg, grid)): a block unit's decayed flat shard holds only its
 hidden matrices, cut anywhere. Each matrix has one owner in the dp group (balanced by size),
@@ -41,12 +45,12 @@ Checkpoints: full_optim_state() returns full tensors by one-process name (ZeRO-1
 broadcast their momentum, TP shards are gathered); load_full_optim_state() cuts them into any
 layout; checkpoint.gather / load call both for this optimizer. ({name: {"momentum_buffer"}} for
 Muon matrices, {name: {"step", "exp_avg", "exp_avg_sq"}} for AdamW parameters, as torch's AdamW.)
-Not here: gathering expert state over EP in checkpoints (moe.py's checkpoint path decides that);
-a per-parameter Python loop (no foreach kernels) and a .item() per AdamW step: fine on CPU, to be
-measured on GPU.
+Not here: gathering expert state over EP in checkpoints (moe.py's checkpoint path decides that).
 """
 import torch
 import torch.distributed as dist
+
+import tp
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
@@ -60,23 +64,43 @@ def newton_schulz(G, steps=5, dtype=torch.bfloat16, eps=1e-7):
     if tall:
         X = X.mT
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    X = X.reshape(-1, *X.shape[-2:])  # a batch of matrices: baddbmm fuses the scalings into the matmuls
     for _ in range(steps):
         A = X @ X.mT
-        X = a * X + (b * A + c * A @ A) @ X
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A A
+        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
     if tall:
         X = X.mT
-    return X.to(G.dtype)
+    return X.reshape(G.shape).to(G.dtype)
 
 
 def shape_scale(rows, cols, mode):
     return 0.2 * max(rows, cols) ** 0.5 if mode == "rms" else max(1.0, rows / cols) ** 0.5
 
 
-def orthogonalize(U, split, steps, dtype, mode):
-    """Scaled NS update of a full tensor U: per logical matrix (rows split by `split`)."""
-    parts = U.split(split, dim=-2) if split else [U]
-    out = [newton_schulz(u, steps, dtype) * shape_scale(u.shape[-2], u.shape[-1], mode) for u in parts]
-    return torch.cat(out, dim=-2) if split else out[0]
+def orthogonalize(us, splits, steps, dtype, mode):
+    """Scaled NS updates of full tensors us (per logical matrix: rows split by splits[i]; expert
+    stacks (E, rows, cols) are E matrices). Matrices of one shape run as one batched NS, so a
+    model's dozens of matrices cost a few kernels per iteration, not a few per matrix."""
+    mats = []  # (tensor index, its logical matrices as one (n, rows, cols) batch, wide: rows <= cols)
+    for i, (u, split) in enumerate(zip(us, splits)):
+        for m in (u.split(split, dim=-2) if split else [u]):
+            m, tall = m.reshape(-1, *m.shape[-2:]), m.shape[-2] > m.shape[-1]
+            mats.append((i, m.mT if tall else m, tall))  # NS(X^T) = NS(X)^T
+    by_shape = {}
+    for k, (_, m, _) in enumerate(mats):
+        by_shape.setdefault(tuple(m.shape[-2:]), []).append(k)
+    out = [None] * len(mats)
+    for ks in by_shape.values():
+        o = newton_schulz(torch.cat([mats[k][1].to(dtype) for k in ks]), steps, dtype)
+        for k, piece in zip(ks, o.split([mats[k][1].shape[0] for k in ks])):
+            out[k] = piece
+    res = [[] for _ in us]
+    for (i, _, tall), o in zip(mats, out):
+        o = o.mT if tall else o
+        res[i].append(o * shape_scale(o.shape[-2], o.shape[-1], mode))
+    return [torch.cat([o.reshape(*u.shape[:-2], -1, u.shape[-1]) for o in r], dim=-2).to(u.dtype)
+            for u, r in zip(us, res)]
 
 
 def _tp_size(grid):
@@ -113,8 +137,26 @@ class Muon(torch.optim.Optimizer):
                 r = min(range(grid.dp), key=lambda r: (load[r], r))
                 self.owner[id(ps[i])] = r
                 load[r] += ps[i].numel()
+        # the AdamW groups are stepped by torch's own AdamW (fused on GPU), over the parameters this
+        # rank owns, sharing this optimizer's state dict (checkpoints see one optimizer)
+        self.adamw, self.adamw_groups = None, []
+        pairs = [(g, [p for p in g["params"] if self.owns(p)]) for g in self.param_groups if g["kind"] == "adamw"]
+        pairs = [(g, ps) for g, ps in pairs if ps]
+        if pairs:
+            cuda = pairs[0][1][0].is_cuda
+            self.adamw_groups = [g for g, _ in pairs]
+            self.adamw = torch.optim.AdamW([dict(params=ps, weight_decay=g["weight_decay"]) for g, ps in pairs],
+                                           lr=lr, betas=betas, eps=eps, fused=cuda or None, foreach=None if cuda else True)
+            self.adamw.state = self.state
 
     # ------------------------------------------------------------------ ownership
+
+    @property
+    def grad_owner(self):
+        """ZeRO-1 with ep = 1: {id(param): dp rank} for DataParallel(owner=...), which then reduces
+        each gradient to its owner only (the other half of DDP's all-reduce is _sync_params'
+        all-gather). None otherwise (with EP, non-expert gradients span dp x ep: all-reduced)."""
+        return self.owner if self.zero1 and self.grid.ep == 1 else None
 
     def owns(self, p):
         return not self.zero1 or self.owner[id(p)] == self.grid.dp_rank
@@ -123,6 +165,19 @@ class Muon(torch.optim.Optimizer):
         """Bytes of optimizer state held by this rank."""
         return sum(v.numel() * v.element_size() for s in self.state.values() for v in s.values()
                    if torch.is_tensor(v)) + sum(v.numel() * v.element_size() for v in self.fsdp_bufs.values())
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm):
+        """ZeRO-1 (grad_owner set): only owners hold reduced gradients (DataParallel dropped the
+        others); the norm of the owned ones (TP-aware) summed over the dp group, applied to them."""
+        own = [p for g in self.param_groups for p in g["params"] if p.grad is not None and self.owns(p)]
+        sq = tp.clip_grad_norm_(own, float("inf"), self.grid).square() if own else \
+            torch.zeros((), device=self.param_groups[0]["params"][0].device)
+        dist.all_reduce(sq, group=self.grid.dp_group)
+        total = sq.sqrt()
+        if own:
+            torch._foreach_mul_([p.grad for p in own], (max_norm / (total + 1e-6)).clamp(max=1.0))
+        return total
 
     # ------------------------------------------------------------------ the step
 
@@ -133,53 +188,38 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            if group["kind"] == "muon" and self.fsdp is not None:
-                self._fsdp_muon(group)
-                continue
-            for p in group["params"]:
-                if p.grad is None or not self.owns(p):
-                    continue
-                if group["kind"] == "muon":
-                    self._muon(p, group)
-                else:
-                    self._adamw(p, group)
+            if group["kind"] == "muon":
+                (self._fsdp_muon if self.fsdp is not None else self._muon)(group)
+        if self.adamw is not None:  # torch.optim.AdamW's arithmetic: it is torch's AdamW
+            for g, inner in zip(self.adamw_groups, self.adamw.param_groups):
+                inner["lr"], inner["weight_decay"] = g["lr"], g["weight_decay"]
+            self.adamw.step()
         if self.zero1:
             self._sync_params()
         return loss
 
-    def _adamw(self, p, group):
-        """torch.optim.AdamW's arithmetic (single-tensor path)."""
-        g, st = p.grad, self.state[p]
-        if not st:
-            st["step"] = torch.tensor(0.0)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        st["step"] += 1
-        t = st["step"].item()
-        p.mul_(1 - lr * wd)
-        st["exp_avg"].lerp_(g, 1 - b1)
-        st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-        denom = (st["exp_avg_sq"].sqrt() / bc2 ** 0.5).add_(eps)
-        p.addcdiv_(st["exp_avg"], denom, value=-lr / bc1)
-
-    def _muon(self, p, group):
-        g, st, mu = p.grad, self.state[p], group["momentum"]
-        if not st:
-            st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        buf = st["momentum_buffer"]
-        buf.mul_(mu).add_(g)
-        u = g.add(buf, alpha=mu)  # Nesterov
-        sharded = _tp_size(self.grid) > 1 and hasattr(p, "tp_split")
-        if sharded:  # NS needs the whole matrix: gather U over the TP group, keep our slice after
-            import tp
-            u = tp.full_tensor(p, u, self.grid)
-        o = orthogonalize(u, getattr(p, "muon_split", None), group["ns_steps"], self.ns_dtype, group["scale"])
-        if sharded:
-            o = tp.local_tensor(p, o, self.grid)
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(o, alpha=-group["lr"])
+    def _muon(self, group):
+        """Momentum and update for every matrix this rank owns; NS batched over equal shapes."""
+        ps = [p for p in group["params"] if p.grad is not None and self.owns(p)]
+        if not ps:
+            return
+        mu, lr, grid = group["momentum"], group["lr"], self.grid
+        for p in ps:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        bufs, grads = [self.state[p]["momentum_buffer"] for p in ps], [p.grad for p in ps]
+        torch._foreach_mul_(bufs, mu)
+        torch._foreach_add_(bufs, grads)
+        us = torch._foreach_add(grads, bufs, alpha=mu)  # Nesterov
+        sharded = [_tp_size(grid) > 1 and hasattr(p, "tp_split") for p in ps]
+        if any(sharded):  # NS needs whole matrices: gather U over the TP group, keep our slice after
+            us = [tp.full_tensor(p, u, grid) if s else u for p, u, s in zip(ps, us, sharded)]
+        os = orthogonalize(us, [getattr(p, "muon_split", None) for p in ps], group["ns_steps"], self.ns_dtype,
+                           group["scale"])
+        if any(sharded):
+            os = [tp.local_tensor(p, o, grid) if s else o for p, o, s in zip(ps, os, sharded)]
+        torch._foreach_mul_(ps, 1 - lr * group["weight_decay"])
+        torch._foreach_add_(ps, os, alpha=-lr)
 
     def _fsdp_muon(self, group):
         """FSDP: per unit, all-gather the flat gradient; each matrix's owner updates its momentum
@@ -192,7 +232,7 @@ class Muon(torch.optim.Optimizer):
             if not mine or u.grad is None:
                 continue
             full_g = u.all_gather_fp32(u.grad)
-            upd, off = torch.zeros_like(full_g), 0
+            upd, off, todo = torch.zeros_like(full_g), 0, []  # todo: (offset, n, param, its U)
             for i, ((names, p, _), shape, n) in enumerate(zip(u.params, u.shapes, u.sizes)):
                 if self.fsdp_owner.get((ui, i)) == grid.dp_rank:
                     g = full_g[off:off + n].view(shape)
@@ -201,16 +241,16 @@ class Muon(torch.optim.Optimizer):
                         buf = self.fsdp_bufs[(ui, i)] = torch.zeros_like(g)
                     buf.mul_(mu).add_(g)
                     v = g.add(buf, alpha=mu)
-                    sharded = grid.tp > 1 and hasattr(p, "tp_split")
-                    if sharded:
-                        import tp
+                    if grid.tp > 1 and hasattr(p, "tp_split"):
                         v = tp.full_tensor(p, v, grid)
-                    o = orthogonalize(v, getattr(p, "muon_split", None), group["ns_steps"], self.ns_dtype,
-                                      group["scale"])
-                    if sharded:
-                        o = tp.local_tensor(p, o, grid)
-                    upd[off:off + n] = o.reshape(-1)
+                    todo.append((off, n, p, v))
                 off += n
+            os = orthogonalize([v for *_, v in todo], [getattr(p, "muon_split", None) for _, _, p, _ in todo],
+                               group["ns_steps"], self.ns_dtype, group["scale"]) if todo else []
+            for (off, n, p, _), o in zip(todo, os):
+                if grid.tp > 1 and hasattr(p, "tp_split"):
+                    o = tp.local_tensor(p, o, grid)
+                upd[off:off + n] = o.reshape(-1)
             if u.dp > 1:
                 out = torch.empty(u.S, dtype=upd.dtype, device=upd.device)
                 _reduce_scatter(out, upd, op=dist.ReduceOp.SUM, group=u.group)
@@ -245,7 +285,6 @@ class Muon(torch.optim.Optimizer):
 
     def load_full_optim_state(self, model, grid, full):
         """full_optim_state()'s output (saved by any layout) into this rank's state. Collective."""
-        import tp
         if self.fsdp is not None:
             return _fsdp_methods()[1](self, full)
         tp.load_full_optim_state(model, self, grid, full)
@@ -254,7 +293,14 @@ class Muon(torch.optim.Optimizer):
         return _fsdp_methods()[0](self)
 
     def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict)  # (a new self.state: share it with the inner AdamW again)
+        if self.adamw is not None:
+            self.adamw.state = self.state
+            if self.adamw.defaults["fused"]:  # fused AdamW keeps its step count on the parameter's device
+                for g in self.adamw.param_groups:
+                    for p in g["params"]:
+                        if "step" in self.state.get(p, {}):
+                            self.state[p]["step"] = self.state[p]["step"].to(p.device, torch.float32)
         if self.zero1:  # full state loaded: keep what this rank owns
             for g in self.param_groups:
                 for p in g["params"]:
@@ -264,7 +310,6 @@ class Muon(torch.optim.Optimizer):
     def full_optim_state(self, model, grid):
         """{param name: {state key: full tensor / value}} on CPU, as a one-process run's optimizer:
         ZeRO-1 owners broadcast their state over dp, TP shards are gathered. Collective."""
-        import tp
         if self.fsdp is not None:
             return self._fsdp_full_optim_state()
         if not self.zero1:
@@ -294,7 +339,6 @@ class Muon(torch.optim.Optimizer):
 def _fsdp_methods():
     """FSDP checkpoint helpers, attached to Muon below (kept apart: they read fsdp.py's units)."""
     import fsdp as F
-    import tp
 
     def muon_names(self):
         return {self.fsdp.units[ui].params[i][0][0] for ui, i in self.fsdp_owner}
@@ -345,7 +389,7 @@ def _fsdp_methods():
                 if self.fsdp_owner.get((ui, i)) == grid.dp_rank:
                     t = tp.local_tensor(p, F._pick(state, names)["momentum_buffer"], grid)
                     self.fsdp_bufs[(ui, i)] = t.float().to(u.device).clone()
-        torch.optim.Optimizer.load_state_dict(self, {"state": new, "param_groups": self.state_dict()["param_groups"]})
+        self.load_state_dict({"state": new, "param_groups": self.state_dict()["param_groups"]})
     return full, load
 
 

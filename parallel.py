@@ -121,13 +121,21 @@ class DataParallel(nn.Module):
     communication overlaps the rest of backward. Inside `no_sync()` (non-final
     gradient-accumulation micro-steps) nothing is launched; gradients just accumulate.
     `finish()` waits for the reductions and must run before clipping and the optimizer step.
+
+    ZeRO-1 (owner = optimizer.grad_owner, {id(param): dp rank}, ep = 1): a bucket's parameters are
+    laid out by owner and each owner's segment is reduced to that rank only (reduce, not
+    all-reduce: half the traffic); finish() then drops the gradients this rank does not own, so
+    nothing can read a partial sum. The optimizer all-gathers the updated parameters.
     """
 
-    def __init__(self, module, grid, bucket_mb=25.0):
+    def __init__(self, module, grid, bucket_mb=25.0, owner=None):
         super().__init__()
         self.world = grid.dp * grid.ep  # data-parallel world: every gradient is divided by it
         self.module, self.group = module, grid.data_group or grid.dp_group
         self.expert_group = grid.dp_group
+        self.owner = owner if self.world > 1 else None
+        if self.owner is not None and grid.ep > 1:
+            raise ValueError("DataParallel(owner=...) reduces over the dp group: not with ep > 1")
         self.sync = True
         self.handles = []
         self.buckets, self.bucket_of = [], {}
@@ -163,6 +171,8 @@ class DataParallel(nn.Module):
         return self.expert_group if getattr(t, "expert", False) else self.group
 
     def _make_bucket(self, params):
+        if self.owner is not None:  # contiguous per owner: one reduce per (bucket, owner)
+            params = sorted(params, key=lambda p: self.owner[id(p)])
         flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         off = 0
         for p in params:
@@ -172,7 +182,15 @@ class DataParallel(nn.Module):
         n = dist.get_world_size(group)
         # what is left to divide by after the reduction (AVG already divided by n)
         div = self.world // n if self.op == dist.ReduceOp.AVG else self.world
-        return dict(flat=flat, params=params, ready=0, group=group, n=n, div=div)
+        segs, off = [], 0  # (owner dp rank, start, end) runs of the flat buffer
+        for p in params:
+            r = self.owner[id(p)] if self.owner is not None else None
+            if segs and segs[-1][0] == r:
+                segs[-1][2] = off + p.numel()
+            else:
+                segs.append([r, off, off + p.numel()])
+            off += p.numel()
+        return dict(flat=flat, params=params, ready=0, group=group, n=n, div=div, segs=segs)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -196,8 +214,14 @@ class DataParallel(nn.Module):
 
     def _launch(self, b):
         b["ready"] = -1  # launched
-        h = dist.all_reduce(b["flat"], op=self.op, group=b["group"], async_op=True) if b["n"] > 1 else None
-        self.handles.append((h, b))
+        if b["n"] == 1:
+            self.handles.append((None, b))
+        elif self.owner is None:
+            self.handles.append((dist.all_reduce(b["flat"], op=self.op, group=b["group"], async_op=True), b))
+        else:
+            for r, s, e in b["segs"]:
+                dst = dist.get_global_rank(b["group"], r)
+                self.handles.append((dist.reduce(b["flat"][s:e], dst, op=self.op, group=b["group"], async_op=True), b))
 
     def finish(self):
         """Wait for all reductions (launching buckets whose params got no gradient) and average."""
@@ -206,12 +230,18 @@ class DataParallel(nn.Module):
         for b in self.buckets:
             if b["ready"] != -1:
                 self._launch(b)
-        for h, b in self.handles:
+        for h, _ in self.handles:
             if h is not None:
                 h.wait()
+        for b in self.buckets:
             if b["div"] != 1:
                 b["flat"].div_(b["div"])
             b["ready"] = 0
+            if self.owner is not None:  # what others own holds partial sums: drop it
+                rank = dist.get_rank(b["group"])
+                for p in b["params"]:
+                    if self.owner[id(p)] != rank:
+                        p.grad = None
         self.handles = []
 
     def zero_grad(self, set_to_none=True):
