@@ -19,6 +19,7 @@ gradient_as_bucket_view, then torch.compile: PyTorch's recommended order). A fai
 its error and the table goes on; a failure on one rank only leaves the other in a collective.
 """
 import argparse
+import contextlib
 import datetime
 import gc
 import importlib.metadata
@@ -55,6 +56,7 @@ p.add_argument("--shape", choices=list(SHAPES), default="124m")
 p.add_argument("--batch", type=int, default=16, help="micro batch per GPU (sequences)")
 p.add_argument("--seq_len", type=int, default=0, help="T (and block_size); 0 = the shape's block_size")
 p.add_argument("--steps", type=int, default=30, help="timed steps per row")
+p.add_argument("--accum", type=int, default=1, help="micro-steps of --batch per optimizer step (one sync)")
 p.add_argument("--warmup", type=int, default=10, help="untimed steps per row (compilation happens here)")
 p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
 p.add_argument("--runs", default="", help="comma-separated subset of the mode's rows (see the docstring)")
@@ -74,8 +76,8 @@ args = p.parse_args()
 RUNS = {"single": ["ours-eager", "ours-compiled", "ours-compiled-blocks", "hf-eager", "hf-compiled"],
         "dp": ["ours-1gpu", "ours-dp", "ours-dp-whole", "torch-ddp"]}[args.mode]
 runs = [r.strip() for r in args.runs.split(",") if r.strip()] or RUNS
-if args.steps < 1 or args.warmup < 0 or args.batch < 1:
-    p.error("need --steps >= 1, --warmup >= 0, --batch >= 1")
+if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.accum < 1:
+    p.error("need --steps >= 1, --warmup >= 0, --batch >= 1, --accum >= 1")
 for r in runs:
     if r not in RUNS:
         p.error(f"--runs: unknown row {r!r} for mode {args.mode}; choose from {', '.join(RUNS)}")
@@ -129,12 +131,12 @@ meta = {"mode": args.mode, "date": datetime.datetime.now().astimezone().isoforma
         "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
         "transformers": hf_version(), "python": platform.python_version(), "shape": args.shape,
         "model": asdict(mcfg), "batch_per_gpu": B, "seq_len": T, "steps": args.steps,
-        "warmup": args.warmup, "flops_per_token": flops_per_token, "peak_tflops_per_gpu": peak,
+        "warmup": args.warmup, "accum": args.accum, "flops_per_token": flops_per_token, "peak_tflops_per_gpu": peak,
         "bucket_mb": args.bucket_mb}
 say(f"# bench {args.mode} | {meta['device']} x {grid.world} | torch {meta['torch']} | "
     f"transformers {meta['transformers']} | commit {meta['commit']} | {meta['date']}")
 say(f"# shape {args.shape}: {mcfg.n_layer} layers, width {mcfg.n_embd}, {mcfg.n_head} heads, "
-    f"ffn {mcfg.hidden}, vocab {mcfg.padded_vocab}, T={T} | micro batch {B} per GPU | {meta['dtype']} | "
+    f"ffn {mcfg.hidden}, vocab {mcfg.padded_vocab}, T={T} | micro batch {B} per GPU x {args.accum} | {meta['dtype']} | "
     f"{args.warmup} warm-up + {args.steps} timed steps | {flops_per_token / 1e6:.1f} MFLOPs/token | "
     f"peak {peak or 'n/a'} TFLOP/s per GPU")
 
@@ -231,18 +233,21 @@ def time_row(row, build, n_gpus, min_time):
     args.steps training steps bracketed by device synchronisation."""
     t_build = time.perf_counter()
     model, forward, *rest = build()
-    finish, zero_grad = rest or (lambda: None, lambda: model.zero_grad(set_to_none=True))
+    finish, zero_grad, no_sync = (rest + [None] * 3)[:3]
+    finish, no_sync = finish or (lambda: None), no_sync or contextlib.nullcontext
+    zero_grad = zero_grad or (lambda: model.zero_grad(set_to_none=True))
     row["params"] = sum(p.numel() for p in model.parameters())
     optimizer = optim.build_optimizer(model, opt_cfg)  # fused AdamW on CUDA
     g = torch.Generator(device=device).manual_seed(args.seed + 1 + grid.rank)  # distinct data per rank
     batches = [(torch.randint(0, mcfg.vocab_size, (B, T), device=device, generator=g),
                 torch.randint(0, mcfg.vocab_size, (B, T), device=device, generator=g)) for _ in range(4)]
 
-    def step(i):
-        x, y = batches[i % len(batches)]
-        with autocast():
-            loss = forward(x, y)
-        loss.backward()
+    def step(i):  # --accum micro-steps; data parallel communicates on the last one only
+        for k in range(args.accum):
+            x, y = batches[(i + k) % len(batches)]
+            with no_sync() if k < args.accum - 1 else contextlib.nullcontext(), autocast():
+                loss = forward(x, y) / args.accum
+            loss.backward()
         finish()  # data parallel: wait for the gradient all-reduce (no-op otherwise)
         optimizer.step()
         zero_grad()
@@ -273,7 +278,7 @@ def time_row(row, build, n_gpus, min_time):
     row["loss"] = loss.item()  # last step's loss (this rank's batch): ~ln(vocab) early on
     if not math.isfinite(row["loss"]):
         raise FloatingPointError(f"loss is {row['loss']}")
-    tok_s = B * T * args.steps * n_gpus / dt
+    tok_s = B * T * args.accum * args.steps * n_gpus / dt
     row.update(tokens_per_s=tok_s, step_ms=1e3 * dt / args.steps,
                mfu=tok_s * flops_per_token / (peak * 1e12 * n_gpus) if peak else None,
                peak_mem_gb=reduce_(torch.cuda.max_memory_allocated(device) / 1e9, dist.ReduceOp.MAX)
@@ -312,7 +317,7 @@ def ours_dp(whole=False):
         raw = build_ours()
         dp = parallel.DataParallel(raw, grid, args.bucket_mb)
         fwd = (torch.compile(raw) if whole else raw.compile_blocks()) if args.compile else raw
-        return raw, fwd, dp.finish, lambda: dp.zero_grad(set_to_none=True)
+        return raw, fwd, dp.finish, lambda: dp.zero_grad(set_to_none=True), dp.no_sync
     return build
 
 
@@ -321,10 +326,9 @@ def torch_ddp():
     raw = build_ours()
     kw = dict(device_ids=[device.index] if cuda else None, bucket_cap_mb=args.bucket_mb,
               gradient_as_bucket_view=True)
-    if args.compile and args.ddp_compile == "inner":
-        return raw, DDP(torch.compile(raw), **kw)
-    ddp = DDP(raw, **kw)
-    return raw, (torch.compile(ddp) if args.compile else ddp)
+    ddp = DDP(torch.compile(raw) if args.compile and args.ddp_compile == "inner" else raw, **kw)
+    fwd = torch.compile(ddp) if args.compile and args.ddp_compile == "outer" else ddp
+    return raw, fwd, None, None, ddp.no_sync
 
 
 BUILDS = {"ours-eager": ours_row(False), "ours-compiled": ours_row("whole"),

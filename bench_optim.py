@@ -9,7 +9,7 @@ step rows (same model, data and batch; bf16 autocast, torch.compile, parallel.Da
 adamw (torch.optim.AdamW, fused), muon (muon.Muon: NS in bf16, batched over equal shapes; AdamW
 for embeddings/head/norms), and with 2+ GPUs adamw-zero1 / muon-zero1 (optimizer state sharded,
 gradients reduced to their owners, parameters all-gathered). Per row: training step time
-(forward + backward + sync + clip + step + zero_grad), the optimizer step alone (CUDA events
+(--accum micro-steps of forward + backward, sync, clip, step, zero_grad), the optimizer step alone (CUDA events
 around clip + opt.step(), no extra syncs), peak memory and optimizer-state bytes per GPU.
 
 curves: reads the train_metrics.jsonl of two pretrain.py runs (the first is the baseline),
@@ -18,6 +18,7 @@ interpolation between evaluations) as a fraction of the baseline's steps, and pl
 training and validation curves to --png (matplotlib, imported only here).
 """
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -66,8 +67,8 @@ def curves(args):
         ax.axhline(target, color="gray", ls="--", lw=1)
         if reach:
             ax.axvline(reach, color="gray", ls=":", lw=1)
-        lo = min(v for _, v in bv + cv)
-        ax.set_ylim(lo - 0.1, lo + 2.0)
+        lo = min(v for _, v in bt + bv + ct + cv)
+        ax.set_ylim(lo - 0.05, lo + 2.5)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.set_title(f"{name[1]} vs {name[0]}: same data and tokens" +
@@ -100,6 +101,7 @@ def step_rows(args):
         return t.item()
 
     def measure(name, optimizer, zero1):
+        torch._dynamo.reset()  # compiled graphs of the previous row hold its parameters: free them
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -116,10 +118,12 @@ def step_rows(args):
               for _ in range(args.steps)]
 
         def step(i, e=None):
-            d = data[i % len(data)]
-            with torch.autocast(device.type, dtype=dtype, enabled=cuda):
-                loss = fwd(d[:, :-1], d[:, 1:])
-            loss.backward()
+            for k in range(args.accum):
+                d = data[(i + k) % len(data)]
+                with model.no_sync() if k < args.accum - 1 else contextlib.nullcontext():
+                    with torch.autocast(device.type, dtype=dtype, enabled=cuda):
+                        loss = fwd(d[:, :-1], d[:, 1:]) / args.accum
+                    loss.backward()
             model.finish()
             t0 = e[0].record() if e else time.perf_counter()
             if getattr(opt, "grad_owner", None):
@@ -144,7 +148,7 @@ def step_rows(args):
         dt = max_over_ranks(time.perf_counter() - t0) / args.steps
         opt_s = sum(a.elapsed_time(b) / 1e3 for a, b in ev) / args.steps if cuda else cpu_opt / args.steps
         state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-        tok_s = B * T * world / dt
+        tok_s = B * T * args.accum * world / dt
         row = dict(run=name, step_ms=1e3 * dt, opt_ms=1e3 * max_over_ranks(opt_s), tokens_per_s=tok_s,
                    mfu=tok_s * raw.flops_per_token(T) / (peak * 1e12 * world) if peak else None,
                    peak_mem_gb=max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30) if cuda else None,
@@ -156,7 +160,7 @@ def step_rows(args):
         return row
 
     say(f"# bench_optim step | {torch.cuda.get_device_name(device) if cuda else 'cpu'} x {world} | "
-        f"{args.shape}, batch {B} x {T} per GPU | torch {torch.__version__} | {time.strftime('%Y-%m-%d %H:%M')}")
+        f"{args.shape}, batch {B} x {T} per GPU x {args.accum} micro-steps | torch {torch.__version__} | {time.strftime('%Y-%m-%d %H:%M')}")
     runs = [("adamw", "adamw", False), ("muon", "muon", False)]
     if world > 1:
         runs += [("adamw-zero1", "adamw", True), ("muon-zero1", "muon", True)]
@@ -169,7 +173,7 @@ def step_rows(args):
                 f"{by[b]['peak_mem_gb'] or 0:.2f} GiB, state {by[a]['state_gb']:.3f} vs {by[b]['state_gb']:.3f} GiB")
     if grid.is_main and args.json:
         with open(args.json, "w") as f:
-            json.dump({"world": world, "batch": B, "shape": args.shape, "rows": rows}, f, indent=1)
+            json.dump({"world": world, "batch": B, "accum": args.accum, "shape": args.shape, "rows": rows}, f, indent=1)
     parallel.shutdown()
 
 
@@ -180,6 +184,7 @@ if __name__ == "__main__":
     p.add_argument("--png", default="")
     p.add_argument("--shape", choices=list(SHAPES), default="124m")
     p.add_argument("--batch", type=int, default=16, help="sequences per GPU")
+    p.add_argument("--accum", type=int, default=1, help="gradient-accumulation micro-steps per optimizer step")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--compile", type=int, default=1)

@@ -12,8 +12,9 @@ replaced atomically afterwards, so a process killed mid-save leaves the previous
 intact and loadable. Only the newest `keep_last` checkpoints are kept.
 
 Layout independence: gather() turns any layout's weights and optimizer state (data parallel,
-tensor parallel, FSDP, both) into full tensors under the one-process names, and load() cuts
-them back into whatever layout the resuming run uses.
+tensor parallel, FSDP, expert parallel, their products) into full tensors under the one-process
+names, and load() cuts them back into whatever layout the resuming run uses (experts to this EP
+rank's first, with their AdamW moments / Muon momentum, then TP slices / FSDP shards).
 """
 import json
 import os
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import fsdp
+import moe
 import tp
 from model import Transformer
 
@@ -48,14 +50,18 @@ def _fsync_write(path, write):
 
 def gather(model, optimizer, grid, wrapper=None):
     """(weights, optimizer state) as full tensors under the one-process names, from any layout
-    (plain, data parallel, TP, FSDP, TP x FSDP). Collective: every rank calls it.
+    (plain, data parallel, TP, FSDP, EP, and their products). Collective: every rank calls it.
     optimizer state: {param name: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}}."""
     weights = fsdp.full_state_dict(wrapper) if isinstance(wrapper, fsdp.FSDP) else tp.full_state_dict(model, grid)
-    if optimizer is not None and hasattr(optimizer, "full_optim_state"):  # muon.Muon: any layout, ZeRO-1 included
-        return weights, optimizer.full_optim_state(model, grid)
-    if isinstance(wrapper, fsdp.FSDP):
-        return weights, (fsdp.full_optim_state(wrapper, optimizer) if optimizer else None)
-    return weights, (tp.full_optim_state(model, optimizer, grid) if optimizer else None)
+    if optimizer is None:
+        state = None
+    elif hasattr(optimizer, "full_optim_state"):  # muon.Muon: any layout, ZeRO-1 included
+        state = optimizer.full_optim_state(model, grid)
+    elif isinstance(wrapper, fsdp.FSDP):
+        state = fsdp.full_optim_state(wrapper, optimizer)
+    else:
+        state = tp.full_optim_state(model, optimizer, grid)
+    return moe.gather_experts(model, grid, weights, state)  # EP: every rank's experts (no-op otherwise)
 
 
 def rng_state():
@@ -195,6 +201,7 @@ def load(path, model, optimizer, grid, wrapper=None):
         if not os.path.isfile(opt_file):
             raise FileNotFoundError(f"no optimizer.pt in '{path}': cannot resume optimizer state")
         opt_state = torch.load(opt_file, map_location="cpu", weights_only=False)
+    weights, opt_state = moe.cut_experts(model, grid, weights, opt_state)  # EP: this rank's experts
     if opt_state is not None and hasattr(optimizer, "load_full_optim_state"):  # muon.Muon: any layout
         if isinstance(wrapper, fsdp.FSDP):
             fsdp.load_full_state_dict(wrapper, weights)

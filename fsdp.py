@@ -6,12 +6,12 @@
     model.finish(); fsdp.clip_grad_norm_(model, cfg.grad_clip); optimizer.step(); model.zero_grad()
 
 Units: each block, plus a root unit of everything else (embeddings, final norm, head; a tied head
-is stored once). A unit's parameters are flattened into one fp32 buffer padded to a multiple of dp;
-dp-rank r keeps elements [r*S, (r+1)*S) as its master shard. Decayed matrices come before 1-D
-parameters and a shard is cut where they meet, so each shard nn.Parameter has one weight-decay
-setting; decayed shards are shaped (1, n), so optim.param_groups' "p.dim() >= 2" rule still holds.
+is stored once). A unit's parameters are flattened into one fp32 buffer padded to a multiple of dp
+(its group's size); rank r keeps elements [r*S, (r+1)*S) as its master shard. Decayed matrices
+come before 1-D parameters and a shard is cut where they meet, so each shard nn.Parameter has one
+weight-decay setting; decayed shards are (1, n), so optim.param_groups' "p.dim() >= 2" rule holds.
 
-One micro-step of block i (all-gather and reduce-scatter over grid.dp_group, async):
+One micro-step of block i (all-gather and reduce-scatter over the unit's group, async):
   forward   pre-hook: wait for block i's all-gather (issued while block i-1 ran), point the block's
             parameters at views of the gathered buffer, issue block i+1's all-gather.
             post-hook: free the buffer's storage (resize to 0: autograd keeps its views, now
@@ -40,8 +40,15 @@ TP x FSDP: wrap after tp.tensor_parallel; FSDP shards each rank's TP slices over
 (tp.py sums gradients of pieces TP ranks share) move onto the views. For the gradient norm each unit
 knows the runs of its shard this TP rank counts (p.tp_split: replicated parameters and shared pieces
 are counted by their first holder only). Checkpoints are full tensors under one-process names.
+
+EP x FSDP (moe.py): with ep > 1 the data-parallel world is dp x ep (grid.data_group); a unit is
+sharded over it, except a block's experts (p.expert): they form a second unit of that block,
+sharded over grid.dp_group (their replicas), gathered and freed together with the block's first.
+Every gradient is divided by dp x ep (an expert's owner received every EP rank's tokens); the
+gradient norm adds squares over the data group. Checkpoint helpers give this EP rank's experts;
+checkpoint.gather / load complete and cut them over EP (moe.gather_experts / cut_experts).
 Limits: one backward per forward (no retain_graph, no torch.autograd.grad); compiling a block's
-__call__ would trace these hooks (compile its forward, or inside it); no expert parallelism yet.
+__call__ would trace these hooks (compile its forward, or inside it).
 """
 import contextlib
 import functools
@@ -73,11 +80,17 @@ def _counted(p, grid):
 
 
 class Unit:
-    """The flattened, sharded parameters of one module (a block, or the root's leftovers)."""
+    """The flattened, sharded parameters of one module (a block, or the root's leftovers), or of a
+    block's experts under EP. self.group / dp / rank: the ranks it is sharded over (the data group,
+    dp x ep ranks; an expert unit: grid.dp_group, its replicas)."""
 
-    def __init__(self, params, grid, compute_dtype):
+    def __init__(self, params, grid, compute_dtype, expert=False):
         # params: [(names, parameter, [(module, attribute), ...])], one entry per unique tensor
-        self.group, self.dp, self.rank = grid.dp_group, grid.dp, grid.dp_rank
+        if expert:
+            self.group, self.dp, self.rank = grid.dp_group, grid.dp, grid.dp_rank
+        else:
+            self.group, self.dp, self.rank = grid.data_group or grid.dp_group, grid.data_world, grid.data_rank
+        self.world = grid.data_world  # gradients: mean over every data rank (an expert's owner got them all)
         self.params = sorted(params, key=lambda e: not _decayed(e[1]))  # stable: model order otherwise
         p0 = self.params[0][1]
         self.device, self.dtype = p0.device, compute_dtype or p0.dtype
@@ -181,8 +194,9 @@ class Unit:
     def accumulate(self, work, out):
         if work is not None:
             work.wait()
-        if self.dp > 1 and not self.op_avg:
-            out.div_(self.dp)
+        div = self.world // self.dp if self.op_avg else self.world  # AVG divided by dp already
+        if div > 1:
+            out.div_(div)
         if self.grad is None or self.shards[0].grad is None:  # first micro-step (or after zero_grad)
             self.grad = out
             for p, (a, b) in zip(self.shards, self.ranges):
@@ -219,8 +233,6 @@ class FSDP(nn.Module):
 
     def __init__(self, module, grid, compute_dtype=None):
         super().__init__()
-        if grid.ep > 1:
-            raise NotImplementedError("FSDP with expert parallelism (ep > 1) is not written yet")
         self.module, self.grid = module, grid
         self.summoned = False
         self.pending = []  # [(unit, work, out)]: issued reduce-scatters, oldest first
@@ -232,21 +244,27 @@ class FSDP(nn.Module):
                     e = entries.setdefault(id(p), ([], p, []))
                     e[0].append(f"{mname}.{attr}" if mname else attr)
                     e[2].append((mod, attr))
-        groups = [[] for _ in range(len(module.blocks) + 1)]  # 0: root; 1 + i: blocks[i]
+        L = len(module.blocks)
+        groups, experts = [[] for _ in range(L + 1)], [[] for _ in range(L + 1)]  # 0: root; 1 + i: blocks[i]
         for e in entries.values():
             head = e[0][0].split(".")
-            groups[1 + int(head[1]) if head[0] == "blocks" else 0].append(e)
-        self.units = [Unit(g, grid, compute_dtype) for g in groups]
+            slot = 1 + int(head[1]) if head[0] == "blocks" else 0
+            (experts if grid.ep > 1 and getattr(e[1], "expert", False) else groups)[slot].append(e)
+        # slots[i]: the units gathered together around block i - 1 (slot 0: the root)
+        self.slots = [[Unit(g, grid, compute_dtype)] + ([Unit(x, grid, compute_dtype, expert=True)] if x else [])
+                      for g, x in zip(groups, experts)]
+        self.units = [u for s in self.slots for u in s]
         for i, u in enumerate(self.units):  # registered, so .parameters() yields the shards
             for j, p in enumerate(u.shards):
                 self.register_parameter(f"unit{i}_shard{j}", p)
         for i, block in enumerate(module.blocks, start=1):
             block.register_forward_pre_hook(functools.partial(self._pre_forward, i))
             block.register_forward_hook(functools.partial(self._post_forward, i))
-        if grid.dp > 1:  # buffers too (DataParallel's rule); RoPE tables are derived anyway
+        data = grid.data_group or grid.dp_group
+        if grid.data_world > 1:  # buffers too (DataParallel's rule); RoPE tables are derived anyway
             with torch.no_grad():
                 for b in module.buffers():
-                    dist.broadcast(b, src=dist.get_global_rank(grid.dp_group, 0), group=grid.dp_group)
+                    dist.broadcast(b, src=dist.get_global_rank(data, 0), group=data)
 
     # ------------------------------------------------------------------ forward / backward choreography
 
@@ -257,47 +275,52 @@ class FSDP(nn.Module):
         root.drop()
         root.gather(fresh=True)
         root.wait()
-        root.install(functools.partial(self._post_backward, 0))
-        if len(self.units) > 1 and not self.units[1].ready:
-            self.units[1].gather(fresh=True)  # prefetch block 0 while the embedding runs
+        root.install(functools.partial(self._post_backward, root))
+        self._prefetch(1, fresh=True)  # block 0 while the embedding runs
         out = self.module(*args, **kwargs)
         if not (torch.is_grad_enabled() and out.requires_grad):
             root.drop()  # no backward will come (evaluation)
         return out
 
+    def _prefetch(self, i, fresh):
+        for u in self.slots[i] if 0 < i < len(self.slots) else []:
+            if not u.ready and (fresh or (u.full is not None and not u.in_backward)):
+                u.gather(fresh)
+
     def _pre_forward(self, i, module, args):
-        u = self.units[i]
-        if self.summoned or u.in_backward:  # recompute of a checkpointed block: already gathered
+        us = self.slots[i]
+        if self.summoned or us[0].in_backward:  # recompute of a checkpointed block: already gathered
             return
-        if not u.ready:
-            u.gather(fresh=True)
-        u.wait()
-        u.install(functools.partial(self._post_backward, i))
-        if i + 1 < len(self.units) and not self.units[i + 1].ready:
-            self.units[i + 1].gather(fresh=True)  # overlaps this block's compute
+        for u in us:
+            if not u.ready:
+                u.gather(fresh=True)
+        for u in us:
+            u.wait()
+            u.install(functools.partial(self._post_backward, u))
+        self._prefetch(i + 1, fresh=True)  # overlaps this block's compute
 
     def _post_forward(self, i, module, args, out):
-        u = self.units[i]
-        if self.summoned or u.in_backward:
+        us = self.slots[i]
+        if self.summoned or us[0].in_backward:
             return out
         if torch.is_grad_enabled() and out.requires_grad:
-            u.release()  # reshard after forward; backward gathers again
+            for u in us:
+                u.release()  # reshard after forward; backward gathers again
             return _PreBackward.apply(self, i, out)
-        u.drop()
+        for u in us:
+            u.drop()
         return out
 
     def _pre_backward(self, i):
-        u = self.units[i]
-        if not u.ready:
-            u.gather(fresh=False)
-        u.wait()
-        u.in_backward = True
-        prev = self.units[i - 1]
-        if i > 1 and prev.full is not None and not prev.ready and not prev.in_backward:
-            prev.gather(fresh=False)  # overlaps this block's backward
+        for u in self.slots[i]:
+            if not u.ready:
+                u.gather(fresh=False)
+        for u in self.slots[i]:
+            u.wait()
+            u.in_backward = True
+        self._prefetch(i - 1, fresh=False)  # overlaps this block's backward
 
-    def _post_backward(self, i, full):
-        u = self.units[i]
+    def _post_backward(self, u, full):
         g, full.grad = full.grad, None
         work, out = u.reduce_scatter(g)
         del g
@@ -353,7 +376,8 @@ class FSDP(nn.Module):
 def clip_grad_norm_(model, max_norm):
     """torch.nn.utils.clip_grad_norm_ over the whole model, every parameter counted once.
 
-    FSDP shards are disjoint (padding is zero), so squares add up over dp. Under TP each rank adds
+    FSDP shards are disjoint (padding is zero), so squares add up over the data group (an expert
+    unit's shards cover its EP rank's experts over dp, the EP ranks the rest). Under TP each rank adds
     the runs it counts (its own slices; replicated parameters and shared pieces on their first
     holder only), summed over the TP group. Returns the total norm, without a host sync.
     """
@@ -363,7 +387,7 @@ def clip_grad_norm_(model, max_norm):
     for u in units:
         for a, b in u.counted:
             sq += u.grad[a:b].square().sum()
-    for size, group in ((grid.tp, grid.tp_group), (grid.dp, grid.dp_group)):
+    for size, group in ((grid.tp, grid.tp_group), (grid.data_world, grid.data_group or grid.dp_group)):
         if size > 1:
             dist.all_reduce(sq, group=group)
     norm = sq.sqrt()

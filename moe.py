@@ -2,8 +2,9 @@
 
     cfg = ModelConfig(..., n_experts=8, moe_top_k=2)  # model.Block builds MoE(cfg) in the chosen layers
     model = Transformer(cfg)                          # the full model, same seed on every rank
+    tp.tensor_parallel(model, grid)                   # optional: every expert cut like the dense MLP
     moe.expert_parallel(model, grid)                  # keep this rank's experts, set the groups
-    model = parallel.DataParallel(model, grid)        # experts synced over dp, the rest over dp x ep
+    model = parallel.DataParallel(model, grid)        # experts synced over dp, the rest over dp x ep (or fsdp.FSDP)
     loss = model(x, y)                                # LM loss + every MoE layer's router losses
     ...; moe.clip_grad_norm_(raw.parameters(), max_norm, grid); opt.step()
 
@@ -65,9 +66,16 @@ Gradient normalisation: each rank's loss is the mean over its local batch; an ex
 receives the gradients of every EP rank's loss through the reverse exchange, so
 parallel.DataParallel sums expert gradients over dp_group and divides by dp * ep, like every
 other gradient: each equals the one-process gradient of the global-batch mean.
-Checkpoints: gather_experts() completes checkpoint.gather()'s output with full expert tensors, so
-an EP run saves the one-process layout; resuming *into* ep > 1 (cutting experts on load) is not
-written yet. Not here: TP with MoE, FSDP with MoE, Muon with MoE are refused by config.py.
+TP x EP (grid dp x ep x tp, TP innermost): tp.tensor_parallel cuts every expert's hidden units
+like the dense MLP (w1 rows [gate | up] column-parallel, w2 columns row-parallel, p.tp_split, so
+checkpoints and Muon see whole matrices) and the shared expert like model.MLP; the router stays
+replicated. Tokens travel over the ep group (ranks of one tp rank), identical on every TP rank;
+_ffn sums the partial expert outputs over TP once per slot, before the routing weights scale them.
+FSDP x EP (fsdp.py): non-expert parameters sharded over the data group, experts over dp_group.
+Checkpoints: gather_experts() (called by checkpoint.gather) all-gathers expert shards and the state
+shaped like them (AdamW moments, Muon momentum) over EP: the one-process layout; cut_experts()
+(called by checkpoint.load) keeps this rank's experts, so a run resumes under any ep.
+Not here: Muon with MoE under FSDP (config.py refuses it: muon.py's FSDP path needs the changes).
 """
 import math
 from dataclasses import replace
@@ -76,6 +84,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+import tp
 
 
 def _size(group):
@@ -135,6 +145,7 @@ class MoE(nn.Module):
                        if cfg.n_shared_experts else None)
         # layout, set by expert_parallel(): this rank holds experts [ep_rank * E/ep, ...)
         self.ep, self.ep_rank, self.ep_group, self.data_group = 1, 0, None, None
+        self.tp_group = None  # set by tp.tensor_parallel: each rank holds a slice of every expert
         self.router_loss = None  # aux + z of the latest forward (differentiable)
         self.stats = {}
         self.init_experts(cfg.init_std, cfg.init_std)
@@ -199,14 +210,20 @@ class MoE(nn.Module):
         return pos
 
     def _ffn(self, buf):
-        """(G, M, C) rows of G local experts -> (G, M, C), batched over experts."""
+        """(G, M, C) rows of G local experts -> (G, M, C), batched over experts. Under TP every rank
+        holds a slice of each expert's hidden units: Copy sums the input gradient over TP; Reduce
+        sums the partial outputs once, per slot, before the routing weights scale them, so the
+        router's gradient is whole and the same on every TP rank."""
+        if self.tp_group is not None:
+            buf = tp.Copy.apply(buf, self.tp_group)
         h = torch.bmm(buf, self.w1.transpose(1, 2))
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             h = self.act(gate) * up
         else:
             h = self.act(h)
-        return torch.bmm(h, self.w2.transpose(1, 2))
+        out = torch.bmm(h, self.w2.transpose(1, 2))
+        return out if self.tp_group is None else tp.Reduce.apply(out, self.tp_group)
 
     def _exchange(self, buf):
         """Fixed capacity: (E, cap, C) slots of this rank's tokens -> the experts' outputs for them."""
@@ -273,14 +290,10 @@ def layers(model):
 
 def expert_parallel(model, grid):
     """Keep this rank's experts of every MoE layer (in place) and give the layers their groups.
-    Call on the full model (same seed on every rank) before building the optimizer and
-    parallel.DataParallel; also with ep = 1, so that the balance statistics span the data group."""
-    moes = layers(model)
-    if not moes:
-        return model
-    if grid.tp > 1:
-        raise ValueError("mixture of experts with tensor parallelism (tp > 1) is not supported: use tp=1")
-    for m in moes:
+    Call on the full model (same seed on every rank), after tp.tensor_parallel, before the
+    optimizer and parallel.DataParallel / fsdp.FSDP; also with ep = 1, so that the balance
+    statistics span the data group."""
+    for m in layers(model):
         if m.n_experts % grid.ep:
             raise ValueError(f"n_experts={m.n_experts} is not divisible by ep={grid.ep}")
         m.data_group = getattr(grid, "data_group", None) or grid.dp_group
@@ -292,50 +305,55 @@ def expert_parallel(model, grid):
                 p = nn.Parameter(full.detach()[grid.ep_rank * El:(grid.ep_rank + 1) * El].clone(),
                                  requires_grad=full.requires_grad)
                 p.expert, p.ep_split = True, grid.ep
+                if hasattr(full, "tp_split"):  # TP cuts rows / columns, EP whole experts: both hold
+                    p.tp_split = full.tp_split
                 setattr(m, name, p)
     return model
 
 
-def clip_grad_norm_(params, max_norm, grid):
-    """Global gradient norm with experts sharded over EP: squares of expert gradients summed over
-    the EP group, replicated ones counted once; every rank gets the same scale (tp = 1)."""
-    params = [p for p in params if p.grad is not None]
-    rep = torch.zeros((), device=params[0].grad.device)
-    shd = torch.zeros((), device=params[0].grad.device)
-    for p in params:
-        sq = p.grad.float().square().sum()
-        if getattr(p, "ep_split", 1) > 1:
-            shd = shd + sq
-        else:
-            rep = rep + sq
-    if _size(grid.ep_group) > 1:
-        dist.all_reduce(shd, group=grid.ep_group)
-    total = (rep + shd).sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in params:
-        p.grad.mul_(coef.to(p.grad.dtype))
-    return total
+clip_grad_norm_ = tp.clip_grad_norm_  # counts expert shards over EP (and TP): one norm for every layout
+
+
+def _expert_names(model):
+    """[(name, MoE layer)] of the expert tensors of every expert-parallel layer (found by module,
+    so they are found under fsdp.FSDP too, whose model holds no Parameters)."""
+    return [(f"{mn}.{a}", m) for mn, m in model.named_modules() if getattr(m, "is_moe", False) and m.ep > 1
+            for a in ("w1", "w2")]
 
 
 def gather_experts(model, grid, weights, opt_state=None):
     """checkpoint.gather()'s output with every expert shard replaced by the full (E, ...) tensor,
-    all-gathered over the EP group in rank order: one-process names and shapes, so the checkpoint
-    is layout independent. Collective over the EP group; returns (weights, opt_state)."""
-    if grid.ep == 1:
-        return weights, opt_state
-
-    def full(t, p):
-        t = t.detach().to(p.device).contiguous()
+    all-gathered over the EP group in rank order (state tensors shaped like the weight too: AdamW
+    moments, Muon momentum): one-process names and shapes. Tensors already full are left alone.
+    Collective over the EP group; returns (weights, opt_state)."""
+    def full(t):
+        t = t.detach().to(grid.device).contiguous()
         parts = [torch.empty_like(t) for _ in range(grid.ep)]
         dist.all_gather(parts, t, group=grid.ep_group)
         return torch.cat(parts).cpu()
 
-    for name, p in model.named_parameters():
-        if getattr(p, "ep_split", 1) > 1:
-            weights[name] = full(weights[name], p)
-            for k, v in (opt_state or {}).get(name, {}).items():
-                if torch.is_tensor(v) and v.shape == p.shape:
-                    opt_state[name][k] = full(v, p)
+    for name, m in _expert_names(model):
+        local = weights[name]
+        if local.shape[0] == m.n_experts:
+            continue
+        weights[name] = full(local)
+        for k, v in (opt_state or {}).get(name, {}).items():
+            if torch.is_tensor(v) and v.shape == local.shape:
+                opt_state[name][k] = full(v)
+    return weights, opt_state
+
+
+def cut_experts(model, grid, weights, opt_state=None):
+    """The inverse, for loading: full (E, ...) expert tensors (weights and state shaped like them)
+    -> this EP rank's experts; the rest untouched. New dicts; returns (weights, opt_state)."""
+    weights = dict(weights)
+    opt_state = None if opt_state is None else {k: dict(v) for k, v in opt_state.items()}
+    for name, m in _expert_names(model):
+        full, El = weights[name], m.n_experts // m.ep
+        weights[name] = full[m.ep_rank * El:(m.ep_rank + 1) * El]
+        for k, v in (opt_state or {}).get(name, {}).items():
+            if torch.is_tensor(v) and v.shape == full.shape:
+                opt_state[name][k] = v[m.ep_rank * El:(m.ep_rank + 1) * El]
     return weights, opt_state
 
 

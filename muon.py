@@ -175,7 +175,7 @@ class Muon(torch.optim.Optimizer):
         """ZeRO-1 (grad_owner set): only owners hold reduced gradients (DataParallel dropped the
         others); the norm of the owned ones (TP-aware) summed over the dp group, applied to them."""
         own = [p for g in self.param_groups for p in g["params"] if p.grad is not None and self.owns(p)]
-        sq = tp.clip_grad_norm_(own, float("inf"), self.grid).square() if own else \
+        sq = tp.grad_sq_norm(own, self.grid) if own else \
             torch.zeros((), device=self.param_groups[0]["params"][0].device)
         dist.all_reduce(sq, group=self.grid.dp_group)
         total = sq.sqrt()
@@ -266,24 +266,24 @@ class Muon(torch.optim.Optimizer):
                     sp.add_(out[a:b].view_as(sp), alpha=-group["lr"])
 
     def _sync_params(self):
-        """Every parameter from its owner: one all-gather of each rank's owned parameters (fp32)."""
+        """Every parameter from its owner: one all-gather of each rank's owned parameters, packed
+        into one flat fp32 buffer (padded to the largest rank's share), unpacked by one foreach copy."""
         grid = self.grid
         ps = [p for g in self.param_groups for p in g["params"]]
         mine = [[p for p in ps if self.owner[id(p)] == r] for r in range(grid.dp)]
-        n = max(sum(p.numel() for p in m) for m in mine)
-        flat, off = torch.zeros(n, dtype=torch.float32, device=ps[0].device), 0
-        for p in mine[grid.dp_rank]:
-            flat[off:off + p.numel()] = p.detach().reshape(-1)
-            off += p.numel()
-        out = [torch.empty_like(flat) for _ in range(grid.dp)]
-        dist.all_gather(out, flat, group=grid.dp_group)
+        sizes = [sum(p.numel() for p in m) for m in mine]
+        n, me = max(sizes), grid.dp_rank
+        parts = [p.detach().reshape(-1).float() for p in mine[me]]
+        flat = torch.cat(parts + [parts[0].new_zeros(n - sizes[me])] if parts else [ps[0].new_zeros(n)])
+        out = flat.new_empty(grid.dp * n)
+        dist.all_gather_into_tensor(out, flat, group=grid.dp_group)
+        dst, src = [], []
         for r, m in enumerate(mine):
-            if r == grid.dp_rank:
-                continue
-            off = 0
-            for p in m:
-                p.copy_(out[r][off:off + p.numel()].view_as(p))
-                off += p.numel()
+            if r != me and m:
+                dst += m
+                src += [t.view_as(p) for t, p in zip(out[r * n:r * n + sizes[r]].split([p.numel() for p in m]), m)]
+        if dst:
+            torch._foreach_copy_(dst, src)
 
     # ------------------------------------------------------------------ checkpoints
 

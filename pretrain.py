@@ -82,9 +82,10 @@ moe.expert_parallel(raw, grid)  # MoE: keep this rank's experts, set the groups 
 sharded = cfg.data_parallel == "fsdp"
 if sharded:  # shard what TP left over the data-parallel ranks
     model = fsdp.FSDP(raw, grid, compute_dtype=dtype if dtype != torch.float32 else None)
-else:  # replicate it; broadcasts rank 0's weights
-    model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)
-optimizer = optim.build_optimizer(model if sharded else raw, cfg, grid)
+    optimizer = optim.build_optimizer(model, cfg, grid)
+else:  # replicate it (broadcasts rank 0's weights); ZeRO-1: each gradient is reduced to its owner
+    optimizer = optim.build_optimizer(raw, cfg, grid)
+    model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb, owner=getattr(optimizer, "grad_owner", None))
 step = 0
 if cfg.resume:
     path = checkpoint.latest(cfg.out_dir)
@@ -122,18 +123,17 @@ def evaluate():
 
 
 def save():  # every rank helps gather the full tensors; rank 0 writes
-    weights, opt_state = checkpoint.gather(raw, optimizer, grid, model)
-    weights, opt_state = moe.gather_experts(raw, grid, weights, opt_state)  # EP: full expert tensors
+    weights, opt_state = checkpoint.gather(raw, optimizer, grid, model)  # full tensors (experts too)
     checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, loader.state_dict(), cfg.keep_last, grid.rank)
 
 
 def clip_grad_norm_(max_norm):
     """Every parameter counted once: sharded pieces summed over their group, replicas once."""
-    if sharded:
+    if sharded:  # FSDP shards summed over the data group (dp x ep) and TP
         return fsdp.clip_grad_norm_(model, max_norm)
-    if mcfg.n_experts:  # expert shards summed over the EP group (MoE refuses tp > 1)
-        return moe.clip_grad_norm_(raw.parameters(), max_norm, grid)
-    return tp.clip_grad_norm_(raw.parameters(), max_norm, grid)
+    if getattr(optimizer, "grad_owner", None):  # ZeRO-1: only owners hold reduced gradients
+        return optimizer.clip_grad_norm_(max_norm)
+    return tp.clip_grad_norm_(raw.parameters(), max_norm, grid)  # TP slices over tp; expert shards over ep too
 
 
 def now():

@@ -290,6 +290,12 @@ class VocabParallelHead(ColumnParallelLinear):
 
 # ----------------------------------------------------------------------------- the model
 
+def _mlp(m, grid):
+    """model.MLP: rows [gate | up] -> [this rank's gate slice | the matching up slice]; proj row-parallel."""
+    m.fc = ColumnParallelLinear(m.fc, grid, [(m.proj.in_features, grid.tp)] * (2 if m.gated else 1))
+    m.proj = RowParallelLinear(m.proj, grid)
+
+
 def tensor_parallel(model, grid):
     """Turn a full model.Transformer (built with the same seed on every TP rank) into its TP form,
     in place. Parameter names stay those of the one-process model."""
@@ -306,6 +312,8 @@ def tensor_parallel(model, grid):
          f"n_kv_head={KV} and tp={tp}: need n_kv_head a multiple of tp, or tp a multiple of n_kv_head "
          f"(then each kv head is replicated on tp/n_kv_head ranks)"),
         (hidden % tp, f"MLP hidden size {hidden} is not divisible by tp={tp}: set ffn_hidden"),
+        (cfg.n_experts and (cfg.moe_hidden or hidden) % tp,
+         f"expert hidden size {cfg.moe_hidden or hidden} is not divisible by tp={tp}: set moe_hidden"),
         (cfg.padded_vocab % tp, f"padded vocabulary {cfg.padded_vocab} (vocab_size={cfg.vocab_size} rounded up "
          f"to pad_vocab_multiple={cfg.pad_vocab_multiple}) is not divisible by tp={tp}: set "
          f"pad_vocab_multiple to a multiple of tp")]:
@@ -322,9 +330,16 @@ def tensor_parallel(model, grid):
             for norm in (a.q_norm, a.k_norm):
                 norm.weight = shard(norm.weight, grid, 0, [(D, 1)])
         m = block.mlp
-        # rows [gate | up] -> [this rank's gate slice | the matching up slice]
-        m.fc = ColumnParallelLinear(m.fc, grid, [(hidden, tp)] * (2 if m.gated else 1))
-        m.proj = RowParallelLinear(m.proj, grid)
+        if getattr(m, "is_moe", False):  # moe.py: every expert cut like the MLP; the router replicated
+            E_h = m.w2.shape[-1]
+            m.w1 = shard(m.w1, grid, 1, [(E_h, tp)] * (2 if m.gated else 1))
+            m.w2 = shard(m.w2, grid, 2, [(E_h, tp)])
+            m.w1.expert = m.w2.expert = True
+            m.tp_group = grid.tp_group  # MoE._ffn sums the partial expert outputs over it
+            if m.shared is not None:
+                _mlp(m.shared, grid)
+        else:
+            _mlp(m, grid)
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, grid)
     head = VocabParallelHead(model.head, grid, cfg.vocab_size)
     if cfg.tie_embeddings:
@@ -338,25 +353,43 @@ def tensor_parallel(model, grid):
 
 def clip_grad_norm_(params, max_norm, grid):
     """torch.nn.utils.clip_grad_norm_ over the full model: squares of sharded gradients summed over
-    the TP group (a shared piece counted by its first holder only), replicated ones counted once.
-    Every TP rank gets the same norm, hence the same scale. Returns the total norm."""
+    the TP group (a shared piece counted by its first holder only), replicated ones counted once;
+    expert shards (moe.py, p.ep_split) also summed over the EP group (under TP every expert is cut,
+    so summing over EP, then TP, counts each slice once). Every rank gets the same norm, hence the
+    same scale. Returns the total norm."""
     params = [p for p in params if p.grad is not None]
-    rep = shd = torch.zeros((), device=params[0].grad.device if params else None)
+    total = grad_sq_norm(params, grid).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    if params:
+        torch._foreach_mul_([p.grad for p in params], coef)
+    return total
+
+
+def grad_sq_norm(params, grid):
+    """The squared gradient norm of clip_grad_norm_ (every slice counted once), without clipping."""
+    params = [p for p in params if p.grad is not None]
+    dev = params[0].grad.device if params else None
+    shd = torch.zeros((), device=dev)
+
+    def sq_norm(ps):  # unsplit gradients: one foreach norm, a few kernels for any number of them
+        gs = [p.grad for p in ps if not hasattr(p, "tp_split")]
+        return torch.stack(torch._foreach_norm(gs)).float().square().sum() if gs else torch.zeros((), device=dev)
+    rep = sq_norm([p for p in params if getattr(p, "ep_split", 1) == 1])
+    exp = sq_norm([p for p in params if getattr(p, "ep_split", 1) > 1])
     for p in params:
-        g = p.grad.float()
         if not hasattr(p, "tp_split"):
-            rep = rep + g.square().sum()
             continue
+        g, sq = p.grad.float(), 0.0
         (dim, segments), off = p.tp_split, 0
         for size, chunks in segments:
             if _first_holder(_piece(grid.tp_rank, chunks, grid.tp), chunks, grid.tp) == grid.tp_rank:
-                shd = shd + g.narrow(dim, off, size // chunks).square().sum()
+                sq = sq + g.narrow(dim, off, size // chunks).square().sum()
             off += size // chunks
-    total = (rep + _reduce(shd, grid.tp_group)).sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in params:
-        p.grad.mul_(coef.to(p.grad.dtype))
-    return total
+        if getattr(p, "ep_split", 1) > 1:
+            exp = exp + sq
+        else:
+            shd = shd + sq
+    return rep + _reduce(shd + _reduce(exp, grid.ep_group), grid.tp_group)
 
 
 # ----------------------------------------------------------------------------- full (layout-free) state

@@ -12,6 +12,7 @@ What these tests prove, on CPU in fp32 (gloo for the distributed ones):
   gradients, weights after 3 AdamW steps with clipping; router-loss values (mean over ranks) and
   gradients equal one process for the same global micro-batch, also with gradient accumulation;
   expert and non-expert parameters stay bitwise identical across their replicas.
+(EP with TP, FSDP, Muon and resuming across layouts: tests/test_moe_layouts.py.)
 """
 import math
 import os
@@ -273,7 +274,7 @@ def train(rank, world, accum, out_dir, cfg_kw):
         model.zero_grad()
         rec["steps"].append({n: p.detach().clone() for n, p in names.items()})
     rec["grid"] = (grid.dp_rank, grid.ep_rank)
-    w, o = moe.gather_experts(raw, grid, *checkpoint.gather(raw, opt, grid, model))  # checkpoint layout
+    w, o = checkpoint.gather(raw, opt, grid, model)  # checkpoint layout: full experts too
     rec["full"] = (w, {n: st["exp_avg_sq"] for n, st in o.items()})
     torch.save(rec, os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -374,8 +375,7 @@ def test_bench_parallel_moe_smoke(tmp_path):
 @pytest.mark.parametrize("kw,world,msg", [
     (dict(ep=2), 2, "set n_experts"),
     (dict(ep=2, n_experts=3), 2, "not divisible by ep"),
-    (dict(n_experts=4, tp=2), 2, "tensor parallelism"),
-    (dict(n_experts=4, data_parallel="fsdp"), 2, "fsdp"),
+    (dict(n_experts=4, data_parallel="fsdp", optimizer="muon"), 2, "data_parallel='ddp'"),
     (dict(n_experts=4, ep=2, batch_size=8, micro_batch_size=8), 4, "batch_size=8"),  # 4 data ranks
 ])
 def test_config_validation(kw, world, msg):

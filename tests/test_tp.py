@@ -305,6 +305,7 @@ def test_vocab_parallel_loss_one_process():
     (dict(n_head=8, n_kv_head=0, n_embd=32, ffn_hidden=30, activation="gelu"), "hidden size 30"),
     (dict(n_head=12, n_kv_head=6, n_embd=48), "n_kv_head=6 and tp=4"),
     (dict(n_head=4, n_kv_head=1, n_embd=16, pad_vocab_multiple=2), "pad_vocab_multiple to a multiple of tp"),
+    (dict(n_head=4, n_embd=16, n_experts=4, moe_hidden=6), "expert hidden size 6"),
 ])
 def test_refuses_with_a_message(kw, msg):
     grid = SimpleNamespace(tp=4, tp_rank=0, tp_group=None)  # the checks run before any collective
