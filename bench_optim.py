@@ -10,7 +10,8 @@ adamw (torch.optim.AdamW, fused), muon (muon.Muon: NS in bf16, batched over equa
 for embeddings/head/norms), and with 2+ GPUs adamw-zero1 / muon-zero1 (optimizer state sharded,
 gradients reduced to their owners, parameters all-gathered). Per row: training step time
 (--accum micro-steps of forward + backward, sync, clip, step, zero_grad), the optimizer step alone (CUDA events
-around clip + opt.step(), no extra syncs), peak memory and optimizer-state bytes per GPU.
+around clip + opt.step(), no extra syncs), peak memory (torch.cuda.max_memory_allocated over the
+timed steps, less what was allocated before the row was built) and optimizer-state bytes per GPU.
 
 curves: reads the train_metrics.jsonl of two pretrain.py runs (the first is the baseline),
 reports the step where the second first reaches the baseline's final validation loss (linear
@@ -105,6 +106,8 @@ def step_rows(args):
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+        # what earlier rows left behind (NCCL keeps finished work's buffers a while) is not this row's
+        base = torch.cuda.memory_allocated(device) if cuda else 0
         torch.manual_seed(0)
         with torch.device(device):
             raw = Transformer(ModelConfig(**shape))
@@ -151,7 +154,7 @@ def step_rows(args):
         tok_s = B * T * args.accum * world / dt
         row = dict(run=name, step_ms=1e3 * dt, opt_ms=1e3 * max_over_ranks(opt_s), tokens_per_s=tok_s,
                    mfu=tok_s * raw.flops_per_token(T) / (peak * 1e12 * world) if peak else None,
-                   peak_mem_gb=max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30) if cuda else None,
+                   peak_mem_gb=max_over_ranks((torch.cuda.max_memory_allocated(device) - base) / 2**30) if cuda else None,
                    state_gb=max_over_ranks(state / 2**30), loss=loss.item())
         say(f"  {name}: {row['step_ms']:.1f} ms/step | optimizer {row['opt_ms']:.2f} ms | {tok_s:,.0f} tokens/s"
             f" | MFU {100 * (row['mfu'] or 0):.1f}% | peak {row['peak_mem_gb'] or 0:.2f} GiB"

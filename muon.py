@@ -103,6 +103,17 @@ def orthogonalize(us, splits, steps, dtype, mode):
             for u, r in zip(us, res)]
 
 
+def nesterov(bufs, grads, mu):
+    """B <- mu B + G (in place); returns U = G + mu B (Nesterov)."""
+    torch._foreach_mul_(bufs, mu)
+    torch._foreach_add_(bufs, grads)
+    return torch._foreach_add(grads, bufs, alpha=mu)
+
+
+def nesterov_ns(bufs, grads, mu, splits, steps, dtype, mode):
+    return orthogonalize(nesterov(bufs, grads, mu), splits, steps, dtype, mode)
+
+
 def _tp_size(grid):
     return 1 if grid is None else grid.tp
 
@@ -122,7 +133,8 @@ class Muon(torch.optim.Optimizer):
         # on GPU, one compiled graph for the whole batched NS: the splits, transposes, casts and
         # scalings fuse around the batched matmuls instead of costing a launch per matrix each
         cuda = any(p.is_cuda for g in self.param_groups for p in g["params"])
-        self.orthogonalize = torch.compile(orthogonalize) if cuda and compile_ns else orthogonalize
+        maybe_compile = torch.compile if cuda and compile_ns else (lambda f: f)
+        self.orthogonalize, self.nesterov_ns = maybe_compile(orthogonalize), maybe_compile(nesterov_ns)
         self.zero1 = bool(zero1) and grid is not None and grid.dp > 1
         self.fsdp, self.fsdp_owner, self.fsdp_bufs = fsdp, {}, {}
         if fsdp is not None:  # whole-matrix owners per FSDP unit, balanced by size over the dp group
@@ -212,15 +224,14 @@ class Muon(torch.optim.Optimizer):
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         bufs, grads = [self.state[p]["momentum_buffer"] for p in ps], [p.grad for p in ps]
-        torch._foreach_mul_(bufs, mu)
-        torch._foreach_add_(bufs, grads)
-        us = torch._foreach_add(grads, bufs, alpha=mu)  # Nesterov
+        ns = ([getattr(p, "muon_split", None) for p in ps], group["ns_steps"], self.ns_dtype, group["scale"])
         sharded = [_tp_size(grid) > 1 and hasattr(p, "tp_split") for p in ps]
-        if any(sharded):  # NS needs whole matrices: gather U over the TP group, keep our slice after
+        if not any(sharded):  # one (compiled, on GPU) function: the momentum passes fuse with NS's casts
+            os = self.nesterov_ns(bufs, grads, mu, *ns)
+        else:  # NS needs whole matrices: gather U over the TP group, keep our slice after
+            us = nesterov(bufs, grads, mu)
             us = [tp.full_tensor(p, u, grid) if s else u for p, u, s in zip(ps, us, sharded)]
-        os = self.orthogonalize(us, [getattr(p, "muon_split", None) for p in ps], group["ns_steps"], self.ns_dtype,
-                           group["scale"])
-        if any(sharded):
+            os = self.orthogonalize(us, *ns)
             os = [tp.local_tensor(p, o, grid) if s else o for p, o, s in zip(ps, os, sharded)]
         torch._foreach_mul_(ps, 1 - lr * group["weight_decay"])
         torch._foreach_add_(ps, os, alpha=-lr)
