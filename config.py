@@ -194,11 +194,6 @@ def validate(cfg, world=1):
     need(cfg.ep >= 1, f"ep={cfg.ep} must be >= 1")
     need(cfg.ep == 1 or cfg.n_experts > 0, f"ep={cfg.ep} shards experts: set n_experts > 0 (a MoE model) or ep=1")
     need(cfg.n_experts % cfg.ep == 0, f"n_experts={cfg.n_experts} is not divisible by ep={cfg.ep}: each rank needs whole experts")
-    need(not (cfg.n_experts and cfg.data_parallel == "fsdp" and cfg.optimizer == "muon"),
-         "mixture of experts with data_parallel='fsdp' and optimizer='muon' is not supported yet (muon.py's "
-         "FSDP path cannot hold the router, an AdamW matrix, in a block of Muon matrices, nor experts sharded "
-         "over the dp group only): use optimizer='adamw', or data_parallel='ddp' (zero1=True shards the "
-         "optimizer state)")
     need(cfg.data_parallel in ("ddp", "fsdp"), f"data_parallel='{cfg.data_parallel}' must be ddp or fsdp")
     need(not (cfg.compile and (cfg.tp > 1 or cfg.data_parallel == "fsdp")),
          "compile=True works with data_parallel='ddp' and tp=1 only (TP's and FSDP's collectives run in "

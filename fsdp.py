@@ -8,8 +8,9 @@
 Units: each block, plus a root unit of everything else (embeddings, final norm, head; a tied head
 is stored once). A unit's parameters are flattened into one fp32 buffer padded to a multiple of dp
 (its group's size); rank r keeps elements [r*S, (r+1)*S) as its master shard. Decayed matrices
-come before 1-D parameters and a shard is cut where they meet, so each shard nn.Parameter has one
-weight-decay setting; decayed shards are (1, n), so optim.param_groups' "p.dim() >= 2" rule holds.
+come first, then MoE routers, then 1-D parameters, and a shard is cut where these runs meet, so
+each shard nn.Parameter has one weight-decay setting (and one optimizer under Muon); decayed
+shards are (1, n), so optim.param_groups' "p.dim() >= 2" rule holds.
 
 One micro-step of block i (all-gather and reduce-scatter over the unit's group, async):
   forward   pre-hook: wait for block i's all-gather (issued while block i-1 ran), point the block's
@@ -62,8 +63,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _decayed(p):
-    return p.dim() >= 2  # optim.param_groups' rule
+def _run(name, ndim):
+    """Which run of a unit's flat buffer a parameter goes to (each shard lies in one run, so each
+    has one optimizer treatment): 0 decayed matrices, 1 MoE routers (decayed, but kept on AdamW
+    when Muon trains the other matrices of their block), 2 the rest (not decayed)."""
+    return 2 if ndim < 2 else 1 if name.endswith("router.weight") else 0  # (ndim < 2: optim.param_groups' rule)
 
 
 def _counted(p, grid):
@@ -91,7 +95,7 @@ class Unit:
         else:
             self.group, self.dp, self.rank = grid.data_group or grid.dp_group, grid.data_world, grid.data_rank
         self.world = grid.data_world  # gradients: mean over every data rank (an expert's owner got them all)
-        self.params = sorted(params, key=lambda e: not _decayed(e[1]))  # stable: model order otherwise
+        self.params = sorted(params, key=lambda e: _run(e[0][0], e[1].dim()))  # stable: model order otherwise
         p0 = self.params[0][1]
         self.device, self.dtype = p0.device, compute_dtype or p0.dtype
         self.shapes = [p.shape for _, p, _ in self.params]
@@ -106,10 +110,11 @@ class Unit:
                 dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
             lo = self.rank * self.S
             self.shard = flat[lo:lo + self.S].clone()  # fp32 master
-        # cut this rank's [lo, lo + S) where decayed parameters end; padding joins the last part
-        n_decay = sum(p.numel() for _, p, _ in self.params if _decayed(p))
+        # cut this rank's [lo, lo + S) where the runs meet; padding joins the last part
+        ends = [sum(p.numel() for names, p, _ in self.params if _run(names[0], p.dim()) <= k) for k in (0, 1)]
+        ends.append(self.padded)
         self.shards, self.ranges = [], []  # shard Parameters; their [a, b) within self.shard
-        for start, end, decay in ((0, n_decay, True), (n_decay, self.padded, False)):
+        for start, end, decay in ((0, ends[0], True), (ends[0], ends[1], True), (ends[1], ends[2], False)):
             a, b = max(start, lo) - lo, min(end, lo + self.S) - lo
             if a < b:
                 t = self.shard[a:b]

@@ -33,9 +33,10 @@ all-reduced (non-expert ones span dp x ep ranks, not one owner's group).
 The AdamW groups are stepped by torch.optim.AdamW itself (fused on GPU, foreach on CPU) over the
 parameters this rank owns; it shares this optimizer's `state`, so checkpoints see one optimizer.
 
-FSDP (build_optimizer(fsdp_wrapper, cfg, grid)): a block unit's decayed flat shard holds only its
-hidden matrices, cut anywhere. Each matrix has one owner in the dp group (balanced by size),
-which keeps its momentum as a whole matrix; per unit the step all-gathers the flat gradient, the
+FSDP (build_optimizer(fsdp_wrapper, cfg, grid)): a block unit's first run of flat shards holds only
+its hidden matrices, cut anywhere (fsdp.py puts MoE routers in a run of their own: AdamW). Each
+matrix has one owner in its unit's group (balanced by size; with EP an expert unit's group is dp,
+the others' dp x ep), which keeps its momentum as a whole matrix; per unit the step all-gathers the flat gradient, the
 owners orthogonalise their matrices (TP-gathered when cut by TP too) into a zero flat buffer, and
 one reduce-scatter hands each rank the update of its shard. The AdamW part runs on the shards.
 EP (moe.py): expert stacks (E_local, rows, cols) are whole per rank; NS runs batched per expert,
@@ -137,14 +138,16 @@ class Muon(torch.optim.Optimizer):
         self.orthogonalize, self.nesterov_ns = maybe_compile(orthogonalize), maybe_compile(nesterov_ns)
         self.zero1 = bool(zero1) and grid is not None and grid.dp > 1
         self.fsdp, self.fsdp_owner, self.fsdp_bufs = fsdp, {}, {}
-        if fsdp is not None:  # whole-matrix owners per FSDP unit, balanced by size over the dp group
-            load = [0] * fsdp.grid.dp
+        if fsdp is not None:  # whole-matrix owners per FSDP unit, balanced by size over its group
+            load = {}  # per group (with EP, expert units are sharded over dp, the others over dp x ep)
             mats = [(ui, i, u.shapes[i].numel()) for ui, u in enumerate(fsdp.units) for i in range(len(u.params))
                     if fsdp_muon.get((ui, i))]  # (the model's Parameters are empty under FSDP: use shapes)
             for ui, i, n in sorted(mats, key=lambda m: (-m[2], m[0], m[1])):
-                r = min(range(fsdp.grid.dp), key=lambda r: (load[r], r))
+                u = fsdp.units[ui]
+                lo = load.setdefault(id(u.group), [0] * u.dp)
+                r = min(range(u.dp), key=lambda r: (lo[r], r))
                 self.fsdp_owner[(ui, i)] = r
-                load[r] += n
+                lo[r] += n
         self.owner = {}  # id(param) -> owning dp rank (ZeRO-1)
         if self.zero1:
             ps = [p for g in self.param_groups for p in g["params"]]
@@ -249,7 +252,7 @@ class Muon(torch.optim.Optimizer):
             full_g = u.all_gather_fp32(u.grad)
             upd, off, todo = torch.zeros_like(full_g), 0, []  # todo: (offset, n, param, its U)
             for i, ((names, p, _), shape, n) in enumerate(zip(u.params, u.shapes, u.sizes)):
-                if self.fsdp_owner.get((ui, i)) == grid.dp_rank:
+                if self.fsdp_owner.get((ui, i)) == u.rank:
                     g = full_g[off:off + n].view(shape)
                     buf = self.fsdp_bufs.get((ui, i))
                     if buf is None:
@@ -376,7 +379,7 @@ def _fsdp_methods():
         for (ui, i), r in sorted(self.fsdp_owner.items()):
             u = w.units[ui]
             names, p, _ = u.params[i]
-            t = self.fsdp_bufs[(ui, i)].clone() if r == grid.dp_rank else torch.empty(u.shapes[i], device=u.device)
+            t = self.fsdp_bufs[(ui, i)].clone() if r == u.rank else torch.empty(u.shapes[i], device=u.device)
             if u.dp > 1:
                 dist.broadcast(t, src=dist.get_global_rank(u.group, r), group=u.group)
             out[names[0]] = {"momentum_buffer": tp.full_tensor(p, t, grid).cpu()}
@@ -401,7 +404,7 @@ def _fsdp_methods():
                 if kind[id(sp)] == "adamw":
                     new[index[id(sp)]] = {"step": step.clone(), **{k: f[a:b].clone().view_as(sp) for k, f in flats.items()}}
             for i, (names, p, _) in enumerate(u.params):
-                if self.fsdp_owner.get((ui, i)) == grid.dp_rank:
+                if self.fsdp_owner.get((ui, i)) == u.rank:
                     t = tp.local_tensor(p, F._pick(state, names)["momentum_buffer"], grid)
                     self.fsdp_bufs[(ui, i)] = t.float().to(u.device).clone()
         self.load_state_dict({"state": new, "param_groups": self.state_dict()["param_groups"]})
@@ -480,20 +483,22 @@ def _build_fsdp(wrapper, cfg, use_muon):
     only hidden matrices (Muon, updated through whole-matrix owners), the rest is AdamW."""
     if getattr(cfg, "zero1", False):
         raise ValueError("zero1 with FSDP: FSDP already shards the optimizer state")
+    import fsdp
     fsdp_muon, m, decay, no_decay = {}, [], [], []
     for ui, u in enumerate(wrapper.units):
         flags = [use_muon and _is_muon(names[0], len(shape)) for (names, _, _), shape in zip(u.params, u.shapes)]
-        decayed = [len(shape) >= 2 for shape in u.shapes]
-        if any(flags) and flags != decayed:
-            raise NotImplementedError(f"FSDP unit {ui} mixes Muon and AdamW matrices")
+        first_run = [fsdp._run(names[0], len(shape)) == 0 for (names, _, _), shape in zip(u.params, u.shapes)]
+        if any(flags) and flags != first_run:
+            raise NotImplementedError(f"FSDP unit {ui} mixes Muon and AdamW matrices in one run")
         for i, ((names, p, _), f) in enumerate(zip(u.params, flags)):
             if f:
                 fsdp_muon[(ui, i)] = True
                 split = _split(names[0], _full_rows(p, u.shapes[i]), wrapper.module.cfg)
                 if split:
                     p.muon_split = split
-        for sp in u.shards:
-            (no_decay if sp.dim() < 2 else m if any(flags) else decay).append(sp)
+        n_muon = sum(n for n, f in zip(u.sizes, flags) if f)
+        for sp, (a, _) in zip(u.shards, u.ranges):  # a shard lies in one run: where does it start?
+            (no_decay if sp.dim() < 2 else m if u.rank * u.S + a < n_muon else decay).append(sp)
     muon_lr = cfg.muon_lr or cfg.lr
     groups = [dict(params=decay, kind="adamw", weight_decay=cfg.weight_decay),
               dict(params=no_decay, kind="adamw", weight_decay=0.0)]

@@ -375,7 +375,6 @@ def test_bench_parallel_moe_smoke(tmp_path):
 @pytest.mark.parametrize("kw,world,msg", [
     (dict(ep=2), 2, "set n_experts"),
     (dict(ep=2, n_experts=3), 2, "not divisible by ep"),
-    (dict(n_experts=4, data_parallel="fsdp", optimizer="muon"), 2, "data_parallel='ddp'"),
     (dict(n_experts=4, ep=2, batch_size=8, micro_batch_size=8), 4, "batch_size=8"),  # 4 data ranks
 ])
 def test_config_validation(kw, world, msg):

@@ -10,8 +10,9 @@ sees whole matrices: expert slices are gathered over TP); under DDP every replic
 router included) stays bitwise identical over the ranks that hold it. Checkpoints move both ways:
 the one-process checkpoint of step 2 resumed in each layout (experts and their AdamW moments /
 Muon momentum cut on load) continues like the uninterrupted run, and each layout's checkpoint of
-step 3 resumed in one process does too. config.validate accepts these combinations and refuses
-MoE x FSDP x Muon with a message that says what to change.
+step 3 resumed in one process does too. Muon under FSDP (EP2 with dp 1, EP2 x FSDP2) equals one
+process too, each whole matrix orthogonalised by exactly one owner of its unit's group (the router
+in its own AdamW run of the flat buffer). config.validate accepts these combinations.
 """
 import collections
 import contextlib
@@ -165,9 +166,13 @@ def check(tmp, reference, tag, variant, world, tp_size):
         assert_close(got["steps"][-1][1], ref["steps"][STEPS - 1][1], f"{what} optimizer state after {STEPS} steps")
         assert_close(rec["resumed"][0], ref["steps"][2][0], f"{what} one-process checkpoint resumed here: weights")
         assert_close(rec["resumed"][1], ref["steps"][2][1], f"{what} one-process checkpoint resumed here: state")
-    if variant == "muon":  # NS saw only whole matrices (expert slices gathered over TP): one process's shapes
-        for r, rec in enumerate(recs):
+    if variant == "muon" and "local" in recs[0]["train"]:  # DDP: NS saw only whole matrices (expert
+        for r, rec in enumerate(recs):                         # slices gathered over TP): one process's shapes
             assert set(rec["train"]["calls"]) == set(ref["calls"]), (r, rec["train"]["calls"], ref["calls"])
+    elif variant == "muon":  # FSDP (tp 1): every whole matrix orthogonalised by exactly one owner, per step
+        got = sum((rec["train"]["calls"] for rec in recs), collections.Counter())
+        assert {k: v * (STEPS + 1) for k, v in got.items()} == {k: v * STEPS for k, v in ref["calls"].items()}, \
+            (got, ref["calls"])
     if "local" in recs[0]["train"]:  # DDP: every piece bitwise identical over the ranks holding it
         for a in recs:
             for b in recs:
@@ -192,7 +197,7 @@ def test_ep2_equals_one_process_and_resumes_across_layouts(tmp_path, reference):
     # DDP with AdamW (shared expert, capacity) and Muon (dropless); FSDP with dp 1: expert units
     # are not sharded (their group is one rank), the rest is sharded over the 2 EP ranks
     run(tmp_path, reference, 2, [("ep2_adamw", "adamw", False, 1, 2), ("ep2_muon", "muon", False, 1, 2),
-                                 ("ep2_fsdp", "dropless", True, 1, 2)])
+                                 ("ep2_fsdp", "dropless", True, 1, 2), ("ep2_fsdp_muon", "muon", True, 1, 2)])
 
 
 def test_ep2_tp2_equals_one_process(tmp_path, reference):
@@ -200,13 +205,13 @@ def test_ep2_tp2_equals_one_process(tmp_path, reference):
 
 
 def test_ep2_dp2_fsdp_and_ep2_tp2_fsdp_equal_one_process(tmp_path, reference):
-    run(tmp_path, reference, 4, [("ep2dp2_fsdp", "adamw", True, 1, 2), ("ep2tp2_fsdp", "dropless", True, 2, 2)])
+    run(tmp_path, reference, 4, [("ep2dp2_fsdp", "adamw", True, 1, 2), ("ep2tp2_fsdp", "dropless", True, 2, 2),
+                                 ("ep2dp2_fsdp_muon", "muon", True, 1, 2)])
 
 
 def test_config_accepts_the_combinations():
     ok = [dict(tp=2, ep=2), dict(tp=2, ep=2, optimizer="muon"), dict(ep=2, data_parallel="fsdp"),
-          dict(ep=2, resume=True), dict(tp=2, ep=2, data_parallel="fsdp", resume=True)]
+          dict(ep=2, resume=True), dict(tp=2, ep=2, data_parallel="fsdp", resume=True),
+          dict(ep=2, data_parallel="fsdp", optimizer="muon")]
     for kw in ok:
         config.validate(small_cfg(batch_size=32, micro_batch_size=2, **kw), 8)
-    with pytest.raises(ValueError, match="optimizer='adamw'"):
-        config.validate(small_cfg(ep=2, data_parallel="fsdp", optimizer="muon"), 4)
