@@ -66,6 +66,8 @@ p.add_argument("--compile", type=int, default=1, help="dp mode: compile the mode
 p.add_argument("--ddp_compile", choices=["outer", "inner"], default="outer",
                help="outer: torch.compile(DDP(model)) (DDPOptimizer); inner: DDP(torch.compile(model))")
 p.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size, ours and DDP")
+p.add_argument("--grad_reduce_dtype", choices=["float32", "bfloat16"], default="float32",
+               help="dp: gradients travel in this dtype, ours and DDP (bf16_compress_hook)")
 p.add_argument("--peak_tflops", type=float, default=0.0, help="override the per-GPU peak for MFU")
 p.add_argument("--sm_carveout", type=int, default=0,
                help="keep N SMs free of cuBLAS matmuls, for NCCL kernels to overlap (experimental torch API)")
@@ -132,7 +134,7 @@ meta = {"mode": args.mode, "date": datetime.datetime.now().astimezone().isoforma
         "transformers": hf_version(), "python": platform.python_version(), "shape": args.shape,
         "model": asdict(mcfg), "batch_per_gpu": B, "seq_len": T, "steps": args.steps,
         "warmup": args.warmup, "accum": args.accum, "flops_per_token": flops_per_token, "peak_tflops_per_gpu": peak,
-        "bucket_mb": args.bucket_mb}
+        "bucket_mb": args.bucket_mb, "grad_reduce_dtype": args.grad_reduce_dtype}
 say(f"# bench {args.mode} | {meta['device']} x {grid.world} | torch {meta['torch']} | "
     f"transformers {meta['transformers']} | commit {meta['commit']} | {meta['date']}")
 say(f"# shape {args.shape}: {mcfg.n_layer} layers, width {mcfg.n_embd}, {mcfg.n_head} heads, "
@@ -315,7 +317,7 @@ def ours_dp(whole=False):
     whole=True compiles it as one graph, whose backward hands every gradient over at the end."""
     def build():
         raw = build_ours()
-        dp = parallel.DataParallel(raw, grid, args.bucket_mb)
+        dp = parallel.DataParallel(raw, grid, args.bucket_mb, reduce_dtype=getattr(torch, args.grad_reduce_dtype))
         fwd = (torch.compile(raw) if whole else raw.compile_blocks()) if args.compile else raw
         return raw, fwd, dp.finish, lambda: dp.zero_grad(set_to_none=True), dp.no_sync
     return build
@@ -327,6 +329,9 @@ def torch_ddp():
     kw = dict(device_ids=[device.index] if cuda else None, bucket_cap_mb=args.bucket_mb,
               gradient_as_bucket_view=True)
     ddp = DDP(torch.compile(raw) if args.compile and args.ddp_compile == "inner" else raw, **kw)
+    if args.grad_reduce_dtype == "bfloat16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+        ddp.register_comm_hook(None, bf16_compress_hook)
     fwd = torch.compile(ddp) if args.compile and args.ddp_compile == "outer" else ddp
     return raw, fwd, None, None, ddp.no_sync
 

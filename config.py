@@ -62,6 +62,7 @@ TRAIN_DEFAULTS = dict(
     dtype="auto",            # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
     compile=False,
     grad_bucket_mb=25.0,     # data-parallel all-reduce bucket size
+    grad_reduce_dtype="float32",  # ddp: gradients travel as float32 | bfloat16 (half the bytes, rounded)
     tp=1,                    # tensor-parallel size (Megatron style, innermost: neighbouring GPUs)
     data_parallel="ddp",     # how the world // tp replicas split the batch: ddp (replicated) | fsdp (sharded)
     ep=1,                    # expert-parallel size: experts sharded over ep ranks that see different data (moe.py)
@@ -194,6 +195,8 @@ def validate(cfg, world=1):
     need(cfg.ep >= 1, f"ep={cfg.ep} must be >= 1")
     need(cfg.ep == 1 or cfg.n_experts > 0, f"ep={cfg.ep} shards experts: set n_experts > 0 (a MoE model) or ep=1")
     need(cfg.n_experts % cfg.ep == 0, f"n_experts={cfg.n_experts} is not divisible by ep={cfg.ep}: each rank needs whole experts")
+    need(cfg.grad_reduce_dtype in ("float32", "bfloat16"),
+         f"grad_reduce_dtype='{cfg.grad_reduce_dtype}' must be float32 or bfloat16")
     need(cfg.data_parallel in ("ddp", "fsdp"), f"data_parallel='{cfg.data_parallel}' must be ddp or fsdp")
     need(not (cfg.compile and (cfg.tp > 1 or cfg.data_parallel == "fsdp")),
          "compile=True works with data_parallel='ddp' and tp=1 only (TP's and FSDP's collectives run in "

@@ -126,14 +126,18 @@ class DataParallel(nn.Module):
     laid out by owner and each owner's segment is reduced to that rank only (reduce, not
     all-reduce: half the traffic); finish() then drops the gradients this rank does not own, so
     nothing can read a partial sum. The optimizer all-gathers the updated parameters.
+
+    reduce_dtype=torch.bfloat16: gradients accumulate in their own (fp32) buckets, but travel as a
+    bf16 copy (half the bytes, the sum rounded to bf16) that finish() copies back.
     """
 
-    def __init__(self, module, grid, bucket_mb=25.0, owner=None):
+    def __init__(self, module, grid, bucket_mb=25.0, owner=None, reduce_dtype=None):
         super().__init__()
         self.world = grid.dp * grid.ep  # data-parallel world: every gradient is divided by it
         self.module, self.group = module, grid.data_group or grid.dp_group
         self.expert_group = grid.dp_group
         self.owner = owner if self.world > 1 else None
+        self.reduce_dtype = reduce_dtype
         if self.owner is not None and grid.ep > 1:
             raise ValueError("DataParallel(owner=...) reduces over the dp group: not with ep > 1")
         self.sync = True
@@ -190,7 +194,8 @@ class DataParallel(nn.Module):
             else:
                 segs.append([r, off, off + p.numel()])
             off += p.numel()
-        return dict(flat=flat, params=params, ready=0, group=group, n=n, div=div, segs=segs)
+        low = None if self.reduce_dtype in (None, flat.dtype) else torch.empty_like(flat, dtype=self.reduce_dtype)
+        return dict(flat=flat, params=params, ready=0, group=group, n=n, div=div, segs=segs, low=low)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -216,12 +221,14 @@ class DataParallel(nn.Module):
         b["ready"] = -1  # launched
         if b["n"] == 1:
             self.handles.append((None, b))
-        elif self.owner is None:
-            self.handles.append((dist.all_reduce(b["flat"], op=self.op, group=b["group"], async_op=True), b))
+            return
+        buf = b["flat"] if b["low"] is None else b["low"].copy_(b["flat"])
+        if self.owner is None:
+            self.handles.append((dist.all_reduce(buf, op=self.op, group=b["group"], async_op=True), b))
         else:
             for r, s, e in b["segs"]:
                 dst = dist.get_global_rank(b["group"], r)
-                self.handles.append((dist.reduce(b["flat"][s:e], dst, op=self.op, group=b["group"], async_op=True), b))
+                self.handles.append((dist.reduce(buf[s:e], dst, op=self.op, group=b["group"], async_op=True), b))
 
     def finish(self):
         """Wait for all reductions (launching buckets whose params got no gradient) and average."""
@@ -234,6 +241,8 @@ class DataParallel(nn.Module):
             if h is not None:
                 h.wait()
         for b in self.buckets:
+            if b["low"] is not None and b["n"] > 1:
+                b["flat"].copy_(b["low"])
             if b["div"] != 1:
                 b["flat"].div_(b["div"])
             b["ready"] = 0

@@ -85,7 +85,8 @@ if sharded:  # shard what TP left over the data-parallel ranks
     optimizer = optim.build_optimizer(model, cfg, grid)
 else:  # replicate it (broadcasts rank 0's weights); ZeRO-1: each gradient is reduced to its owner
     optimizer = optim.build_optimizer(raw, cfg, grid)
-    model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb, owner=getattr(optimizer, "grad_owner", None))
+    model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb, owner=getattr(optimizer, "grad_owner", None),
+                                  reduce_dtype=getattr(torch, cfg.grad_reduce_dtype))
 step = 0
 if cfg.resume:
     path = checkpoint.latest(cfg.out_dir)

@@ -4,7 +4,8 @@ Proves, in fp32 on CPU with gloo: two data-parallel ranks that each see half of 
 produce the same initial weights, the same first gradients and the same weights after 3 AdamW
 steps as one process that sees the whole batch (relative error <= 1e-5); replicated parameters
 stay bitwise identical across ranks after every step; gradient accumulation over micro-steps
-equals the full batch; the process grid places TP innermost.
+equals the full batch; with bf16 gradient reduction the gradients are exactly the bf16 sum of the
+ranks' rounded gradients (close to fp32's); the process grid places TP innermost.
 """
 import os
 from types import SimpleNamespace
@@ -52,13 +53,18 @@ def train(rank, world, accum, out_dir, cfg_kw):
             for p in raw.parameters():
                 p.add_(1.0)
     opt = optim.build_optimizer(raw, cfg)
-    model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)
+    model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb, reduce_dtype=getattr(torch, cfg.grad_reduce_dtype))
     rec = {"init": {k: v.clone() for k, v in raw.state_dict().items()}, "steps": []}
     per_rank = G // world
     mb = per_rank // accum
     for step in range(STEPS):
         x, y = global_batch(step)
         x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        if step == 0 and accum == 1:  # this rank's own gradients, unreduced (for the bf16 test)
+            with model.no_sync():
+                model(x, y).backward()
+            rec["local_grads"] = {n: p.grad.clone() for n, p in raw.named_parameters()}
+            model.zero_grad()
         for m in range(accum):
             ctx = model.no_sync() if m < accum - 1 else torch.enable_grad()
             with ctx:
@@ -103,6 +109,21 @@ def test_dp2_equals_one_process(tmp_path, cfg_kw):
         assert_close(r["grads"], ref["grads"], "first gradients")
         assert_close(r["steps"][-1], ref["steps"][-1], f"weights after {STEPS} steps")
     for s in range(STEPS):  # replicas bitwise identical after every step
+        for k, v in ranks[0]["steps"][s].items():
+            assert torch.equal(v, ranks[1]["steps"][s][k]), f"step {s}: {k} differs across ranks"
+
+
+def test_dp2_bf16_gradient_reduction(tmp_path, reference):
+    # gradients travel in bf16: the result is the bf16 sum of the ranks' bf16-rounded gradients
+    # (gloo sums), then divided by the world in fp32; replicas stay bitwise identical
+    ranks = run(tmp_path, 2, 1, grad_reduce_dtype="bfloat16")
+    for n, g in ranks[0]["grads"].items():
+        a, b = (r["local_grads"][n].bfloat16() for r in ranks)
+        assert torch.equal(g, (a + b).float() / 2), n
+        assert torch.equal(g, ranks[1]["grads"][n]), n
+    err = max(rel_err(ranks[0]["grads"][n], g) for n, g in reference["grads"].items())
+    assert 1e-5 < err < 2e-2, err  # not the fp32 path, and close to it
+    for s in range(STEPS):
         for k, v in ranks[0]["steps"][s].items():
             assert torch.equal(v, ranks[1]["steps"][s][k]), f"step {s}: {k} differs across ranks"
 
