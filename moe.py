@@ -16,10 +16,12 @@ The layer, for x (B, T, C), N = B T tokens:
            the top moe_top_k probabilities are the weights (renormalised to sum to 1 when
            moe_renorm), y = sum_j w_j FFN_{e_j}(x) + shared(x).
   experts  one weight tensor per matrix, w1 (E, [2]H, C) (gated: rows [gate | up] like MLP.fc) and
-           w2 (E, C, H), no biases. Computed batched: slots are laid out in a zero-padded
-           (experts, capacity, C) buffer and multiplied with torch.bmm, so every expert takes part
-           in every step (no tokens -> zero rows -> zero gradient). torch's grouped_mm is CUDA-bf16
-           only and not used yet.
+           w2 (E, C, H), no biases. Slot rows sorted by expert are split into one block per expert
+           and each block is multiplied by its expert's matrices (F.linear per expert): exactly the
+           routed rows, no zero padding to the busiest expert, whose padded rows (and their hidden
+           activations, kept for backward) cost up to E/k x the memory under imbalance. An expert
+           without tokens gets an empty block and an exact zero gradient. torch's grouped_mm is
+           CUDA-bf16 only and not used yet.
   shared   n_shared_experts always-on experts: one dense model.MLP of n_shared_experts * H units.
   dtypes   under autocast the slots are exchanged and multiplied in the autocast dtype (bf16);
            only the router (and its losses) is fp32. Init as MLP: w1 N(0, init_std), w2 (an
@@ -33,8 +35,8 @@ The layer, for x (B, T, C), N = B T tokens:
            still counts in the balance statistics). Per sequence, not per rank, so what is
            dropped depends on the sequence alone, never on micro-batch size or the EP/DP layout.
            Shapes are static (E, B * cap, C): no host sync.
-           capacity_factor = 0: dropless. The buffer is as long as the busiest expert, which
-           costs one host sync per layer (and, under EP, one small count exchange).
+           capacity_factor = 0: dropless. The per-expert block sizes cost one host sync per layer
+           (and, under EP, one small count exchange).
 
 Router losses (both added to the training loss by Transformer.forward and logged):
   balance  aux = aux_loss_coeff * E * sum_i f_i P_i. f_i = routed slots sent to expert i /
@@ -75,7 +77,7 @@ FSDP x EP (fsdp.py): non-expert parameters sharded over the data group, experts 
 Checkpoints: gather_experts() (called by checkpoint.gather) all-gathers expert shards and the state
 shaped like them (AdamW moments, Muon momentum) over EP: the one-process layout; cut_experts()
 (called by checkpoint.load) keeps this rank's experts, so a run resumes under any ep.
-Not here: Muon with MoE under FSDP (config.py refuses it: muon.py's FSDP path needs the changes).
+Muon trains the experts too (whole matrices per expert, gate|up split); the router stays on AdamW.
 """
 import math
 from dataclasses import replace
@@ -187,7 +189,8 @@ class MoE(nn.Module):
             keep = pos < cap
             M = B * cap  # buffer rows per expert: [sequence 0's cap slots | sequence 1's | ...]
             dest = torch.where(keep, e_s * M + seq * cap + pos, E * M)  # dropped slots -> a trash row
-            buf = x.new_zeros(E * M + 1, C).index_add(0, dest, xs)[:-1].view(E, M, C)
+            # index_put keeps only dest for backward (index_add would also keep xs, (k N, C))
+            buf = x.new_zeros(E * M + 1, C).index_put((dest,), xs, accumulate=True)[:-1].view(E, M, C)
             out = self._exchange(buf)  # (E, M, C): every expert's outputs, from their owners
             ys = torch.cat([out.reshape(E * M, C), out.new_zeros(1, C)])[dest]  # dropped -> 0
             dropped = (~keep).sum()
@@ -209,63 +212,54 @@ class MoE(nn.Module):
         pos[order] = torch.arange(e_s.numel(), device=e_s.device) - starts[e_s[order]]
         return pos
 
-    def _ffn(self, buf):
-        """(G, M, C) rows of G local experts -> (G, M, C), batched over experts. Under TP every rank
-        holds a slice of each expert's hidden units: Copy sums the input gradient over TP; Reduce
-        sums the partial outputs once, per slot, before the routing weights scale them, so the
-        router's gradient is whole and the same on every TP rank."""
+    def _ffn(self, rows, sizes):
+        """rows (R, C) sorted by local expert, sizes[i] rows for local expert i -> (R, C). Under TP
+        every rank holds a slice of each expert's hidden units: Copy sums the input gradient over
+        TP; Reduce sums the partial outputs once, per slot, before the routing weights scale them,
+        so the router's gradient is whole and the same on every TP rank."""
         if self.tp_group is not None:
-            buf = tp.Copy.apply(buf, self.tp_group)
-        h = torch.bmm(buf, self.w1.transpose(1, 2))
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = self.act(gate) * up
-        else:
-            h = self.act(h)
-        out = torch.bmm(h, self.w2.transpose(1, 2))
+            rows = tp.Copy.apply(rows, self.tp_group)
+        outs = []  # unbind: one backward node stacks the experts' gradients (w1[i] would make E)
+        for w1, w2, part in zip(self.w1.unbind(0), self.w2.unbind(0), rows.split(sizes)):
+            h = F.linear(part, w1)
+            if self.gated:
+                gate, up = h.chunk(2, dim=-1)
+                h = self.act(gate) * up
+            else:
+                h = self.act(h)
+            outs.append(F.linear(h, w2))
+        out = torch.cat(outs)
         return out if self.tp_group is None else tp.Reduce.apply(out, self.tp_group)
 
     def _exchange(self, buf):
         """Fixed capacity: (E, cap, C) slots of this rank's tokens -> the experts' outputs for them."""
-        if self.ep == 1:
-            return self._ffn(buf)
         E, cap, C = buf.shape
+        if self.ep == 1:
+            return self._ffn(buf.view(E * cap, C), [cap] * E).view(E, cap, C)
         ep, El = self.ep, E // self.ep
         # block s of the buffer (experts of EP rank s) goes to rank s; we receive every rank's block for ours
         r = AllToAll.apply(buf.reshape(E * cap, C), None, None, self.ep_group)
-        r = r.view(ep, El, cap, C).transpose(0, 1).reshape(El, ep * cap, C)
-        o = self._ffn(r).view(El, ep, cap, C).transpose(0, 1).reshape(E * cap, C)
+        r = r.view(ep, El, cap, C).transpose(0, 1).reshape(El * ep * cap, C)
+        o = self._ffn(r, [ep * cap] * El).view(El, ep, cap, C).transpose(0, 1).reshape(E * cap, C)
         return AllToAll.apply(o, None, None, self.ep_group).view(E, cap, C)
-
-    def _grouped(self, rows, expert, per_expert, cap):
-        """rows (R, C) sorted by local expert id `expert` (R,) -> FFN outputs (R, C), through a
-        zero-padded (experts, cap, C) buffer; per_expert (G,) rows per expert, cap >= its max."""
-        G, C = self.w1.shape[0], rows.shape[1]
-        starts = per_expert.cumsum(0) - per_expert
-        dest = expert * cap + torch.arange(rows.shape[0], device=rows.device) - starts[expert]
-        buf = rows.new_zeros(G * cap, C).index_add(0, dest, rows).view(G, cap, C)
-        return self._ffn(buf).reshape(G * cap, C)[dest]
 
     def _dropless(self, xs, e_s, counts):
         """Every slot computed: (k N, C) slot rows, expert ids (k N,) -> outputs (k N, C)."""
         order = e_s.argsort(stable=True)
         inv = order.argsort()
-        xs, e_sorted = xs[order], e_s[order]
+        xs = xs[order]
         if self.ep == 1:
-            cap = max(1, int(counts.max()))  # host sync: the buffer is as long as the busiest expert
-            return self._grouped(xs, e_sorted, counts, cap)[inv]
+            return self._ffn(xs, counts.tolist())[inv]  # host sync: the block sizes
         ep, El, g = self.ep, self.n_experts // self.ep, self.ep_group
         recv = _a2a(counts, None, None, g)  # (ep * El,): rows each rank sends to each of our experts
         host = torch.cat([counts.view(ep, El).sum(1), recv]).tolist()  # one host sync per layer
         send, rc = host[:ep], host[ep:]
         got = [sum(rc[s * El:(s + 1) * El]) for s in range(ep)]
         xr = AllToAll.apply(xs, got, send, g)  # ordered (source rank, local expert)
-        rc_t = recv.view(ep, El)
         local = torch.arange(El, device=xs.device).repeat(ep).repeat_interleave(recv, output_size=sum(got))
         o2 = local.argsort(stable=True)  # regroup by local expert
-        per_e = rc_t.sum(0)
-        cap = max(1, max(sum(rc[s * El + i] for s in range(ep)) for i in range(El)))
-        yr = self._grouped(xr[o2], local[o2], per_e, cap)[o2.argsort()]
+        per_e = [sum(rc[s * El + i] for s in range(ep)) for i in range(El)]
+        yr = self._ffn(xr[o2], per_e)[o2.argsort()]
         return AllToAll.apply(yr, send, got, g)[inv]
 
     def _losses(self, logits, probs, counts, dropped):

@@ -12,6 +12,7 @@ holds the replicas of one expert shard (= data_group when ep = 1).
 import contextlib
 import datetime
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -166,10 +167,13 @@ class DataParallel(nn.Module):
         if cur:
             self.buckets.append(cur)
         self.buckets = [self._make_bucket(ps) for ps in self.buckets]
+        # the hook holds this object weakly: a tensor's hooks live in C++, out of the garbage
+        # collector's sight, so a bound method there would keep the model alive forever
+        me = weakref.ref(self)
         for b in self.buckets:
             for p in b["params"]:
                 self.bucket_of[p] = b
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                p.register_post_accumulate_grad_hook(lambda p: me() is not None and me()._on_grad(p))
 
     def _group_of(self, t):
         return self.expert_group if getattr(t, "expert", False) else self.group

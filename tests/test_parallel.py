@@ -5,9 +5,12 @@ produce the same initial weights, the same first gradients and the same weights 
 steps as one process that sees the whole batch (relative error <= 1e-5); replicated parameters
 stay bitwise identical across ranks after every step; gradient accumulation over micro-steps
 equals the full batch; with bf16 gradient reduction the gradients are exactly the bf16 sum of the
-ranks' rounded gradients (close to fp32's); the process grid places TP innermost.
+ranks' rounded gradients (close to fp32's); a dropped DataParallel model is freed (its gradient
+hooks hold it weakly); the process grid places TP innermost.
 """
+import gc
 import os
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -78,6 +81,11 @@ def train(rank, world, accum, out_dir, cfg_kw):
         model.zero_grad()
         rec["steps"].append({k: v.clone() for k, v in raw.state_dict().items()})
     torch.save(rec, os.path.join(out_dir, f"rank{rank}.pt"))
+    # dropping the wrapped model frees it: the gradient hooks do not keep DataParallel alive
+    alive = weakref.ref(next(raw.parameters()))
+    del model, raw, opt, loss  # (the last loss's graph holds the leaves too)
+    gc.collect()
+    assert alive() is None, "DataParallel leaked its model"
 
 
 def run(tmp_path, world, accum, **cfg_kw):
