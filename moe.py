@@ -20,7 +20,8 @@ The layer, for x (B, T, C), N = B T tokens:
            and each block is multiplied by its expert's matrices (F.linear per expert): exactly the
            routed rows, no zero padding to the busiest expert, whose padded rows (and their hidden
            activations, kept for backward) cost up to E/k x the memory under imbalance. An expert
-           without tokens gets an empty block and an exact zero gradient. torch's grouped_mm is
+           without tokens gets an empty block and an exact zero gradient. With a fixed capacity
+           the blocks are equal: one torch.bmm per matrix. torch's grouped_mm is
            CUDA-bf16 only and not used yet.
   shared   n_shared_experts always-on experts: one dense model.MLP of n_shared_experts * H units.
   dtypes   under autocast the slots are exchanged and multiplied in the autocast dtype (bf16);
@@ -219,17 +220,19 @@ class MoE(nn.Module):
         so the router's gradient is whole and the same on every TP rank."""
         if self.tp_group is not None:
             rows = tp.Copy.apply(rows, self.tp_group)
-        outs = []  # unbind: one backward node stacks the experts' gradients (w1[i] would make E)
-        for w1, w2, part in zip(self.w1.unbind(0), self.w2.unbind(0), rows.split(sizes)):
-            h = F.linear(part, w1)
-            if self.gated:
-                gate, up = h.chunk(2, dim=-1)
-                h = self.act(gate) * up
-            else:
-                h = self.act(h)
-            outs.append(F.linear(h, w2))
-        out = torch.cat(outs)
+        if len(set(sizes)) == 1:  # fixed capacity: equal blocks, one batched matmul per matrix
+            out = self._act(torch.bmm(rows.view(len(sizes), sizes[0], -1), self.w1.transpose(1, 2)))
+            out = torch.bmm(out, self.w2.transpose(1, 2)).view(rows.shape)
+        else:  # dropless: unbind makes one backward node that stacks the experts' gradients
+            out = torch.cat([F.linear(self._act(F.linear(part, w1)), w2) for w1, w2, part
+                             in zip(self.w1.unbind(0), self.w2.unbind(0), rows.split(sizes))])
         return out if self.tp_group is None else tp.Reduce.apply(out, self.tp_group)
+
+    def _act(self, h):
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return self.act(gate) * up
+        return self.act(h)
 
     def _exchange(self, buf):
         """Fixed capacity: (E, cap, C) slots of this rank's tokens -> the experts' outputs for them."""
