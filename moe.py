@@ -190,8 +190,9 @@ class MoE(nn.Module):
             keep = pos < cap
             M = B * cap  # buffer rows per expert: [sequence 0's cap slots | sequence 1's | ...]
             dest = torch.where(keep, e_s * M + seq * cap + pos, E * M)  # dropped slots -> a trash row
-            # index_put keeps only dest for backward (index_add would also keep xs, (k N, C))
-            buf = x.new_zeros(E * M + 1, C).index_put((dest,), xs, accumulate=True)[:-1].view(E, M, C)
+            # index_put keeps only dest for backward (index_add would also keep xs, (k N, C)); kept
+            # slots have distinct rows, dropped ones all write the trash row, whose value is never read
+            buf = x.new_zeros(E * M + 1, C).index_put((dest,), xs)[:-1].view(E, M, C)
             out = self._exchange(buf)  # (E, M, C): every expert's outputs, from their owners
             ys = torch.cat([out.reshape(E * M, C), out.new_zeros(1, C)])[dest]  # dropped -> 0
             dropped = (~keep).sum()
