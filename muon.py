@@ -133,6 +133,7 @@ class Muon(torch.optim.Optimizer):
         self.grid, self.ns_dtype = grid, ns_dtype
         # on GPU, one compiled graph for the whole batched NS: the splits, transposes, casts and
         # scalings fuse around the batched matmuls instead of costing a launch per matrix each
+        # (not under FSDP: each unit hands over a different set of matrices, a graph each)
         cuda = any(p.is_cuda for g in self.param_groups for p in g["params"])
         maybe_compile = torch.compile if cuda and compile_ns else (lambda f: f)
         self.orthogonalize, self.nesterov_ns = maybe_compile(orthogonalize), maybe_compile(nesterov_ns)
@@ -263,7 +264,7 @@ class Muon(torch.optim.Optimizer):
                         v = tp.full_tensor(p, v, grid)
                     todo.append((off, n, p, v))
                 off += n
-            os = self.orthogonalize([v for *_, v in todo], [getattr(p, "muon_split", None) for _, _, p, _ in todo],
+            os = orthogonalize([v for *_, v in todo], [getattr(p, "muon_split", None) for _, _, p, _ in todo],
                                group["ns_steps"], self.ns_dtype, group["scale"]) if todo else []
             for (off, n, p, _), o in zip(todo, os):
                 if grid.tp > 1 and hasattr(p, "tp_split"):
