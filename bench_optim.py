@@ -15,8 +15,9 @@ timed steps, less what was allocated before the row was built) and optimizer-sta
 
 curves: reads the train_metrics.jsonl of two pretrain.py runs (the first is the baseline),
 reports the step where the second first reaches the baseline's final validation loss (linear
-interpolation between evaluations) as a fraction of the baseline's steps, and plots both
-training and validation curves to --png (matplotlib, imported only here).
+interpolation between evaluations) as a fraction of the baseline's steps and the largest loss
+difference at common steps (for equivalence runs of two layouts), and plots both training and
+validation curves to --png (matplotlib, imported only here).
 """
 import argparse
 import contextlib
@@ -54,6 +55,11 @@ def curves(args):
             reach = s1 if v0 == float("inf") else s0 + (s1 - s0) * (v0 - target) / (v0 - v1)
             break
     name = [os.path.basename(r.rstrip("/")) for r in args.runs]
+    for what, a, b in (("train", bt, ct), ("val", bv, cv)):  # equivalence runs: how far apart
+        common = sorted(set(dict(a)) & set(dict(b)))
+        if common:
+            d = max(abs(dict(a)[s] - dict(b)[s]) for s in common)
+            print(f"max |{what} loss difference| over {len(common)} common steps: {d:.4f}")
     print(f"{name[0]}: final val loss {target:.4f} at step {n}; {name[1]}: final val loss {cv[-1][1]:.4f}")
     print(f"{name[1]} reaches {target:.4f} at step {reach:.0f} = {reach / n:.3f} of the steps" if reach else
           f"{name[1]} never reaches {target:.4f}")

@@ -5,6 +5,7 @@
     torchrun --nproc_per_node=2 bench_parallel.py speed --shape=tiny --device=cpu --steps=2   # smoke test
     torchrun --nproc_per_node=2 bench_parallel.py moe                  # 8-expert top-2 MoE: DP vs EP
     torchrun --nproc_per_node=2 bench_parallel.py moe --shape=tiny --device=cpu --steps=2     # smoke test
+    torchrun --nproc_per_node=4 bench_parallel.py combo                # TP2xDP2, TP2xFSDP2, EP2xDP2 vs FSDP2 over 4
 
 speed rows (same global batch: --batch sequences per GPU for the data-parallel forms, the same
 total on the TP group): ours-fsdp (fsdp.FSDP, bf16 compute, fp32 master shards and reduce) vs
@@ -25,6 +26,12 @@ moe: the shape with 8 experts, top-2, in every layer (1b: 16 layers of width 204
 over all GPUs (ep = world, dp = 1), tokens exchanged with all_to_all; both dropless; moe-ep-cap:
 EP with capacity_factor 1.25 (static shapes, no host sync). Same --batch sequences per GPU in
 every row; MFU counts active parameters (model.flops_per_token).
+
+combo (4+ GPUs, world = 2 x 2): tp2-dp2 (tp.tensor_parallel over pairs of neighbouring GPUs,
+DataParallel over the pairs), tp2-fsdp2 (the same with fsdp.FSDP over the pairs), torch-fsdp2
+(fully_shard over every GPU) on the dense shape; ep2-dp2 (experts over pairs, DataParallel over
+the pairs) and moe-torch-fsdp2 on the MoE shape. --batch sequences per data-parallel rank (a TP
+pair shares one batch), so every row steps on the same global batch of its shape.
 """
 import argparse
 import gc
@@ -57,7 +64,7 @@ CAPACITY = [  # (name, shape): 2.1B, 2.5B, 2.9B, 3.3B parameters at width 2560
                           ffn_hidden=10240, grad_checkpoint=True)) for L in (20, 24, 28, 32)]
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-p.add_argument("mode", choices=["speed", "capacity", "moe"])
+p.add_argument("mode", choices=["speed", "capacity", "moe", "combo"])
 p.add_argument("--shape", choices=list(SHAPES), default="1b")
 p.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
 p.add_argument("--steps", type=int, default=10)
@@ -120,6 +127,22 @@ ROWS = {"ours-fsdp": ours_fsdp, "torch-fsdp2": torch_fsdp2, "ours-dp": ours_dp, 
         "ours-tp": ours_tp}
 ep_grid = (parallel.init(SimpleNamespace(device=args.device, tp=1, ep=world))  # same processes, ep = world
            if args.mode == "moe" else None)
+if args.mode == "combo":  # pairs of neighbouring GPUs: TP (or EP) inside, data parallel across
+    if world % 2 or world < 4:
+        p.error("combo needs an even world of at least 4: torchrun --nproc_per_node=4")
+    tp2_grid = parallel.init(SimpleNamespace(device=args.device, tp=2, ep=1))
+    ep2_grid = parallel.init(SimpleNamespace(device=args.device, tp=1, ep=2))
+
+
+def combo(g, shard):
+    def wrap(raw):
+        if g.tp > 1:
+            tp.tensor_parallel(raw, g)
+        moe.expert_parallel(raw, g)  # (dense model: no-op)
+        m = fsdp.FSDP(raw, g, compute_dtype=dtype if cuda else None) if shard else parallel.DataParallel(raw, g)
+        return (m, m, m.finish, m.zero_grad) if shard else (raw, raw, m.finish, m.zero_grad)
+    wrap.tp = g.tp
+    return wrap
 
 
 def moe_wrap(g):
@@ -144,10 +167,10 @@ def measure(name, shape, wrap, cap_gb=0.0):
         fpt = raw.flops_per_token(shape["block_size"])
         params_of, fwd, finish, zero_grad = wrap(raw)
         opt = optim.build_optimizer(params_of, opt_cfg)
-        is_tp = name == "ours-tp"
-        B = args.batch * (world if is_tp else 1)  # TP ranks share one batch: the same global batch
+        tp_size = world if name == "ours-tp" else getattr(wrap, "tp", 1)
+        B = args.batch * tp_size  # TP ranks share one batch: the same global batch
         T = shape["block_size"]
-        g = torch.Generator(device=device).manual_seed(1 + (0 if is_tp else grid.rank))
+        g = torch.Generator(device=device).manual_seed(1 + grid.rank // tp_size)
         data = [torch.randint(0, shape["vocab_size"], (B, T + 1), device=device, generator=g) for _ in range(3)]
         if cuda:
             gc.collect()
@@ -175,7 +198,7 @@ def measure(name, shape, wrap, cap_gb=0.0):
             loss = step(i)
         sync()
         dt = max_over_ranks(time.perf_counter() - t0)
-        tok_s = B * T * args.steps * (1 if is_tp else world) / dt
+        tok_s = B * T * args.steps * (world // tp_size) / dt
         row.update(tokens_per_s=tok_s, step_ms=1e3 * dt / args.steps, loss=loss.item(),
                    mfu=tok_s * fpt / (peak * 1e12 * world) if peak else None,
                    peak_mem_gb=max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30) if cuda else None)
@@ -221,6 +244,15 @@ elif args.mode == "moe":
     if rows[0].get("tokens_per_s") and rows[1].get("tokens_per_s"):
         say(f"  moe-ep / moe-dp: {rows[1]['tokens_per_s'] / rows[0]['tokens_per_s']:.3f}x tokens/s "
             f"({rows[0]['active_params'] / 1e9:.2f}B active of {rows[0]['params'] / 1e9:.2f}B parameters)")
+elif args.mode == "combo":
+    dense, sparse = SHAPES[args.shape], MOE_SHAPES[args.shape]
+    rows = [measure("torch-fsdp2", dense, torch_fsdp2), measure("tp2-dp2", dense, combo(tp2_grid, False)),
+            measure("tp2-fsdp2", dense, combo(tp2_grid, True)), measure("moe-torch-fsdp2", sparse, torch_fsdp2),
+            measure("ep2-dp2", sparse, combo(ep2_grid, False))]
+    by = {r["run"]: r.get("tokens_per_s") for r in rows}
+    for a, b in (("tp2-dp2", "torch-fsdp2"), ("tp2-fsdp2", "torch-fsdp2"), ("ep2-dp2", "moe-torch-fsdp2")):
+        if by.get(a) and by.get(b):
+            say(f"  {a} / {b}: {by[a] / by[b]:.3f}x tokens/s (goal >= 0.85x)")
 else:
     rows = [measure(name, shape, ours_fsdp, cap_gb=args.cap_gb) for name, shape in CAPACITY]
 if main and args.json:

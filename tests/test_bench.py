@@ -1,4 +1,6 @@
-"""Smoke test of bench.py on CPU: tiny shape, eager rows, a couple of steps; checks the JSON."""
+"""Smoke tests of bench.py and bench_parallel.py's 4-process combo mode on CPU: tiny shape, eager
+rows, a couple of steps; checks the JSON (rows present, tokens/s measured, rows that see the same
+model and data report the same loss)."""
 import json
 import os
 import subprocess
@@ -39,3 +41,19 @@ def test_dp_eager_two_processes(tmp_path):
     assert abs(rows["ours-dp"]["loss"] - rows["torch-ddp"]["loss"]) < 1e-4
     assert rep["processes"] == 2 and rows["ours-dp"]["gpus"] == 2
     assert set(rep["goals"]) == {"ours_dp_scaling_vs_1gpu", "ours_dp_vs_torch_ddp"}
+
+
+def test_bench_parallel_combo_four_processes(tmp_path):
+    out = tmp_path / "combo.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           "bench_parallel.py", "combo", "--shape=tiny", "--device=cpu", "--batch=2", "--steps=1", "--warmup=1",
+           f"--json={out}"]
+    res = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"torch-fsdp2", "tp2-dp2", "tp2-fsdp2", "moe-torch-fsdp2", "ep2-dp2"}
+    assert all(r.get("tokens_per_s", 0) > 0 for r in rows.values()), rows
+    # same model, same data per data rank, two optimizer steps: the same loss
+    assert abs(rows["tp2-dp2"]["loss"] - rows["tp2-fsdp2"]["loss"]) < 1e-4
+    assert abs(rows["ep2-dp2"]["loss"] - rows["moe-torch-fsdp2"]["loss"]) < 1e-4
