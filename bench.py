@@ -247,9 +247,11 @@ def time_row(row, build, n_gpus, min_time):
     def step(i):  # --accum micro-steps; data parallel communicates on the last one only
         for k in range(args.accum):
             x, y = batches[(i + k) % len(batches)]
-            with no_sync() if k < args.accum - 1 else contextlib.nullcontext(), autocast():
-                loss = forward(x, y) / args.accum
-            loss.backward()
+            # backward inside no_sync too: our DataParallel decides in its gradient hooks (DDP at forward)
+            with no_sync() if k < args.accum - 1 else contextlib.nullcontext():
+                with autocast():
+                    loss = forward(x, y) / args.accum
+                loss.backward()
         finish()  # data parallel: wait for the gradient all-reduce (no-op otherwise)
         optimizer.step()
         zero_grad()

@@ -206,7 +206,8 @@ class DataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Skip communication: for all but the last gradient-accumulation micro-step."""
+        """Skip communication: for all but the last gradient-accumulation micro-step. Run the
+        backward inside it too: the gradient hooks decide, during backward (DDP decides at forward)."""
         self.sync = False
         try:
             yield
