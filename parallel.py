@@ -218,6 +218,11 @@ class DataParallel(nn.Module):
         if not self.sync:
             return
         b = self.bucket_of[p]
+        if b["ready"] < 0:  # a second backward into a bucket whose reduction is in flight: a race
+            raise RuntimeError("DataParallel: a gradient arrived while its bucket was being reduced. Run "
+                               "every micro-step's backward inside model.no_sync() except the last one "
+                               "(DDP-style no_sync around the forward only is not enough here), and call "
+                               "model.finish() before the next step's backward")
         b["ready"] += 1
         if b["ready"] == len(b["params"]):
             self._launch(b)

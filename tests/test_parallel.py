@@ -6,7 +6,9 @@ steps as one process that sees the whole batch (relative error <= 1e-5); replica
 stay bitwise identical across ranks after every step; gradient accumulation over micro-steps
 equals the full batch; with bf16 gradient reduction the gradients are exactly the bf16 sum of the
 ranks' rounded gradients (close to fp32's); a dropped DataParallel model is freed (its gradient
-hooks hold it weakly); the process grid places TP innermost.
+hooks hold it weakly); a backward into buckets still being reduced (DDP-style no_sync around the
+forward only) is refused with an error that says what to change; the process grid places TP
+innermost.
 """
 import gc
 import os
@@ -134,6 +136,23 @@ def test_dp2_bf16_gradient_reduction(tmp_path, reference):
     for s in range(STEPS):
         for k, v in ranks[0]["steps"][s].items():
             assert torch.equal(v, ranks[1]["steps"][s][k]), f"step {s}: {k} differs across ranks"
+
+
+def _ddp_style(rank, out_dir):
+    cfg = small_cfg()
+    grid = parallel.init(cfg)
+    raw = Transformer(ModelConfig.from_cfg(cfg))
+    model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)
+    x, y = global_batch(0)
+    model(x, y).backward()  # the last micro-step's backward launches the reductions ...
+    with model.no_sync():   # ... and a DDP-style no_sync around the next forward only does not stop
+        loss = model(x, y)  # the next backward from writing into buckets in flight
+    with pytest.raises(RuntimeError, match="inside model.no_sync"):
+        loss.backward()
+
+
+def test_backward_outside_no_sync_is_refused(tmp_path):
+    spawn(_ddp_style, 2, str(tmp_path))
 
 
 def test_grad_accumulation_equals_full_batch(tmp_path, reference):
