@@ -69,8 +69,6 @@ p.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket si
 p.add_argument("--grad_reduce_dtype", choices=["float32", "bfloat16"], default="float32",
                help="dp: gradients travel in this dtype, ours and DDP (bf16_compress_hook)")
 p.add_argument("--peak_tflops", type=float, default=0.0, help="override the per-GPU peak for MFU")
-p.add_argument("--sm_carveout", type=int, default=0,
-               help="keep N SMs free of cuBLAS matmuls, for NCCL kernels to overlap (experimental torch API)")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--commit", default="", help="git commit to record (default: git rev-parse)")
 p.add_argument("--json", default="", help="write every number here")
@@ -96,8 +94,6 @@ cuda = device.type == "cuda"
 if cuda:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    if args.sm_carveout:
-        torch._C._set_sm_carveout_experimental(args.sm_carveout)
 # bf16 autocast over fp32 weights, gradients and optimizer state (as pretrain.py)
 dtype = {"auto": torch.bfloat16 if cuda else torch.float32,
          "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
@@ -122,16 +118,12 @@ def commit():
         return "unknown"
 
 
-def hf_version():
-    found = importlib.util.find_spec("transformers") is not None
-    return importlib.metadata.version("transformers") if found else None
-
-
 meta = {"mode": args.mode, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "commit": commit(), "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
         "gpus": grid.world if cuda else 0, "processes": grid.world,
         "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
-        "transformers": hf_version(), "python": platform.python_version(), "shape": args.shape,
+        "transformers": importlib.metadata.version("transformers")
+        if importlib.util.find_spec("transformers") else None, "python": platform.python_version(), "shape": args.shape,
         "model": asdict(mcfg), "batch_per_gpu": B, "seq_len": T, "steps": args.steps,
         "warmup": args.warmup, "accum": args.accum, "flops_per_token": flops_per_token, "peak_tflops_per_gpu": peak,
         "bucket_mb": args.bucket_mb, "grad_reduce_dtype": args.grad_reduce_dtype}
@@ -184,10 +176,7 @@ def hf_params_match(hf):
     theirs = sum(p.numel() for p in hf.parameters())
     slack = 2 * (mcfg.padded_vocab - mcfg.vocab_size) * mcfg.n_embd  # embedding + head padding rows
     say(f"  parameters: ours {ours:,} | HF {theirs:,}")
-    if abs(ours - theirs) > slack:
-        raise AssertionError(f"HF model has {theirs:,} parameters, ours {ours:,}: shapes differ, "
-                             f"the comparison would be unfair")
-    return theirs
+    assert abs(ours - theirs) <= slack, f"HF has {theirs:,} parameters, ours {ours:,}: an unfair comparison"
 
 
 # ---------------------------------------------------------------------------- timing
