@@ -157,6 +157,7 @@ class Muon(torch.optim.Optimizer):
                 r = min(range(grid.dp), key=lambda r: (load[r], r))
                 self.owner[id(ps[i])] = r
                 load[r] += ps[i].numel()
+            self.by_owner = [[p for p in ps if self.owner[id(p)] == r] for r in range(grid.dp)]  # fixed
         # the AdamW groups are stepped by torch's own AdamW (fused on GPU), over the parameters this
         # rank owns, sharing this optimizer's state dict (checkpoints see one optimizer)
         self.adamw, self.adamw_groups = None, []
@@ -283,13 +284,12 @@ class Muon(torch.optim.Optimizer):
     def _sync_params(self):
         """Every parameter from its owner: one all-gather of each rank's owned parameters, packed
         into one flat fp32 buffer (padded to the largest rank's share), unpacked by one foreach copy."""
-        grid = self.grid
-        ps = [p for g in self.param_groups for p in g["params"]]
-        mine = [[p for p in ps if self.owner[id(p)] == r] for r in range(grid.dp)]
+        grid, mine = self.grid, self.by_owner
         sizes = [sum(p.numel() for p in m) for m in mine]
         n, me = max(sizes), grid.dp_rank
         parts = [p.detach().reshape(-1).float() for p in mine[me]]
-        flat = torch.cat(parts + [parts[0].new_zeros(n - sizes[me])] if parts else [ps[0].new_zeros(n)])
+        flat = torch.cat(parts + [parts[0].new_zeros(n - sizes[me])] if parts else
+                         [self.param_groups[0]["params"][0].new_zeros(n)])
         out = flat.new_empty(grid.dp * n)
         dist.all_gather_into_tensor(out, flat, group=grid.dp_group)
         dst, src = [], []

@@ -1,5 +1,8 @@
 """Helpers of the distributed tests: launch a function on N CPU processes with the gloo backend,
-the way torchrun would, and compare results with a one-process run by relative error."""
+the way torchrun would, compare results with a one-process run by relative error, and record the
+matrices Newton-Schulz sees."""
+import collections
+import contextlib
 import os
 import socket
 
@@ -44,3 +47,20 @@ def assert_close(got, ref, what, tol=1e-5):
         assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(ref.shape)}"
         err = rel_err(got, ref)
         assert err <= tol, f"{what}: relative error {err:.2e}"
+
+
+@contextlib.contextmanager
+def ns_calls():
+    """Counter of the (rows, cols) of every matrix muon.newton_schulz orthogonalises in the block
+    (a batched call on (n, rows, cols) counts n)."""
+    import muon
+    calls, orig = collections.Counter(), muon.newton_schulz
+
+    def spy(X, *a, **k):
+        calls[tuple(X.shape[-2:])] += X[..., 0, 0].numel()
+        return orig(X, *a, **k)
+    muon.newton_schulz = spy
+    try:
+        yield calls
+    finally:
+        muon.newton_schulz = orig

@@ -15,7 +15,6 @@ process too, each whole matrix orthogonalised by exactly one owner of its unit's
 in its own AdamW run of the flat buffer). config.validate accepts these combinations.
 """
 import collections
-import contextlib
 import os
 from types import SimpleNamespace
 
@@ -27,11 +26,10 @@ import checkpoint
 import config
 import fsdp
 import moe
-import muon
 import optim
 import parallel
 import tp
-from distributed import assert_close, rel_err, spawn
+from distributed import assert_close, ns_calls, rel_err, spawn
 from model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,21 +55,6 @@ def small_cfg(**kw):
 def global_batch(step):
     g = torch.Generator().manual_seed(100 + step)
     return torch.randint(0, 61, (G, T), generator=g), torch.randint(0, 61, (G, T), generator=g)
-
-
-@contextlib.contextmanager
-def ns_calls():
-    """Shapes of the matrices Newton-Schulz sees (batched calls are split into matrices)."""
-    calls, orig = collections.Counter(), muon.newton_schulz
-
-    def spy(X, *a, **k):
-        calls[tuple(X.shape[-2:])] += X[..., 0, 0].numel()
-        return orig(X, *a, **k)
-    muon.newton_schulz = spy
-    try:
-        yield calls
-    finally:
-        muon.newton_schulz = orig
 
 
 def layout(grid, kw, sharded, steps, load=None, save=None, seed=0):

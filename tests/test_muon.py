@@ -11,7 +11,6 @@ state bytes per rank ~ 1/dp of the total; checkpoints resume exactly, in one pro
 layouts (one process -> each layout, each layout -> one process).
 """
 import collections
-import contextlib
 import os
 from types import SimpleNamespace
 
@@ -26,23 +25,9 @@ import muon
 import optim
 import parallel
 import tp
-from distributed import assert_close, rel_err, spawn
+from distributed import assert_close, ns_calls, rel_err, spawn
 from model import ModelConfig, Transformer
 
-
-@contextlib.contextmanager
-def ns_calls():
-    """Record the shape of every matrix Newton-Schulz orthogonalised inside the block."""
-    calls, orig = [], muon.newton_schulz
-
-    def spy(G, *a, **k):  # a batch (n, rows, cols) is n calls on (rows, cols)
-        calls.extend([tuple(G.shape[-2:])] * (G[..., 0, 0].numel()))
-        return orig(G, *a, **k)
-    muon.newton_schulz = spy
-    try:
-        yield calls
-    finally:
-        muon.newton_schulz = orig
 
 G, T, STEPS, MORE = 8, 16, 3, 2
 
