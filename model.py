@@ -291,6 +291,14 @@ class MLP(nn.Module):
         self.act = activation_fn(cfg.activation)
 
     def forward(self, x):
+        if self.gated and type(self.fc) is nn.Linear:
+            # two matmuls over the weight's [gate | up] halves rather than one and a split: the
+            # backward's elementwise kernel then writes d_gate and d_up as two tensors, reading
+            # each input once (measured 2x faster kernel, +1-2% per step at the 124M shape).
+            # Tensor parallelism swaps fc for its own module, which takes the general path.
+            (wg, wu), b = self.fc.weight.chunk(2), self.fc.bias
+            bg, bu = b.chunk(2) if b is not None else (None, None)
+            return self.proj(self.act(F.linear(x, wg, bg)) * F.linear(x, wu, bu))
         h = self.fc(x)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
