@@ -19,6 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import kernels
+
 try:  # optional: Tri Dao's kernels; SDPA is the always-available fallback
     from flash_attn import flash_attn_func
     HAS_FLASH_ATTN = True
@@ -452,6 +454,12 @@ class Transformer(nn.Module):
 
     @staticmethod
     def loss(logits, targets, reduction="mean"):
+        if kernels.available(logits):  # GPU: one fused pass each way, computed in fp32 (kernels.py)
+            nll = kernels.cross_entropy(logits.flatten(0, 1), targets.flatten(), IGNORE).view(targets.shape)
+            if reduction == "none":
+                return nll
+            # mean over the counted tokens, as F.cross_entropy (NaN when none is counted)
+            return nll.sum() if reduction == "sum" else nll.sum() / (targets != IGNORE).sum()
         # upcast: softmax over 50k classes in bf16 is noticeably wrong; one fp32 copy of the
         # (already vocab-sliced) logits, which torch.compile fuses into the loss kernel
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),

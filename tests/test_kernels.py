@@ -1,0 +1,77 @@
+"""kernels.cross_entropy (Triton, GPU only) equals F.cross_entropy: per-row values and gradients
+for fp32 and bf16 logits, a vocabulary slice of wider rows (the model's padded head), ignored
+targets and a vocabulary that is no multiple of the kernel's block; the same through
+Transformer.loss's three reductions, under torch.compile, and for a whole model's gradients
+against the F.cross_entropy path. Skipped without CUDA (CPU builds of torch have no Triton)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from model import IGNORE, ModelConfig, Transformer
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.triton is not None),
+                                reason="needs a CUDA GPU and Triton")
+
+
+def case(dtype, N=300, V=5000, pad=120, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    full = (3 * torch.randn(N, V + pad, device="cuda", generator=g)).to(dtype)
+    logits = full[:, :V]  # row stride V + pad, as the model's vocab slice
+    targets = torch.randint(0, V, (N,), device="cuda", generator=g)
+    targets[::7] = IGNORE
+    targets[1], targets[2] = 0, V - 1
+    return logits, targets
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_torch(dtype):
+    logits, targets = case(dtype)
+    x = logits.detach().requires_grad_()
+    got = kernels.cross_entropy(x, targets, IGNORE)
+    dnll = torch.randn_like(got)
+    (got * dnll).sum().backward()
+    ref_x = logits.detach().float().requires_grad_()
+    want = F.cross_entropy(ref_x, targets, ignore_index=IGNORE, reduction="none")
+    (want * dnll).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert x.grad.dtype == dtype and x.grad.shape == logits.shape
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16 gradient: one rounding of the exact value
+    torch.testing.assert_close(x.grad.float(), ref_x.grad, rtol=tol, atol=tol)
+    assert (x.grad[targets == IGNORE] == 0).all()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_transformer_loss_reductions(compiled):
+    logits, targets = case(torch.bfloat16, N=2 * 150)
+    logits, targets = logits.view(2, 150, -1), targets.view(2, 150)
+    fn = torch.compile(Transformer.loss) if compiled else Transformer.loss
+    for red in ("mean", "sum", "none"):
+        x = logits.detach().requires_grad_()
+        got = fn(x, targets, red)
+        got.sum().backward()
+        ref_x = logits.detach().float().requires_grad_()
+        want = F.cross_entropy(ref_x.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction=red)
+        want = want.view(targets.shape) if red == "none" else want
+        want.sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(x.grad.float(), ref_x.grad, rtol=1e-2, atol=1e-5)
+
+
+def test_model_gradients_match_fallback(monkeypatch):
+    cfg = ModelConfig(vocab_size=1000, pad_vocab_multiple=128, block_size=64, n_layer=2, n_head=4, n_embd=64)
+    torch.manual_seed(0)
+    model = Transformer(cfg).cuda()
+    x = torch.randint(0, 1000, (4, 64), device="cuda")
+    y = torch.randint(0, 1000, (4, 64), device="cuda")
+    y[0, :10] = IGNORE
+    grads = []
+    for fused in (True, False):
+        monkeypatch.setattr(kernels, "available", lambda logits, fused=fused: fused)
+        model.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-6, atol=1e-6)
+    for n in grads[0][1]:
+        torch.testing.assert_close(grads[0][1][n], grads[1][1][n], rtol=1e-5, atol=1e-6, msg=n)
