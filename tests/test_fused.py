@@ -1,4 +1,4 @@
-"""kernels.cross_entropy (Triton, GPU only) equals F.cross_entropy: per-row values and gradients
+"""fused.cross_entropy (Triton, GPU only) equals F.cross_entropy: per-row values and gradients
 for fp32 and bf16 logits, a vocabulary slice of wider rows (the model's padded head), ignored
 targets and a vocabulary that is no multiple of the kernel's block; the same through
 Transformer.loss's three reductions, under torch.compile, and for a whole model's gradients
@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+import fused
 from model import IGNORE, ModelConfig, Transformer
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.triton is not None),
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and fused.triton is not None),
                                 reason="needs a CUDA GPU and Triton")
 
 
@@ -28,7 +28,7 @@ def case(dtype, N=300, V=5000, pad=120, seed=0):
 def test_matches_torch(dtype):
     logits, targets = case(dtype)
     x = logits.detach().requires_grad_()
-    got = kernels.cross_entropy(x, targets, IGNORE)
+    got = fused.cross_entropy(x, targets, IGNORE)
     dnll = torch.randn_like(got)
     (got * dnll).sum().backward()
     ref_x = logits.detach().float().requires_grad_()
@@ -36,8 +36,8 @@ def test_matches_torch(dtype):
     (want * dnll).sum().backward()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert x.grad.dtype == dtype and x.grad.shape == logits.shape
-    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16 gradient: one rounding of the exact value
-    torch.testing.assert_close(x.grad.float(), ref_x.grad, rtol=tol, atol=tol)
+    rtol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16 gradient: one rounding of the exact value
+    torch.testing.assert_close(x.grad.float(), ref_x.grad, rtol=rtol, atol=1e-6)
     assert (x.grad[targets == IGNORE] == 0).all()
 
 
@@ -66,8 +66,8 @@ def test_model_gradients_match_fallback(monkeypatch):
     y = torch.randint(0, 1000, (4, 64), device="cuda")
     y[0, :10] = IGNORE
     grads = []
-    for fused in (True, False):
-        monkeypatch.setattr(kernels, "available", lambda logits, fused=fused: fused)
+    for use in (True, False):
+        monkeypatch.setattr(fused, "available", lambda logits, use=use: use)
         model.zero_grad()
         loss = model(x, y)
         loss.backward()

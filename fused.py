@@ -11,8 +11,8 @@ F.cross_entropy take 4.6 ms per step for it, about twice the traffic needed (BEN
 cross_entropy(logits, targets, ignore_index) -> per-row nll in fp32, 0 where the target is
 ignore_index. Needs CUDA tensors, Triton and torch.library.triton_op (torch >= 2.6): `available()`
 says whether it can run; model.py falls back to F.cross_entropy otherwise. Targets must lie in
-[0, vocab) or be ignore_index (F.cross_entropy checks that on the device; this kernel clamps).
-tests/test_kernels.py compares it with F.cross_entropy (values and gradients) on a GPU.
+[0, vocab) or be ignore_index: another value makes its row's loss NaN (F.cross_entropy raises).
+tests/test_fused.py compares it with F.cross_entropy (values and gradients) on a GPU.
 """
 import torch
 
@@ -46,14 +46,16 @@ if triton is not None:
         for start in tl.range(0, V, BLOCK):
             x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, tl.max(x, 0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: exp(-inf - -inf) is nan
+            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), 0)
             m = m_new
         row_lse = m + tl.log(s)
         t = tl.load(targets + row)
-        hit = t != ignore_index
-        x_t = tl.load(base + tl.minimum(tl.maximum(t, 0), V - 1)).to(tl.float32)
+        in_range = (t >= 0) & (t < V)
+        x_t = tl.load(base + tl.where(in_range, t, 0)).to(tl.float32)
+        # an ignored target counts 0; one outside [0, V) makes the loss NaN, loudly wrong
         tl.store(lse + row, row_lse)
-        tl.store(nll + row, tl.where(hit, row_lse - x_t, 0.0))
+        tl.store(nll + row, tl.where(t == ignore_index, 0.0, tl.where(in_range, row_lse - x_t, float("nan"))))
 
     @triton.jit
     def _backward_kernel(logits, row_stride, grad, targets, lse, dnll, V, ignore_index, BLOCK: tl.constexpr):
@@ -61,9 +63,9 @@ if triton is not None:
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < V
         t = tl.load(targets + row)
-        g = tl.where(t != ignore_index, tl.load(dnll + row), 0.0)
         x = tl.load(logits + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        d = (tl.exp(x - tl.load(lse + row)) - tl.where(cols == t, 1.0, 0.0)) * g
+        d = (tl.exp(x - tl.load(lse + row)) - tl.where(cols == t, 1.0, 0.0)) * tl.load(dnll + row)
+        d = tl.where(t == ignore_index, 0.0, d)  # not d * 0: an ignored row's d may be nan
         tl.store(grad + row * V + cols, d.to(grad.dtype.element_ty), mask=mask)
 
     # custom ops, so torch.compile traces them as opaque calls into the two kernels
