@@ -12,6 +12,8 @@ cross_entropy(logits, targets, ignore_index) -> per-row nll in fp32, 0 where the
 ignore_index. Needs CUDA tensors, Triton and torch.library.triton_op (torch >= 2.6): `available()`
 says whether it can run; model.py falls back to F.cross_entropy otherwise. Targets must lie in
 [0, vocab) or be ignore_index: another value makes its row's loss NaN (F.cross_entropy raises).
+The kernels launch on the current CUDA device, so the logits must live there
+(torch.cuda.set_device, as parallel.init does for every rank).
 tests/test_fused.py compares it with F.cross_entropy (values and gradients) on a GPU.
 """
 import torch
