@@ -68,6 +68,7 @@ p.add_argument("--ddp_compile", choices=["outer", "inner"], default="outer",
 p.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size, ours and DDP")
 p.add_argument("--grad_reduce_dtype", choices=["float32", "bfloat16"], default="float32",
                help="dp: gradients travel in this dtype, ours and DDP (bf16_compress_hook)")
+p.add_argument("--fp32_residual", type=int, default=1, help="0: our residual stream in bf16 (ModelConfig.fp32_residual)")
 p.add_argument("--peak_tflops", type=float, default=0.0, help="override the per-GPU peak for MFU")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--commit", default="", help="git commit to record (default: git rev-parse)")
@@ -98,7 +99,8 @@ if cuda:
 dtype = {"auto": torch.bfloat16 if cuda else torch.float32,
          "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
 autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-mcfg = ModelConfig(**{**SHAPES[args.shape], **({"block_size": args.seq_len} if args.seq_len else {})})
+mcfg = ModelConfig(**{**SHAPES[args.shape], **({"block_size": args.seq_len} if args.seq_len else {}),
+                      "fp32_residual": bool(args.fp32_residual)})  # the HF peer keeps its own (fp32)
 T = mcfg.block_size
 B = args.batch
 opt_cfg = SimpleNamespace(optimizer="adamw", lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -373,7 +375,8 @@ def cell(v, fmt):
     return "n/a" if v is None else format(v, fmt)
 
 
-prec = f"{meta['dtype']} autocast over fp32 weights" if dtype != torch.float32 else "fp32"
+prec = (f"{meta['dtype']} autocast over fp32 weights" if dtype != torch.float32 else "fp32") + \
+    ("" if mcfg.fp32_residual else ", our residual stream bf16")
 say(f"\n{args.mode}: {args.shape} shape, micro batch {B} x T={T} per GPU, {prec}, AdamW, {meta['device']} "
     f"x {grid.world}, torch {meta['torch']}, transformers {meta['transformers']}, commit {meta['commit']}, "
     f"{meta['date']}\n")

@@ -68,6 +68,9 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     grad_checkpoint: bool = False  # recompute each block in backward (activation checkpointing)
+    # False: under autocast the residual stream is kept in the autocast dtype (bf16), as Megatron-LM
+    # does by default; autocast alone keeps it fp32, as HF does. Less memory traffic (BENCHMARKS.md).
+    fp32_residual: bool = True
     # mixture of experts (moe.py); n_experts = 0: dense MLP in every layer
     n_experts: int = 0             # routed experts per MoE layer
     moe_top_k: int = 2             # experts per token
@@ -240,12 +243,17 @@ class Attention(nn.Module):
     def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0):
         B, T, _ = x.shape
         H, KV, D = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.qkv(x).split([H * D, KV * D, KV * D], dim=-1)
-        q, k, v = q.view(B, T, H, D), k.view(B, T, KV, D), v.view(B, T, KV, D)
-        if self.qk_norm:  # before RoPE, as in OLMo-2 / Qwen-3
-            q, k = self.q_norm(q), self.k_norm(k)
-        if cos is not None:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv(x)
+        if cos is not None and cos.shape[0] == 1 and not self.qk_norm and fused.available(qkv):
+            # GPU: the same split and rotation, with one Triton pass for their backward (fused.py)
+            q, k, v = fused.split_rope(qkv, cos, sin, H, KV, apply_rope)
+        else:
+            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+            q, k, v = q.view(B, T, H, D), k.view(B, T, KV, D), v.view(B, T, KV, D)
+            if self.qk_norm:  # before RoPE, as in OLMo-2 / Qwen-3
+                q, k = self.q_norm(q), self.k_norm(k)
+            if cos is not None:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.dropout if self.training else 0.0
 
         if (HAS_FLASH_ATTN and cache is None and mask is None and is_causal
@@ -481,6 +489,8 @@ class Transformer(nn.Module):
         if cfg.pos_emb == "learned":
             x = x + self.pos_emb(pos if pos is not None else torch.arange(start, start + T, device=idx.device))
         x = self.drop(x)
+        if not cfg.fp32_residual and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))  # blocks add bf16 outputs: x stays bf16
         cos = sin = None
         if cfg.pos_emb == "rope":
             if pos is None:  # static slice: the training path compiles to no gather

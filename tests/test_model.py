@@ -7,6 +7,7 @@ What these tests prove, all on CPU in fp32 against independent references:
   softmax(QK^T/sqrt(d) + causal mask) V, RoPE via complex rotation, norms and MLPs written
   out) run on the model's own weights, for every variant;
 - activation checkpointing gives the same gradients as no checkpointing;
+- fp32_residual=False keeps the residual stream bf16 under autocast, and is inert without it;
 - KV-cache decoding (prefill, multi-token chunks, single tokens) equals one full forward, for
   RoPE/learned positions and MHA/GQA, and a left-padded batch equals each row run alone;
 - generate(): greedy equals a naive re-run-everything argmax loop, also for left-padded
@@ -200,6 +201,22 @@ def test_bf16_keeps_rope_fp32():
     model = build(**LLAMA).to(torch.bfloat16)
     assert model.rope_cos.dtype == torch.float32 and model.tok_emb.weight.dtype == torch.bfloat16
     assert torch.isfinite(model(tokens(1, 8), tokens(1, 8, seed=2)))
+
+
+def test_residual_stream_dtype():
+    """fp32_residual=False keeps the residual stream in the autocast dtype; it changes nothing
+    without autocast, and under autocast the loss stays within bf16 rounding of the fp32 stream."""
+    x, y = tokens(2, 16), tokens(2, 16, seed=2)
+    fp32, bf16 = build(**LLAMA), build(**LLAMA, fp32_residual=False)
+    seen = []
+    for m in (fp32, bf16):
+        m.blocks[-1].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    assert torch.equal(fp32(x, y), bf16(x, y))  # no autocast: the flag is inert
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        l32, l16 = fp32(x, y), bf16(x, y)
+    assert seen[-2:] == [torch.float32, torch.bfloat16]
+    assert l16.dtype == torch.float32 and not torch.equal(l32, l16)
+    torch.testing.assert_close(l16, l32, rtol=2e-2, atol=0)
 
 
 def test_meta_init_rebuilds_rope():
