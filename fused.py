@@ -15,13 +15,6 @@ says whether it can run; model.py falls back to F.cross_entropy otherwise. Targe
 The kernels launch on the current CUDA device, so the logits must live there
 (torch.cuda.set_device, as parallel.init does for every rank).
 tests/test_fused.py compares it with F.cross_entropy (values and gradients) on a GPU.
-
-split_rope(qkv, cos, sin, H, KV, rope) -> q, k, v: the attention's split of its fused q/k/v
-projection plus the rotary embedding of q and k, with a hand-written backward. The forward is
-plain torch (the compiler fuses it); v stays a view of qkv. Why: autograd's backward rotates dq
-and dk into two new tensors and then concatenates them with dv into d(qkv), which costs two
-kernels and twice the memory traffic; the Triton kernel here reads dq, dk, dv once and writes
-d(qkv) once (measured in BENCHMARKS.md).
 """
 import torch
 
@@ -32,17 +25,11 @@ try:
 except ImportError:  # CPU builds of torch come without Triton; torch < 2.6 without triton_op
     triton = None
 
-FWD_BLOCK, BWD_BLOCK = 4096, 4096  # columns per step; 8 warps: 16 bf16 per thread, 16-byte loads
+FWD_BLOCK, BWD_BLOCK = 4096, 4096  # columns per step; forward 4 warps, backward 8 (measured fastest)
 
 
-def available(x):
-    return triton is not None and x.is_cuda
-
-
-def split_rope(qkv, cos, sin, H, KV, rope):
-    """qkv (B, T, (H + 2 KV) * D) -> q (B, T, H, D) and k (B, T, KV, D) rotated by rope(x, cos, sin),
-    v (B, T, KV, D); cos/sin (1, T, 1, D/2) fp32, shared by the batch (model.apply_rope's tables)."""
-    return _SplitRope.apply(qkv, cos, sin, H, KV, rope)
+def available(logits):
+    return triton is not None and logits.is_cuda
 
 
 def cross_entropy(logits, targets, ignore_index=-100):
@@ -113,59 +100,3 @@ if triton is not None:
         return torch.ops.ingot.cross_entropy_backward(logits, targets, lse, dnll, ctx.ignore_index), None, None
 
     _cross_entropy.register_autograd(_backward, setup_context=_setup_context)
-
-    @triton.jit
-    def _rope_backward_kernel(dq, dk, dv, out, cos, sin, N, T, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
-                              sv_b, sv_t, sv_h, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
-                              BLOCK_T: tl.constexpr):
-        # one program: BLOCK_T tokens of one head of [q heads | k heads | v heads]
-        rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # b * T + t
-        head = tl.program_id(1)
-        b, t = rows // T, rows % T
-        mask = (rows < N)[:, None]
-        cols = tl.arange(0, D // 2)[None, :]
-        dst = out + rows[:, None] * ((H + 2 * KV) * D) + head * D + cols
-        if head < H + KV:  # q or k: undo the rotation. forward: (x1 c - x2 s, x2 c + x1 s)
-            if head < H:
-                src = dq + b[:, None] * sq_b + t[:, None] * sq_t + head * sq_h + cols
-            else:
-                src = dk + b[:, None] * sk_b + t[:, None] * sk_t + (head - H) * sk_h + cols
-            g1 = tl.load(src, mask=mask).to(tl.float32)
-            g2 = tl.load(src + D // 2, mask=mask).to(tl.float32)
-            c = tl.load(cos + t[:, None] * (D // 2) + cols, mask=mask)
-            s = tl.load(sin + t[:, None] * (D // 2) + cols, mask=mask)
-            tl.store(dst, (g1 * c + g2 * s).to(out.dtype.element_ty), mask=mask)
-            tl.store(dst + D // 2, (g2 * c - g1 * s).to(out.dtype.element_ty), mask=mask)
-        else:  # v: copied into place
-            src = dv + b[:, None] * sv_b + t[:, None] * sv_t + (head - H - KV) * sv_h + cols
-            tl.store(dst, tl.load(src, mask=mask), mask=mask)
-            tl.store(dst + D // 2, tl.load(src + D // 2, mask=mask), mask=mask)
-
-    @triton_op("ingot::rope_backward", mutates_args=())
-    def _rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor) -> torch.Tensor:
-        B, T, H, D = dq.shape
-        KV = dk.shape[2]
-        assert dq.stride(3) == dk.stride(3) == dv.stride(3) == 1 and cos.shape == (T, D // 2) and cos.is_contiguous()
-        out = torch.empty((B, T, (H + 2 * KV) * D), device=dq.device, dtype=dq.dtype)
-        BLOCK_T = 64
-        wrap_triton(_rope_backward_kernel)[(triton.cdiv(B * T, BLOCK_T), H + 2 * KV)](
-            dq, dk, dv, out, cos, sin, B * T, T, *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-            H=H, KV=KV, D=D, BLOCK_T=BLOCK_T, num_warps=4)
-        return out
-
-
-class _SplitRope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, qkv, cos, sin, H, KV, rope):
-        B, T, W = qkv.shape
-        D = W // (H + 2 * KV)
-        q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
-        ctx.save_for_backward(cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous())  # (T, D/2)
-        return rope(q.view(B, T, H, D), cos, sin), rope(k.view(B, T, KV, D), cos, sin), v.view(B, T, KV, D)
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        cos, sin = ctx.saved_tensors
-        unit = lambda g: g if g.stride(-1) == 1 else g.contiguous()
-        return torch.ops.ingot.rope_backward(unit(dq), unit(dk), unit(dv), cos, sin), None, None, None, None, None

@@ -243,17 +243,12 @@ class Attention(nn.Module):
     def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0):
         B, T, _ = x.shape
         H, KV, D = self.n_head, self.n_kv_head, self.head_dim
-        qkv = self.qkv(x)
-        if cos is not None and cos.shape[0] == 1 and not self.qk_norm and fused.available(qkv):
-            # GPU: the same split and rotation, with one Triton pass for their backward (fused.py)
-            q, k, v = fused.split_rope(qkv, cos, sin, H, KV, apply_rope)
-        else:
-            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
-            q, k, v = q.view(B, T, H, D), k.view(B, T, KV, D), v.view(B, T, KV, D)
-            if self.qk_norm:  # before RoPE, as in OLMo-2 / Qwen-3
-                q, k = self.q_norm(q), self.k_norm(k)
-            if cos is not None:
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.qkv(x).split([H * D, KV * D, KV * D], dim=-1)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, KV, D), v.view(B, T, KV, D)
+        if self.qk_norm:  # before RoPE, as in OLMo-2 / Qwen-3
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.dropout if self.training else 0.0
 
         if (HAS_FLASH_ATTN and cache is None and mask is None and is_causal

@@ -1,16 +1,14 @@
 """fused.cross_entropy (Triton, GPU only) equals F.cross_entropy: per-row values and gradients
 for fp32 and bf16 logits, a vocabulary slice of wider rows (the model's padded head), ignored
 targets and a vocabulary that is no multiple of the kernel's block; the same through
-Transformer.loss's three reductions, under torch.compile. fused.split_rope equals the plain
-split + model.apply_rope under autograd (MHA, GQA, MQA; eager and compiled; gradients arriving
-transposed, as from attention). A whole model's gradients with both against the plain paths.
-Skipped without CUDA (CPU builds of torch have no Triton)."""
+Transformer.loss's three reductions, under torch.compile, and for a whole model's gradients
+against the F.cross_entropy path. Skipped without CUDA (CPU builds of torch have no Triton)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fused
-from model import IGNORE, ModelConfig, Transformer, apply_rope, rope_tables
+from model import IGNORE, ModelConfig, Transformer
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and fused.triton is not None),
                                 reason="needs a CUDA GPU and Triton")
@@ -60,7 +58,7 @@ def test_transformer_loss_reductions(compiled):
         torch.testing.assert_close(x.grad.float(), ref_x.grad, rtol=1e-2, atol=1e-5)
 
 
-def test_model_gradients_match_fallback(monkeypatch):  # fused loss and split_rope vs the plain paths
+def test_model_gradients_match_fallback(monkeypatch):
     cfg = ModelConfig(vocab_size=1000, pad_vocab_multiple=128, block_size=64, n_layer=2, n_head=4, n_embd=64)
     torch.manual_seed(0)
     model = Transformer(cfg).cuda()
@@ -77,35 +75,3 @@ def test_model_gradients_match_fallback(monkeypatch):  # fused loss and split_ro
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-6, atol=1e-6)
     for n in grads[0][1]:
         torch.testing.assert_close(grads[0][1][n], grads[1][1][n], rtol=1e-5, atol=1e-6, msg=n)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("H, KV", [(4, 4), (4, 2), (4, 1)])
-@pytest.mark.parametrize("compiled", [False, True])
-def test_split_rope_matches_autograd(dtype, H, KV, compiled):
-    B, T, D = 2, 40, 16  # B * T = 80 tokens: not a multiple of the kernel's block of 64
-    g = torch.Generator(device="cuda").manual_seed(0)
-    cos, sin = rope_tables(D, 64, 10000.0, device="cuda")
-    cos, sin = cos[None, 3:3 + T, None], sin[None, 3:3 + T, None]  # positions 3.. as with a cache
-    qkv = torch.randn(B, T, (H + 2 * KV) * D, device="cuda", generator=g).to(dtype)
-    # the gradients attention hands back: (B, heads, T, D) memory, transposed to (B, T, heads, D)
-    grads = [torch.randn(B, h, T, D, device="cuda", generator=g).to(dtype).transpose(1, 2) for h in (H, KV, KV)]
-
-    def plain(x):
-        q, k, v = x.split([H * D, KV * D, KV * D], dim=-1)
-        return apply_rope(q.view(B, T, H, D), cos, sin), apply_rope(k.view(B, T, KV, D), cos, sin), v.view(B, T, KV, D)
-
-    def run(fn):
-        x = qkv.clone().requires_grad_()
-        out = fn(x)
-        sum((o.float() * d.float()).sum() for o, d in zip(out, grads)).backward()
-        return out, x.grad
-
-    fused_fn = lambda x: fused.split_rope(x, cos, sin, H, KV, apply_rope)
-    (q, k, v), dx = run(torch.compile(fused_fn) if compiled else fused_fn)
-    (rq, rk, rv), rdx = run(plain)
-    assert q.shape == (B, T, H, D) and k.shape == v.shape == (B, T, KV, D) and dx.dtype == dtype
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-6)  # bf16: one rounding
-    for a, b in ((q, rq), (k, rk), (v, rv), (dx, rdx)):
-        torch.testing.assert_close(a.float(), b.float(), **tol)
-    torch.testing.assert_close(dx[..., (H + KV) * D:], rdx[..., (H + KV) * D:], rtol=0, atol=0)  # v: a copy
