@@ -68,7 +68,8 @@ p.add_argument("--ddp_compile", choices=["outer", "inner"], default="outer",
 p.add_argument("--bucket_mb", type=float, default=25.0, help="gradient bucket size, ours and DDP")
 p.add_argument("--grad_reduce_dtype", choices=["float32", "bfloat16"], default="float32",
                help="dp: gradients travel in this dtype, ours and DDP (bf16_compress_hook)")
-p.add_argument("--fp32_residual", type=int, default=1, help="0: our residual stream in bf16 (ModelConfig.fp32_residual)")
+p.add_argument("--fp32_residual", type=int, default=1,
+               help="0: our residual stream in bf16 (ModelConfig.fp32_residual)")
 p.add_argument("--peak_tflops", type=float, default=0.0, help="override the per-GPU peak for MFU")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--commit", default="", help="git commit to record (default: git rev-parse)")

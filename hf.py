@@ -48,7 +48,7 @@ GPT2_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": 
 LLAMA_ACTS = {"silu": "swiglu", "gelu": "geglu"}  # hidden_act of the gated MLP
 # the ModelConfig keys an HF config defines (the others stay the run's own)
 MODEL_KEYS = [f.name for f in fields(ModelConfig)
-              if f.name not in ("pad_vocab_multiple", "dropout", "init_std", "grad_checkpoint")]
+              if f.name not in ("pad_vocab_multiple", "dropout", "init_std", "grad_checkpoint", "fp32_residual")]
 GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_PAT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")

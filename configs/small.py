@@ -15,6 +15,7 @@ block_size = 1024
 activation = "swiglu"
 norm = "rmsnorm"
 pos_emb = "rope"
+fp32_residual = False      # residual stream in bf16 under autocast, as Megatron-LM: ~4% faster (BENCHMARKS.md)
 batch_size = 256           # 256 x 1024 = 262k tokens per optimizer step
 micro_batch_size = 32
 max_steps = 2000
