@@ -102,8 +102,7 @@ dtype = {"auto": torch.bfloat16 if cuda else torch.float32,
 autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 mcfg = ModelConfig(**{**SHAPES[args.shape], **({"block_size": args.seq_len} if args.seq_len else {}),
                       "fp32_residual": bool(args.fp32_residual)})  # the HF peer keeps its own (fp32)
-T = mcfg.block_size
-B = args.batch
+T, B = mcfg.block_size, args.batch
 opt_cfg = SimpleNamespace(optimizer="adamw", lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 peak = logs.peak_tflops(device, args.peak_tflops)  # TFLOP/s per GPU; None on CPU / unknown GPU
 with torch.device("meta"):
@@ -372,10 +371,7 @@ goals = {k: {"value": v, "goal": g, "versus": vs, "met": v >= g}
          for k, (v, g, vs) in goals.items() if v is not None}
 
 
-def cell(v, fmt):
-    return "n/a" if v is None else format(v, fmt)
-
-
+cell = lambda v, fmt: "n/a" if v is None else format(v, fmt)
 prec = (f"{meta['dtype']} autocast over fp32 weights" if dtype != torch.float32 else "fp32") + \
     ("" if mcfg.fp32_residual else ", our residual stream bf16")
 say(f"\n{args.mode}: {args.shape} shape, micro batch {B} x T={T} per GPU, {prec}, AdamW, {meta['device']} "
