@@ -7,7 +7,7 @@ What these tests prove, all on CPU in fp32 against independent references:
   softmax(QK^T/sqrt(d) + causal mask) V, RoPE via complex rotation, norms and MLPs written
   out) run on the model's own weights, for every variant;
 - activation checkpointing gives the same gradients as no checkpointing;
-- fp32_residual=False keeps the residual stream bf16 under autocast, and is inert without it;
+- fp32_residual=False keeps the residual stream bf16 under (CPU bf16) autocast, inert without it;
 - KV-cache decoding (prefill, multi-token chunks, single tokens) equals one full forward, for
   RoPE/learned positions and MHA/GQA, and a left-padded batch equals each row run alone;
 - generate(): greedy equals a naive re-run-everything argmax loop, also for left-padded
