@@ -222,7 +222,7 @@ class MoE(nn.Module):
         if self.tp_group is not None:
             rows = tp.Copy.apply(rows, self.tp_group)
         if len(set(sizes)) == 1:  # fixed capacity: equal blocks, one batched matmul per matrix
-            out = self._act(torch.bmm(rows.view(len(sizes), sizes[0], -1), self.w1.transpose(1, 2)))
+            out = self._act(torch.bmm(rows.view(len(sizes), sizes[0], rows.shape[1]), self.w1.transpose(1, 2)))
             out = torch.bmm(out, self.w2.transpose(1, 2)).view(rows.shape)
         else:  # dropless: unbind makes one backward node that stacks the experts' gradients
             out = torch.cat([F.linear(self._act(F.linear(part, w1)), w2) for w1, w2, part

@@ -4,7 +4,8 @@ What these tests prove, on CPU in fp32 (gloo for the distributed ones):
 - the MoE layer equals a per-token dense oracle written plainly here (router softmax, top-k,
   renormalisation, capacity granted in choice-major slot order, shared expert): outputs and the
   gradients of input, router and every expert (relative error <= 1e-5), dropless and with
-  capacity dropping, including an expert that receives no tokens (exactly zero gradient);
+  capacity dropping, including an expert that receives no tokens (exactly zero gradient),
+  and local experts that together receive no rows (an EP rank's dropless case);
 - golden values: the balance loss of a perfectly balanced router equals its coefficient; the
   z-loss of a hand-computed example; the router runs in fp32 under bf16 autocast;
 - a MoE Transformer trains, adds its router losses to the loss, counts total and active params;
@@ -124,6 +125,15 @@ def test_layer_equals_dense_oracle(kw):
         assert layer.stats["dropped"] > 0  # the capacity path really dropped slots
     else:
         assert layer.stats["dropped"] == 0
+
+
+def test_experts_with_no_rows():
+    """An EP rank may receive no slot at all for its experts (dropless): empty output, zero gradients."""
+    layer = moe.MoE(layer_cfg())
+    out = layer._ffn(torch.zeros(0, 16, requires_grad=True), [0] * 4)
+    assert out.shape == (0, 16)
+    out.sum().backward()
+    assert layer.w1.grad.abs().sum() == 0 and layer.w2.grad.abs().sum() == 0
 
 
 def test_balance_loss_golden():
