@@ -162,7 +162,9 @@ def test_matches_reference(name):
         want = F.cross_entropy(ref.flatten(0, 1), y.flatten(), ignore_index=-100, reduction=red)
         got = model(x, y, reduction=red)
         assert got.shape == (want.view(2, 12) if red == "none" else want).shape
-        torch.testing.assert_close(got, want.view_as(got), rtol=0, atol=1e-5)
+        # relative: a summed loss grows with the batch, and its fp32 summation order differs from
+        # F.cross_entropy's by CPU model (78.196198 vs 78.196182 seen: relative 2e-7)
+        torch.testing.assert_close(got, want.view_as(got), rtol=1e-6, atol=1e-5)
 
 
 def test_grad_checkpoint_same_grads():
@@ -191,7 +193,7 @@ def test_padded_vocab():
     x, y = tokens(2, 8, 100), tokens(2, 8, 100, seed=2)
     logits, loss = model(x), model(x, y)
     assert logits.shape == (2, 8, 100)
-    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), y.flatten()), rtol=0, atol=1e-6)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), y.flatten()), rtol=1e-6, atol=1e-6)
     with torch.no_grad():  # padding rows carry no meaning: huge values there change nothing
         model.head.weight[100:] = 1e4
     assert torch.equal(model(x), logits) and torch.equal(model(x, y), loss)
