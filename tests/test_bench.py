@@ -1,4 +1,4 @@
-"""Smoke tests of bench.py and bench_parallel.py's 4-process combo mode on CPU: tiny shape, eager
+"""Smoke tests of bench.py and bench/bench_parallel.py's 4-process combo mode on CPU: tiny shape, eager
 rows, a couple of steps; checks the JSON (rows present, tokens/s measured, rows that see the same
 model and data report the same loss)."""
 import json
@@ -46,7 +46,7 @@ def test_dp_eager_two_processes(tmp_path):
 def test_bench_parallel_combo_four_processes(tmp_path):
     out = tmp_path / "combo.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           "bench_parallel.py", "combo", "--shape=tiny", "--device=cpu", "--batch=2", "--steps=1", "--warmup=1",
+           "bench/bench_parallel.py", "combo", "--shape=tiny", "--device=cpu", "--batch=2", "--steps=1", "--warmup=1",
            f"--json={out}"]
     res = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                          text=True, timeout=300)

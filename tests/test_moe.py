@@ -363,14 +363,14 @@ def test_ep2_dp2_equals_one_process(tmp_path):
 
 
 def test_bench_parallel_moe_smoke(tmp_path):
-    """bench_parallel.py's moe mode runs on CPU: DP and EP rows, active params, same first loss."""
+    """bench/bench_parallel.py's moe mode runs on CPU: DP and EP rows, active params, same first loss."""
     import json
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "moe.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "bench_parallel.py", "moe", "--shape=tiny", "--device=cpu", "--batch=2", "--steps=1",
+           "bench/bench_parallel.py", "moe", "--shape=tiny", "--device=cpu", "--batch=2", "--steps=1",
            "--warmup=1", f"--json={out}"]
     res = subprocess.run(cmd, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                          text=True, timeout=300)

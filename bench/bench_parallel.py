@@ -1,11 +1,11 @@
 """Parallel forms on several GPUs, side by side with PyTorch's own, in one run.
 
-    torchrun --nproc_per_node=2 bench_parallel.py speed                # ~1B LLaMA, seq 2048, bf16
-    torchrun --nproc_per_node=2 bench_parallel.py capacity --cap_gb=24  # largest model FSDP=2 trains
-    torchrun --nproc_per_node=2 bench_parallel.py speed --shape=tiny --device=cpu --steps=2   # smoke test
-    torchrun --nproc_per_node=2 bench_parallel.py moe                  # 8-expert top-2 MoE: DP vs EP
-    torchrun --nproc_per_node=2 bench_parallel.py moe --shape=tiny --device=cpu --steps=2     # smoke test
-    torchrun --nproc_per_node=4 bench_parallel.py combo                # TP2xDP2, TP2xFSDP2, EP2xDP2 vs FSDP2 over 4
+    torchrun --nproc_per_node=2 bench/bench_parallel.py speed              # ~1B LLaMA, seq 2048, bf16
+    torchrun --nproc_per_node=2 bench/bench_parallel.py capacity --cap_gb=24  # largest model FSDP=2 trains
+    torchrun --nproc_per_node=2 bench/bench_parallel.py speed --shape=tiny --device=cpu --steps=2  # smoke test
+    torchrun --nproc_per_node=2 bench/bench_parallel.py moe                # 8-expert top-2 MoE: DP vs EP
+    torchrun --nproc_per_node=2 bench/bench_parallel.py moe --shape=tiny --device=cpu --steps=2  # smoke test
+    torchrun --nproc_per_node=4 bench/bench_parallel.py combo              # TP2xDP2, TP2xFSDP2, EP2xDP2 vs FSDP2 over 4
 
 speed rows (same global batch: --batch sequences per GPU for the data-parallel forms, the same
 total on the TP group): ours-fsdp (fsdp.FSDP, bf16 compute, fp32 master shards and reduce) vs
@@ -37,12 +37,17 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 import traceback
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+
+# This script lives in bench/ and the modules it imports (model, parallel, ...) in the repo root, one
+# folder up: put the root first on sys.path so `python bench/bench_parallel.py` works from any folder.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fsdp
 import logs

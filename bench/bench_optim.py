@@ -1,9 +1,9 @@
 """Muon vs AdamW, and ZeRO-1: optimizer step time, training step time and memory; loss curves.
 
-    python bench_optim.py step                              # 1 GPU, 124M LLaMA shape, compiled
-    torchrun --nproc_per_node=2 bench_optim.py step         # 2 GPUs: DataParallel, with/without ZeRO-1
-    python bench_optim.py step --shape=tiny --device=cpu --steps=2 --warmup=1   # smoke test
-    python bench_optim.py curves out/adamw out/muon --png=muon_vs_adamw.png    # two pretrain runs
+    python bench/bench_optim.py step                              # 1 GPU, 124M LLaMA shape, compiled
+    torchrun --nproc_per_node=2 bench/bench_optim.py step         # 2 GPUs: DataParallel, with/without ZeRO-1
+    python bench/bench_optim.py step --shape=tiny --device=cpu --steps=2 --warmup=1   # smoke test
+    python bench/bench_optim.py curves out/adamw out/muon --png=muon_vs_adamw.png    # two pretrain runs
 
 step rows (same model, data and batch; bf16 autocast, torch.compile, parallel.DataParallel):
 adamw (torch.optim.AdamW, fused), muon (muon.Muon: NS in bf16, batched over equal shapes; AdamW
@@ -24,11 +24,16 @@ import contextlib
 import gc
 import json
 import os
+import sys
 import time
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+
+# This script lives in bench/ and the modules it imports (model, parallel, ...) in the repo root, one
+# folder up: put the root first on sys.path so `python bench/bench_optim.py` works from any folder.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import config
 import logs
