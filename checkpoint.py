@@ -309,9 +309,10 @@ def read_pt(file):
     else (a crafted pickle can run code) is refused, never executed."""
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
+    except pickle.UnpicklingError as e:  # torch's text: advice to retry unsafely, then what it met
+        what = [ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln]
         raise CheckpointError(f"'{file}' holds objects other than tensors and plain values; refused to load "
-                              f"it (unpickling them could run code): {str(e).splitlines()[0][:200]}") from e
+                              f"it (unpickling them could run code){': ' + what[0] if what else ''}") from e
     except (RuntimeError, EOFError, ValueError) as e:
         raise CheckpointError(f"'{file}' is not a readable checkpoint file: {str(e).splitlines()[0][:200]}") from e
 
@@ -418,7 +419,7 @@ def open_run(cfg):
             else:
                 in_way = [os.path.basename(p) for p in _step_dirs(out) if step_of(p) > man["step"]
                           or _manifest(p).get("run_id", run_id) != run_id]
-                broken = [e for e in in_way if verify(os.path.join(out, e), hashes=False) is not None]
+                broken = [e for e in in_way if verify(os.path.join(out, e)) is not None]  # what resume skipped
                 in_way = [e for e in in_way if e not in broken]
             why = (f"out_dir '{out}' holds checkpoints outside the history resumed from '{path}' "
                    f"({', '.join(in_way[:6])}: newer, or of another run): choose another --out_dir, or "
