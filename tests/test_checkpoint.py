@@ -141,6 +141,8 @@ def test_mismatched_config_names_keys(tmp_path):
 
 def refresh_manifest(path):
     """What an attacker who rewrites files can also do: make complete.json match them again."""
+    if not os.path.exists(os.path.join(path, "complete.json")):
+        return
     man = json.loads(open(os.path.join(path, "complete.json")).read())
     for name in man["files"]:
         data = open(os.path.join(path, name), "rb").read()
@@ -167,9 +169,10 @@ def test_pickle_payload_is_not_executed(tmp_path, victim, fmt):
     with open(os.path.join(path, victim), "wb") as f:
         torch.save(evil, f) if fmt == "torch" else pickle.dump(evil, f)
     refresh_manifest(path)
-    with pytest.raises(checkpoint.CheckpointError, match=f"{victim}.*refused to load"):
+    with pytest.raises(Exception) as e:
         checkpoint.load(path, model, opt, GRID)
-    assert not marker.exists()
+    assert not marker.exists(), "the crafted pickle ran its payload"
+    assert type(e.value).__name__ == "CheckpointError" and f"{victim}' holds objects other than" in str(e.value)
     if victim == "trainer.pt":  # resume's check reads trainer.pt (the large optimizer.pt only load reads)
         with pytest.raises(checkpoint.CheckpointError, match="(?s)skipped.*trainer.pt.*refused to load"):
             checkpoint.find_resume(SimpleNamespace(resume="latest", out_dir=str(tmp_path / "run")))
