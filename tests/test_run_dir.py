@@ -74,7 +74,7 @@ def test_fresh_run_into_used_dir_refused_and_overwrite_moves_aside(tmp_path):
     save(out, 5, "A")
     (out / "train_metrics.jsonl").write_text('{"step": 5, "loss": 3.0}\n')
     before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
-    with pytest.raises(checkpoint.RunDirNotEmpty, match=r"(?s)step_000005.*train_metrics.jsonl.*--resume.*--overwrite=True"):
+    with pytest.raises(checkpoint.RunDirNotEmpty, match=r"step_000005.*train_metrics.jsonl.*--resume.*--overwrite=True"):
         checkpoint.open_run(run_cfg(out))
     run = checkpoint.open_run(run_cfg(out, overwrite=True))
     assert run.resume_from is None and run.run_id != "A"
