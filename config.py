@@ -5,6 +5,10 @@
 Every key must exist in the defaults below (or in ModelConfig); an override is parsed as a
 Python literal and must have the default's type. The result is a flat SimpleNamespace `cfg`
 that is printed once and saved into every checkpoint.
+
+A mistake the user must fix raises UserError (or a subclass that also keeps the built-in type
+callers may catch: ConfigError is a ValueError, ...): the stage script prints its message once,
+without a traceback.
 """
 import ast
 import difflib
@@ -14,12 +18,40 @@ from types import SimpleNamespace
 
 from model import ModelConfig
 
+
+class UserError(Exception):
+    """The user must fix something (a setting, a path, a file): printed once, without a traceback."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config value that cannot work."""
+
+
+class ConfigKeyError(UserError, KeyError):
+    """An unknown config key."""
+
+    def __str__(self):  # KeyError's str() would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+class ConfigTypeError(UserError, TypeError):
+    """A config value of the wrong type."""
+
+
+class MissingFileError(UserError, FileNotFoundError):
+    """A file or folder the user named does not exist (or is not what it should be)."""
+
+
 # Training defaults shared by every stage. Model keys come from ModelConfig; a stage script may
 # add keys of its own through `load(argv, extra=...)`.
 TRAIN_DEFAULTS = dict(
     # I/O
     out_dir="out/run",
-    resume=False,            # continue from the latest checkpoint in out_dir
+    resume="",               # "": start fresh | "latest" (bare --resume): the newest complete checkpoint in
+                             # out_dir, falling back past broken ones | a checkpoint (or run) folder
+    overwrite=False,         # a fresh run into an out_dir holding an earlier run moves that run's files to
+                             # out_dir/old_<time>/ (nothing is deleted); without it such a run refuses
+    force_resume=False,      # resume even where settings changed that break exactness (RESUME_FREE below)
     init_from="",            # start from the weights of a checkpoint folder or a local HF model folder
     ckpt_every=500,          # steps between checkpoints (0: only at the end)
     keep_last=2,             # checkpoints kept on disk
@@ -82,6 +114,23 @@ TRAIN_DEFAULTS = dict(
 )
 
 
+# Settings a resumed run may change freely: they do not alter the math of the steps to come
+# (layout, precision and speed knobs, logging, evaluation, checkpoint cadence, paths). Any other
+# changed key (model, data, batch_size, seq_len, optimizer, lr, schedule, max_steps, seed, ...)
+# makes the continued run differ from an uninterrupted one: resume refuses it unless
+# --force_resume=True. A key unknown here counts as one that matters. checkpoint.resume_changes.
+RESUME_FREE = frozenset("""
+    out_dir init_from ckpt_every keep_last stop_at data_dir
+    device dtype compile grad_bucket_mb grad_reduce_dtype tp data_parallel ep zero1 micro_batch_size
+    ns_dtype grad_checkpoint fp32_residual
+    eval_every eval_batches log_every progress peak_tflops tensorboard wandb wandb_project
+    sample_tokens sample_prompt sample_temperature sample_top_k
+""".split())
+RESUME_CONTROL = frozenset({"resume", "overwrite", "force_resume"})  # how to start, not settings
+# a bare --key (no =value) for keys that are not bool
+BARE_FLAG = {"resume": "latest"}
+
+
 def defaults(extra=None):
     d = {**asdict(ModelConfig()), **TRAIN_DEFAULTS}
     d.update(extra or {})
@@ -91,10 +140,13 @@ def defaults(extra=None):
 def _unknown(key, valid):
     near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
     hint = f" Did you mean {' or '.join(near)}?" if near else ""
-    return KeyError(f"unknown config key '{key}'.{hint} (valid keys are listed in config.py and model.py's ModelConfig)")
+    return ConfigKeyError(f"unknown config key '{key}'.{hint} (valid keys are listed in config.py and "
+                          f"model.py's ModelConfig)")
 
 
 def _check_type(key, value, default):
+    if key == "resume" and isinstance(value, bool):  # resume=True in a file or --resume=True: the newest
+        value = BARE_FLAG[key] if value else ""
     if isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, float):
@@ -105,16 +157,17 @@ def _check_type(key, value, default):
     else:
         ok = isinstance(value, type(default))
     if not ok:
-        raise TypeError(f"config key '{key}' must be {type(default).__name__} (default {default!r}), "
-                        f"got {value!r} of type {type(value).__name__}")
+        raise ConfigTypeError(f"config key '{key}' must be {type(default).__name__} (default {default!r}), "
+                              f"got {value!r} of type {type(value).__name__}")
     return value
 
 
 def parse_override(arg, d):
     """'--key=value' -> (key, value): value is a Python literal of the default's type.
-    Strings need no quotes (--data=/my/corpus); '--flag' alone means True."""
+    Strings need no quotes (--data=/my/corpus); '--flag' alone means True (BARE_FLAG's value
+    for the string keys it lists: bare --resume is --resume=latest)."""
     if not arg.startswith("--"):
-        raise ValueError(f"expected --key=value, got '{arg}'")
+        raise ConfigError(f"expected --key=value, got '{arg}'")
     key, eq, raw = arg[2:].partition("=")
     key = key.replace("-", "_")
     if key not in d:
@@ -122,20 +175,22 @@ def parse_override(arg, d):
     if not eq:
         if isinstance(d[key], bool):
             return key, True
-        raise ValueError(f"'--{key}' needs a value: --{key}=...")
+        if key in BARE_FLAG:
+            return key, BARE_FLAG[key]
+        raise ConfigError(f"'--{key}' needs a value: --{key}=...")
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
         value = raw  # a bare string
-    if isinstance(d[key], str) and not isinstance(value, str):
-        value = raw
+    if isinstance(d[key], str) and not isinstance(value, str) and not (key == "resume" and isinstance(value, bool)):
+        value = raw  # a string key takes the text as written (--resume=True/False are _check_type's)
     return key, _check_type(key, value, d[key])
 
 
 def read_file(path, d):
     """Execute a config file (plain Python) and keep its public assignments."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file '{path}' not found (configs live in configs/, e.g. configs/tiny.py)")
+        raise MissingFileError(f"config file '{path}' not found (configs live in configs/, e.g. configs/tiny.py)")
     scope = {}
     with open(path) as f:
         exec(compile(f.read(), path, "exec"), scope)
@@ -166,11 +221,14 @@ def load(argv, extra=None, world=None):
 
 def validate(cfg, world=1):
     """Fail early, with a message that says what to change."""
-    ModelConfig.from_cfg(cfg)  # model checks (heads divide width, known activation, ...)
+    try:
+        ModelConfig.from_cfg(cfg)  # model checks (heads divide width, known activation, ...)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from e
 
     def need(ok, msg):
         if not ok:
-            raise ValueError(msg)
+            raise ConfigError(msg)
     need(cfg.lr > 0, f"lr={cfg.lr} must be positive")
     need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1]")
     need(cfg.max_steps > 0, f"max_steps={cfg.max_steps} must be positive")
