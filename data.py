@@ -527,25 +527,25 @@ def _tokenize(docs, tokenizer, path, dtype, num_threads, bar):
 
 def val_split(doc_lens, val_fraction=0.01, val_tokens=VAL_TOKENS, max_val_share=0.1):
     """Validation's part of a stream of documents of doc_lens tokens, as ([(start, end) token
-    ranges], mode). Target share: val_fraction, raised toward val_tokens tokens but by that floor
-    never past max_val_share. mode "documents": whole documents spread through the stream, each
-    taken when it fits under the target share of the tokens up to its end (so never more than the
-    target). When they reach less than 90% of it (one long file, two documents, a few huge ones),
-    mode "tokens": the last `target` tokens of the stream, cutting a document."""
+    ranges], mode). Target: val_fraction of the tokens, raised toward val_tokens but by that floor
+    never past max_val_share. mode "documents": whole documents, each taken when validation is
+    behind the target share of the tokens before it (spread through the stream, blind to the
+    document's own size), if they land within 10% of the target and the share limit. Else (one long
+    file, two documents, a few huge ones) mode "tokens": the last `target` tokens, cutting a document."""
     lens = np.asarray(doc_lens, dtype=np.int64)
     total = int(lens.sum())
     share = max(val_fraction, min(val_tokens / max(total, 1), max_val_share))
     target = min(max(round(share * total), 1 if share else 0), total - 1)
-    ranges, v, end = [], 0, 0
+    ranges, v, start = [], 0, 0
     for n in lens.tolist():
-        end += n
-        if v + n <= share * end:
+        if v < share * start:
             v += n
-            if ranges and ranges[-1][1] == end - n:
-                ranges[-1] = (ranges[-1][0], end)
+            if ranges and ranges[-1][1] == start:
+                ranges[-1] = (ranges[-1][0], start + n)
             else:
-                ranges.append((end - n, end))
-    if v >= 0.9 * target:
+                ranges.append((start, start + n))
+        start += n
+    if 0.9 * target <= v <= min(1.1 * target, max(val_fraction, max_val_share) * total):
         return ranges, "documents"
     return [(total - target, total)], "tokens"
 

@@ -222,18 +222,23 @@ def _folder(tmp_path, docs=DOCS):
     return str(root)
 
 
-def _reference_split(ids, share):
-    """Independent reference of a "documents" split: a document goes to val when val stays within
-    `share` of the tokens up to its end. Checks that this reaches 90% of the share (else prepare
-    would cut by tokens). Returns ({"train": tokens, "val": tokens}, validation documents)."""
-    want, total, end, n_val_docs = {"train": [], "val": []}, sum(map(len, ids)), 0, 0
+def _reference_split(ids, share, limit):
+    """Independent reference of prepare's split of documents `ids` (token lists, EOS included) for a
+    target `share` of the tokens and a share limit: a document goes to val when val holds less than
+    `share` of the tokens before it, if that lands within 10% of the target and the limit; else val
+    is the last round(share * total) tokens. Returns ({"train": ids, "val": ids}, mode,
+    (train documents, val documents)) where a cut document counts in both."""
+    want, total, start, n_val_docs = {"train": [], "val": []}, sum(map(len, ids)), 0, 0
     for d in ids:
-        end += len(d)
-        split = "val" if len(want["val"]) + len(d) <= share * end else "train"
+        split = "val" if len(want["val"]) < share * start else "train"
         n_val_docs += split == "val"
         want[split] += d
-    assert 0.9 * round(share * total) <= len(want["val"]) <= share * total
-    return want, n_val_docs
+        start += len(d)
+    if 0.9 * round(share * total) <= len(want["val"]) <= min(1.1 * share, limit) * total:
+        return want, "documents", (len(ids) - n_val_docs, n_val_docs)
+    stream, cut, ends = [t for d in ids for t in d], total - round(share * total), np.cumsum([len(d) for d in ids])
+    return ({"train": stream[:cut], "val": stream[cut:]}, "tokens",
+            (int(np.sum(ends - [len(d) for d in ids] < cut)), int(np.sum(ends > cut))))
 
 
 def _read_bin(out_dir, split, dtype):
@@ -244,14 +249,15 @@ def _read_bin(out_dir, split, dtype):
 def test_prepare_tokens_exact(tmp_path, vocab, dtype):
     tok = data.get_tokenizer("cl100k_base", vocab)
     out = str(tmp_path / "out")
-    meta = data.prepare(_folder(tmp_path), tok, out, val_fraction=0.25, verbose=False)
-    want, n_val_docs = _reference_split([tok.encode(d) + [tok.eos_id] for d in DOCS], 0.25)
-    assert _read_bin(out, "train", dtype) == want["train"]
-    assert _read_bin(out, "val", dtype) == want["val"]
-    assert meta["dtype"] == np.dtype(dtype).name and meta["n_vocab"] == tok.n_vocab
-    assert (meta["n_train"], meta["n_val"]) == (len(want["train"]), len(want["val"]))
-    assert (meta["n_train_docs"], meta["n_val_docs"], meta["n_docs"]) == (8 - n_val_docs, n_val_docs, 8)
-    assert meta["val_split"] == "documents" and n_val_docs >= 2 and meta["eos_id"] == tok.eos_id
+    for fraction, mode in [(0.4, "tokens"), (0.5, "documents")]:  # 8 documents: coarse for 40%
+        meta = data.prepare(_folder(tmp_path), tok, out, val_fraction=fraction, verbose=False)
+        want, want_mode, docs = _reference_split([tok.encode(d) + [tok.eos_id] for d in DOCS], fraction, fraction)
+        assert _read_bin(out, "train", dtype) == want["train"]
+        assert _read_bin(out, "val", dtype) == want["val"]
+        assert meta["dtype"] == np.dtype(dtype).name and meta["n_vocab"] == tok.n_vocab
+        assert (meta["n_train"], meta["n_val"]) == (len(want["train"]), len(want["val"]))
+        assert (meta["n_train_docs"], meta["n_val_docs"], meta["n_docs"]) == (*docs, 8)
+        assert meta["val_split"] == want_mode == mode and meta["eos_id"] == tok.eos_id
     assert json.load(open(os.path.join(out, "meta.json"))) == meta
     assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]  # no tmp files left
 
@@ -290,7 +296,7 @@ def test_prepare_interrupted_is_not_reused(tmp_path, monkeypatch):
         data.prepare(src, tok, out, val_fraction=0.25, verbose=False)
     monkeypatch.setattr(data, "iter_documents", real)
     assert data.prepare(src, tok, out, val_fraction=0.25, verbose=False) == good
-    assert _read_bin(out, "train", np.uint16)[-1] == tok.eos_id
+    assert _read_bin(out, "val", np.uint16)[-1] == tok.eos_id
 
 
 def test_prepare_split_edge_cases(tmp_path):
@@ -309,8 +315,8 @@ def test_prepare_stdlib_max_docs(tmp_path):
     tok = data.get_tokenizer("cl100k_base", 8192)
     meta = data.prepare("stdlib", tok, str(tmp_path / "std"), max_docs=50, val_fraction=0.1, verbose=False)
     docs = list(itertools.islice(data.iter_documents("stdlib"), 50))
-    want, n_val_docs = _reference_split([tok.encode(d) + [tok.eos_id] for d in docs], 0.1)
-    assert (meta["n_train_docs"], meta["n_val_docs"], meta["val_split"]) == (50 - n_val_docs, n_val_docs, "documents")
+    want, mode, n_docs = _reference_split([tok.encode(d) + [tok.eos_id] for d in docs], 0.1, 0.1)
+    assert (meta["n_train_docs"], meta["n_val_docs"], meta["val_split"], meta["n_docs"]) == (*n_docs, mode, 50)
     assert _read_bin(str(tmp_path / "std"), "val", np.uint16) == want["val"]
     assert _read_bin(str(tmp_path / "std"), "train", np.uint16) == want["train"]
 
@@ -441,20 +447,21 @@ def test_loader_on_prepared_data(tmp_path):
 # ----------------------------------------------------------------------------- issue 13: intake, splits, checks
 
 def test_val_split_by_hand():
-    """Worked by hand: ten documents of 10 tokens. A document goes to val when val stays within the
-    share of the tokens up to its end; too coarse documents fall back to the last `target` tokens."""
+    """Worked by hand: ten documents of 10 tokens. A document goes to val when val holds less than
+    the share of the tokens before it; too coarse documents fall back to the last `target` tokens."""
     ten = [10] * 10
-    assert data.val_split(ten, 0.2, val_tokens=0) == ([(40, 50), (90, 100)], "documents")  # 10<=10, 20<=20
-    # the floor raises the share: 30 tokens = documents 3, 6, 9 (10<=12, 20<=21, 30<=30)
-    assert data.val_split(ten, 0.01, val_tokens=30, max_val_share=0.5) == ([(30, 40), (60, 70), (90, 100)],
+    assert data.val_split(ten, 0.2, val_tokens=0) == ([(10, 20), (60, 70)], "documents")  # 0 < 2, 10 < 12
+    # the floor raises the share to 30%: 0 < 3, 10 < 12, 20 < 21
+    assert data.val_split(ten, 0.01, val_tokens=30, max_val_share=0.5) == ([(10, 20), (40, 50), (70, 80)],
                                                                             "documents")
     # ... but never past max_val_share (10% here), and val_fraction itself is the user's choice
-    assert data.val_split(ten, 0.01, val_tokens=1000, max_val_share=0.1) == ([(90, 100)], "documents")
-    assert data.val_split(ten, 0.3, val_tokens=0, max_val_share=0.1)[0] == [(30, 40), (60, 70), (90, 100)]
+    assert data.val_split(ten, 0.01, val_tokens=1000, max_val_share=0.1) == ([(10, 20)], "documents")
+    assert data.val_split(ten, 0.3, val_tokens=0, max_val_share=0.1)[0] == [(10, 20), (40, 50), (70, 80)]
     # two documents: whole ones would put 50% into val, so the last 10% of the tokens (a cut document)
     assert data.val_split([50, 50], 0.01, val_tokens=1000, max_val_share=0.1) == ([(90, 100)], "tokens")
     assert data.val_split([100], 0.01, val_tokens=1000, max_val_share=0.1) == ([(90, 100)], "tokens")
-    assert data.val_split([1, 1, 1, 97], 0.25, val_tokens=0) == ([(75, 100)], "tokens")  # 0 of 25 by documents
+    assert data.val_split([1, 1, 1, 97], 0.25, val_tokens=0) == ([(75, 100)], "tokens")  # 1 of 25 by documents
+    assert data.val_split([10, 10, 30, 10, 10, 30], 0.2, val_tokens=0) == ([(10, 20), (60, 70)], "documents")
     assert data.val_split(ten, 0.0, val_tokens=0) == ([], "documents")  # no validation asked
 
 
