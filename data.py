@@ -161,10 +161,14 @@ SOURCES = ("'stdlib', 'python' (the standard library plus installed packages), "
            "'hf:<name>[:<config>][@<split>]', or a path to a .txt/.md/.py/.jsonl/.parquet file or a folder of them")
 # Embedded corpora, the running interpreter's own .py files: name -> (read the site-packages /
 # dist-packages folders on sys.path too, the largest share of the bytes one top-level package keeps)
-PYTHON_CORPORA = {"stdlib": (False, 1.0), "python": (True, 0.05)}
+PYTHON_CORPORA = {"stdlib": (False, 1.0), "python": (True, 0.1)}
 CORPUS_SEED = 0         # the embedded corpora's fixed file order
 DOC_SEPARATOR = re.compile(r"<\|endoftext\|>|\f")  # splits a .txt file into documents
 MAX_INVALID = 0.1       # a file with more invalid UTF-8 than this share of its bytes is not text
+
+
+def _few(names, k=3):
+    return ", ".join(names[:k]) + (", ..." if len(names) > k else "")
 
 
 class Intake:
@@ -176,7 +180,7 @@ class Intake:
         self.binary, self.undecodable, self.replaced = [], [], []  # paths
         self.unsupported = {}                            # suffix -> paths ignored in a folder
         self.duplicates = 0                              # embedded corpora: same content as an earlier file
-        self.capped = {}                                 # embedded corpora: package -> files over its cap
+        self.capped = collections.Counter()              # embedded corpora: package -> files over its cap
 
     def counts(self):
         return dict(files=self.files, binary=len(self.binary), undecodable=len(self.undecodable),
@@ -185,26 +189,17 @@ class Intake:
 
     def summary(self):
         """Lines worth printing (none when nothing was skipped or repaired)."""
-        def few(names):
-            return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        lines = []
-        if self.binary or self.undecodable:
-            lines.append(f"skipped {len(self.binary)} binary / {len(self.undecodable)} undecodable files "
-                         f"(NUL bytes / over {MAX_INVALID:.0%} invalid UTF-8): {few(self.binary + self.undecodable)}")
-        if self.replaced:
-            lines.append(f"{len(self.replaced)} files with a few invalid UTF-8 bytes were read with U+FFFD in "
-                         f"their place: {few(self.replaced)}")
-        if self.unsupported:
-            names = sorted(n for v in self.unsupported.values() for n in v)
-            lines.append(f"{len(names)} files with unsupported extensions {' '.join(sorted(self.unsupported))} "
-                         f"were ignored: {few(names)} (accepted: {' '.join(SUFFIXES)})")
-        if self.duplicates:
-            lines.append(f"{self.duplicates} duplicate files (same content as an earlier one) left out")
-        if self.capped:
-            top = sorted(self.capped, key=self.capped.get, reverse=True)
-            lines.append(f"package cap: {sum(self.capped.values())} files of {len(top)} packages left out "
-                         f"({few(top)})")
-        return lines
+        unsupported = sorted(n for names in self.unsupported.values() for n in names)
+        return [line for happened, line in [
+            (self.binary or self.undecodable, f"skipped {len(self.binary)} binary / {len(self.undecodable)} undecodable"
+             f" files (NUL bytes / over {MAX_INVALID:.0%} invalid UTF-8): {_few(self.binary + self.undecodable)}"),
+            (self.replaced, f"{len(self.replaced)} files with a few invalid UTF-8 bytes were read with U+FFFD in "
+             f"their place: {_few(self.replaced)}"),
+            (unsupported, f"{len(unsupported)} files with unsupported extensions {' '.join(sorted(self.unsupported))}"
+             f" were ignored: {_few(unsupported)} (accepted: {' '.join(SUFFIXES)})"),
+            (self.duplicates, f"{self.duplicates} duplicate files (same content as an earlier one) left out"),
+            (self.capped, f"package cap: {sum(self.capped.values())} files of {len(self.capped)} packages left out "
+             f"({_few([p for p, _ in self.capped.most_common()])})")] if happened]
 
 
 def python_roots(site_packages=True):
@@ -260,7 +255,7 @@ def python_files(roots, seed=CORPUS_SEED, max_package_share=1.0, report=None):
     report = Intake() if report is None else report
     found = sorted(_walk_py(roots), key=lambda f: (hashlib.sha1(f"{seed}/{f[1]}".encode()).digest(), f[0]))
     same_size = collections.Counter(f[3].st_size for f in found)  # only files of equal size can be equal
-    seen, files = set(), []
+    seen, files, totals = set(), [], collections.Counter()
     for path, _, package, st in found:
         if same_size[st.st_size] > 1:
             with open(path, "rb") as fh:
@@ -270,14 +265,12 @@ def python_files(roots, seed=CORPUS_SEED, max_package_share=1.0, report=None):
                 continue
             seen.add(digest)
         files.append((path, package, st.st_size))
-    totals = collections.Counter()
-    for _, package, size in files:
-        totals[package] += size
+        totals[package] += st.st_size
     cap = package_cap(list(totals.values()), max_package_share) if max_package_share < 1 else None
     kept, used = [], collections.Counter()
     for path, package, size in files:
         if cap is not None and used[package] + size > cap:
-            report.capped[package] = report.capped.get(package, 0) + 1
+            report.capped[package] += 1
             continue
         used[package] += size
         kept.append(path)
@@ -303,9 +296,8 @@ def _corpus_files(path, report):
     if not files and report.unsupported:
         names = sorted(n for v in report.unsupported.values() for n in v)
         raise DataError(f"corpus folder {path!r} holds no {'/'.join(SUFFIXES)} file, only {len(names)} files with "
-                        f"unsupported extensions {' '.join(sorted(report.unsupported))} ({', '.join(names[:5])}"
-                        f"{', ...' if len(names) > 5 else ''}): convert them (e.g. to .jsonl with a 'text' field) "
-                        "or point data at another folder")
+                        f"unsupported extensions {' '.join(sorted(report.unsupported))} ({_few(names, 5)}): convert "
+                        "them (e.g. to .jsonl with a 'text' field) or point data at another folder")
     return sorted(files)
 
 
@@ -350,7 +342,7 @@ def _jsonl_documents(path, text_field, report):
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
                 line = raw.decode("utf-8", "replace")
-                if path not in report.replaced[-1:]:
+                if path not in report.replaced:
                     report.replaced.append(path)
             try:
                 row = json.loads(line)
@@ -509,19 +501,19 @@ def _batches(docs, max_chars=1 << 23, max_items=4096):
 
 def _tokenize(docs, tokenizer, path, dtype, num_threads, bar):
     # Every document's ids then EOS into the file at `path`; returns the documents' lengths (EOS included)
-    lens, n = [], 0  # n: tokens so far of the document being written
+    lens, n, total = [], 0, 0  # n: tokens so far of the document being written
     eos = np.array([tokenizer.eos_id], dtype=dtype)
     with open(path, "wb") as f:
         for batch in _batches(docs):
             for (_, last), ids in zip(batch, tokenizer.encode_batch([p for p, _ in batch], num_threads=num_threads)):
                 f.write(np.array(ids, dtype=dtype).tobytes())
-                n += len(ids)
+                n, total = n + len(ids), total + len(ids)
                 if last:
                     f.write(eos.tobytes())
                     lens.append(n + 1)
-                    n = 0
+                    n, total = 0, total + 1
             bar.update(sum(last for _, last in batch))
-            bar.set_postfix(tokens=f"{sum(lens) + n:,}", refresh=False)
+            bar.set_postfix(tokens=f"{total:,}", refresh=False)
     return np.array(lens, dtype=np.int64)
 
 
@@ -550,21 +542,6 @@ def val_split(doc_lens, val_fraction=0.01, val_tokens=VAL_TOKENS, max_val_share=
     return [(total - target, total)], "tokens"
 
 
-def _write_splits(src, dtype, total, val_ranges, train_path, val_path):
-    # Copy the stream's val ranges to val_path and the rest to train_path, in order
-    tokens = np.memmap(src, dtype=dtype, mode="r")
-    with open(train_path, "wb") as ftrain, open(val_path, "wb") as fval:
-        pos = 0
-        for a, b in val_ranges + [(total, total)]:
-            ftrain.write(tokens[pos:a].tobytes())
-            fval.write(tokens[a:b].tobytes())
-            pos = b
-        for f in (ftrain, fval):  # durable before the renames make them visible
-            f.flush()
-            os.fsync(f.fileno())
-    del tokens
-
-
 def _need(ok, message):
     if not ok:
         raise DataError(message)
@@ -581,7 +558,6 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
     _need(isinstance(max_docs, int) and max_docs >= 0, f"max_docs={max_docs} must be an integer >= 0 (0: all)")
     _need(isinstance(val_tokens, int) and val_tokens >= 0, f"val_tokens={val_tokens} must be an integer >= 0")
     _need(0 <= max_val_share < 1, f"max_val_share={max_val_share} must be in [0, 1)")
-    _need(num_proc is None or num_proc >= 1, f"num_proc={num_proc} must be >= 1 (None: all cores)")
     dtype = np.dtype(np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32)
     meta = dict(format=FORMAT, source=_source_key(source), text_field=text_field, tokenizer=tokenizer.name,
                 vocab=tokenizer.vocab, n_vocab=tokenizer.n_vocab, eos_id=tokenizer.eos_id, dtype=dtype.name,
@@ -607,10 +583,20 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
     tmp = {s: os.path.join(out_dir, f"{s}.tmp{os.getpid()}") for s in ("all", "train", "val", "meta")}
     try:
         with tqdm(desc=f"tokenizing {source}", unit="doc", total=max_docs or None, disable=not verbose) as bar:
-            lens = _tokenize(docs, tokenizer, tmp["all"], dtype, num_proc or len(os.sched_getaffinity(0)), bar)
+            lens = _tokenize(docs, tokenizer, tmp["all"], dtype, num_proc or os.cpu_count() or 1, bar)
         total = int(lens.sum())
         ranges, mode = val_split(lens, val_fraction, val_tokens, max_val_share)
-        _write_splits(tmp["all"], dtype, total, ranges, tmp["train"], tmp["val"])
+        stream = np.memmap(tmp["all"], dtype=dtype, mode="r")
+        with open(tmp["train"], "wb") as ftrain, open(tmp["val"], "wb") as fval:
+            pos = 0
+            for a, b in ranges + [(total, total)]:  # straight from the memmap, no copy in memory
+                ftrain.write(stream[pos:a])
+                fval.write(stream[a:b])
+                pos = b
+            for f in (ftrain, fval):  # durable before the renames below make them visible
+                f.flush()
+                os.fsync(f.fileno())
+        del stream
         ends = np.cumsum(lens)
         # documents with tokens in each split: a "tokens" split cuts one document
         n_val_docs = sum(int(np.searchsorted(ends, b, "right") - np.searchsorted(ends, a, "right")) for a, b in ranges)
@@ -649,18 +635,13 @@ def _open_tokens(path):
     return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
 
 
-def _n_windows(n_tokens, T):
-    # Window i is tokens [i*T, i*T + T + 1): x = w[:-1], y = w[1:]; neighbours share one token.
-    return max(0, (n_tokens - 1) // T)
-
-
 def check_split(path, T, global_batch, name=""):
     """The number of T-token windows in a token file, after checking that they fill one global
     micro-batch (B sequences x data-parallel ranks); else a DataError saying what to change. The
     stage script calls it at start-up, before any work is spent."""
     _need(T >= 1 and global_batch >= 1, f"T={T} and global_batch={global_batch} must be >= 1")
     n_tokens = len(_open_tokens(path))
-    n = _n_windows(n_tokens, T)
+    n = max(0, (n_tokens - 1) // T)  # window i: tokens [i*T, i*T + T + 1), x = w[:-1], y = w[1:]
     _need(n >= global_batch, f"{name or path}: {n_tokens:,} tokens make {n} windows of T={T}, but one global "
           f"batch needs {global_batch} (B*world): at least {global_batch * T + 1:,} tokens. Use a smaller "
           "micro_batch_size or fewer data-parallel ranks, a smaller seq_len/block_size, or more data")
@@ -734,7 +715,7 @@ def _eval_layout(path, B, T, world, n_batches):
     _need(B >= 1 and T >= 1 and world >= 1 and n_batches >= 0,
           f"B={B}, T={T}, world={world} must be >= 1 and eval_batches={n_batches} >= 0")
     tokens = _open_tokens(path)
-    n = _n_windows(len(tokens), T)
+    n = max(0, (len(tokens) - 1) // T)
     _need(n >= world, f"{path}: {len(tokens):,} validation tokens make {n} windows of T={T}, fewer than one per "
           f"data-parallel rank ({world}): raise val_tokens or val_fraction (or use more data), lower "
           "seq_len/block_size, or set eval_every=0")
