@@ -166,7 +166,7 @@ SOURCES = ("'stdlib', 'python' (the standard library plus installed packages), "
 # dist-packages folders on sys.path too, the largest share of the bytes one top-level package keeps)
 PYTHON_CORPORA = {"stdlib": (False, 1.0), "python": (True, 0.1)}
 CORPUS_SEED = 0         # the embedded corpora's fixed file order
-DOC_SEPARATOR = re.compile(r"<\|endoftext\|>|\f")  # splits a .txt file into documents
+DOC_SEPARATOR = re.compile(r"(?:<\|endoftext\|>|\f)(?:\r?\n)?")  # splits a .txt file into documents
 MAX_INVALID = 0.1       # a file with more invalid UTF-8 than this share of its bytes is not text
 
 

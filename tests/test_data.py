@@ -485,8 +485,8 @@ def test_single_text_file_is_a_corpus(tmp_path, capsys):
     assert (meta["n_docs"], meta["n_train_docs"], meta["n_val_docs"], meta["val_split"]) == (1, 1, 1, "tokens")
     assert "1 documents -> " in capsys.readouterr().out
     # documents inside one .txt file: separated by '<|endoftext|>' or form feeds
-    sep = _write(tmp_path / "stories.txt", "one upon a time<|endoftext|>two\n\fthree\n<|endoftext|>\n")
-    assert list(data.iter_documents(sep)) == ["one upon a time", "two\n", "three\n"]
+    sep = _write(tmp_path / "stories.txt", "one upon a time<|endoftext|>two\n\fthree\n<|endoftext|>\nfour\n")
+    assert list(data.iter_documents(sep)) == ["one upon a time", "two\n", "three\n", "four\n"]
 
 
 def test_two_document_corpus_val_share(tmp_path):
