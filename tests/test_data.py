@@ -6,13 +6,21 @@ file), give tiktoken's published ids, round-trip arbitrary text, refuse a corrup
 truncated vocab is a complete BPE with EOS at vocab-1. Unknown encodings fail with a clear
 message and no network.
 Corpora: every source kind yields exactly the expected documents; the hub path is the same
-`datasets` streaming path as local jsonl/parquet; bad sources fail with clear messages.
+`datasets` streaming path as local parquet; bad sources fail with clear messages.
 prepare: train.bin/val.bin hold exactly encode(doc) + [eos] per document of each split, in order,
-with the right dtype; a finished preparation is reused; an interrupted one is never mistaken for
-finished.
+with the right dtype, split as an independent reference (and val_split as worked by hand) says;
+a finished preparation is reused; an interrupted one is never mistaken for finished.
 Loader: two ranks get disjoint batches whose union is exactly one process with B*2, y is x shifted,
 each epoch visits every window once, a saved state resumes the identical stream, eval batches are
 deterministic, too-short data fails clearly.
+Issue 13 (each test failed on commit 4bce2c0): a single text file is a corpus; a 2-document corpus
+keeps validation at its share; validation has a token floor; binary / undecodable files are skipped
+and counted, a few bad bytes counted; unsupported files are named; a malformed .jsonl line names
+file:line; bad settings fail before any work; a small validation split shrinks the evaluation (with
+a message) and only no window per rank is refused; a too-small train split is refused by
+check_split; long documents tokenize in parts to the same ids; the "python" corpus (on a fake
+site-packages) is deduplicated, in a seeded non-alphabetical order, each package capped, and
+rebuilt when a file is added.
 """
 import gzip
 import itertools
@@ -151,7 +159,7 @@ def test_corpus_files(tmp_path):
             {"content": "second ünï", "id": 4}]
     jl = _jsonl(tmp_path / "d.jsonl", rows)
     assert list(data.iter_documents(jl, text_field="content")) == ["first", "second ünï"]  # blanks skipped
-    with pytest.raises(KeyError, match="no field 'text'"):
+    with pytest.raises(data.DataError, match=r"d\.jsonl:1: no field 'text' \(fields: \['content', 'id'\]\)"):
         list(data.iter_documents(jl))
     pq.write_table(pa.table({"text": ["p0", "p1", "p2"]}), tmp_path / "p.parquet")
     assert list(data.iter_documents(str(tmp_path / "p.parquet"))) == ["p0", "p1", "p2"]
@@ -166,7 +174,7 @@ def test_corpus_files(tmp_path):
 
 
 def test_corpus_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"no/such/dir.*not found.*stdlib.*hf:.*jsonl"):
+    with pytest.raises(data.DataError, match=r"no/such/dir.*not found.*stdlib.*python.*hf:.*jsonl"):
         data.iter_documents(str(tmp_path / "no/such/dir"))  # raised at call time, not lazily
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="corpus .*empty.* is empty"):
@@ -195,10 +203,18 @@ def test_hub_source_uses_streaming_datasets(monkeypatch):
 def test_stdlib_corpus():
     docs = list(itertools.islice(data.iter_documents("stdlib"), 150))
     assert len(docs) == 150 and all(isinstance(d, str) and d.strip() for d in docs)
-    files = data._stdlib_files()
-    assert len(files) > 100 and files == sorted(files)
+    roots = data.python_roots(site_packages=False)
+    files = data.python_files(roots)
+    assert len(files) > 100 and files == data.python_files(roots)  # a fixed order
     assert not any("site-packages" in f for f in files)
     assert any(f.endswith(os.sep + "functools.py") for f in files)
+    for f, d in zip(files[:20], docs):  # the documents are those files, in that order
+        if open(f, "rb").read().strip():
+            assert open(f, encoding="utf-8", errors="replace").read() == d
+            break
+    # the tiny config's first 400 files are not alphabetical, so not mostly encodings/ (finding of issue 13)
+    assert files != sorted(files)
+    assert sum(os.sep + "encodings" + os.sep in f for f in files[:400]) < 40
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -210,8 +226,27 @@ DOCS = ["doc zero: hello", "doc one\n", "def two():\n    pass\n", "three ünïc�
 def _folder(tmp_path, docs=DOCS):
     root = tmp_path / "corpus"
     for i, d in enumerate(docs):
-        _write(root / f"{i:03d}.txt", d)
+        _write(root / f"{i:03d}.md", d)  # .md: one document per file (.txt would split DOCS[5])
     return str(root)
+
+
+def _reference_split(ids, share, limit):
+    """Independent reference of prepare's split of documents `ids` (token lists, EOS included) for a
+    target `share` of the tokens and a share limit: a document goes to val when val holds less than
+    `share` of the tokens before it, if that lands within 10% of the target and the limit; else val
+    is the last round(share * total) tokens. Returns ({"train": ids, "val": ids}, mode,
+    (train documents, val documents)) where a cut document counts in both."""
+    want, total, start, n_val_docs = {"train": [], "val": []}, sum(map(len, ids)), 0, 0
+    for d in ids:
+        split = "val" if len(want["val"]) < share * start else "train"
+        n_val_docs += split == "val"
+        want[split] += d
+        start += len(d)
+    if 0.9 * round(share * total) <= len(want["val"]) <= min(1.1 * share, limit) * total:
+        return want, "documents", (len(ids) - n_val_docs, n_val_docs)
+    stream, cut, ends = [t for d in ids for t in d], total - round(share * total), np.cumsum([len(d) for d in ids])
+    return ({"train": stream[:cut], "val": stream[cut:]}, "tokens",
+            (int(np.sum(ends - [len(d) for d in ids] < cut)), int(np.sum(ends > cut))))
 
 
 def _read_bin(out_dir, split, dtype):
@@ -222,15 +257,15 @@ def _read_bin(out_dir, split, dtype):
 def test_prepare_tokens_exact(tmp_path, vocab, dtype):
     tok = data.get_tokenizer("cl100k_base", vocab)
     out = str(tmp_path / "out")
-    meta = data.prepare(_folder(tmp_path), tok, out, val_fraction=1 / 3, verbose=False)
-    want = {"train": [], "val": []}
-    for i, d in enumerate(DOCS):  # independent reference: document i -> val when i % 3 == 0
-        want["val" if i % 3 == 0 else "train"] += tok.encode(d) + [tok.eos_id]
-    assert _read_bin(out, "train", dtype) == want["train"]
-    assert _read_bin(out, "val", dtype) == want["val"]
-    assert meta["dtype"] == np.dtype(dtype).name and meta["n_vocab"] == tok.n_vocab
-    assert (meta["n_train"], meta["n_val"]) == (len(want["train"]), len(want["val"]))
-    assert (meta["n_train_docs"], meta["n_val_docs"]) == (5, 3) and meta["eos_id"] == tok.eos_id
+    for fraction, mode in [(0.4, "tokens"), (0.5, "documents")]:  # 8 documents: coarse for 40%
+        meta = data.prepare(_folder(tmp_path), tok, out, val_fraction=fraction, verbose=False)
+        want, want_mode, docs = _reference_split([tok.encode(d) + [tok.eos_id] for d in DOCS], fraction, fraction)
+        assert _read_bin(out, "train", dtype) == want["train"]
+        assert _read_bin(out, "val", dtype) == want["val"]
+        assert meta["dtype"] == np.dtype(dtype).name and meta["n_vocab"] == tok.n_vocab
+        assert (meta["n_train"], meta["n_val"]) == (len(want["train"]), len(want["val"]))
+        assert (meta["n_train_docs"], meta["n_val_docs"], meta["n_docs"]) == (*docs, 8)
+        assert meta["val_split"] == want_mode == mode and meta["eos_id"] == tok.eos_id
     assert json.load(open(os.path.join(out, "meta.json"))) == meta
     assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]  # no tmp files left
 
@@ -245,10 +280,10 @@ def test_prepare_reuse_and_rebuild(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(tok, "encode_batch", fail)
         assert data.prepare(src, tok, out, val_fraction=0.25, verbose=False) == meta  # reused
-    assert data.prepare(src, tok, out, val_fraction=0.5, verbose=False)["n_val_docs"] == 4  # new params
-    _write(tmp_path / "corpus" / "008.txt", "an added document")  # corpus changed -> fingerprint changed
-    meta = data.prepare(src, tok, out, val_fraction=0.5, verbose=False)
-    assert (meta["n_train_docs"], meta["n_val_docs"]) == (4, 5)
+    assert data.prepare(src, tok, out, val_fraction=0.25, val_tokens=0, verbose=False) != meta  # new params
+    _write(tmp_path / "corpus" / "008.md", "an added document")  # corpus changed -> fingerprint changed
+    meta = data.prepare(src, tok, out, val_fraction=0.25, verbose=False)
+    assert meta["n_docs"] == 9
 
 
 def test_prepare_interrupted_is_not_reused(tmp_path, monkeypatch):
@@ -269,26 +304,29 @@ def test_prepare_interrupted_is_not_reused(tmp_path, monkeypatch):
         data.prepare(src, tok, out, val_fraction=0.25, verbose=False)
     monkeypatch.setattr(data, "iter_documents", real)
     assert data.prepare(src, tok, out, val_fraction=0.25, verbose=False) == good
-    assert _read_bin(out, "train", np.uint16)[-1] == tok.eos_id
+    assert _read_bin(out, "val", np.uint16)[-1] == tok.eos_id
 
 
 def test_prepare_split_edge_cases(tmp_path):
     tok = data.get_tokenizer("cl100k_base", 4096)
-    with pytest.raises(ValueError, match="need at least 2"):
-        data.prepare(_folder(tmp_path / "one", ["only doc"]), tok, str(tmp_path / "o1"), verbose=False)
-    meta = data.prepare(_folder(tmp_path / "two", ["a doc", "b doc"]), tok, str(tmp_path / "o2"), verbose=False)
-    assert (meta["n_val_docs"], meta["n_train_docs"]) == (1, 1)
-    with pytest.raises(ValueError, match="val_fraction"):
-        data.prepare("stdlib", tok, str(tmp_path / "o3"), val_fraction=0)
+    meta = data.prepare(_write(tmp_path / "one.md", "a"), tok, str(tmp_path / "o1"), verbose=False)  # "a" + EOS
+    assert (meta["n_train"], meta["n_val"], meta["val_split"]) == (1, 1, "tokens")  # the smallest corpus
+    assert _read_bin(str(tmp_path / "o1"), "val", np.uint16) == [tok.eos_id]
+    with pytest.raises(data.DataError, match="val_fraction"):
+        data.prepare("stdlib", tok, str(tmp_path / "o3"), val_fraction=1)
+    # no validation asked: an empty val.bin
+    meta = data.prepare(_folder(tmp_path), tok, str(tmp_path / "o4"), val_fraction=0, val_tokens=0, verbose=False)
+    assert meta["n_val"] == 0 == os.path.getsize(tmp_path / "o4" / "val.bin") and meta["n_train_docs"] == 8
 
 
 def test_prepare_stdlib_max_docs(tmp_path):
     tok = data.get_tokenizer("cl100k_base", 8192)
     meta = data.prepare("stdlib", tok, str(tmp_path / "std"), max_docs=50, val_fraction=0.1, verbose=False)
     docs = list(itertools.islice(data.iter_documents("stdlib"), 50))
-    assert meta["n_train_docs"] + meta["n_val_docs"] == 50 and meta["n_val_docs"] == 5
-    val = [t for i, d in enumerate(docs) if i % 10 == 0 for t in tok.encode(d) + [tok.eos_id]]
-    assert _read_bin(str(tmp_path / "std"), "val", np.uint16) == val
+    want, mode, n_docs = _reference_split([tok.encode(d) + [tok.eos_id] for d in docs], 0.1, 0.1)
+    assert (meta["n_train_docs"], meta["n_val_docs"], meta["val_split"], meta["n_docs"]) == (*n_docs, mode, 50)
+    assert _read_bin(str(tmp_path / "std"), "val", np.uint16) == want["val"]
+    assert _read_bin(str(tmp_path / "std"), "train", np.uint16) == want["train"]
 
 
 def test_default_data_dir():
@@ -380,7 +418,7 @@ def test_loader_too_short(tmp_path):
     data.Loader(path, B=7, T=9)  # exactly enough
     with pytest.raises(ValueError, match="rank"):
         data.Loader(path, B=1, T=9, rank=2, world=2)
-    with pytest.raises(FileNotFoundError, match="meta.json"):
+    with pytest.raises(data.DataError, match="meta.json"):
         data.Loader(str(tmp_path / "train.bin"), B=1, T=1)
 
 
@@ -394,8 +432,6 @@ def test_eval_batches_deterministic(tmp_path):
         assert torch.equal(torch.cat([per_rank[0][j][0], per_rank[1][j][0]]), x) and torch.equal(y, x + 1)
     again = list(data.eval_batches(path, B, T, rank=1, world=2, n_batches=3))
     assert len(again) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(again, per_rank[1]))
-    with pytest.raises(ValueError, match="tokens"):
-        data.eval_batches(path, 16, T, world=2)
 
 
 def test_loader_on_prepared_data(tmp_path):
@@ -414,3 +450,251 @@ def test_loader_on_prepared_data(tmp_path):
     x, y = next(data.eval_batches(os.path.join(out, "val.bin"), 1, 3))
     val = np.fromfile(os.path.join(out, "val.bin"), dtype=np.uint16).astype(np.int64)
     assert x[0].tolist() == val[:3].tolist() and y[0].tolist() == val[1:4].tolist()
+
+
+# ----------------------------------------------------------------------------- issue 13: intake, splits, checks
+
+def test_val_split_by_hand():
+    """Worked by hand: ten documents of 10 tokens. A document goes to val when val holds less than
+    the share of the tokens before it; too coarse documents fall back to the last `target` tokens."""
+    ten = [10] * 10
+    assert data.val_split(ten, 0.2, val_tokens=0) == ([(10, 20), (60, 70)], "documents")  # 0 < 2, 10 < 12
+    # the floor raises the share to 30%: 0 < 3, 10 < 12, 20 < 21
+    assert data.val_split(ten, 0.01, val_tokens=30, max_val_share=0.5) == ([(10, 20), (40, 50), (70, 80)],
+                                                                            "documents")
+    # ... but never past max_val_share (10% here), and val_fraction itself is the user's choice
+    assert data.val_split(ten, 0.01, val_tokens=1000, max_val_share=0.1) == ([(10, 20)], "documents")
+    assert data.val_split(ten, 0.3, val_tokens=0, max_val_share=0.1)[0] == [(10, 20), (40, 50), (70, 80)]
+    # two documents: whole ones would put 50% into val, so the last 10% of the tokens (a cut document)
+    assert data.val_split([50, 50], 0.01, val_tokens=1000, max_val_share=0.1) == ([(90, 100)], "tokens")
+    assert data.val_split([100], 0.01, val_tokens=1000, max_val_share=0.1) == ([(90, 100)], "tokens")
+    assert data.val_split([1, 1, 1, 97], 0.25, val_tokens=0) == ([(75, 100)], "tokens")  # 1 of 25 by documents
+    assert data.val_split([10, 10, 30, 10, 10, 30], 0.2, val_tokens=0) == ([(10, 20), (60, 70)], "documents")
+    assert data.val_split(ten, 0.0, val_tokens=0) == ([], "documents")  # no validation asked
+
+
+def test_single_text_file_is_a_corpus(tmp_path, capsys):
+    """Finding: a single text file was refused ("need at least 2 documents")."""
+    tok = data.get_tokenizer("cl100k_base", 4096)
+    text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(300))
+    meta = data.prepare(_write(tmp_path / "book.txt", text), tok, str(tmp_path / "out"), verbose=True)
+    stream = tok.encode(text) + [tok.eos_id]
+    cut = len(stream) - round(0.1 * len(stream))  # no document structure: the last 10% by tokens
+    assert _read_bin(str(tmp_path / "out"), "train", np.uint16) == stream[:cut]
+    assert _read_bin(str(tmp_path / "out"), "val", np.uint16) == stream[cut:]
+    assert (meta["n_docs"], meta["n_train_docs"], meta["n_val_docs"], meta["val_split"]) == (1, 1, 1, "tokens")
+    assert "1 documents -> " in capsys.readouterr().out
+    # documents inside one .txt file: separated by '<|endoftext|>' or form feeds
+    sep = _write(tmp_path / "stories.txt", "one upon a time<|endoftext|>two\n\fthree\n<|endoftext|>\nfour\n")
+    assert list(data.iter_documents(sep)) == ["one upon a time", "two\n", "three\n", "four\n"]
+
+
+def test_two_document_corpus_val_share(tmp_path):
+    """Finding: a 2-document corpus put 50% of its tokens into validation."""
+    tok = data.get_tokenizer("cl100k_base", 4096)
+    docs = ["def f(x):\n    return x * 2\n" * 20, "class A:\n    pass\n" * 30]
+    meta = data.prepare(_folder(tmp_path, docs), tok, str(tmp_path / "out"), verbose=False)
+    total = meta["n_train"] + meta["n_val"]
+    assert total == sum(len(tok.encode(d)) + 1 for d in docs)
+    assert meta["n_val"] == round(0.1 * total) and meta["val_split"] == "tokens"  # max_val_share=0.1
+
+
+def test_val_tokens_floor(tmp_path):
+    """val_fraction=0.01 of 150 documents is under two documents; the floor of 200 tokens gives
+    validation about that many (whole documents, within 10%), and meta.json says so."""
+    tok = data.get_tokenizer("cl100k_base", 4096)
+    docs = [f"document {i}: " + "word " * (5 + i % 7) for i in range(150)]
+    meta = data.prepare(_folder(tmp_path, docs), tok, str(tmp_path / "out"), val_tokens=200, verbose=False)
+    total = meta["n_train"] + meta["n_val"]
+    assert 180 <= meta["n_val"] <= 200 < 0.1 * total and meta["val_split"] == "documents"
+    assert meta["val_tokens"] == 200 and json.load(open(tmp_path / "out" / "meta.json"))["n_val"] == meta["n_val"]
+
+
+def test_binary_and_undecodable_files_skipped_and_counted(tmp_path, capsys):
+    """Findings: random binary files named .txt were trained on; invalid UTF-8 was replaced silently."""
+    root = tmp_path / "corpus"
+    _write(root / "a.txt", "good text")
+    (root / "b.txt").write_bytes(bytes(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8)))
+    (root / "c.md").write_bytes("caf\u00e9 cr\u00e8me ".encode("latin-1") * 50)  # 2 of 12 bytes invalid
+    (root / "d.py").write_bytes(b"x = 1  # one bad byte \xff here\n" + b"y = 2\n" * 20)
+    tok = data.get_tokenizer("cl100k_base", 4096)
+    meta = data.prepare(str(root), tok, str(tmp_path / "out"), verbose=True)
+    out = capsys.readouterr().out
+    assert meta["intake"] == dict(files=4, binary=1, undecodable=1, replaced=1, unsupported=0, duplicates=0, capped=0)
+    assert meta["n_docs"] == 2 and "d.py" in out
+    assert f"skipped 1 binary / 1 undecodable files (NUL bytes / over 10% invalid UTF-8): {root / 'b.txt'}" in out
+    assert "1 files with a few invalid UTF-8 bytes were read with U+FFFD" in out and out.count("skipped") == 1
+    docs = list(data.iter_documents(str(root)))
+    assert docs == ["good text", "x = 1  # one bad byte \ufffd here\n" + "y = 2\n" * 20]
+    only_binary = tmp_path / "bin"
+    (only_binary / "x.txt").parent.mkdir()
+    (only_binary / "x.txt").write_bytes(b"\x00\x01\x02" * 10)
+    with pytest.raises(data.DataError, match=r"is empty.*skipped 1 binary / 0 undecodable.*x\.txt"):
+        list(data.iter_documents(str(only_binary)))
+
+
+def test_unsupported_files_named(tmp_path, capsys):
+    """Finding: a folder of unsupported files was reported as "empty"; ignored files were not named."""
+    root = tmp_path / "corpus"
+    _write(root / "a.txt", "text")
+    for name in ("b.csv", "sub/c.csv", "d.xlsx", ".hidden", ".git/config"):
+        _write(root / name, "x,y")
+    data.prepare(str(root), data.get_tokenizer("cl100k_base", 4096), str(tmp_path / "out"), verbose=True)
+    assert "3 files with unsupported extensions .csv .xlsx were ignored: b.csv, d.xlsx, sub/c.csv" in capsys.readouterr().out
+    only = tmp_path / "sheets"
+    for name in ("b.csv", "d.xlsx"):
+        _write(only / name, "x,y")
+    with pytest.raises(data.DataError, match=r"holds no .txt/.md/.py/.jsonl/.parquet file, only 2 files with "
+                                             r"unsupported extensions .csv .xlsx \(b.csv, d.xlsx\)"):
+        data.iter_documents(str(only))  # at once, not "empty"
+
+
+def test_malformed_jsonl_line_named(tmp_path):
+    """Finding: a malformed .jsonl line gave ~60 lines of pandas/pyarrow tracebacks."""
+    path = _write(tmp_path / "bad.jsonl", '{"text": "a"}\n\n{"text": "b"}\n{"text": "c"\n{"text": "d"}\n')
+    with pytest.raises(data.DataError) as e:
+        list(data.iter_documents(path))
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:4: not valid JSON") and "\n" not in msg and len(msg) < 300
+    for line, match in [('["a list"]', "bad2.jsonl:1: no field 'text' \\(a JSON list"),
+                        ('{"text": 3}', "bad2.jsonl:1: field 'text' holds a int, not text")]:
+        with pytest.raises(data.DataError, match=match):
+            list(data.iter_documents(_write(tmp_path / "bad2.jsonl", line + "\n")))
+    assert list(data.iter_documents(_write(tmp_path / "ok.jsonl", '{"text": null}\n{"text": "x"}\n'))) == ["x"]
+
+
+def test_corrupt_parquet_named(tmp_path):
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"PAR1 this is not a parquet file PAR1")
+    with pytest.raises(data.DataError, match=r"broken\.parquet: cannot read it as parquet \("):
+        list(data.iter_documents(str(path)))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda p, tok, out: data.prepare(p, tok, out, max_docs=-1), "max_docs=-1"),
+    (lambda p, tok, out: data.prepare(p, tok, out, val_tokens=-5), "val_tokens=-5"),
+    (lambda p, tok, out: data.prepare(p, tok, out, val_fraction=-0.1), "val_fraction=-0.1"),
+    (lambda p, tok, out: data.prepare(p, tok, out, max_val_share=1.5), "max_val_share=1.5"),
+])
+def test_bad_prepare_settings_fail_at_once(tmp_path, monkeypatch, call, match):
+    """Finding: --max_docs=-1 failed late with an itertools/numpy error."""
+    monkeypatch.setattr(data, "iter_documents", lambda *a, **k: pytest.fail("read the corpus first"))
+    with pytest.raises(data.DataError, match=match):
+        call(_folder(tmp_path), data.get_tokenizer("cl100k_base", 4096), str(tmp_path / "out"))
+
+
+def test_bad_loader_settings_fail_at_once(tmp_path):
+    """Finding: --seed=-1 failed late, at the first batch, with a numpy error."""
+    path = _token_file(tmp_path, 1000)
+    with pytest.raises(data.DataError, match="seed=-1 must be an integer >= 0"):
+        data.Loader(path, B=2, T=8, seed=-1)
+    with pytest.raises(data.DataError, match="B=0"):
+        data.Loader(path, B=0, T=8)
+    with pytest.raises(data.DataError, match="eval_batches=-1"):
+        data.eval_batches(path, 2, 8, n_batches=-1)
+
+
+def test_train_split_too_small(tmp_path):
+    """check_split: train.bin must fill one global batch; the message says what to change."""
+    path = _token_file(tmp_path, 8 * 10 + 1)  # 10 windows of T=8
+    assert data.check_split(path, 8, 10, "train split") == 10
+    with pytest.raises(data.DataError, match=r"train split: 81 tokens make 10 windows of T=8, but one global "
+                                             r"batch needs 16 .*at least 129 tokens.*micro_batch_size.*seq_len.*more data"):
+        data.check_split(path, 8, 16, "train split")
+
+
+def test_small_validation_split_shrinks_evaluation(tmp_path):
+    """Finding: val.bin with 18 windows of T=1024 crashed the first evaluation of a run with global
+    batch 64 ("one global batch needs 64"). The plan now shrinks to what the split holds and says so;
+    only no window per rank is refused. The same shape at T=8: 18 windows, B=32, 2 ranks."""
+    path = _token_file(tmp_path, 8 * 18 + 5)
+    n, msg = data.eval_plan(path, B=32, T=8, world=2, eval_batches=20)
+    assert n == 1 and "149 tokens = 18 windows of T=8" in msg and "1 batch(es) of 9 sequence(s) per rank instead of 20 x 32" in msg
+    per_rank = [list(data.eval_batches(path, 32, 8, rank=r, world=2, n_batches=20)) for r in range(2)]
+    assert [len(b) for b in per_rank] == [1, 1]
+    x = torch.cat([per_rank[0][0][0], per_rank[1][0][0]])
+    assert torch.equal(x[:, 0], torch.arange(18) * 8)  # all 18 windows, in order, 9 per rank
+    # fewer batches, full size: 18 windows of B=2 x 2 ranks -> 4 of the 20 asked
+    assert data.eval_plan(path, B=2, T=8, world=2, eval_batches=20)[0] == 4
+    assert len(list(data.eval_batches(path, 2, 8, rank=1, world=2, n_batches=20))) == 4
+    assert data.eval_plan(path, B=2, T=8, world=2, eval_batches=3) == (3, None)  # enough: no message
+    assert data.eval_plan(path, B=2, T=8, world=2, eval_batches=0) == (4, None)  # 0: all of it
+    with pytest.raises(data.DataError, match=r"18 windows of T=8, fewer than one per data-parallel rank \(19\).*val_tokens"):
+        data.eval_plan(path, B=1, T=8, world=19, eval_batches=1)
+    with pytest.raises(data.DataError, match="fewer than one per data-parallel rank"):
+        data.eval_batches(path, 1, 200, world=1)  # 149 tokens: no window of T=200
+
+
+def test_pieces_encode_like_the_whole():
+    """Long documents are tokenized in parts cut after a newline; the ids equal the whole text's."""
+    text = ("x = f(a)\n//comment\n  indented\n\n\nword's\r\nlast)\n/path\n" + "日本語 🙂\n" * 3 + "tail") * 40
+    text += "".join(open(os.path.join(data.python_roots(False)[0], m), encoding="utf-8").read()
+                    for m in ("functools.py", "textwrap.py"))
+    for name in ("cl100k_base", "o200k_base"):
+        tok = data.get_tokenizer(name)
+        parts = data._pieces(text, size=37)
+        assert len(parts) > 100 and "".join(parts) == text
+        assert [t for p in parts for t in tok.encode(p)] == tok.encode(text)
+
+
+def _site(tmp_path):
+    """A fake site-packages: 'big' 6 files of 1000 bytes, 'mid' 2 x 1000, ten small one-file
+    packages of 500 bytes, one file duplicated in another package."""
+    site = tmp_path / "site-packages"
+    body = lambda tag, n: (f"# {tag}\n" + "x" * n)[:n]
+    for i in range(6):
+        _write(site / "big" / f"m{i}.py", body(f"big {i}", 1000))
+    for i in range(2):
+        _write(site / "mid" / "sub" / f"m{i}.py", body(f"mid {i}", 1000))
+    for i in range(10):
+        _write(site / f"small{i}.py", body(f"small {i}", 500))
+    _write(site / "copy" / "__init__.py", body("big 3", 1000))  # same content as big/m3.py
+    _write(site / "empty" / "__init__.py", "")
+    _write(site / "__pycache__" / "c.py", "cached")
+    _write(site / "notes.txt", "not python")
+    return str(site)
+
+
+def test_python_files_dedup_shuffle_cap(tmp_path):
+    site = _site(tmp_path)
+    files = data.python_files([site], seed=0)
+    rel = [os.path.relpath(f, site) for f in files]
+    assert len(files) == 6 + 2 + 10 and files == data.python_files([site], seed=0)  # deterministic
+    assert rel != sorted(rel) and data.python_files([site], seed=1) != files  # not alphabetical; seeded
+    assert ("big/m3.py" in rel) != ("copy/__init__.py" in rel)  # one of the two equal files
+    assert len({open(f).read() for f in files}) == len(files)
+    report = data.Intake()
+    data.python_files([site], seed=0, report=report)
+    assert report.duplicates == 1
+    # cap by hand: sizes {big 6000 (or 5000 + copy 1000), mid 2000, 10 x 500}; share 0.25:
+    # c <= 0.25 * (5000 + c + c) -> c <= 2500 with big and mid cut (2000 < 2500: mid is not cut)
+    # c <= 0.25 * (5000 + 2000 + c) -> c = 7000 / 3 = 2333
+    sizes = [6000, 2000] + [500] * 10 if "big/m3.py" in rel else [5000, 1000, 2000] + [500] * 10
+    cap = data.package_cap(sizes, 0.25)
+    assert cap == (2333 if sizes[0] == 6000 else int(0.25 * 8000 / 0.75))
+    report = data.Intake()
+    capped = data.python_files([site], seed=0, max_package_share=0.25, report=report)
+    big = [f for f in capped if os.sep + "big" + os.sep in f]
+    assert len(big) == 2 and big == [f for f in files if f in big]  # the first two big files in order
+    assert report.capped == {"big": len([f for f in files if os.sep + "big" + os.sep in f]) - 2}
+    total = sum(os.path.getsize(f) for f in capped)
+    assert 2000 / total <= 0.25 and len(capped) == len(files) - report.capped["big"]
+    assert data.package_cap([100, 100, 100], 0.25) is None  # three packages cannot be held to 25% each
+    assert data.package_cap([10, 10, 10, 10, 100], 0.25) == 13  # 13 <= 0.25 * (40 + 13)
+
+
+def test_python_corpus_source(tmp_path, monkeypatch):
+    """data="python" reads stdlib + site-packages through python_files; its fingerprint changes when
+    a file is added, so the prepared memmaps are rebuilt."""
+    site = _site(tmp_path)
+    monkeypatch.setattr(data, "python_roots", lambda site_packages=True: [site] if site_packages else [])
+    monkeypatch.setitem(data.PYTHON_CORPORA, "python", (True, 0.25))
+    docs = list(data.iter_documents("python"))
+    assert docs == [open(f).read() for f in data.python_files([site], max_package_share=0.25)]
+    tok = data.get_tokenizer("cl100k_base", 4096)
+    out = data.default_data_dir("python", tok.name, 4096, root=str(tmp_path / "d"))
+    assert os.path.basename(out).startswith("python-cl100k_base-4096-")
+    meta = data.prepare("python", tok, out, verbose=False)
+    assert meta["n_docs"] == len(docs) and meta["intake"]["duplicates"] == 1 and meta["intake"]["capped"] == 4
+    _write(tmp_path / "site-packages" / "new.py", "def new(): pass\n")
+    assert data.prepare("python", tok, out, verbose=False)["n_docs"] == len(docs) + 1
