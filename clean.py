@@ -123,7 +123,7 @@ class CleanConfig:
     seed: int = 1                    # datasketch's default
     shingle_words: int = 5
     scheme: str = "affine32"         # "affine32" (datasketch >= 2.0 default) | "legacy"
-    false_positive_weight: float = 0.5
+    false_positive_weight: float = 0.1  # datasketch's weights=(0.1, 0.9): favour recall
     bands: int = 0                   # 0: chosen from threshold; else b bands x rows (b*rows <= num_perm)
     rows: int = 0
 
@@ -275,9 +275,9 @@ def prose_reason(text, cfg):
     if sum(w.lower() in STOP_WORDS for w in words) < cfg.min_stop_words:
         return "stop_words"
     for name, items, max_frac, max_chars in (
-            ("lines", lines, cfg.max_dup_lines, cfg.max_dup_line_chars),
             ("paragraphs", [p.strip() for p in PARAGRAPH.split(text) if p.strip()],
-             cfg.max_dup_paragraphs, cfg.max_dup_paragraph_chars)):
+             cfg.max_dup_paragraphs, cfg.max_dup_paragraph_chars),
+            ("lines", lines, cfg.max_dup_lines, cfg.max_dup_line_chars)):
         frac, chars = duplicate_fractions(items)
         if frac > max_frac:
             return f"dup_{name}"
