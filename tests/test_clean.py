@@ -212,11 +212,11 @@ def candidate_pairs(keys):
 
 def test_lsh_params_equal_datasketch():
     lsh = pytest.importorskip("datasketch.lsh")
-    for t in (0.3, 0.5, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95):
-        for num_perm in (16, 64, 128, 250):
+    for t in (0.3, 0.5, 0.75, 0.8, 0.85, 0.95):
+        for num_perm in (16, 64, 128):
             for w in (0.5, 0.2):
                 assert clean.lsh_params(t, num_perm, w) == lsh._optimal_param(t, num_perm, w, 1 - w)
-    assert clean.lsh_params(0.8, 128) == (9, 13)
+    assert clean.lsh_params(0.8, 128, 0.5) == (9, 13) and clean.lsh_params(0.8, 128, 0.1) == (14, 9)
 
 
 @pytest.mark.parametrize("scheme", ["affine32", "legacy"])
@@ -261,7 +261,7 @@ def test_near_dedup_recall_precision_against_exact_jaccard():
     recall = len(found & positives) / len(positives)
     precision = len(found & positives) / len(found)
     print(f"{len(docs)} docs, {len(positives)} pairs at J >= 0.8: recall {recall:.3f} precision {precision:.3f}")
-    assert len(positives) >= 60 and recall >= 0.95 and precision >= 0.8
+    assert len(positives) >= 60 and recall >= 0.95 and precision >= 0.85
     assert min(truth[p] for p in found) > 0.6          # no candidate far below the threshold
 
     # the removal rule: a document goes when it is a candidate of an earlier one
