@@ -382,13 +382,16 @@ def permutations(num_perm, seed, scheme):
     return np.array([a, gen.randint(0, 1 << 32, num_perm, dtype=np.uint32)])
 
 
-def fmix32(h):
-    """MurmurHash3's 32-bit finalizer (a bijection), as datasketch's affine32 pre-mix."""
-    h = h ^ (h >> np.uint32(16))
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> np.uint32(13))
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> np.uint32(16))
+FMIX = {32: (np.uint32, 16, 0x85EBCA6B, 13, 0xC2B2AE35, 16),
+        64: (np.uint64, 33, 0xFF51AFD7ED558CCD, 33, 0xC4CEB9FE1A85EC53, 33)}
+
+
+def fmix(h, width):
+    """MurmurHash3's finalizer, a bijection on uint32 / uint64 arrays (datasketch's pre-mix)."""
+    t, s1, m1, s2, m2, s3 = FMIX[width]
+    h = (h ^ (h >> t(s1))) * t(m1)
+    h = (h ^ (h >> t(s2))) * t(m2)
+    return h ^ (h >> t(s3))
 
 
 def signature(hashes, perms, scheme, rows_per_step=4096):
@@ -400,7 +403,7 @@ def signature(hashes, perms, scheme, rows_per_step=4096):
         if scheme == "legacy":
             ph = ((h.astype(np.uint64) * a + b) % MERSENNE) & np.uint64(0xFFFFFFFF)
         else:
-            ph = fmix32(h) * a + b                     # uint32: wraps mod 2^32
+            ph = fmix(h, 32) * a + b                     # uint32: wraps mod 2^32
         sig = np.minimum(sig, ph.min(axis=0).astype(np.uint32))
     return sig
 
@@ -420,23 +423,15 @@ def lsh_params(threshold, num_perm, false_positive_weight=0.5):
     return int(b[best]), int(r[best])
 
 
-def fmix64(h):
-    h = h ^ (h >> np.uint64(33))
-    h = h * np.uint64(0xFF51AFD7ED558CCD)
-    h = h ^ (h >> np.uint64(33))
-    h = h * np.uint64(0xC4CEB9FE1A85EC53)
-    return h ^ (h >> np.uint64(33))
-
-
 def band_keys(sigs, bands, rows):
     """(n, bands) uint64: one 64-bit key per band of each signature (n, num_perm). Equal bands give
-    equal keys; different bands collide with probability ~2^-64 per pair (fmix64 chained)."""
+    equal keys; different bands collide with probability ~2^-64 per pair (fmix chained)."""
     sigs = np.asarray(sigs, dtype=np.uint32).reshape(-1, sigs.shape[-1]).astype(np.uint64)
     keys = np.zeros((sigs.shape[0], bands), dtype=np.uint64)
     for j in range(bands):
         h = np.zeros(sigs.shape[0], dtype=np.uint64)
         for c in range(j * rows, (j + 1) * rows):
-            h = fmix64(h * np.uint64(0x9E3779B97F4A7C15) + sigs[:, c])
+            h = fmix(h * np.uint64(0x9E3779B97F4A7C15) + sigs[:, c], 64)
         keys[:, j] = h
     return keys
 
