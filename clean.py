@@ -65,9 +65,9 @@ Phase 2 takes one band at a time, the first occurrence of each key by np.unique:
 document in RAM at peak whatever num_perm is (1e9 documents: 40 GB; beyond that, split each band
 by key prefix). The streaming `Deduper` instead keeps Python sets (about 60 B per key, b + 1 keys
 per document): fine to ~10M documents. Beyond one machine, no scheduler is needed: run `features`
-through datasets (`ds.map(lambda b: clean.features(b["text"], cfg), batched=True, num_proc=N,
-remove_columns=...)` gives text, reason, exact key and band keys per row), or this CLI on one shard
-per node with --workdir; gather the exact and band-key columns (8 + 8b B per document) on one
+through datasets, `ds.map(clean.feature_columns, batched=True, num_proc=N, fn_kwargs=dict(cfg=cfg))`
+(text, reason or "", exact key, band keys per row; tested), or this CLI on one shard per node; gather
+the exact and band-key columns of the rows without a reason (8 + 8b B per document) on one
 machine, call `duplicates` on them in global document order, and drop the rows it marks.
 """
 import argparse
@@ -495,7 +495,7 @@ def duplicates(exact, band_columns, n):
     band at a time, e.g. read from memmap shards) or None."""
     exact_dup = ~first_occurrences(exact) if exact is not None else np.zeros(n, dtype=bool)
     near_dup = np.zeros(n, dtype=bool)
-    for column in band_columns or ():
+    for column in (() if band_columns is None else band_columns):
         near_dup |= ~first_occurrences(np.asarray(column))
     return exact_dup, near_dup & ~exact_dup
 
@@ -538,6 +538,13 @@ def features(docs, cfg, kinds="auto"):
                 sigs[i] = hasher.signature(text)
     keys = band_keys(sigs, hasher.bands, hasher.rows) if hasher else np.zeros((len(docs), 0), np.uint64)
     return dict(text=texts, reason=reasons, exact=exact, bands=keys, signature=sigs, stats=stats)
+
+
+def feature_columns(batch, cfg, text_field="text"):
+    """`features` as datasets' map(batched=True) wants it: typed columns, reason "" when kept."""
+    f = features(batch[text_field], cfg)
+    return dict(clean_text=[t or "" for t in f["text"]], reason=[r or "" for r in f["reason"]],
+                exact=f["exact"], bands=f["bands"])
 
 
 def _features_star(args):

@@ -290,6 +290,24 @@ def test_streaming_and_two_phase_parallel_agree(tmp_path):
     assert stats.removed["near_duplicate"] > 10 and stats.removed["exact_duplicate"] == 1
 
 
+def test_sharded_through_datasets():
+    """The docstring's recipe: datasets' map over shards, then `duplicates` on the gathered keys,
+    removes what the one-pass stream removes."""
+    datasets = pytest.importorskip("datasets")
+    cfg = replace(CFG, near_dedup=True)
+    docs = planted_corpus(3, n_base=12) + [PROSE, b"\xff", PROSE]
+    stats = clean.Stats()
+    expected = list(clean.documents(docs, cfg, stats))
+    ds = datasets.Dataset.from_dict({"text": [d if isinstance(d, str) else "" for d in docs]})
+    ds = ds.map(clean.feature_columns, batched=True, batch_size=8, fn_kwargs=dict(cfg=cfg))
+    ds = ds.filter(lambda r: r["reason"] == "")
+    exact = np.array(ds["exact"], dtype=np.uint64)
+    bands = np.array(ds["bands"], dtype=np.uint64)
+    exact_dup, near_dup = clean.duplicates(exact, bands.T, len(ds))
+    assert [t for t, d in zip(ds["clean_text"], exact_dup | near_dup) if not d] == expected
+    assert (exact_dup.sum(), near_dup.sum()) == (stats.removed["exact_duplicate"], stats.removed["near_duplicate"])
+
+
 def test_cli(tmp_path, capsys):
     src = tmp_path / "corpus"
     (src / "pkg").mkdir(parents=True)
