@@ -27,7 +27,8 @@ import config
 import moe
 import optim
 import parallel
-from distributed import rel_err, spawn
+import distributed
+from distributed import rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer
 
 
@@ -233,18 +234,17 @@ def test_bad_configs(kw, msg):
 G, T, STEPS = 8, 8, 3
 
 
-def small_cfg(**kw):
-    d = config.defaults()
-    d.update(vocab_size=61, pad_vocab_multiple=32, n_layer=2, n_head=2, n_embd=16, ffn_hidden=16,
-             n_experts=4, moe_top_k=2, block_size=T, device="cpu", lr=3e-3, weight_decay=0.1,
+SMALL = dict(vocab_size=61, pad_vocab_multiple=32, n_layer=2, n_head=2, n_embd=16, ffn_hidden=16,
+             n_experts=4, moe_top_k=2, block_size=T, lr=3e-3, weight_decay=0.1,
              grad_clip=0.5, grad_bucket_mb=0.001, eps=1e-6, aux_loss_coeff=0.1, z_loss_coeff=0.01)
-    d.update(kw)
-    return SimpleNamespace(**d)
+
+
+def small_cfg(**kw):
+    return train_cfg(SMALL, **kw)
 
 
 def global_batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, 61, (G, T), generator=g), torch.randint(0, 61, (G, T), generator=g)
+    return distributed.global_batch(step, T, 61)
 
 
 def train(rank, world, accum, out_dir, cfg_kw):
@@ -279,7 +279,7 @@ def train(rank, world, accum, out_dir, cfg_kw):
         model.finish()
         if step == 0:
             rec["grads"] = {n: p.grad.clone() for n, p in names.items()}
-        moe.clip_grad_norm_(raw.parameters(), cfg.grad_clip, grid)
+        parallel.clip_grad_norm_(raw, cfg.grad_clip, grid)
         opt.step()
         model.zero_grad()
         rec["steps"].append({n: p.detach().clone() for n, p in names.items()})

@@ -18,33 +18,30 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import config
 import optim
 import parallel
-from distributed import assert_close, rel_err, spawn
+import distributed
+from distributed import assert_close, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer
 
 G, T, STEPS = 8, 16, 3  # global batch (sequences), sequence length, optimizer steps
 
 
-def small_cfg(**kw):
-    d = config.defaults()
-    d.update(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-             block_size=T, device="cpu", lr=1e-3, weight_decay=0.1, grad_clip=1.0,
+SMALL = dict(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+             block_size=T, lr=1e-3, weight_decay=0.1, grad_clip=1.0,
              grad_bucket_mb=0.01,  # tiny buckets: several all-reduces in flight during backward
              # The key bias has a mathematically zero gradient (softmax ignores a constant shift of
              # all scores), so its gradient is pure rounding noise; Adam with eps=1e-8 would blow that
              # noise up to lr-sized, run-dependent updates. eps=1e-6 keeps noise at noise level.
              eps=1e-6)
-    d.update(kw)
-    return SimpleNamespace(**d)
+
+
+def small_cfg(**kw):
+    return train_cfg(SMALL, **kw)
 
 
 def global_batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    x = torch.randint(0, 97, (G, T), generator=g)
-    y = torch.randint(0, 97, (G, T), generator=g)
-    return x, y
+    return distributed.global_batch(step, T, 97)
 
 
 def train(rank, world, accum, out_dir, cfg_kw):
