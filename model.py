@@ -316,6 +316,11 @@ class MLP(nn.Module):
         return self.proj(h)
 
 
+def make_moe(cfg):
+    """A mixture-of-experts layer (moe.py) whose shared experts are this file's MLP."""
+    return moe.MoE(cfg, MLP, activation_fn(cfg.activation))
+
+
 # ----------------------------------------------------------------------------- block
 
 class Block(nn.Module):
@@ -325,10 +330,7 @@ class Block(nn.Module):
         self.norm1 = make_norm(cfg, cfg.n_embd)
         self.attn = Attention(cfg)
         self.norm2 = make_norm(cfg, cfg.n_embd)
-        if moe.moe_layer(cfg, layer):  # the shared expert is an MLP of this file
-            self.mlp = moe.MoE(cfg, MLP, activation_fn(cfg.activation))
-        else:
-            self.mlp = MLP(cfg)
+        self.mlp = make_moe(cfg) if moe.moe_layer(cfg, layer) else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0):

@@ -17,12 +17,19 @@ cut which drops other ranks' experts), the EP cut (moe.py), then FSDP (fsdp.py) 
 or the optimizer and DataParallel (whose ZeRO-1 owner map comes from the optimizer), then
 torch.compile. clip_grad_norm_ is the one gradient norm of every layout and their products.
 
-Import graph of the top-level modules (each imports only modules on its left; tests/test_imports.py
-checks it). Before issue 14 (4bce2c0) model <-> moe <-> tp formed cycles, hidden by imports inside
-functions (model -> moe in Block, moe -> model in MoE, tp -> model at the top, fsdp/muon/optim ->
-tp/fsdp/muon lazily), and muon/fsdp used private names of fsdp/tp. Now:
+Import graph of the top-level modules (lazy imports included; tests/test_imports.py checks
+that it has no cycle and that no file uses another's _private names). Before issue 14 (4bce2c0):
 
-    config -> model;  tp -> (torch);  moe -> tp;  model -> fused, moe, tp;  generate -> (torch)
+    config -> model;  tp -> model;  moe -> tp, model (lazy);  model -> fused, moe (lazy)   <- cycles
+    fsdp -> tp (lazy);  muon -> tp, fsdp (lazy);  optim -> muon (lazy);  parallel -> (none)
+    checkpoint -> fsdp, moe, tp, model;  hf -> model;  data -> hf (lazy)
+    (and muon / fsdp read fsdp's and tp's private helpers)
+
+Now, imports at the top of each file (data.py's optional hf aside), and an order in which each
+module imports only modules before it: fused, tp, moe, model, config, generate, fsdp, muon,
+optim, parallel, checkpoint, hf, data, logs, then the scripts:
+
+    tp -> (torch);  moe -> tp;  model -> fused, moe, tp;  config -> model;  generate -> (torch)
     fsdp -> tp;  muon -> fsdp, tp;  optim -> muon;  parallel -> fsdp, moe, optim, tp
     checkpoint -> fsdp, moe, tp, model;  hf -> checkpoint, model, tp;  data -> hf (lazy: optional)
     logs -> (torch);  pretrain / sample / bench* -> the concept modules above

@@ -17,7 +17,7 @@ import fsdp
 import generate
 import optim
 import parallel
-import tp
+from tp import tensor_parallel
 import distributed
 from distributed import assert_close, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer
@@ -82,7 +82,7 @@ def train(rank, world, tp, accum, out_dir, cfg_kw, ref_file):
     torch.manual_seed(0)
     raw = Transformer(ModelConfig.from_cfg(cfg))
     if tp > 1:
-        tp.tensor_parallel(raw, grid)
+        tensor_parallel(raw, grid)
     if grid.dp_rank == 1:  # a different local init must be overwritten by the dp group's first rank
         with torch.no_grad():
             for p in raw.parameters():

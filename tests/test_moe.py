@@ -29,7 +29,7 @@ import optim
 import parallel
 import distributed
 from distributed import rel_err, spawn, train_cfg
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, make_moe
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: extra threads only add overhead
@@ -105,7 +105,7 @@ def grads_of(layer, x, fn, dy):
 ])
 def test_layer_equals_dense_oracle(kw):
     torch.manual_seed(0)
-    layer = moe.MoE(layer_cfg(**kw))
+    layer = make_moe(layer_cfg(**kw))
     B, N, C, E = 2, 6, 16, layer.n_experts
     x = torch.rand(B, N, C) + 0.5  # positive: a router row of -1s is never chosen
     with torch.no_grad():
@@ -130,7 +130,7 @@ def test_layer_equals_dense_oracle(kw):
 
 def test_experts_with_no_rows():
     """An EP rank may receive no slot at all for its experts (dropless): empty output, zero gradients."""
-    layer = moe.MoE(layer_cfg())
+    layer = make_moe(layer_cfg())
     out = layer._ffn(torch.zeros(0, 16, requires_grad=True), [0] * 4)
     assert out.shape == (0, 16)
     out.sum().backward()
@@ -139,7 +139,7 @@ def test_experts_with_no_rows():
 
 def test_balance_loss_golden():
     """Perfectly balanced router (uniform probabilities, every expert the same load) -> coeff."""
-    layer = moe.MoE(layer_cfg(n_experts=4, moe_top_k=1, aux_loss_coeff=0.01, z_loss_coeff=0.0))
+    layer = make_moe(layer_cfg(n_experts=4, moe_top_k=1, aux_loss_coeff=0.01, z_loss_coeff=0.0))
     with torch.no_grad():
         layer.router.weight.zero_()  # uniform probs; topk ties break to expert 0 -> make loads equal by hand
     logits = torch.zeros(8, 4)
@@ -159,7 +159,7 @@ def test_balance_loss_golden():
 
 
 def test_z_loss_golden():
-    layer = moe.MoE(layer_cfg(n_experts=2, moe_top_k=1, aux_loss_coeff=0.0, z_loss_coeff=0.5))
+    layer = make_moe(layer_cfg(n_experts=2, moe_top_k=1, aux_loss_coeff=0.0, z_loss_coeff=0.5))
     logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
     # logsumexp: log 2 and log 4 = 2 log 2 -> mean of squares = (1 + 4) / 2 * log(2)^2
     layer._losses(logits, logits.softmax(-1), torch.tensor([1, 1]), torch.zeros((), dtype=torch.long))
@@ -168,7 +168,7 @@ def test_z_loss_golden():
 
 def test_router_fp32_under_autocast():
     torch.manual_seed(0)
-    layer = moe.MoE(layer_cfg())
+    layer = make_moe(layer_cfg())
     seen = {}
     layer.router.register_forward_hook(lambda *a: None)  # the router weight is used via F.linear
     orig = layer._losses
