@@ -3,7 +3,7 @@
     model = hf.load_hf("models/Llama-3.2-1B")              # config.json + safetensors -> Transformer
     tok = hf.load_hf_tokenizer("models/Llama-3.2-1B")      # data.Tokenizer's interface, tiktoken inside
     hf.export_hf(model, "out/hf", tokenizer=tok)           # AutoModelForCausalLM.from_pretrained("out/hf")
-    python pretrain.py configs/x.py --init_from=models/Llama-3.2-1B     # any stage, via configure(cfg)
+    python pretrain.py configs/x.py --init_from=models/Llama-3.2-1B     # any stage: configure(cfg), init_loader(cfg, grid)
 
 Architectures: GPT-2, LLaMA (Llama-3.1 rope scaling included), Qwen2 (q/k/v bias) and Mistral (as
 long as block_size <= sliding_window, where windowed attention equals full causal attention).
