@@ -231,7 +231,7 @@ class Muon(torch.optim.Optimizer):
         flat = torch.cat(parts + [parts[0].new_zeros(n - sizes[me])] if parts else
                          [self.param_groups[0]["params"][0].new_zeros(n)])
         out = flat.new_empty(grid.dp * n)
-        dist.all_gather_into_tensor(out, flat, group=grid.dp_group)
+        fsdp.all_gather_single(out, flat, group=grid.dp_group)
         dst, src = [], []
         for r, m in enumerate(mine):
             if r != me and m:
