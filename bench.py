@@ -11,10 +11,10 @@ tokens/s = B*T*steps*GPUs / seconds; MFU = tokens/s * our model's flops_per_toke
 for every row (the HF peer has our exact shape, asserted by parameter count); peak memory is
 torch.cuda.max_memory_allocated, reset per row (dp mode: the largest over the ranks).
 
-single rows: ours eager / torch.compile(model) / model.compile_blocks(), HF LlamaForCausalLM
-eager / compiled (SDPA, use_cache=False, labels=x). dp rows (torchrun): ours-1gpu (each rank
-alone, no communication: the scaling baseline, same run), ours-dp (parallel.DataParallel over
-per-block compiled graphs), ours-dp-whole (one compiled graph), torch-ddp (DDP, 25 MB buckets,
+single rows: ours eager / torch.compile(model), HF LlamaForCausalLM eager / compiled (SDPA,
+use_cache=False, labels=x). dp rows (torchrun): ours-1gpu (each rank alone, no communication:
+the scaling baseline, same run), ours-dp (parallel.DataParallel around the model, compiled as one
+graph as pretrain.py does; per-block graphs measured no faster and were removed), torch-ddp (DDP, 25 MB buckets,
 gradient_as_bucket_view, then torch.compile: PyTorch's recommended order). A failing row prints
 its error and the table goes on; a failure on one rank only leaves the other in a collective.
 """
@@ -75,8 +75,8 @@ p.add_argument("--seed", type=int, default=0)
 p.add_argument("--commit", default="", help="git commit to record (default: git rev-parse)")
 p.add_argument("--json", default="", help="write every number here")
 args = p.parse_args()
-RUNS = {"single": ["ours-eager", "ours-compiled", "ours-compiled-blocks", "hf-eager", "hf-compiled"],
-        "dp": ["ours-1gpu", "ours-dp", "ours-dp-whole", "torch-ddp"]}[args.mode]
+RUNS = {"single": ["ours-eager", "ours-compiled", "hf-eager", "hf-compiled"],
+        "dp": ["ours-1gpu", "ours-dp", "torch-ddp"]}[args.mode]
 runs = [r.strip() for r in args.runs.split(",") if r.strip()] or RUNS
 if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.accum < 1:
     p.error("need --steps >= 1, --warmup >= 0, --batch >= 1, --accum >= 1")
@@ -286,11 +286,9 @@ def time_row(row, build, n_gpus, min_time):
 # a row's build() -> (model, forward(x, y) -> loss[, finish, zero_grad]); the optimizer gets
 # model's parameters; without finish/zero_grad: nothing / model.zero_grad(set_to_none=True)
 def ours_row(compile_):
-    """compile_: False | "whole" (torch.compile(model)) | "blocks" (model.compile_blocks())."""
+    """compile_: False | True (torch.compile(model))."""
     def build():
         raw = build_ours()
-        if compile_ == "blocks":
-            return raw, raw.compile_blocks()
         return raw, (torch.compile(raw) if compile_ else raw)
     return build
 
@@ -304,14 +302,12 @@ def hf_row(compile_):
     return build
 
 
-def ours_dp(whole=False):
-    """Gradient hooks live on the parameters, so the inner module is compiled: per block by
-    default (each block's gradients are handed over, and all-reduced, as its backward ends);
-    whole=True compiles it as one graph, whose backward hands every gradient over at the end."""
+def ours_dp():
+    """Gradient hooks live on the parameters, so the inner module is compiled (one graph)."""
     def build():
         raw = build_ours()
         dp = parallel.DataParallel(raw, grid, args.bucket_mb, reduce_dtype=getattr(torch, args.grad_reduce_dtype))
-        fwd = (torch.compile(raw) if whole else raw.compile_blocks()) if args.compile else raw
+        fwd = torch.compile(raw) if args.compile else raw
         return raw, fwd, dp.finish, lambda: dp.zero_grad(set_to_none=True), dp.no_sync
     return build
 
@@ -329,13 +325,11 @@ def torch_ddp():
     return raw, fwd, None, None, ddp.no_sync
 
 
-BUILDS = {"ours-eager": ours_row(False), "ours-compiled": ours_row("whole"),
-          "ours-compiled-blocks": ours_row("blocks"), "hf-eager": hf_row(False), "hf-compiled": hf_row(True),
-          "ours-1gpu": ours_row("blocks" if args.compile else False), "ours-dp": ours_dp(),
-          "ours-dp-whole": ours_dp(whole=True), "torch-ddp": torch_ddp}
-PEERS = {"ours-eager": "hf-eager", "ours-compiled": "hf-compiled", "ours-compiled-blocks": "hf-compiled",
-         "ours-dp": "torch-ddp", "ours-dp-whole": "torch-ddp"}
-ONE_GPU = ("ours-eager", "ours-compiled", "ours-compiled-blocks", "hf-eager", "hf-compiled", "ours-1gpu")
+BUILDS = {"ours-eager": ours_row(False), "ours-compiled": ours_row(True), "hf-eager": hf_row(False),
+          "hf-compiled": hf_row(True), "ours-1gpu": ours_row(bool(args.compile)), "ours-dp": ours_dp(),
+          "torch-ddp": torch_ddp}
+PEERS = {"ours-eager": "hf-eager", "ours-compiled": "hf-compiled", "ours-dp": "torch-ddp"}
+ONE_GPU = ("ours-eager", "ours-compiled", "hf-eager", "hf-compiled", "ours-1gpu")
 
 
 rows = [measure(name, BUILDS[name], 1 if name in ONE_GPU else grid.world,

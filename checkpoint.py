@@ -104,15 +104,15 @@ def gather(model, optimizer, grid, wrapper=None):
     """(weights, optimizer state) as full tensors under the one-process names, from any layout
     (plain, data parallel, TP, FSDP, EP, and their products). Collective: every rank calls it.
     optimizer state: {param name: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}}."""
-    weights = fsdp.full_state_dict(wrapper) if isinstance(wrapper, fsdp.FSDP) else tp.full_state_dict(model, grid)
+    weights = fsdp.full_state_dict(wrapper) if isinstance(wrapper, fsdp.FSDP) else full_state_dict(model, grid)
     if optimizer is None:
         state = None
-    elif hasattr(optimizer, "full_optim_state"):  # muon.Muon: any layout, ZeRO-1 included
+    elif hasattr(optimizer, "full_optim_state"):  # muon.Muon / FSDPMuon: any layout, ZeRO-1 included
         state = optimizer.full_optim_state(model, grid)
     elif isinstance(wrapper, fsdp.FSDP):
         state = fsdp.full_optim_state(wrapper, optimizer)
     else:
-        state = tp.full_optim_state(model, optimizer, grid)
+        state = full_optim_state(model, optimizer, grid)
     return moe.gather_experts(model, grid, weights, state)  # EP: every rank's experts (no-op otherwise)
 
 
@@ -584,22 +584,73 @@ def load(path, model, optimizer, grid, wrapper=None):
             raise CheckpointError(f"no optimizer.pt in '{path}': cannot resume optimizer state")
         opt_state = read_pt(opt_file)
     weights, opt_state = moe.cut_experts(model, grid, weights, opt_state)  # EP: this rank's experts
-    if opt_state is not None and hasattr(optimizer, "load_full_optim_state"):  # muon.Muon: any layout
-        if isinstance(wrapper, fsdp.FSDP):
-            fsdp.load_full_state_dict(wrapper, weights)
-        else:
-            tp.load_full_state_dict(model, grid, weights)
-        optimizer.load_full_optim_state(model, grid, opt_state)
-    elif isinstance(wrapper, fsdp.FSDP):
+    if isinstance(wrapper, fsdp.FSDP):
         fsdp.load_full_state_dict(wrapper, weights)
-        if opt_state is not None:
-            fsdp.load_full_optim_state(wrapper, optimizer, opt_state)
     else:
-        tp.load_full_state_dict(model, grid, weights)
-        if opt_state is not None:
-            tp.load_full_optim_state(model, optimizer, grid, opt_state)
+        load_full_state_dict(model, grid, weights)
+    if opt_state is not None:
+        if hasattr(optimizer, "load_full_optim_state"):  # muon.FSDPMuon: its owners' momentum
+            optimizer.load_full_optim_state(model, grid, opt_state)
+        elif isinstance(wrapper, fsdp.FSDP):
+            fsdp.load_full_optim_state(wrapper, optimizer, opt_state)
+        else:  # muon.Muon's load_state_dict keeps what this rank owns under ZeRO-1
+            load_full_optim_state(model, optimizer, grid, opt_state)
     trainer = read_pt(os.path.join(path, "trainer.pt"))
     rngs = trainer.get("rng") or []
     if grid.rank < len(rngs):
         set_rng_state(rngs[grid.rank])
     return trainer
+
+
+# ----------------------------------------------------------------------------- full state of a plain / TP model
+# (moved here from tp.py by issue 14: layout-free state, used by gather() / load() at any tp)
+
+def full_state_dict(model, grid):
+    """{name: full tensor on CPU}, as the one-process model's state_dict (tied names, padded
+    vocabulary rows included). Collective over the TP group: every TP rank must call it."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out, done = {}, {}
+    for k, v in model.state_dict().items():
+        p = params.get(k, v)
+        if id(p) not in done:  # a tied weight: gathered once, both names share the tensor (as in one process)
+            done[id(p)] = tp.full_tensor(p, v, grid).cpu()
+        out[k] = done[id(p)]
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model, grid, full_sd):
+    """Copy a one-process state dict into the (TP) model: each rank keeps only its slices."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    sd = model.state_dict()
+    missing = sorted(set(sd) - set(full_sd))
+    if missing:
+        raise ValueError(f"full state dict lacks {missing[:8]}")
+    for k, t in sd.items():
+        t.copy_(tp.local_tensor(params.get(k, t), full_sd[k], grid))  # slice first, then move
+
+
+def _state_by_index(model, optimizer):
+    names = {id(p): n for n, p in model.named_parameters()}
+    ps = [p for g in optimizer.param_groups for p in g["params"]]
+    return [(i, names[id(p)], p) for i, p in enumerate(ps)]
+
+
+def full_optim_state(model, optimizer, grid):
+    """{param name: {"exp_avg": full, "exp_avg_sq": full, "step": ...}} on CPU: state tensors shaped
+    like their parameter are gathered like it, the rest (step) copied. Collective over the TP group."""
+    out = {}
+    for _, name, p in _state_by_index(model, optimizer):
+        for k, v in optimizer.state.get(p, {}).items():
+            full = tp.full_tensor(p, v, grid) if torch.is_tensor(v) and v.shape == p.shape else v
+            out.setdefault(name, {})[k] = full.detach().clone().cpu() if torch.is_tensor(full) else full
+    return out
+
+
+def load_full_optim_state(model, optimizer, grid, full):
+    """Load full_optim_state's output (saved from any TP layout) into this rank's optimizer."""
+    sd = optimizer.state_dict()
+    sd["state"] = {i: {k: tp.local_tensor(p, v, grid).clone() if torch.is_tensor(v) and v.dim() else v
+                       for k, v in full[name].items()}
+                   for i, name, p in _state_by_index(model, optimizer) if name in full}
+    optimizer.load_state_dict(sd)  # casts to the parameters' devices and dtypes

@@ -3,7 +3,8 @@
     model = fsdp.FSDP(raw, grid, compute_dtype=torch.bfloat16)  # after tp.tensor_parallel, before the optimizer
     optimizer = optim.build_optimizer(model, cfg)                # AdamW over this rank's fp32 shards
     loss = model(x, y); loss.backward()                          # every micro-step (no_sync() is a no-op)
-    model.finish(); fsdp.clip_grad_norm_(model, cfg.grad_clip); optimizer.step(); model.zero_grad()
+    model.finish(); parallel.clip_grad_norm_(model, cfg.grad_clip, grid); optimizer.step(); model.zero_grad()
+(parallel.parallelize builds all of it in this order.)
 
 Units: each block, plus a root unit of everything else (embeddings, final norm, head; a tied head
 is stored once). A unit's parameters are flattened into one fp32 buffer padded to a multiple of dp
@@ -39,8 +40,8 @@ synchronous. compute_dtype=bf16 all-gathers a bf16 copy of the fp32 shards; grad
 
 TP x FSDP: wrap after tp.tensor_parallel; FSDP shards each rank's TP slices over dp. Parameter hooks
 (tp.py sums gradients of pieces TP ranks share) move onto the views. For the gradient norm each unit
-knows the runs of its shard this TP rank counts (p.tp_split: replicated parameters and shared pieces
-are counted by their first holder only). Checkpoints are full tensors under one-process names.
+knows the runs of its shard this TP rank counts (`Unit.counted`, read by parallel.clip_grad_norm_;
+p.tp_split: replicated parameters and shared pieces are counted by their first holder only). Checkpoints are full tensors under one-process names.
 
 EP x FSDP (moe.py): with ep > 1 the data-parallel world is dp x ep (grid.data_group); a unit is
 sharded over it, except a block's experts (p.expert): they form a second unit of that block,
@@ -58,12 +59,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-# torch 2.13 renamed the flat collectives (the old names warn); torch 2.4-2.12 have only the old ones
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+import tp
 
 
-def _run(name, ndim):
+def all_gather_single(out, x, **kw):
+    """dist.all_gather_into_tensor, under torch 2.13's new name when it has it (the old one warns)."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, **kw)
+
+
+def reduce_scatter_single(out, x, **kw):
+    """dist.reduce_scatter_tensor, under torch 2.13's new name when it has it (the old one warns)."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, **kw)
+
+
+def run_of(name, ndim):
     """Which run of a unit's flat buffer a parameter goes to (each shard lies in one run, so each
     has one optimizer treatment): 0 decayed matrices, 1 MoE routers (decayed, but kept on AdamW
     when Muon trains the other matrices of their block), 2 the rest (not decayed)."""
@@ -74,12 +83,9 @@ def _counted(p, grid):
     """Bool mask, p's local shape: the elements this TP rank counts in the gradient norm."""
     if grid.tp == 1 or not hasattr(p, "tp_split"):  # TP-replicated: TP rank 0 counts it
         return torch.full(p.shape, grid.tp_rank == 0, dtype=torch.bool)
-    import tp
-    (dim, segments), mask, off = p.tp_split, torch.zeros(p.shape, dtype=torch.bool), 0
-    for size, chunks in segments:  # a piece several TP ranks hold: its first holder counts it
-        first = tp._first_holder(tp._piece(grid.tp_rank, chunks, grid.tp), chunks, grid.tp)
-        mask.narrow(dim, off, size // chunks).fill_(first == grid.tp_rank)
-        off += size // chunks
+    mask = torch.zeros(p.shape, dtype=torch.bool)
+    for off, n, counted in tp.counted_pieces(p, grid):  # a piece several TP ranks hold: its first holder
+        mask.narrow(p.tp_split[0], off, n).fill_(counted)
     return mask
 
 
@@ -95,7 +101,7 @@ class Unit:
         else:
             self.group, self.dp, self.rank = grid.data_group or grid.dp_group, grid.data_world, grid.data_rank
         self.world = grid.data_world  # gradients: mean over every data rank (an expert's owner got them all)
-        self.params = sorted(params, key=lambda e: _run(e[0][0], e[1].dim()))  # stable: model order otherwise
+        self.params = sorted(params, key=lambda e: run_of(e[0][0], e[1].dim()))  # stable: model order otherwise
         p0 = self.params[0][1]
         self.device, self.dtype = p0.device, compute_dtype or p0.dtype
         self.shapes = [p.shape for _, p, _ in self.params]
@@ -111,7 +117,7 @@ class Unit:
             lo = self.rank * self.S
             self.shard = flat[lo:lo + self.S].clone()  # fp32 master
         # cut this rank's [lo, lo + S) where the runs meet; padding joins the last part
-        ends = [sum(p.numel() for names, p, _ in self.params if _run(names[0], p.dim()) <= k) for k in (0, 1)]
+        ends = [sum(p.numel() for names, p, _ in self.params if run_of(names[0], p.dim()) <= k) for k in (0, 1)]
         ends.append(self.padded)
         self.shards, self.ranges = [], []  # shard Parameters; their [a, b) within self.shard
         for start, end, decay in ((0, ends[0], True), (ends[0], ends[1], True), (ends[1], ends[2], False)):
@@ -149,7 +155,7 @@ class Unit:
         out = torch.empty(0, dtype=self.dtype, device=self.device).set_(self.full.untyped_storage(), 0, (self.padded,))
         src = self.shard.to(self.dtype)  # the bf16 copy, or the fp32 shard itself
         if self.dp > 1:
-            self.work = _all_gather(out, src, group=self.group, async_op=True)
+            self.work = all_gather_single(out, src, group=self.group, async_op=True)
         else:
             out.copy_(src)
         self.ready = True
@@ -194,7 +200,7 @@ class Unit:
             return None, g
         out = torch.empty(self.S, dtype=torch.float32, device=self.device)
         op = dist.ReduceOp.AVG if self.op_avg else dist.ReduceOp.SUM
-        return _reduce_scatter(out, g, op=op, group=self.group, async_op=True), out
+        return reduce_scatter_single(out, g, op=op, group=self.group, async_op=True), out
 
     def accumulate(self, work, out):
         if work is not None:
@@ -215,7 +221,7 @@ class Unit:
         if self.dp == 1:
             return local.clone()
         out = torch.empty(self.padded, dtype=torch.float32, device=local.device)
-        _all_gather(out, local, group=self.group)
+        all_gather_single(out, local, group=self.group)
         return out
 
 
@@ -376,35 +382,9 @@ class FSDP(nn.Module):
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
-# ---------------------------------------------------------------------------- gradient norm
-
-def clip_grad_norm_(model, max_norm):
-    """torch.nn.utils.clip_grad_norm_ over the whole model, every parameter counted once.
-
-    FSDP shards are disjoint (padding is zero), so squares add up over the data group (an expert
-    unit's shards cover its EP rank's experts over dp, the EP ranks the rest). Under TP each rank adds
-    the runs it counts (its own slices; replicated parameters and shared pieces on their first
-    holder only), summed over the TP group. Returns the total norm, without a host sync.
-    """
-    grid = model.grid
-    units = [u for u in model.units if u.grad is not None and u.shards[0].grad is not None]
-    sq = torch.zeros((), device=model.units[0].device)
-    for u in units:
-        for a, b in u.counted:
-            sq += u.grad[a:b].square().sum()
-    for size, group in ((grid.tp, grid.tp_group), (grid.data_world, grid.data_group or grid.dp_group)):
-        if size > 1:
-            dist.all_reduce(sq, group=group)
-    norm = sq.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch's: multiply even when it is 1
-    for u in units:
-        u.grad.mul_(coef)  # the shard Parameters' .grad are views of u.grad
-    return norm
-
-
 # ---------------------------------------------------------------------------- layout-independent state
 
-def _by_name(model, local_of):
+def gather_by_name(model, local_of):
     """{first name: full fp32 tensor on CPU} from a per-unit (S,) local tensor laid out like the
     shard (skipped where local_of gives None). Collective over dp (and TP)."""
     out = {}
@@ -415,19 +395,17 @@ def _by_name(model, local_of):
         for (names, p, _), v, shape in zip(u.params, u.all_gather_fp32(local).split(u.sizes), u.shapes):
             v = v.view(shape)
             if model.grid.tp > 1:  # this TP rank's slice -> the full tensor
-                import tp
                 v = tp.full_tensor(p, v, model.grid)
             out[names[0]] = v.to("cpu", copy=True)
     return out
 
 
-def _local(model, u, full_of):
+def local_flat(model, u, full_of):
     """This rank's (S,) slice of unit u's flat layout, from full tensors: full_of(names) -> tensor."""
     parts = []
     for (names, p, _), shape in zip(u.params, u.shapes):
         t = full_of(names)
         if model.grid.tp > 1:  # the full tensor -> this TP rank's slice
-            import tp
             t = tp.local_tensor(p, t, model.grid)
         if tuple(t.shape) != tuple(shape):
             raise ValueError(f"{names[0]}: state has shape {tuple(t.shape)}, this model {tuple(shape)}")
@@ -436,8 +414,9 @@ def _local(model, u, full_of):
     return torch.cat(parts + [torch.zeros(u.sizes[-1], device=u.device)])[lo:lo + u.S]
 
 
-def _pick(sd, names):
-    for n in names:  # a tied tensor may be saved under any of its names
+def pick(sd, names):
+    """sd's entry for a unit parameter's names (a tied tensor may be saved under any of them)."""
+    for n in names:
         if n in sd:
             return sd[n]
     raise KeyError(f"state lacks {names[0]}: is it from a different model config?")
@@ -446,7 +425,7 @@ def _pick(sd, names):
 def full_state_dict(model):
     """{name: full fp32 tensor on CPU}: the keys and order of the unwrapped one-process model's
     state_dict (tied names share one tensor). Collective over dp (and TP): every rank calls it."""
-    full = _by_name(model, lambda u: u.shard)
+    full = gather_by_name(model, lambda u: u.shard)
     for u in model.units:
         for names, _, _ in u.params:
             full.update({n: full[names[0]] for n in names[1:]})
@@ -459,7 +438,7 @@ def load_full_state_dict(model, sd):
     """Every rank copies its slice of each unit out of full tensors (saved by any layout)."""
     for u in model.units:
         u.drop()
-        u.shard.copy_(_local(model, u, lambda names: _pick(sd, names)))
+        u.shard.copy_(local_flat(model, u, lambda names: pick(sd, names)))
     for k, b in model.module.named_buffers():
         if k in sd:
             b.copy_(sd[k])
@@ -473,7 +452,7 @@ def full_optim_state(model, optimizer):
         def local(u):  # the unit's shard Parameters tile [0, S): concatenate their state
             st = [optimizer.state.get(p, {}) for p in u.shards]
             return torch.cat([s[key].reshape(-1) for s in st]) if all(key in s for s in st) else None
-        for name, t in _by_name(model, local).items():
+        for name, t in gather_by_name(model, local).items():
             out.setdefault(name, {})[key] = t
     for u in model.units:
         step = optimizer.state.get(u.shards[0], {}).get("step")
@@ -490,7 +469,7 @@ def load_full_optim_state(model, optimizer, state):
     for u in model.units:
         if u.params[0][0][0] not in state:
             continue  # no state yet (saved before the first step)
-        flats = {k: _local(model, u, lambda names: _pick(state, names)[k]) for k in ("exp_avg", "exp_avg_sq")}
+        flats = {k: local_flat(model, u, lambda names: pick(state, names)[k]) for k in ("exp_avg", "exp_avg_sq")}
         step = state[u.params[0][0][0]]["step"]
         for p, (a, b) in zip(u.shards, u.ranges):
             new[index[id(p)]] = {"step": step.clone(), **{k: f[a:b].clone().view_as(p) for k, f in flats.items()}}

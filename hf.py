@@ -3,7 +3,7 @@
     model = hf.load_hf("models/Llama-3.2-1B")              # config.json + safetensors -> Transformer
     tok = hf.load_hf_tokenizer("models/Llama-3.2-1B")      # data.Tokenizer's interface, tiktoken inside
     hf.export_hf(model, "out/hf", tokenizer=tok)           # AutoModelForCausalLM.from_pretrained("out/hf")
-    python pretrain.py configs/x.py --init_from=models/Llama-3.2-1B     # any stage, via configure(cfg)
+    python pretrain.py configs/x.py --init_from=models/Llama-3.2-1B     # any stage: configure(cfg), init_loader(cfg, grid)
 
 Architectures: GPT-2, LLaMA (Llama-3.1 rope scaling included), Qwen2 (q/k/v bias) and Mistral (as
 long as block_size <= sliding_window, where windowed attention equals full causal attention).
@@ -39,6 +39,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import checkpoint
+import tp
 from model import LLAMA3_ROPE_KEYS, ModelConfig, Transformer
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -329,7 +331,7 @@ def load_hf(path, device="cpu", dtype=torch.float32, shard_fn=None, block_size=N
 def configure(cfg):
     """init_from = an HF folder: its config.json sets cfg's model keys (block_size capped at what
     the model takes), its tokenizer becomes cfg.tokenizer. Returns whether it did. Call before
-    building the tokenizer and the model; load the weights with load_weights(cfg.init_from, model)."""
+    building the tokenizer and the model; load the weights with init_loader(cfg, grid)."""
     if not is_hf_folder(cfg.init_from):
         return False
     hf = read_config(cfg.init_from)
@@ -340,6 +342,17 @@ def configure(cfg):
     if cfg.seq_len > cfg.block_size:
         raise ValueError(f"seq_len={cfg.seq_len} > block_size={cfg.block_size} of {cfg.init_from}")
     return True
+
+
+def init_loader(cfg, grid):
+    """parallel.parallelize's `load` callback for cfg.init_from (None without one): an HF folder
+    (each TP rank reads only its rows / columns) or one of our checkpoints (full tensors, cut to
+    this TP rank). Every stage script starts from weights this way."""
+    if not cfg.init_from:
+        return None
+    if is_hf_folder(cfg.init_from):
+        return lambda model: load_weights(cfg.init_from, model, shard_fn=tp.hf_shard_fn(model, grid))
+    return lambda model: checkpoint.load_full_state_dict(model, grid, checkpoint.read_weights(cfg.init_from, model.cfg))
 
 
 def export_hf(model, out_dir, tokenizer=None, model_type=None):

@@ -1,4 +1,4 @@
-"""The Transformer: GPT-2/3 and LLaMA families by config, KV-cache generation, FLOPs.
+"""The Transformer: GPT-2/3 and LLaMA families by config, FLOPs.
 
 One decoder-only model covers both families; ModelConfig picks the pieces:
 
@@ -6,7 +6,9 @@ One decoder-only model covers both families; ModelConfig picks the pieces:
     LLaMA:  pos_emb="rope", norm="rmsnorm", activation="swiglu", n_kv_head < n_head (GQA)
 
 Read top to bottom: config, norms, RoPE, attention, MLP, block, the model (forward,
-init, parameter/FLOP counts), then the KV cache and sampling used by generate().
+init, parameter/FLOP counts). The KV cache, sampling and generate() live in generate.py; the
+forward takes any cache with `length` and `update(layer, k, v)`. Mixture-of-experts layers are
+moe.py's (imported here, handed this file's MLP class and activation function).
 Shapes use B (batch), T (time), C (n_embd), H (query heads), KV (key/value heads),
 D (head_dim), V (vocab_size), S (key length, = cached + new tokens).
 """
@@ -20,6 +22,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import fused
+import moe
+from tp import IGNORE  # target id that contributes no loss (prompt tokens, padding): -100
 
 try:  # optional: Tri Dao's kernels; SDPA is the always-available fallback
     from flash_attn import flash_attn_func
@@ -31,7 +35,6 @@ except Exception:  # ImportError, or a wheel built against another torch/CUDA
 # SDPA learned grouped-query attention (enable_gqa) in torch 2.5; on 2.4 we repeat kv heads.
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
-IGNORE = -100  # target id that contributes no loss (prompt tokens, padding)
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "relu2", "swiglu", "geglu")
 NORMS = ("layernorm", "rmsnorm")
 POS_EMBS = ("rope", "learned")
@@ -313,6 +316,11 @@ class MLP(nn.Module):
         return self.proj(h)
 
 
+def make_moe(cfg):
+    """A mixture-of-experts layer (moe.py) whose shared experts are this file's MLP."""
+    return moe.MoE(cfg, MLP, activation_fn(cfg.activation))
+
+
 # ----------------------------------------------------------------------------- block
 
 class Block(nn.Module):
@@ -322,11 +330,7 @@ class Block(nn.Module):
         self.norm1 = make_norm(cfg, cfg.n_embd)
         self.attn = Attention(cfg)
         self.norm2 = make_norm(cfg, cfg.n_embd)
-        if cfg.n_experts:
-            import moe  # imported here: moe.py builds on this module's MLP
-            self.mlp = moe.MoE(cfg) if moe.moe_layer(cfg, layer) else MLP(cfg)
-        else:
-            self.mlp = MLP(cfg)
+        self.mlp = make_moe(cfg) if moe.moe_layer(cfg, layer) else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0):
@@ -403,19 +407,6 @@ class Transformer(nn.Module):
                                                        c.rope_scaling)
         return self
 
-    def compile_blocks(self, **kw):
-        """torch.compile each block and the loss separately, in place.
-
-        Compiling the whole model makes its backward one autograd node that hands over every
-        gradient at the very end, so data-parallel gradient hooks could only start
-        communicating after backward. Per-block graphs finish one by one, and the all-reduce
-        of a block's gradients overlaps the backward of the blocks before it.
-        """
-        for block in self.blocks:
-            block.compile(**kw)
-        self.loss = torch.compile(Transformer.loss, **kw)  # fuses the fp32 upcast into the loss
-        return self
-
     # ------------------------------------------------------------------ forward
 
     def forward(self, idx, targets=None, *, reduction="mean", cache=None, pos=None, attn_mask=None):
@@ -423,7 +414,7 @@ class Transformer(nn.Module):
 
         targets: (B, T) ids, IGNORE (-100) where no loss is wanted; reduction "mean" | "sum" |
           "none" (-> (B, T), zeros at ignored positions).
-        cache: a KVCache; the new tokens' keys/values are appended at cache.length and the
+        cache: a generate.KVCache; the new tokens' keys/values are appended at cache.length and the
           tokens attend to everything cached.
         MoE models (moe.py): in training mode with reduction "mean" the returned loss also holds
           every MoE layer's router losses (load balance + z-loss, see router_loss()); the latest
@@ -552,14 +543,11 @@ class Transformer(nn.Module):
         """Matmul parameters inside the blocks: the 2-D weights of every nn.Linear (no norms, biases);
         for MoE layers the router and the *active* experts (moe_top_k of them per token)."""
         n = sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
-        return n + sum(m.top_k * m.expert_numel() for m in self._moe_layers())
+        return n + sum(m.top_k * m.expert_numel() for m in moe.layers(self))
 
     def active_params(self):
         """Parameters one token uses: num_params() less the routed experts it does not visit."""
-        return self.num_params() - sum((m.n_experts - m.top_k) * m.expert_numel() for m in self._moe_layers())
-
-    def _moe_layers(self):
-        return [b.mlp for b in self.blocks if getattr(b.mlp, "is_moe", False)]
+        return self.num_params() - sum((m.n_experts - m.top_k) * m.expert_numel() for m in moe.layers(self))
 
     def flops_per_token(self, T=None):
         """Training FLOPs per token at sequence length T (default block_size), as in DESIGN.md:
@@ -576,112 +564,3 @@ class Transformer(nn.Module):
         T = cfg.block_size if T is None else T
         return (6 * self.non_embedding_params() + 6 * cfg.n_embd * cfg.padded_vocab
                 + 6 * cfg.n_layer * T * cfg.n_embd)
-
-    # ------------------------------------------------------------------ generation
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
-                 stop_tokens=None, pad_id=None, attention_mask=None, generator=None, seed=None):
-        """Sample continuations of a batch of prompts with a KV cache.
-
-        idx: (B, T) prompts, left-padded; attention_mask (B, T) 0/1 marks real tokens (None = all).
-        temperature 0 -> greedy; top_k / top_p (nucleus) filter before sampling.
-        A row that emits one of stop_tokens then repeats pad_id (default: that stop token);
-        generation ends early once every row has stopped.
-        Returns (B, T + n_generated). Runs in eval mode (no dropout) and restores the mode.
-        """
-        B, T = idx.shape
-        if T + max_new_tokens > self.cfg.block_size:
-            raise ValueError(f"prompt length {T} + max_new_tokens {max_new_tokens} exceeds "
-                             f"block_size={self.cfg.block_size}: shorten the prompt or generate fewer tokens")
-        if temperature < 0:
-            raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
-        if generator is None and seed is not None:
-            generator = torch.Generator(idx.device).manual_seed(seed)
-        if isinstance(stop_tokens, int):
-            stop_tokens = [stop_tokens]
-        stops = torch.as_tensor(list(stop_tokens), device=idx.device) if stop_tokens else None
-        mask = None if attention_mask is None else attention_mask.bool()
-        done = torch.zeros(B, dtype=torch.bool, device=idx.device)
-        fill = torch.full((B,), -1 if pad_id is None else pad_id, dtype=idx.dtype, device=idx.device)
-
-        was_training = self.training
-        self.eval()
-        try:
-            cache = KVCache(T + max_new_tokens)
-            x = self.hidden_states(idx, cache=cache, attn_mask=mask)  # prefill: all prompts at once
-            out = [idx]
-            for step in range(max_new_tokens):
-                logits = self.logits(x[:, -1])  # head on the last position only
-                nxt = sample(logits, temperature, top_k, top_p, generator)
-                if stops is not None:
-                    nxt = torch.where(done, fill, nxt)
-                    hit = torch.isin(nxt, stops) & ~done
-                    if pad_id is None:
-                        fill = torch.where(hit, nxt, fill)
-                    done = done | hit
-                out.append(nxt[:, None])
-                if step == max_new_tokens - 1 or (stops is not None and bool(done.all())):
-                    break
-                if mask is not None:
-                    mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
-                x = self.hidden_states(nxt[:, None], cache=cache, attn_mask=mask)
-        finally:
-            self.train(was_training)
-        return torch.cat(out, dim=1)
-
-
-# ----------------------------------------------------------------------------- KV cache and sampling
-
-class KVCache:
-    """Keys and values of every layer, preallocated (B, KV, max_len, D) on first use.
-
-    Buffers take the dtype, device and head count of the first keys written, so the cache
-    follows autocast and tensor parallelism without being told. `length` is a Python int,
-    advanced by Transformer.forward after all layers have appended.
-    """
-
-    def __init__(self, max_len):
-        self.max_len = max_len
-        self.length = 0
-        self.k, self.v = [], []
-
-    def update(self, layer, k, v):
-        """Write k, v (B, KV, T, D) at positions length..length+T; return all cached (B, KV, S, D)."""
-        B, KV, T, D = k.shape
-        if layer == len(self.k):
-            self.k.append(k.new_zeros(B, KV, self.max_len, D))
-            self.v.append(v.new_zeros(B, KV, self.max_len, D))
-        S = self.length + T
-        if S > self.max_len:
-            raise ValueError(f"KVCache holds {self.max_len} positions, {S} needed: allocate a longer cache")
-        self.k[layer][:, :, self.length:S] = k
-        self.v[layer][:, :, self.length:S] = v
-        return self.k[layer][:, :, :S], self.v[layer][:, :, :S]
-
-
-def top_k_filter(logits, k):
-    """Keep the k largest logits per row, -inf elsewhere."""
-    kth = logits.topk(min(k, logits.shape[-1]), dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def top_p_filter(logits, p):
-    """Nucleus filtering: keep the smallest set of most likely tokens whose probability sums to >= p."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    before = F.pad(probs.cumsum(dim=-1)[..., :-1], (1, 0))  # mass of all strictly more likely tokens
-    sorted_logits = sorted_logits.masked_fill(before >= p, float("-inf"))  # the set was already complete
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-
-
-def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """(B, V) logits -> (B,) token ids."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k:
-        logits = top_k_filter(logits, top_k)
-    if top_p is not None and top_p < 1.0:
-        logits = top_p_filter(logits, top_p)
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)

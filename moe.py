@@ -1,12 +1,14 @@
 """Mixture of experts: a routed feed-forward layer, its router losses, expert parallelism.
 
-    cfg = ModelConfig(..., n_experts=8, moe_top_k=2)  # model.Block builds MoE(cfg) in the chosen layers
+    cfg = ModelConfig(..., n_experts=8, moe_top_k=2)  # model.Block builds MoE(cfg, MLP, act) in the chosen layers
     model = Transformer(cfg)                          # the full model, same seed on every rank
     tp.tensor_parallel(model, grid)                   # optional: every expert cut like the dense MLP
     moe.expert_parallel(model, grid)                  # keep this rank's experts, set the groups
     model = parallel.DataParallel(model, grid)        # experts synced over dp, the rest over dp x ep (or fsdp.FSDP)
     loss = model(x, y)                                # LM loss + every MoE layer's router losses
-    ...; moe.clip_grad_norm_(raw.parameters(), max_norm, grid); opt.step()
+(parallel.parallelize applies these in this order; parallel.clip_grad_norm_ counts expert shards over EP.)
+This module imports tp.py only: model.py imports it, and hands each layer its MLP class (for the
+shared expert) and activation function.
 
 Which layers: layer i is MoE when n_experts > 0, i >= moe_first_dense and
 (i - moe_first_dense) % moe_every == 0; the others keep model.MLP.
@@ -23,7 +25,8 @@ The layer, for x (B, T, C), N = B T tokens:
            without tokens gets an empty block and an exact zero gradient. With a fixed capacity
            the blocks are equal: one torch.bmm per matrix. torch's grouped_mm is
            CUDA-bf16 only and not used yet.
-  shared   n_shared_experts always-on experts: one dense model.MLP of n_shared_experts * H units.
+  shared   n_shared_experts always-on experts: one dense model.MLP of n_shared_experts * H units
+           (the class is passed in by model.Block).
   dtypes   under autocast the slots are exchanged and multiplied in the autocast dtype (bf16);
            only the router (and its losses) is fp32. Init as MLP: w1 N(0, init_std), w2 (an
            output projection) N(0, init_std / sqrt(2 n_layer)).
@@ -69,8 +72,8 @@ Gradient normalisation: each rank's loss is the mean over its local batch; an ex
 receives the gradients of every EP rank's loss through the reverse exchange, so
 parallel.DataParallel sums expert gradients over dp_group and divides by dp * ep, like every
 other gradient: each equals the one-process gradient of the global-batch mean.
-TP x EP (grid dp x ep x tp, TP innermost): tp.tensor_parallel cuts every expert's hidden units
-like the dense MLP (w1 rows [gate | up] column-parallel, w2 columns row-parallel, p.tp_split, so
+TP x EP (grid dp x ep x tp, TP innermost): MoE.tensor_parallel (called by tp.tensor_parallel) cuts
+every expert's hidden units like the dense MLP (w1 rows [gate | up] column-parallel, w2 columns row-parallel, p.tp_split, so
 checkpoints and Muon see whole matrices) and the shared expert like model.MLP; the router stays
 replicated. Tokens travel over the ep group (ranks of one tp rank), identical on every TP rank;
 _ffn sums the partial expert outputs over TP once per slot, before the routing weights scale them.
@@ -131,24 +134,25 @@ def moe_layer(cfg, i):
 class MoE(nn.Module):
     is_moe = True
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, mlp, act):
+        """cfg: model.ModelConfig; mlp: the dense MLP class (model.MLP, built for the shared
+        experts); act: the activation function (model.activation_fn(cfg.activation))."""
         super().__init__()
-        from model import MLP, activation_fn  # model.py imports this module lazily
         E, C, H = cfg.n_experts, cfg.n_embd, cfg.moe_hidden or cfg.hidden
         self.n_experts, self.top_k, self.renorm = E, cfg.moe_top_k, cfg.moe_renorm
         self.capacity_factor = cfg.capacity_factor
         self.aux_coeff, self.z_coeff = cfg.aux_loss_coeff, cfg.z_loss_coeff
-        self.gated, self.act = cfg.gated, activation_fn(cfg.activation)
+        self.gated, self.act = cfg.gated, act
         self.router = nn.Linear(C, E, bias=False)
         self.w1 = nn.Parameter(torch.empty(E, 2 * H if cfg.gated else H, C))
         self.w2 = nn.Parameter(torch.empty(E, C, H))
         for p in (self.w1, self.w2):
             p.expert = True  # parallel.DataParallel syncs these over their replicas only
-        self.shared = (MLP(replace(cfg, n_experts=0, ffn_hidden=cfg.n_shared_experts * H))
+        self.shared = (mlp(replace(cfg, n_experts=0, ffn_hidden=cfg.n_shared_experts * H))
                        if cfg.n_shared_experts else None)
         # layout, set by expert_parallel(): this rank holds experts [ep_rank * E/ep, ...)
         self.ep, self.ep_rank, self.ep_group, self.data_group = 1, 0, None, None
-        self.tp_group = None  # set by tp.tensor_parallel: each rank holds a slice of every expert
+        self.tp_group = None  # set by tensor_parallel(): each rank holds a slice of every expert
         self.router_loss = None  # aux + z of the latest forward (differentiable)
         self.stats = {}
         self.init_experts(cfg.init_std, cfg.init_std)
@@ -157,6 +161,18 @@ class MoE(nn.Module):
     def init_experts(self, std, out_std):
         nn.init.normal_(self.w1, 0.0, std)
         nn.init.normal_(self.w2, 0.0, out_std)
+
+    def tensor_parallel(self, grid):
+        """Cut every expert like the dense MLP, in place (called by tp.tensor_parallel): w1 rows
+        [gate | up] column-parallel, w2 columns row-parallel (p.tp_split); the router replicated,
+        the shared expert cut as a model.MLP. _ffn then sums the partial outputs over grid.tp_group."""
+        E_h = self.w2.shape[-1]
+        self.w1 = tp.shard(self.w1, grid, 1, [(E_h, grid.tp)] * (2 if self.gated else 1))
+        self.w2 = tp.shard(self.w2, grid, 2, [(E_h, grid.tp)])
+        self.w1.expert = self.w2.expert = True
+        self.tp_group = grid.tp_group
+        if self.shared is not None:
+            tp.mlp_parallel(self.shared, grid)
 
     def expert_numel(self):
         """Parameters of one routed expert."""
@@ -281,6 +297,7 @@ class MoE(nn.Module):
 
 
 def layers(model):
+    """The MoE layers of a model, in module order."""
     return [m for m in model.modules() if getattr(m, "is_moe", False)]
 
 
@@ -307,9 +324,6 @@ def expert_parallel(model, grid):
                     p.tp_split = full.tp_split
                 setattr(m, name, p)
     return model
-
-
-clip_grad_norm_ = tp.clip_grad_norm_  # counts expert shards over EP (and TP): one norm for every layout
 
 
 def _expert_names(model):

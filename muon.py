@@ -1,7 +1,7 @@
 """Muon for hidden matrices, AdamW for everything else: one optimizer; optional ZeRO-1.
 
     opt = optim.build_optimizer(raw, cfg, grid)   # cfg.optimizer == "muon" (or cfg.zero1)
-    ...; model.finish(); clip; opt.step()
+    ...; model.finish(); parallel.clip_grad_norm_(...); opt.step()
 
 Groups: kind "muon" (2-D weights inside the blocks: attention and MLP matrices, expert stacks
 treated as a batch of matrices) and kind "adamw" (embeddings, the output head, norms, biases,
@@ -18,39 +18,45 @@ Muon, per matrix W with gradient G (momentum mu, Nesterov, as torch.optim.SGD(ne
 NS5: X = U / (|U|_F + 1e-7), transposed when tall; 5 x { A = X X^T; X = a X + (b A + c A A) X }
 with (a, b, c) = (3.4445, -4.7750, 2.0315), in bf16 (ns_dtype; fp32 for exact tests).
 
+Read top to bottom: the algorithm (newton_schulz, orthogonalize, nesterov), the Muon optimizer
+(plain, TP, ZeRO-1), parameter groups and build(); at the end, apart, FSDPMuon: the same
+update on fsdp.py's flat shards.
+
 Newton-Schulz always sees a whole matrix; matrices of equal shape are stacked and run as one
-batched NS (tall ones transposed: a 124M LLaMA's 84 logical matrices make two batches). Under TP a sharded parameter
-(p.tp_split) has U gathered to its full form over the TP group (every TP rank computes the same
-O), and each rank keeps its own slice. Under ZeRO-1 (zero1=True, dp > 1) every parameter has one
-owner in the data-parallel group (greedy by size, largest first, onto the least loaded rank):
-DataParallel(owner=opt.grad_owner) reduces each gradient to its owner only (a reduce per owner
-and bucket, half an all-reduce), the owner keeps the optimizer state and updates the whole
-matrix, then the parameters are all-gathered from their owners (fp32): DDP's traffic in total,
-state memory ~1/dp per rank. clip_grad_norm_() sums the owned gradients' norms over dp. With EP
-the owners are chosen within grid.dp_group (the replicas of one expert shard), and gradients stay
-all-reduced (non-expert ones span dp x ep ranks, not one owner's group).
+batched NS (tall ones transposed: a 124M LLaMA's 84 logical matrices make two batches). Under
+TP a sharded parameter (p.tp_split) has U gathered to its full form over the TP group (every TP
+rank computes the same O), and each rank keeps its own slice. Under ZeRO-1 (zero1=True, dp > 1)
+every parameter has one owner in the data-parallel group (greedy by size, largest first, onto
+the least loaded rank): DataParallel(owner=opt.grad_owner) reduces each gradient to its owner
+only (a reduce per owner and bucket, half an all-reduce), the owner keeps the optimizer state
+and updates the whole matrix, then the parameters are all-gathered from their owners (fp32):
+DDP's traffic in total, state memory ~1/dp per rank. parallel.clip_grad_norm_(owner=...) sums
+the owned gradients' norms over dp. With EP the owners are chosen within grid.dp_group (the
+replicas of one expert shard), and gradients stay all-reduced (non-expert ones span dp x ep
+ranks, not one owner's group). EP (moe.py): expert stacks (E_local, rows, cols) are whole per
+rank; NS runs batched per expert, gate|up split. The router stays on AdamW.
 
 The AdamW groups are stepped by torch.optim.AdamW itself (fused on GPU, foreach on CPU) over the
 parameters this rank owns; it shares this optimizer's `state`, so checkpoints see one optimizer.
 
-FSDP (build_optimizer(fsdp_wrapper, cfg, grid)): a block unit's first run of flat shards holds only
-its hidden matrices, cut anywhere (fsdp.py puts MoE routers in a run of their own: AdamW). Each
-matrix has one owner in its unit's group (balanced by size; with EP an expert unit's group is dp,
-the others' dp x ep), which keeps its momentum as a whole matrix; per unit the step all-gathers the flat gradient, the
-owners orthogonalise their matrices (TP-gathered when cut by TP too) into a zero flat buffer, and
-one reduce-scatter hands each rank the update of its shard. The AdamW part runs on the shards.
-EP (moe.py): expert stacks (E_local, rows, cols) are whole per rank; NS runs batched per expert,
-gate|up split. The router stays on AdamW.
+FSDPMuon (build_optimizer(fsdp_wrapper, cfg, grid)): a block unit's first run of flat shards holds
+only its hidden matrices, cut anywhere (fsdp.py puts MoE routers in a run of their own: AdamW).
+Each matrix has one owner in its unit's group (balanced by size; with EP an expert unit's group
+is dp, the others' dp x ep), which keeps its momentum as a whole matrix; per unit the step
+all-gathers the flat gradient, the owners orthogonalise their matrices (TP-gathered when cut by
+TP too) into a zero flat buffer, and one reduce-scatter hands each rank the update of its shard.
+The AdamW part runs on the shards.
 
 Checkpoints: full_optim_state() returns full tensors by one-process name (ZeRO-1 / FSDP owners
-broadcast their momentum, TP shards are gathered); load_full_optim_state() cuts them into any
-layout; checkpoint.gather / load call both for this optimizer. ({name: {"momentum_buffer"}} for
-Muon matrices, {name: {"step", "exp_avg", "exp_avg_sq"}} for AdamW parameters, as torch's AdamW.)
-Not here: gathering expert state over EP in checkpoints (moe.py's checkpoint path decides that).
+broadcast their momentum, TP shards are gathered); checkpoint.load cuts them into any layout
+(FSDPMuon.load_full_optim_state for FSDP). ({name: {"momentum_buffer"}} for Muon matrices,
+{name: {"step", "exp_avg", "exp_avg_sq"}} for AdamW parameters, as torch's AdamW.) Not here:
+gathering expert state over EP in checkpoints (moe.gather_experts / cut_experts do that).
 """
 import torch
 import torch.distributed as dist
 
+import fsdp
 import tp
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -115,16 +121,12 @@ def nesterov_ns(bufs, grads, mu, splits, steps, dtype, mode):
     return orthogonalize(nesterov(bufs, grads, mu), splits, steps, dtype, mode)
 
 
-def _tp_size(grid):
-    return 1 if grid is None else grid.tp
-
-
 class Muon(torch.optim.Optimizer):
-    """param groups with "kind": "muon" | "adamw" (see the module docstring)."""
+    """param groups with "kind": "muon" | "adamw" (see the module docstring). grid: needed for TP
+    and ZeRO-1 (None: one process)."""
 
     def __init__(self, groups, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, momentum=0.95,
-                 scale="rms", ns_steps=5, ns_dtype=torch.bfloat16, grid=None, zero1=False, fsdp=None,
-                 fsdp_muon=None, compile_ns=True):
+                 scale="rms", ns_steps=5, ns_dtype=torch.bfloat16, grid=None, zero1=False, compile_ns=True):
         if scale not in ("rms", "shape"):
             raise ValueError(f"muon scale '{scale}' must be rms or shape")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
@@ -138,17 +140,6 @@ class Muon(torch.optim.Optimizer):
         maybe_compile = torch.compile if cuda and compile_ns else (lambda f: f)
         self.orthogonalize, self.nesterov_ns = maybe_compile(orthogonalize), maybe_compile(nesterov_ns)
         self.zero1 = bool(zero1) and grid is not None and grid.dp > 1
-        self.fsdp, self.fsdp_owner, self.fsdp_bufs = fsdp, {}, {}
-        if fsdp is not None:  # whole-matrix owners per FSDP unit, balanced by size over its group
-            load = {}  # per group (with EP, expert units are sharded over dp, the others over dp x ep)
-            mats = [(ui, i, u.shapes[i].numel()) for ui, u in enumerate(fsdp.units) for i in range(len(u.params))
-                    if fsdp_muon.get((ui, i))]  # (the model's Parameters are empty under FSDP: use shapes)
-            for ui, i, n in sorted(mats, key=lambda m: (-m[2], m[0], m[1])):
-                u = fsdp.units[ui]
-                lo = load.setdefault(id(u.group), [0] * u.dp)
-                r = min(range(u.dp), key=lambda r: (lo[r], r))
-                self.fsdp_owner[(ui, i)] = r
-                lo[r] += n
         self.owner = {}  # id(param) -> owning dp rank (ZeRO-1)
         if self.zero1:
             ps = [p for g in self.param_groups for p in g["params"]]
@@ -176,29 +167,18 @@ class Muon(torch.optim.Optimizer):
     def grad_owner(self):
         """ZeRO-1 with ep = 1: {id(param): dp rank} for DataParallel(owner=...), which then reduces
         each gradient to its owner only (the other half of DDP's all-reduce is _sync_params'
-        all-gather). None otherwise (with EP, non-expert gradients span dp x ep: all-reduced)."""
+        all-gather), and for parallel.clip_grad_norm_. None otherwise (with EP, non-expert
+        gradients span dp x ep: all-reduced)."""
         return self.owner if self.zero1 and self.grid.ep == 1 else None
 
     def owns(self, p):
+        """Does this rank keep p's state and update it (always, without ZeRO-1)?"""
         return not self.zero1 or self.owner[id(p)] == self.grid.dp_rank
 
     def state_bytes(self):
         """Bytes of optimizer state held by this rank."""
         return sum(v.numel() * v.element_size() for s in self.state.values() for v in s.values()
-                   if torch.is_tensor(v)) + sum(v.numel() * v.element_size() for v in self.fsdp_bufs.values())
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm):
-        """ZeRO-1 (grad_owner set): only owners hold reduced gradients (DataParallel dropped the
-        others); the norm of the owned ones (TP-aware) summed over the dp group, applied to them."""
-        own = [p for g in self.param_groups for p in g["params"] if p.grad is not None and self.owns(p)]
-        sq = tp.grad_sq_norm(own, self.grid) if own else \
-            torch.zeros((), device=self.param_groups[0]["params"][0].device)
-        dist.all_reduce(sq, group=self.grid.dp_group)
-        total = sq.sqrt()
-        if own:
-            torch._foreach_mul_([p.grad for p in own], (max_norm / (total + 1e-6)).clamp(max=1.0))
-        return total
+                   if torch.is_tensor(v))
 
     # ------------------------------------------------------------------ the step
 
@@ -210,7 +190,7 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             if group["kind"] == "muon":
-                (self._fsdp_muon if self.fsdp is not None else self._muon)(group)
+                self._muon(group)
         if self.adamw is not None:  # torch.optim.AdamW's arithmetic: it is torch's AdamW
             for g, inner in zip(self.adamw_groups, self.adamw.param_groups):
                 inner["lr"], inner["weight_decay"] = g["lr"], g["weight_decay"]
@@ -230,7 +210,7 @@ class Muon(torch.optim.Optimizer):
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         bufs, grads = [self.state[p]["momentum_buffer"] for p in ps], [p.grad for p in ps]
         ns = ([getattr(p, "muon_split", None) for p in ps], group["ns_steps"], self.ns_dtype, group["scale"])
-        sharded = [_tp_size(grid) > 1 and hasattr(p, "tp_split") for p in ps]
+        sharded = [grid is not None and grid.tp > 1 and hasattr(p, "tp_split") for p in ps]
         if not any(sharded):  # one (compiled, on GPU) function: the momentum passes fuse with NS's casts
             os = self.nesterov_ns(bufs, grads, mu, *ns)
         else:  # NS needs whole matrices: gather U over the TP group, keep our slice after
@@ -240,46 +220,6 @@ class Muon(torch.optim.Optimizer):
             os = [tp.local_tensor(p, o, grid) if s else o for p, o, s in zip(ps, os, sharded)]
         torch._foreach_mul_(ps, 1 - lr * group["weight_decay"])
         torch._foreach_add_(ps, os, alpha=-lr)
-
-    def _fsdp_muon(self, group):
-        """FSDP: per unit, all-gather the flat gradient; each matrix's owner updates its momentum
-        and orthogonalises the whole matrix (gathered over TP too); a reduce-scatter of the updates
-        (zero where not owned) hands every rank the slice its shard needs."""
-        from fsdp import _reduce_scatter
-        mu, grid = group["momentum"], self.fsdp.grid
-        for ui, u in enumerate(self.fsdp.units):
-            mine = [i for i in range(len(u.params)) if self.fsdp_owner.get((ui, i)) is not None]
-            if not mine or u.grad is None:
-                continue
-            full_g = u.all_gather_fp32(u.grad)
-            upd, off, todo = torch.zeros_like(full_g), 0, []  # todo: (offset, n, param, its U)
-            for i, ((names, p, _), shape, n) in enumerate(zip(u.params, u.shapes, u.sizes)):
-                if self.fsdp_owner.get((ui, i)) == u.rank:
-                    g = full_g[off:off + n].view(shape)
-                    buf = self.fsdp_bufs.get((ui, i))
-                    if buf is None:
-                        buf = self.fsdp_bufs[(ui, i)] = torch.zeros_like(g)
-                    buf.mul_(mu).add_(g)
-                    v = g.add(buf, alpha=mu)
-                    if grid.tp > 1 and hasattr(p, "tp_split"):
-                        v = tp.full_tensor(p, v, grid)
-                    todo.append((off, n, p, v))
-                off += n
-            os = orthogonalize([v for *_, v in todo], [getattr(p, "muon_split", None) for _, _, p, _ in todo],
-                               group["ns_steps"], self.ns_dtype, group["scale"]) if todo else []
-            for (off, n, p, _), o in zip(todo, os):
-                if grid.tp > 1 and hasattr(p, "tp_split"):
-                    o = tp.local_tensor(p, o, grid)
-                upd[off:off + n] = o.reshape(-1)
-            if u.dp > 1:
-                out = torch.empty(u.S, dtype=upd.dtype, device=upd.device)
-                _reduce_scatter(out, upd, op=dist.ReduceOp.SUM, group=u.group)
-            else:
-                out = upd
-            for sp, (a, b) in zip(u.shards, u.ranges):
-                if any(sp is q for q in group["params"]):
-                    sp.mul_(1 - group["lr"] * group["weight_decay"])
-                    sp.add_(out[a:b].view_as(sp), alpha=-group["lr"])
 
     def _sync_params(self):
         """Every parameter from its owner: one all-gather of each rank's owned parameters, packed
@@ -291,7 +231,7 @@ class Muon(torch.optim.Optimizer):
         flat = torch.cat(parts + [parts[0].new_zeros(n - sizes[me])] if parts else
                          [self.param_groups[0]["params"][0].new_zeros(n)])
         out = flat.new_empty(grid.dp * n)
-        dist.all_gather_into_tensor(out, flat, group=grid.dp_group)
+        fsdp.all_gather_single(out, flat, group=grid.dp_group)
         dst, src = [], []
         for r, m in enumerate(mine):
             if r != me and m:
@@ -301,15 +241,6 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_copy_(dst, src)
 
     # ------------------------------------------------------------------ checkpoints
-
-    def load_full_optim_state(self, model, grid, full):
-        """full_optim_state()'s output (saved by any layout) into this rank's state. Collective."""
-        if self.fsdp is not None:
-            return _fsdp_methods()[1](self, full)
-        tp.load_full_optim_state(model, self, grid, full)
-
-    def _fsdp_full_optim_state(self):
-        return _fsdp_methods()[0](self)
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)  # (a new self.state: share it with the inner AdamW again)
@@ -328,89 +259,41 @@ class Muon(torch.optim.Optimizer):
 
     def full_optim_state(self, model, grid):
         """{param name: {state key: full tensor / value}} on CPU, as a one-process run's optimizer:
-        ZeRO-1 owners broadcast their state over dp, TP shards are gathered. Collective."""
-        if self.fsdp is not None:
-            return self._fsdp_full_optim_state()
-        if not self.zero1:
-            return tp.full_optim_state(model, self, grid)
+        ZeRO-1 owners broadcast their state over dp, TP shards are gathered. Collective.
+        (Loading needs nothing of its own: checkpoint.load cuts the full state and load_state_dict
+        keeps what this rank owns.)"""
+        names = {id(p): n for n, p in model.named_parameters()}
         out = {}
-        for _, name, p in tp._state_by_index(model, self):
-            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-            keys = ["momentum_buffer"] if group["kind"] == "muon" else ["step", "exp_avg", "exp_avg_sq"]
-            src = dist.get_global_rank(grid.dp_group, self.owner[id(p)])
-            st = self.state.get(p, {}) if self.owns(p) else {}
-            has = torch.tensor([1.0 if st else 0.0], device=p.device)
-            dist.broadcast(has, src=src, group=grid.dp_group)
-            if not has.item():
-                continue
-            for k in keys:
-                if k == "step":
-                    t = st[k].clone().float().to(p.device) if st else torch.zeros((), device=p.device)
-                    dist.broadcast(t, src=src, group=grid.dp_group)
-                    out.setdefault(name, {})[k] = t.cpu()
-                else:
-                    t = st[k].detach().clone() if st else torch.empty_like(p)
-                    dist.broadcast(t, src=src, group=grid.dp_group)
-                    out.setdefault(name, {})[k] = tp.full_tensor(p, t, grid).cpu()
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self._from_owner(p, group, grid) if self.zero1 else self.state.get(p, {})
+                for k, v in st.items():
+                    full = tp.full_tensor(p, v, grid) if torch.is_tensor(v) and v.shape == p.shape else v
+                    out.setdefault(names[id(p)], {})[k] = full.detach().clone().cpu() if torch.is_tensor(full) else full
+        return out
+
+    def _from_owner(self, p, group, grid):
+        """ZeRO-1: p's state (local shapes) on every dp rank, broadcast by its owner; {} before the
+        first step."""
+        keys = ["momentum_buffer"] if group["kind"] == "muon" else ["step", "exp_avg", "exp_avg_sq"]
+        src = dist.get_global_rank(grid.dp_group, self.owner[id(p)])
+        st = self.state.get(p, {}) if self.owns(p) else {}
+        has = torch.tensor([1.0 if st else 0.0], device=p.device)
+        dist.broadcast(has, src=src, group=grid.dp_group)
+        if not has.item():
+            return {}
+        out = {}
+        for k in keys:
+            if k == "step":
+                t = st[k].clone().float().to(p.device) if st else torch.zeros((), device=p.device)
+            else:
+                t = st[k].detach().clone() if st else torch.empty_like(p)
+            dist.broadcast(t, src=src, group=grid.dp_group)
+            out[k] = t
         return out
 
 
-def _fsdp_methods():
-    """FSDP checkpoint helpers, attached to Muon below (kept apart: they read fsdp.py's units)."""
-    import fsdp as F
-
-    def muon_names(self):
-        return {self.fsdp.units[ui].params[i][0][0] for ui, i in self.fsdp_owner}
-
-    def full(self):
-        w, grid, out = self.fsdp, self.fsdp.grid, {}
-        root = w.units[0].shards[0]
-        if not self.state.get(root):  # no step yet (the root's shards are AdamW on every rank)
-            return out
-        skip = muon_names(self)
-        for key in ("exp_avg", "exp_avg_sq"):
-            def local(u):
-                return torch.cat([self.state[sp][key].reshape(-1) if key in self.state.get(sp, {})
-                                  else torch.zeros(sp.numel(), device=sp.device) for sp in u.shards])
-            for name, t in F._by_name(w, local).items():
-                if name not in skip:
-                    out.setdefault(name, {})[key] = t
-        for name in out:
-            out[name]["step"] = self.state[root]["step"].detach().cpu().clone()
-        for (ui, i), r in sorted(self.fsdp_owner.items()):
-            u = w.units[ui]
-            names, p, _ = u.params[i]
-            t = self.fsdp_bufs[(ui, i)].clone() if r == u.rank else torch.empty(u.shapes[i], device=u.device)
-            if u.dp > 1:
-                dist.broadcast(t, src=dist.get_global_rank(u.group, r), group=u.group)
-            out[names[0]] = {"momentum_buffer": tp.full_tensor(p, t, grid).cpu()}
-        return out
-
-    def load(self, state):
-        w, grid = self.fsdp, self.fsdp.grid
-        if not state:
-            return
-        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        kind = {id(p): g["kind"] for g in self.param_groups for p in g["params"]}
-        step = next(v["step"] for v in state.values() if "step" in v)
-        new = {}
-        for ui, u in enumerate(w.units):
-            def of(key):
-                def f(names):
-                    e = F._pick(state, names)
-                    return e[key] if key in e else torch.zeros(e["momentum_buffer"].shape)
-                return f
-            flats = {k: F._local(w, u, of(k)) for k in ("exp_avg", "exp_avg_sq")}
-            for sp, (a, b) in zip(u.shards, u.ranges):
-                if kind[id(sp)] == "adamw":
-                    new[index[id(sp)]] = {"step": step.clone(), **{k: f[a:b].clone().view_as(sp) for k, f in flats.items()}}
-            for i, (names, p, _) in enumerate(u.params):
-                if self.fsdp_owner.get((ui, i)) == u.rank:
-                    t = tp.local_tensor(p, F._pick(state, names)["momentum_buffer"], grid)
-                    self.fsdp_bufs[(ui, i)] = t.float().to(u.device).clone()
-        self.load_state_dict({"state": new, "param_groups": self.state_dict()["param_groups"]})
-    return full, load
-
+# ----------------------------------------------------------------------------- parameter groups
 
 def _is_muon(name, ndim):
     return name.startswith("blocks.") and ndim >= 2 and "router" not in name
@@ -460,35 +343,149 @@ def param_groups(model, cfg, use_muon=True):
 
 
 def build(model, cfg, grid=None):
-    """The Muon(+AdamW) optimizer of cfg; optimizer="adamw" with zero1 gives AdamW-only groups."""
+    """The Muon(+AdamW) optimizer of cfg; optimizer="adamw" with zero1 gives AdamW-only groups.
+    model: the plain / TP / EP model, or an fsdp.FSDP wrapper (-> FSDPMuon)."""
     use_muon = cfg.optimizer == "muon"
-    if hasattr(model, "units"):
-        return _build_fsdp(model, cfg, use_muon)
+    if isinstance(model, fsdp.FSDP):
+        return build_fsdp(model, cfg, use_muon)
     if use_muon:
         mark_splits(model)
     if any(hasattr(p, "tp_split") for p in model.parameters()) and grid is None:
         raise ValueError("a tensor-parallel model needs build_optimizer(model, cfg, grid)")
-    ns_dtype = _ns_dtype(cfg)
-    return Muon(param_groups(model, cfg, use_muon), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                weight_decay=cfg.weight_decay, momentum=getattr(cfg, "muon_momentum", 0.95),
-                scale=getattr(cfg, "muon_scale", "rms"), ns_dtype=ns_dtype, grid=grid,
-                zero1=getattr(cfg, "zero1", False))
+    return Muon(param_groups(model, cfg, use_muon), grid=grid, zero1=getattr(cfg, "zero1", False), **_hyper(cfg))
 
 
-def _ns_dtype(cfg):
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[getattr(cfg, "ns_dtype", "bfloat16")]
+def _hyper(cfg):
+    """Muon's keyword arguments from the config (shared by build and build_fsdp)."""
+    return dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                momentum=getattr(cfg, "muon_momentum", 0.95), scale=getattr(cfg, "muon_scale", "rms"),
+                ns_dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[getattr(cfg, "ns_dtype", "bfloat16")])
 
 
-def _build_fsdp(wrapper, cfg, use_muon):
+# ----------------------------------------------------------------------------- FSDP: FSDPMuon
+
+class FSDPMuon(Muon):
+    """Muon on fsdp.FSDP's flat shards (the module docstring's last part): the muon group holds
+    the shard Parameters of each block unit's first run; the update of a whole matrix is computed
+    by its owner in the unit's group and reduce-scattered to the shards. fsdp_muon: {(unit index,
+    parameter index): True} for the unit parameters Muon trains."""
+
+    def __init__(self, groups, wrapper, fsdp_muon, **kw):
+        super().__init__(groups, grid=wrapper.grid, **kw)
+        self.fsdp, self.fsdp_owner, self.fsdp_bufs = wrapper, {}, {}
+        load = {}  # whole-matrix owners per unit group (with EP, expert units: dp; the others dp x ep)
+        mats = [(ui, i, u.shapes[i].numel()) for ui, u in enumerate(wrapper.units) for i in range(len(u.params))
+                if fsdp_muon.get((ui, i))]  # (the model's Parameters are empty under FSDP: use shapes)
+        for ui, i, n in sorted(mats, key=lambda m: (-m[2], m[0], m[1])):
+            u = wrapper.units[ui]
+            lo = load.setdefault(id(u.group), [0] * u.dp)
+            r = min(range(u.dp), key=lambda r: (lo[r], r))
+            self.fsdp_owner[(ui, i)] = r
+            lo[r] += n
+
+    def state_bytes(self):
+        return super().state_bytes() + sum(v.numel() * v.element_size() for v in self.fsdp_bufs.values())
+
+    def _muon(self, group):
+        """FSDP: per unit, all-gather the flat gradient; each matrix's owner updates its momentum
+        and orthogonalises the whole matrix (gathered over TP too); a reduce-scatter of the updates
+        (zero where not owned) hands every rank the slice its shard needs."""
+        mu, grid = group["momentum"], self.fsdp.grid
+        for ui, u in enumerate(self.fsdp.units):
+            mine = [i for i in range(len(u.params)) if self.fsdp_owner.get((ui, i)) is not None]
+            if not mine or u.grad is None:
+                continue
+            full_g = u.all_gather_fp32(u.grad)
+            upd, off, todo = torch.zeros_like(full_g), 0, []  # todo: (offset, n, param, its U)
+            for i, ((names, p, _), shape, n) in enumerate(zip(u.params, u.shapes, u.sizes)):
+                if self.fsdp_owner.get((ui, i)) == u.rank:
+                    g = full_g[off:off + n].view(shape)
+                    buf = self.fsdp_bufs.get((ui, i))
+                    if buf is None:
+                        buf = self.fsdp_bufs[(ui, i)] = torch.zeros_like(g)
+                    buf.mul_(mu).add_(g)
+                    v = g.add(buf, alpha=mu)
+                    if grid.tp > 1 and hasattr(p, "tp_split"):
+                        v = tp.full_tensor(p, v, grid)
+                    todo.append((off, n, p, v))
+                off += n
+            os = orthogonalize([v for *_, v in todo], [getattr(p, "muon_split", None) for _, _, p, _ in todo],
+                               group["ns_steps"], self.ns_dtype, group["scale"]) if todo else []
+            for (off, n, p, _), o in zip(todo, os):
+                if grid.tp > 1 and hasattr(p, "tp_split"):
+                    o = tp.local_tensor(p, o, grid)
+                upd[off:off + n] = o.reshape(-1)
+            if u.dp > 1:
+                out = torch.empty(u.S, dtype=upd.dtype, device=upd.device)
+                fsdp.reduce_scatter_single(out, upd, op=dist.ReduceOp.SUM, group=u.group)
+            else:
+                out = upd
+            for sp, (a, b) in zip(u.shards, u.ranges):
+                if any(sp is q for q in group["params"]):
+                    sp.mul_(1 - group["lr"] * group["weight_decay"])
+                    sp.add_(out[a:b].view_as(sp), alpha=-group["lr"])
+
+    def full_optim_state(self, model=None, grid=None):
+        """The one-process optimizer state, from the shards (AdamW) and the owners' momentum."""
+        w, grid, out = self.fsdp, self.fsdp.grid, {}
+        root = w.units[0].shards[0]
+        if not self.state.get(root):  # no step yet (the root's shards are AdamW on every rank)
+            return out
+        skip = {self.fsdp.units[ui].params[i][0][0] for ui, i in self.fsdp_owner}
+        for key in ("exp_avg", "exp_avg_sq"):
+            def local(u):
+                return torch.cat([self.state[sp][key].reshape(-1) if key in self.state.get(sp, {})
+                                  else torch.zeros(sp.numel(), device=sp.device) for sp in u.shards])
+            for name, t in fsdp.gather_by_name(w, local).items():
+                if name not in skip:
+                    out.setdefault(name, {})[key] = t
+        for name in out:
+            out[name]["step"] = self.state[root]["step"].detach().cpu().clone()
+        for (ui, i), r in sorted(self.fsdp_owner.items()):
+            u = w.units[ui]
+            names, p, _ = u.params[i]
+            t = self.fsdp_bufs[(ui, i)].clone() if r == u.rank else torch.empty(u.shapes[i], device=u.device)
+            if u.dp > 1:
+                dist.broadcast(t, src=dist.get_global_rank(u.group, r), group=u.group)
+            out[names[0]] = {"momentum_buffer": tp.full_tensor(p, t, grid).cpu()}
+        return out
+
+    def load_full_optim_state(self, model, grid, state):
+        """full_optim_state()'s output (saved by any layout) into this rank's shards and owned
+        momentum. Collective."""
+        w = self.fsdp
+        if not state:
+            return
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        kind = {id(p): g["kind"] for g in self.param_groups for p in g["params"]}
+        step = next(v["step"] for v in state.values() if "step" in v)
+        new = {}
+        for ui, u in enumerate(w.units):
+            def of(key):
+                def f(names):
+                    e = fsdp.pick(state, names)
+                    return e[key] if key in e else torch.zeros(e["momentum_buffer"].shape)
+                return f
+            flats = {k: fsdp.local_flat(w, u, of(k)) for k in ("exp_avg", "exp_avg_sq")}
+            for sp, (a, b) in zip(u.shards, u.ranges):
+                if kind[id(sp)] == "adamw":
+                    new[index[id(sp)]] = {"step": step.clone(), **{k: f[a:b].clone().view_as(sp) for k, f in flats.items()}}
+            for i, (names, p, _) in enumerate(u.params):
+                if self.fsdp_owner.get((ui, i)) == u.rank:
+                    t = tp.local_tensor(p, fsdp.pick(state, names)["momentum_buffer"], grid)
+                    self.fsdp_bufs[(ui, i)] = t.float().to(u.device).clone()
+        self.load_state_dict({"state": new, "param_groups": self.state_dict()["param_groups"]})
+
+
+def build_fsdp(wrapper, cfg, use_muon):
     """Under FSDP the optimizer sees each unit's flat shards: a block unit's decayed shard holds
     only hidden matrices (Muon, updated through whole-matrix owners), the rest is AdamW."""
     if getattr(cfg, "zero1", False):
         raise ValueError("zero1 with FSDP: FSDP already shards the optimizer state")
-    import fsdp
     fsdp_muon, m, decay, no_decay = {}, [], [], []
     for ui, u in enumerate(wrapper.units):
         flags = [use_muon and _is_muon(names[0], len(shape)) for (names, _, _), shape in zip(u.params, u.shapes)]
-        first_run = [fsdp._run(names[0], len(shape)) == 0 for (names, _, _), shape in zip(u.params, u.shapes)]
+        first_run = [fsdp.run_of(names[0], len(shape)) == 0 for (names, _, _), shape in zip(u.params, u.shapes)]
         if any(flags) and flags != first_run:
             raise NotImplementedError(f"FSDP unit {ui} mixes Muon and AdamW matrices in one run")
         for i, ((names, p, _), f) in enumerate(zip(u.params, flags)):
@@ -506,6 +503,4 @@ def _build_fsdp(wrapper, cfg, use_muon):
     if use_muon:  # present (maybe empty) on every rank: its lr / momentum drive the owners
         groups.insert(0, dict(params=m, kind="muon", weight_decay=cfg.weight_decay, lr=muon_lr,
                               lr_scale=muon_lr / cfg.lr))
-    return Muon(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
-                momentum=getattr(cfg, "muon_momentum", 0.95), scale=getattr(cfg, "muon_scale", "rms"),
-                ns_dtype=_ns_dtype(cfg), grid=wrapper.grid, fsdp=wrapper, fsdp_muon=fsdp_muon)
+    return FSDPMuon(groups, wrapper, fsdp_muon, **_hyper(cfg))

@@ -8,8 +8,12 @@ import math
 
 import torch
 
+import muon
+
 
 def param_groups(model, weight_decay):
+    """[decayed matrices, not decayed 1-D parameters] of the trainable parameters (frozen ones,
+    requires_grad=False, are left out)."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():  # unique parameters: a tied weight appears once
         if p.requires_grad:
@@ -24,7 +28,6 @@ def build_optimizer(model, cfg, grid=None):
     if cfg.optimizer not in ("adamw", "muon"):
         raise ValueError(f"optimizer='{cfg.optimizer}' is not available (choose adamw or muon)")
     if cfg.optimizer == "muon" or getattr(cfg, "zero1", False):
-        import muon
         return muon.build(model, cfg, grid)
     on_cuda = next(model.parameters()).is_cuda
     # fused AdamW: one kernel for all parameters on GPU; foreach on CPU

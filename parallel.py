@@ -1,13 +1,38 @@
-"""Process grid and data parallelism, written with raw torch.distributed collectives.
+"""Process grid, data parallelism, and parallelize(): the one place every layout is applied.
 
-    grid = parallel.init(cfg)                  # from torchrun's environment (or one plain process)
-    model = parallel.DataParallel(model, grid) # gradient all-reduce overlapping backward
+    grid = parallel.init(cfg)                          # from torchrun's environment (or one plain process)
+    run = parallel.parallelize(Transformer(mcfg), grid, cfg, load=...)   # TP, load, EP, FSDP or DP, compile
+    with run.model.no_sync(): run.fwd(x, y).backward()  # (all but the last micro-step)
+    run.model.finish(); run.clip_grad_norm_(1.0); run.optimizer.step(); run.model.zero_grad()
 
 Ranks form arange(world).view(dp, ep, tp) with TP innermost, so tensor-parallel partners are
 neighbouring GPUs. Tensor parallelism lives in tp.py, FSDP in fsdp.py, experts in moe.py.
 EP ranks see different data: the data-parallel world (loader shards, gradient averaging of
 non-expert parameters) is dp x ep, `grid.data_group` / `data_rank` / `data_world`; dp_group
 holds the replicas of one expert shard (= data_group when ep = 1).
+
+parallelize() applies, in the one order that works: the TP cut (tp.py), the initial weights (an
+HF folder or a checkpoint, read after the cut so each rank reads only its slices, before the EP
+cut which drops other ranks' experts), the EP cut (moe.py), then FSDP (fsdp.py) and its optimizer,
+or the optimizer and DataParallel (whose ZeRO-1 owner map comes from the optimizer), then
+torch.compile. clip_grad_norm_ is the one gradient norm of every layout and their products.
+
+Import graph of the top-level modules (lazy imports included; tests/test_imports.py checks
+that it has no cycle and that no file uses another's _private names). Before issue 14 (4bce2c0):
+
+    config -> model;  tp -> model;  moe -> tp, model (lazy);  model -> fused, moe (lazy)   <- cycles
+    fsdp -> tp (lazy);  muon -> tp, fsdp (lazy);  optim -> muon (lazy);  parallel -> (none)
+    checkpoint -> fsdp, moe, tp, model;  hf -> model;  data -> hf (lazy)
+    (and muon / fsdp read fsdp's and tp's private helpers)
+
+Now, imports at the top of each file (data.py's optional hf aside), and an order in which each
+module imports only modules before it: fused, tp, moe, model, config, generate, fsdp, muon,
+optim, parallel, checkpoint, hf, data, logs, then the scripts:
+
+    tp -> (torch);  moe -> tp;  model -> fused, moe, tp;  config -> model;  generate -> (torch)
+    fsdp -> tp;  muon -> fsdp, tp;  optim -> muon;  parallel -> fsdp, moe, optim, tp
+    checkpoint -> fsdp, moe, tp, model;  hf -> checkpoint, model, tp;  data -> hf (lazy: optional)
+    logs -> (torch);  pretrain / sample / bench* -> the concept modules above
 """
 import contextlib
 import datetime
@@ -18,6 +43,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+import fsdp
+import moe
+import optim
+import tp
 
 
 @dataclass
@@ -97,14 +127,6 @@ def init(cfg):
 def shutdown():
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def all_reduce_mean(x, group=None):
-    """Average a tensor over a group (works on gloo, which has no AVG op)."""
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)
-        x /= dist.get_world_size(group)
-    return x
 
 
 class DataParallel(nn.Module):
@@ -282,3 +304,129 @@ class DataParallel(nn.Module):
 
     def load_state_dict(self, *args, **kwargs):
         return self.module.load_state_dict(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- gradient norm, every layout
+
+def _sum(x, group):
+    """x summed over the group (a new tensor; x itself unchanged)."""
+    if group is not None and dist.get_world_size(group) > 1:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def grad_sq_norm(params, grid):
+    """Squared gradient norm of the full model from this rank's parameters, every slice counted once:
+    TP slices (p.tp_split) summed over the TP group, a piece several TP ranks share counted by its
+    first holder only; expert shards (moe.py, p.ep_split) also summed over the EP group (under TP
+    every expert is cut, so summing over EP, then TP, counts each slice once); replicated
+    parameters counted locally (their gradients are identical on every rank)."""
+    params = [p for p in params if p.grad is not None]
+    dev = params[0].grad.device if params else grid.device
+    shd = torch.zeros((), device=dev)
+
+    def sq_norm(ps):  # unsplit gradients: one foreach norm, a few kernels for any number of them
+        gs = [p.grad for p in ps if not hasattr(p, "tp_split")]
+        return torch.stack(torch._foreach_norm(gs)).float().square().sum() if gs else torch.zeros((), device=dev)
+    rep = sq_norm([p for p in params if getattr(p, "ep_split", 1) == 1])
+    exp = sq_norm([p for p in params if getattr(p, "ep_split", 1) > 1])
+    for p in params:
+        if not hasattr(p, "tp_split"):
+            continue
+        g, sq = p.grad.float(), 0.0
+        for off, n, counted in tp.counted_pieces(p, grid):
+            if counted:
+                sq = sq + g.narrow(p.tp_split[0], off, n).square().sum()
+        if getattr(p, "ep_split", 1) > 1:
+            exp = exp + sq
+        else:
+            shd = shd + sq
+    return rep + _sum(shd + _sum(exp, grid.ep_group), grid.tp_group)
+
+
+def clip_grad_norm_(model, max_norm, grid, owner=None):
+    """torch.nn.utils.clip_grad_norm_ over the full model under any layout: every parameter counted
+    once, every rank gets the same norm, hence the same scale. Returns the total norm (no host sync).
+
+    model: the (TP / EP cut) module or its DataParallel: grad_sq_norm over its parameters. ZeRO-1
+    (owner = the optimizer's grad_owner, {id(param): dp rank}): only owners hold reduced gradients
+    (DataParallel dropped the others), so the owned ones' squares are summed over the dp group.
+    An fsdp.FSDP wrapper: its shards are disjoint (padding is zero), so squares add up over the data
+    group (an expert unit's shards cover its EP rank's experts over dp, the EP ranks the rest);
+    under TP each rank adds the runs of its shard it counts (Unit.counted), summed over TP.
+    Frozen parameters (no gradient) are left out."""
+    if isinstance(model, fsdp.FSDP):
+        units = [u for u in model.units if u.grad is not None and u.shards[0].grad is not None]
+        sq = torch.zeros((), device=model.units[0].device)
+        for u in units:
+            for a, b in u.counted:
+                sq += u.grad[a:b].square().sum()
+        for size, group in ((grid.tp, grid.tp_group), (grid.data_world, grid.data_group or grid.dp_group)):
+            if size > 1:
+                dist.all_reduce(sq, group=group)
+        grads = [u.grad for u in units]  # the shard Parameters' .grad are views of u.grad
+    else:
+        params = [p for p in model.parameters() if p.grad is not None
+                  and (owner is None or owner[id(p)] == grid.dp_rank)]
+        sq = grad_sq_norm(params, grid)
+        if owner is not None:
+            dist.all_reduce(sq, group=grid.dp_group)
+        grads = [p.grad for p in params]
+    norm = sq.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch's: multiply even when it is 1
+    if grads:
+        torch._foreach_mul_(grads, coef)
+    return norm
+
+
+# ---------------------------------------------------------------------------- parallelize
+
+def amp_dtype(cfg, device):
+    """cfg.dtype -> the compute dtype: "auto" is bf16 autocast on CUDA, fp32 elsewhere."""
+    return {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+            "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+
+
+@dataclass
+class Parallel:
+    """What parallelize() returns: the handles a training loop needs."""
+    raw: nn.Module    # the cut model (this rank's TP slices and experts): checkpoints, generation, metrics
+    model: nn.Module  # DataParallel or fsdp.FSDP around raw: no_sync(), finish(), zero_grad()
+    fwd: object       # call forward on this: torch.compile(raw), raw, or the FSDP wrapper
+    optimizer: object  # None when built without one (e.g. a frozen reference model)
+    grid: Grid
+
+    def clip_grad_norm_(self, max_norm):
+        """The gradient norm of the whole model, clipped to max_norm, right for this layout."""
+        return clip_grad_norm_(self.model, max_norm, self.grid, getattr(self.optimizer, "grad_owner", None))
+
+    def full_params(self):
+        """A context in which raw holds full parameters (FSDP gathers them: for generation)."""
+        return self.model.summon_full_params() if isinstance(self.model, fsdp.FSDP) else contextlib.nullcontext()
+
+
+def parallelize(model, grid, cfg, load=None, optimizer=True):
+    """Apply the layout of cfg (grid's tp / ep, cfg.data_parallel) to a full model built from the
+    same seed on every rank, in place, and build its optimizer (optimizer=False: none).
+
+    load(model): the initial weights (hf.init_loader), called on the TP-cut model before the EP cut.
+    A model without trainable parameters (a frozen reference) gets no optimizer and stays
+    replicated (DataParallel: broadcast once, nothing to reduce), also under data_parallel="fsdp".
+    Partly frozen models work: frozen parameters are neither reduced nor optimised."""
+    tp.tensor_parallel(model, grid)  # TP: keep this rank's heads / MLP columns / vocabulary rows (tp=1: no-op)
+    if load is not None:
+        load(model)  # initial weights: each TP rank reads only its slices; every expert still here
+    moe.expert_parallel(model, grid)  # EP: keep this rank's experts, set the groups (dense: no-op)
+    trainable = any(p.requires_grad for p in model.parameters())
+    dtype = amp_dtype(cfg, grid.device)
+    if cfg.data_parallel == "fsdp" and trainable:  # shard what TP left over the data-parallel ranks
+        wrapper = fsdp.FSDP(model, grid, compute_dtype=dtype if dtype != torch.float32 else None)
+        opt = optim.build_optimizer(wrapper, cfg, grid) if optimizer else None
+        fwd = wrapper  # gathers each block's shards around its forward
+    else:  # replicate it (broadcasts rank 0's weights); ZeRO-1: each gradient is reduced to its owner
+        opt = optim.build_optimizer(model, cfg, grid) if optimizer and trainable else None
+        wrapper = DataParallel(model, grid, cfg.grad_bucket_mb, owner=getattr(opt, "grad_owner", None),
+                               reduce_dtype=getattr(torch, cfg.grad_reduce_dtype))
+        fwd = torch.compile(model) if cfg.compile else model  # DataParallel's hooks live on the parameters
+    return Parallel(model, wrapper, fwd, opt, grid)

@@ -4,6 +4,8 @@
     torchrun --nproc_per_node=2 pretrain.py configs/small.py      # data parallel over 2 GPUs
     torchrun --nproc_per_node=2 pretrain.py configs/tiny.py --max_steps=50 --lr=1e-3
     torchrun --nproc_per_node=4 pretrain.py configs/small.py --tp=2 --data_parallel=fsdp --compile=False
+
+Importing this file runs nothing: main() does the work.
 """
 import contextlib
 import math
@@ -17,202 +19,173 @@ from tqdm import tqdm
 import checkpoint
 import config
 import data
-import fsdp
+import generate
 import hf
 import logs
 import moe
 import optim
 import parallel
-import tp
 from model import ModelConfig, Transformer
 
-# ---------------------------------------------------------------------------- setup
-cfg = config.load(sys.argv[1:])
-grid = parallel.init(cfg)
-main = grid.is_main
-say = print if main else (lambda *a, **k: None)
-device = grid.device
-dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-         "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-# bf16 autocast on GPU: matmuls in bf16, master weights, optimizer and reductions in fp32
-autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16
-            else contextlib.nullcontext())
-if device.type == "cuda":
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights
 
-# ---------------------------------------------------------------------------- data
-# init_from = a Hugging Face model folder: its config.json sets the model keys, its tokenizer the vocabulary
-from_hf = hf.configure(cfg)
-tok = data.get_tokenizer(cfg.tokenizer, cfg.tokenizer_vocab)
-if not from_hf:
-    cfg.vocab_size = tok.n_vocab  # the model's vocabulary is the tokenizer's (padded inside the model)
-data_dir = cfg.data_dir or data.default_data_dir(cfg.data, tok.name, cfg.tokenizer_vocab)
-# rank 0 tokenizes (once: later runs reuse the memmaps) while the others wait; then the first
-# rank of every other node checks too, a no-op on a shared file system
-for writer in (grid.rank == 0, grid.local_rank == 0 and grid.rank != 0):
-    if writer:
-        data.prepare(cfg.data, tok, data_dir, val_fraction=cfg.val_fraction, text_field=cfg.text_field,
-                     max_docs=cfg.max_docs, verbose=main)
-    if grid.world > 1:
-        torch.distributed.barrier()
-T = cfg.seq_len or cfg.block_size
-# data-parallel ranks: dp x ep (expert-parallel ranks see different data too)
-accum = cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
-loader = data.Loader(os.path.join(data_dir, "train.bin"), cfg.micro_batch_size, T,
-                     grid.data_rank, grid.data_world, seed=cfg.seed, device=device)
-say(f"config:\n{config.show(cfg)}")
-say(f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {device} | {dtype}"
-    f" | global batch {cfg.batch_size} x {T} tokens = {cfg.micro_batch_size} sequences x {grid.data_world}"
-    f" ranks x {accum} accumulation steps")
-
-# ---------------------------------------------------------------------------- model and optimizer
-mcfg = ModelConfig.from_cfg(cfg)
-raw = Transformer(mcfg).to(device)  # the full model on every rank, from the same seed
-n_params, n_body, n_active = raw.num_params(), raw.non_embedding_params(), raw.active_params()
-flops_per_token = raw.flops_per_token(T)  # counted on the full model, before it is cut
-tp.tensor_parallel(raw, grid)  # TP: keep this rank's heads / MLP columns / vocabulary rows (tp=1: no-op)
-if cfg.init_from:  # under TP each rank keeps only its slices (of an HF folder, it reads only those)
-    if from_hf:
-        hf.load_weights(cfg.init_from, raw, shard_fn=tp.hf_shard_fn(raw, grid))
-    else:
-        tp.load_full_state_dict(raw, grid, checkpoint.read_weights(cfg.init_from, mcfg))
-moe.expert_parallel(raw, grid)  # MoE: keep this rank's experts, set the groups (dense: no-op)
-sharded = cfg.data_parallel == "fsdp"
-if sharded:  # shard what TP left over the data-parallel ranks
-    model = fsdp.FSDP(raw, grid, compute_dtype=dtype if dtype != torch.float32 else None)
-    optimizer = optim.build_optimizer(model, cfg, grid)
-else:  # replicate it (broadcasts rank 0's weights); ZeRO-1: each gradient is reduced to its owner
-    optimizer = optim.build_optimizer(raw, cfg, grid)
-    model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb, owner=getattr(optimizer, "grad_owner", None),
-                                  reduce_dtype=getattr(torch, cfg.grad_reduce_dtype))
-step = 0
-if cfg.resume:
-    path = checkpoint.latest(cfg.out_dir)
-    if path is None:
-        say(f"resume: no checkpoint in {cfg.out_dir}, starting from scratch")
-    else:  # saved by any layout: full tensors, cut to this one
-        state = checkpoint.load(path, raw, optimizer, grid, model)
-        loader.load_state_dict(state["loader"])
-        step = state["step"]
-        say(f"resumed from {path} at step {step}")
-if sharded:
-    fwd = model  # gathers each block's shards around its forward
-else:  # DataParallel's hooks live on the parameters, so compile the inner model
-    fwd = torch.compile(raw) if cfg.compile else raw
-peak = logs.peak_tflops(device, cfg.peak_tflops)
-say(f"model: {n_params / 1e6:.2f}M parameters ({n_active / 1e6:.2f}M active, {n_body / 1e6:.2f}M active non-embedding), "
-    f"{flops_per_token / 1e6:.1f} MFLOPs/token, peak {peak or 'n/a'} TFLOP/s per device")
-logger = logs.Logger(cfg, grid)
-
-
-@torch.no_grad()
-def evaluate():
-    """Mean validation loss over the same windows on every call, averaged over all ranks."""
-    raw.eval()
-    total = torch.zeros(2, device=device)
-    for x, y in data.eval_batches(os.path.join(data_dir, "val.bin"), cfg.micro_batch_size, T,
-                                  grid.data_rank, grid.data_world, cfg.eval_batches, device=device):
-        with autocast:
-            total[0] += fwd(x, y).float()
-        total[1] += 1
-    if grid.world > 1:
-        torch.distributed.all_reduce(total, group=grid.data_group)
-    raw.train()
-    return (total[0] / total[1].clamp(min=1)).item()
-
-
-def save():  # every rank helps gather the full tensors; rank 0 writes
-    weights, opt_state = checkpoint.gather(raw, optimizer, grid, model)  # full tensors (experts too)
-    checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, loader.state_dict(), cfg.keep_last, grid.rank)
-
-
-def clip_grad_norm_(max_norm):
-    """Every parameter counted once: sharded pieces summed over their group, replicas once."""
-    if sharded:  # FSDP shards summed over the data group (dp x ep) and TP
-        return fsdp.clip_grad_norm_(model, max_norm)
-    if getattr(optimizer, "grad_owner", None):  # ZeRO-1: only owners hold reduced gradients
-        return optimizer.clip_grad_norm_(max_norm)
-    return tp.clip_grad_norm_(raw.parameters(), max_norm, grid)  # TP slices over tp; expert shards over ep too
-
-
-def now():
-    """Wall time after the GPU has caught up (only called at log / eval / checkpoint steps)."""
+def main(argv):
+    # ------------------------------------------------------------------------ setup
+    cfg = config.load(argv)
+    grid = parallel.init(cfg)
+    is_main = grid.is_main
+    say = print if is_main else (lambda *a, **k: None)
+    device = grid.device
+    dtype = parallel.amp_dtype(cfg, device)
+    # bf16 autocast on GPU: matmuls in bf16, master weights, optimizer and reductions in fp32
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16
+                else contextlib.nullcontext())
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights
 
-
-# ---------------------------------------------------------------------------- training loop
-last = cfg.stop_at or cfg.max_steps
-bar = tqdm(total=cfg.max_steps, initial=step, disable=not (main and cfg.progress), dynamic_ncols=True)
-t0 = now()
-t_steps = 0
-loss_sum = torch.zeros((), device=device)  # summed over the steps since the last log line
-while step < last:
-    lr = optim.lr_at(step, cfg)
-    for g in optimizer.param_groups:
-        g["lr"] = lr * g.get("lr_scale", 1.0)  # Muon's group: muon_lr / lr
-    for micro in range(accum):
-        x, y = loader.next()
-        # communicate only on the last micro-step; earlier ones accumulate gradients locally
-        with model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-            with autocast:
-                loss = fwd(x, y) / accum  # mean over the global batch = sum of per-micro-step means / accum
-            loss.backward()
-        loss_sum += loss.detach()
-    model.finish()  # wait for the gradient all-reduce before looking at gradients
-    grad_norm = clip_grad_norm_(cfg.grad_clip or float("inf"))
-    optimizer.step()
-    model.zero_grad(set_to_none=True)
-    step += 1
-    t_steps += 1
-    bar.update(1)
-
-    if step % cfg.log_every == 0 or step == last:
+    # ------------------------------------------------------------------------ data
+    # init_from = a Hugging Face model folder: its config.json sets the model keys, its tokenizer the vocabulary
+    from_hf = hf.configure(cfg)
+    tok = data.get_tokenizer(cfg.tokenizer, cfg.tokenizer_vocab)
+    if not from_hf:
+        cfg.vocab_size = tok.n_vocab  # the model's vocabulary is the tokenizer's (padded inside the model)
+    data_dir = cfg.data_dir or data.default_data_dir(cfg.data, tok.name, cfg.tokenizer_vocab)
+    # rank 0 tokenizes (once: later runs reuse the memmaps) while the others wait; then the first
+    # rank of every other node checks too, a no-op on a shared file system
+    for writer in (grid.rank == 0, grid.local_rank == 0 and grid.rank != 0):
+        if writer:
+            data.prepare(cfg.data, tok, data_dir, val_fraction=cfg.val_fraction, text_field=cfg.text_field,
+                         max_docs=cfg.max_docs, verbose=is_main)
         if grid.world > 1:
-            torch.distributed.all_reduce(loss_sum, group=grid.data_group)
-            loss_sum /= grid.data_world
-        loss_val = loss_sum.item() / t_steps  # mean over the interval's steps
-        dt = now() - t0
-        tok_s = t_steps * cfg.batch_size * T / dt
-        m = {"loss": loss_val, "lr": lr, "grad_norm": grad_norm.item(), "tok_s": tok_s,
-             "mfu": tok_s * flops_per_token / (peak * 1e12 * grid.world) if peak else "n/a",
-             "mem_gb": logs.peak_memory_gb(device)}
-        # MoE: the last micro-step's router losses (included in loss), busiest expert, dropped slots
-        m.update(moe.metrics(raw, grid.data_group))
-        logger.log(step, m)
-        if not math.isfinite(loss_val):
-            raise FloatingPointError(f"loss is {loss_val} at step {step}: lower lr or check the data")
-        bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{tok_s:.3g}")
-        if main:
-            bar.write(f"step {step}/{cfg.max_steps} | " + logs.fmt(m))
-        t0, t_steps = now(), 0
-        loss_sum.zero_()
-    do_eval = cfg.eval_every and (step % cfg.eval_every == 0 or step == last)
-    do_save = (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last
-    if do_eval or do_save:
-        t_pause = now()  # evaluation and checkpoints stay out of the throughput numbers
-        if do_eval:
-            val = evaluate()
-            logger.log(step, {"val_loss": val})
-            if main:
-                bar.write(f"step {step} | val loss {val:.4f}")
-        if do_save:
-            save()
-        t0 += now() - t_pause
-bar.close()
+            torch.distributed.barrier()
+    T = cfg.seq_len or cfg.block_size
+    # data-parallel ranks: dp x ep (expert-parallel ranks see different data too)
+    accum = cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
+    loader = data.Loader(os.path.join(data_dir, "train.bin"), cfg.micro_batch_size, T,
+                         grid.data_rank, grid.data_world, seed=cfg.seed, device=device)
+    say(f"config:\n{config.show(cfg)}")
+    say(f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {device} | {dtype}"
+        f" | global batch {cfg.batch_size} x {T} tokens = {cfg.micro_batch_size} sequences x {grid.data_world}"
+        f" ranks x {accum} accumulation steps")
 
-# ---------------------------------------------------------------------------- sample
-if cfg.sample_tokens > 0:  # every rank generates (TP shards need all ranks), the same seed; rank 0 prints
-    raw.eval()
-    prompt = torch.tensor([tok.encode(cfg.sample_prompt) or [tok.eos_id]], device=device)
-    full = model.summon_full_params() if sharded else contextlib.nullcontext()
-    with full, autocast:
-        out = raw.generate(prompt, min(cfg.sample_tokens, cfg.block_size - prompt.shape[1]),
-                           temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
-                           stop_tokens=[tok.eos_id], seed=cfg.seed)
-    say(f"--- sample after {step} steps ---\n{tok.decode(out[0].tolist())}\n---")
-logger.close()
-parallel.shutdown()
+    # ------------------------------------------------------------------------ model and optimizer
+    raw = Transformer(ModelConfig.from_cfg(cfg)).to(device)  # the full model on every rank, same seed
+    n_params, n_body, n_active = raw.num_params(), raw.non_embedding_params(), raw.active_params()
+    flops_per_token = raw.flops_per_token(T)  # counted on the full model, before it is cut
+    # in place: TP cut, init_from weights, EP cut, then FSDP or the optimizer + DataParallel (ZeRO-1), compile
+    run = parallel.parallelize(raw, grid, cfg, load=hf.init_loader(cfg, grid))
+    model, fwd, optimizer = run.model, run.fwd, run.optimizer
+    step = 0
+    if cfg.resume:
+        path = checkpoint.latest(cfg.out_dir)
+        if path is None:
+            say(f"resume: no checkpoint in {cfg.out_dir}, starting from scratch")
+        else:  # saved by any layout: full tensors, cut to this one
+            state = checkpoint.load(path, raw, optimizer, grid, model)
+            loader.load_state_dict(state["loader"])
+            step = state["step"]
+            say(f"resumed from {path} at step {step}")
+    peak = logs.peak_tflops(device, cfg.peak_tflops)
+    say(f"model: {n_params / 1e6:.2f}M parameters ({n_active / 1e6:.2f}M active, {n_body / 1e6:.2f}M active "
+        f"non-embedding), {flops_per_token / 1e6:.1f} MFLOPs/token, peak {peak or 'n/a'} TFLOP/s per device")
+    logger = logs.Logger(cfg, grid)
+
+    @torch.no_grad()
+    def evaluate():
+        """Mean validation loss over the same windows on every call, averaged over all ranks."""
+        raw.eval()
+        total = torch.zeros(2, device=device)
+        for x, y in data.eval_batches(os.path.join(data_dir, "val.bin"), cfg.micro_batch_size, T,
+                                      grid.data_rank, grid.data_world, cfg.eval_batches, device=device):
+            with autocast:
+                total[0] += fwd(x, y).float()
+            total[1] += 1
+        if grid.world > 1:
+            torch.distributed.all_reduce(total, group=grid.data_group)
+        raw.train()
+        return (total[0] / total[1].clamp(min=1)).item()
+
+    def now():
+        """Wall time after the GPU has caught up (only called at log / eval / checkpoint steps)."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    # ------------------------------------------------------------------------ training loop
+    last = cfg.stop_at or cfg.max_steps
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not (is_main and cfg.progress), dynamic_ncols=True)
+    t0 = now()
+    t_steps = 0
+    loss_sum = torch.zeros((), device=device)  # summed over the steps since the last log line
+    while step < last:
+        lr = optim.lr_at(step, cfg)
+        for g in optimizer.param_groups:
+            g["lr"] = lr * g.get("lr_scale", 1.0)  # Muon's group: muon_lr / lr
+        for micro in range(accum):
+            x, y = loader.next()
+            # communicate only on the last micro-step; earlier ones accumulate gradients locally
+            with model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                with autocast:
+                    loss = fwd(x, y) / accum  # mean over the global batch = sum of per-micro-step means / accum
+                loss.backward()
+            loss_sum += loss.detach()
+        model.finish()  # wait for the gradient all-reduce before looking at gradients
+        grad_norm = run.clip_grad_norm_(cfg.grad_clip or float("inf"))  # every layout: each slice counted once
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        step += 1
+        t_steps += 1
+        bar.update(1)
+
+        if step % cfg.log_every == 0 or step == last:
+            if grid.world > 1:
+                torch.distributed.all_reduce(loss_sum, group=grid.data_group)
+                loss_sum /= grid.data_world
+            loss_val = loss_sum.item() / t_steps  # mean over the interval's steps
+            dt = now() - t0
+            tok_s = t_steps * cfg.batch_size * T / dt
+            m = {"loss": loss_val, "lr": lr, "grad_norm": grad_norm.item(), "tok_s": tok_s,
+                 "mfu": tok_s * flops_per_token / (peak * 1e12 * grid.world) if peak else "n/a",
+                 "mem_gb": logs.peak_memory_gb(device)}
+            # MoE: the last micro-step's router losses (included in loss), busiest expert, dropped slots
+            m.update(moe.metrics(raw, grid.data_group))
+            logger.log(step, m)
+            if not math.isfinite(loss_val):
+                raise FloatingPointError(f"loss is {loss_val} at step {step}: lower lr or check the data")
+            bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{tok_s:.3g}")
+            if is_main:
+                bar.write(f"step {step}/{cfg.max_steps} | " + logs.fmt(m))
+            t0, t_steps = now(), 0
+            loss_sum.zero_()
+        do_eval = cfg.eval_every and (step % cfg.eval_every == 0 or step == last)
+        do_save = (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last
+        if do_eval or do_save:
+            t_pause = now()  # evaluation and checkpoints stay out of the throughput numbers
+            if do_eval:
+                val = evaluate()
+                logger.log(step, {"val_loss": val})
+                if is_main:
+                    bar.write(f"step {step} | val loss {val:.4f}")
+            if do_save:  # every rank helps gather the full tensors (experts too); rank 0 writes
+                weights, opt_state = checkpoint.gather(raw, optimizer, grid, model)
+                checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, loader.state_dict(), cfg.keep_last,
+                                grid.rank)
+            t0 += now() - t_pause
+    bar.close()
+
+    # ------------------------------------------------------------------------ sample
+    if cfg.sample_tokens > 0:  # every rank generates (TP shards need all ranks), the same seed; rank 0 prints
+        raw.eval()
+        prompt = torch.tensor([tok.encode(cfg.sample_prompt) or [tok.eos_id]], device=device)
+        with run.full_params(), autocast:
+            out = generate.generate(raw, prompt, min(cfg.sample_tokens, cfg.block_size - prompt.shape[1]),
+                                    temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
+                                    stop_tokens=[tok.eos_id], seed=cfg.seed)
+        say(f"--- sample after {step} steps ---\n{tok.decode(out[0].tolist())}\n---")
+    logger.close()
+    parallel.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -12,6 +12,7 @@ import torch
 
 import checkpoint
 import data
+import generate
 import hf
 from model import ModelConfig, Transformer
 
@@ -53,8 +54,8 @@ def main():
     if new <= 0:
         raise ValueError(f"prompt has {x.shape[1]} tokens, block_size is {cfg.block_size}: shorten the prompt")
     torch.manual_seed(a.seed)
-    out = model.generate(x, new, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                         stop_tokens=[tok.eos_id])
+    out = generate.generate(model, x, new, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                            stop_tokens=[tok.eos_id])
     for i, row in enumerate(out.tolist()):
         row = row[: row.index(tok.eos_id, len(ids))] if tok.eos_id in row[len(ids):] else row
         print(f"--- sample {i} ---\n{tok.decode(row)}")

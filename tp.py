@@ -1,8 +1,7 @@
 """Tensor parallelism (Megatron style), written with raw torch.distributed collectives.
 
     model = tp.tensor_parallel(Transformer(cfg), grid)  # full model (same seed on every rank), cut in place
-    opt = optim.build_optimizer(model, cfg)             # then parallel.DataParallel(model, grid) for DP
-    ...; tp.clip_grad_norm_(model.parameters(), max_norm, grid); opt.step()
+    # (parallel.parallelize does this, then loading, EP, FSDP or DP; parallel.clip_grad_norm_ counts the slices)
 
 attn.qkv and mlp.fc are column-parallel (each rank computes its heads / its slice of the hidden
 units), attn.proj and mlp.proj row-parallel (each rank multiplies its input columns; one all-reduce
@@ -15,14 +14,16 @@ piece r * chunks // tp. chunks == tp: a plain shard; chunks < tp: ranks share a 
 replicated when n_kv_head < tp; chunks == 1: q/k-norm weights). Slicing, gathering, checkpoints,
 norm counting and the gradient sum of shared pieces all follow from it. Parameters without
 tp_split (norms, row-parallel biases, positions) are replicated with identical gradients.
-Not here: sequence parallelism. Attention dropout draws the same masks on every TP rank.
+MoE layers cut their own experts (moe.MoE.tensor_parallel, called from tensor_parallel below).
+Not here: sequence parallelism. Attention dropout draws the same masks on every TP rank; the
+gradient norm over every layout (parallel.py); full (layout-free) checkpoint state (checkpoint.py).
 """
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import IGNORE
+IGNORE = -100  # target id that contributes no loss (prompt tokens, padding); model.py re-exports it
 
 
 def _size(group):
@@ -110,6 +111,19 @@ def _piece(r, chunks, tp):
 
 def _first_holder(k, chunks, tp):
     return -(-k * tp // chunks)  # the lowest rank holding piece k
+
+
+def counted_pieces(p, grid):
+    """[(offset, length, counted)] along dim p.tp_split[0] of p's local tensor, one per segment:
+    counted = this TP rank is the first holder of its piece, so that summing the counted pieces
+    over the TP group covers every slice of the full tensor exactly once (gradient norms)."""
+    dim, segments = p.tp_split
+    out, off = [], 0
+    for size, chunks in segments:
+        first = _first_holder(_piece(grid.tp_rank, chunks, grid.tp), chunks, grid.tp)
+        out.append((off, size // chunks, first == grid.tp_rank))
+        off += size // chunks
+    return out
 
 
 def cut(full, dim, segments, r, tp):
@@ -290,8 +304,9 @@ class VocabParallelHead(ColumnParallelLinear):
 
 # ----------------------------------------------------------------------------- the model
 
-def _mlp(m, grid):
-    """model.MLP: rows [gate | up] -> [this rank's gate slice | the matching up slice]; proj row-parallel."""
+def mlp_parallel(m, grid):
+    """model.MLP (or moe.MoE's shared expert), in place: rows [gate | up] -> [this rank's gate
+    slice | the matching up slice] column-parallel; proj row-parallel."""
     m.fc = ColumnParallelLinear(m.fc, grid, [(m.proj.in_features, grid.tp)] * (2 if m.gated else 1))
     m.proj = RowParallelLinear(m.proj, grid)
 
@@ -329,17 +344,10 @@ def tensor_parallel(model, grid):
         if a.qk_norm:  # replicated, but each rank applies them to its own heads: sum their grads
             for norm in (a.q_norm, a.k_norm):
                 norm.weight = shard(norm.weight, grid, 0, [(D, 1)])
-        m = block.mlp
-        if getattr(m, "is_moe", False):  # moe.py: every expert cut like the MLP; the router replicated
-            E_h = m.w2.shape[-1]
-            m.w1 = shard(m.w1, grid, 1, [(E_h, tp)] * (2 if m.gated else 1))
-            m.w2 = shard(m.w2, grid, 2, [(E_h, tp)])
-            m.w1.expert = m.w2.expert = True
-            m.tp_group = grid.tp_group  # MoE._ffn sums the partial expert outputs over it
-            if m.shared is not None:
-                _mlp(m.shared, grid)
+        if hasattr(block.mlp, "tensor_parallel"):  # moe.MoE: cuts its experts like the MLP (moe.py)
+            block.mlp.tensor_parallel(grid)
         else:
-            _mlp(m, grid)
+            mlp_parallel(block.mlp, grid)
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, grid)
     head = VocabParallelHead(model.head, grid, cfg.vocab_size)
     if cfg.tie_embeddings:
@@ -349,50 +357,7 @@ def tensor_parallel(model, grid):
     return model
 
 
-# ----------------------------------------------------------------------------- gradient norm
-
-def clip_grad_norm_(params, max_norm, grid):
-    """torch.nn.utils.clip_grad_norm_ over the full model: squares of sharded gradients summed over
-    the TP group (a shared piece counted by its first holder only), replicated ones counted once;
-    expert shards (moe.py, p.ep_split) also summed over the EP group (under TP every expert is cut,
-    so summing over EP, then TP, counts each slice once). Every rank gets the same norm, hence the
-    same scale. Returns the total norm."""
-    params = [p for p in params if p.grad is not None]
-    total = grad_sq_norm(params, grid).sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    if params:
-        torch._foreach_mul_([p.grad for p in params], coef)
-    return total
-
-
-def grad_sq_norm(params, grid):
-    """The squared gradient norm of clip_grad_norm_ (every slice counted once), without clipping."""
-    params = [p for p in params if p.grad is not None]
-    dev = params[0].grad.device if params else None
-    shd = torch.zeros((), device=dev)
-
-    def sq_norm(ps):  # unsplit gradients: one foreach norm, a few kernels for any number of them
-        gs = [p.grad for p in ps if not hasattr(p, "tp_split")]
-        return torch.stack(torch._foreach_norm(gs)).float().square().sum() if gs else torch.zeros((), device=dev)
-    rep = sq_norm([p for p in params if getattr(p, "ep_split", 1) == 1])
-    exp = sq_norm([p for p in params if getattr(p, "ep_split", 1) > 1])
-    for p in params:
-        if not hasattr(p, "tp_split"):
-            continue
-        g, sq = p.grad.float(), 0.0
-        (dim, segments), off = p.tp_split, 0
-        for size, chunks in segments:
-            if _first_holder(_piece(grid.tp_rank, chunks, grid.tp), chunks, grid.tp) == grid.tp_rank:
-                sq = sq + g.narrow(dim, off, size // chunks).square().sum()
-            off += size // chunks
-        if getattr(p, "ep_split", 1) > 1:
-            exp = exp + sq
-        else:
-            shd = shd + sq
-    return rep + _reduce(shd + _reduce(exp, grid.ep_group), grid.tp_group)
-
-
-# ----------------------------------------------------------------------------- full (layout-free) state
+# ----------------------------------------------------------------------------- full <-> local tensors
 
 def full_tensor(p, local, grid):
     """The full tensor of parameter p (or of a tensor shaped like it: a gradient, an optimizer
@@ -409,57 +374,6 @@ def local_tensor(p, full, grid):
     if grid.tp == 1 or not hasattr(p, "tp_split"):
         return full
     return cut(full, *p.tp_split, grid.tp_rank, grid.tp)
-
-
-def full_state_dict(model, grid):
-    """{name: full tensor on CPU}, as the one-process model's state_dict (tied names, padded
-    vocabulary rows included). Collective over the TP group: every TP rank must call it."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    out, done = {}, {}
-    for k, v in model.state_dict().items():
-        p = params.get(k, v)
-        if id(p) not in done:  # a tied weight: gathered once, both names share the tensor (as in one process)
-            done[id(p)] = full_tensor(p, v, grid).cpu()
-        out[k] = done[id(p)]
-    return out
-
-
-@torch.no_grad()
-def load_full_state_dict(model, grid, full_sd):
-    """Copy a one-process state dict into the TP model: each rank keeps only its slices."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    sd = model.state_dict()
-    missing = sorted(set(sd) - set(full_sd))
-    if missing:
-        raise ValueError(f"full state dict lacks {missing[:8]}")
-    for k, t in sd.items():
-        t.copy_(local_tensor(params.get(k, t), full_sd[k], grid))  # slice first, then move
-
-
-def _state_by_index(model, optimizer):
-    names = {id(p): n for n, p in model.named_parameters()}
-    ps = [p for g in optimizer.param_groups for p in g["params"]]
-    return [(i, names[id(p)], p) for i, p in enumerate(ps)]
-
-
-def full_optim_state(model, optimizer, grid):
-    """{param name: {"exp_avg": full, "exp_avg_sq": full, "step": ...}} on CPU: state tensors shaped
-    like their parameter are gathered like it, the rest (step) copied. Collective over the TP group."""
-    out = {}
-    for _, name, p in _state_by_index(model, optimizer):
-        for k, v in optimizer.state.get(p, {}).items():
-            full = full_tensor(p, v, grid) if torch.is_tensor(v) and v.shape == p.shape else v
-            out.setdefault(name, {})[k] = full.detach().clone().cpu() if torch.is_tensor(full) else full
-    return out
-
-
-def load_full_optim_state(model, optimizer, grid, full):
-    """Load full_optim_state's output (saved from any TP layout) into this rank's optimizer."""
-    sd = optimizer.state_dict()
-    sd["state"] = {i: {k: local_tensor(p, v, grid).clone() if torch.is_tensor(v) and v.dim() else v
-                       for k, v in full[name].items()}
-                   for i, name, p in _state_by_index(model, optimizer) if name in full}
-    optimizer.load_state_dict(sd)  # casts to the parameters' devices and dtypes
 
 
 def hf_shard_fn(model, grid):

@@ -141,7 +141,7 @@ def step_rows(args):
             model.finish()
             t0 = e[0].record() if e else time.perf_counter()
             if getattr(opt, "grad_owner", None):
-                opt.clip_grad_norm_(1.0)
+                parallel.clip_grad_norm_(raw, 1.0, grid, owner=opt.grad_owner)
             else:
                 torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
             opt.step()

@@ -1,13 +1,21 @@
-"""Helpers of the distributed tests: launch a function on N CPU processes with the gloo backend,
-the way torchrun would, compare results with a one-process run by relative error, and record the
-matrices Newton-Schulz sees."""
+"""Helpers shared by the tests: launch a function on N CPU processes with the gloo backend, the
+way torchrun would, compare results with a one-process run by relative error, record the
+matrices Newton-Schulz sees, and build the tiny training configs and global batches the
+equivalence tests train on."""
 import collections
 import contextlib
 import os
 import socket
+from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing as mp
+
+import config
+import muon
+import parallel
+
+G = 8  # sequences in the global batch of the equivalence tests
 
 
 def free_port():
@@ -20,7 +28,6 @@ def _entry(rank, fn, world, port, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    import parallel
     try:
         fn(rank, *args)
     finally:
@@ -53,7 +60,6 @@ def assert_close(got, ref, what, tol=1e-5):
 def ns_calls():
     """Counter of the (rows, cols) of every matrix muon.newton_schulz orthogonalises in the block
     (a batched call on (n, rows, cols) counts n)."""
-    import muon
     calls, orig = collections.Counter(), muon.newton_schulz
 
     def spy(X, *a, **k):
@@ -64,3 +70,23 @@ def ns_calls():
         yield calls
     finally:
         muon.newton_schulz = orig
+
+
+def train_cfg(base, **kw):
+    """A full training config (config.defaults()) on CPU, updated with the dict `base` (a test
+    file's tiny model and optimizer), then with kw."""
+    d = config.defaults()
+    d.update(device="cpu")
+    d.update(base)
+    d.update(kw)
+    return SimpleNamespace(**d)
+
+
+def global_batch(step, T, vocab, ignore=0):
+    """Step `step`'s global batch (x, y): G rows of T random ids < vocab, the same in every process
+    (seeded by the step); the first `ignore` targets of each row are -100 (no loss)."""
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, vocab, (G, T), generator=g)
+    y = torch.randint(0, vocab, (G, T), generator=g)
+    y[:, :ignore] = -100
+    return x, y

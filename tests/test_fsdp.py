@@ -13,33 +13,33 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import config
 import fsdp
+import generate
 import optim
 import parallel
-from distributed import assert_close, rel_err, spawn
+from tp import tensor_parallel
+import distributed
+from distributed import assert_close, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HAS_TP = os.path.exists(os.path.join(ROOT, "tp.py"))
 G, T, STEPS = 8, 16, 3  # global batch (sequences), sequence length, optimizer steps
 GPT2 = {"tie_embeddings": True, "pos_emb": "learned", "norm": "layernorm", "activation": "gelu", "bias": True}
 
 
-def small_cfg(**kw):
-    d = config.defaults()
-    d.update(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-             block_size=T, device="cpu", lr=1e-3, weight_decay=0.1,
+SMALL = dict(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+             block_size=T, lr=1e-3, weight_decay=0.1,
              grad_clip=0.5,  # below the first steps' gradient norms: clipping is exercised
              # eps=1e-6: see tests/test_parallel.py (the key bias's gradient is rounding noise)
              eps=1e-6)
-    d.update(kw)
-    return SimpleNamespace(**d)
+
+
+def small_cfg(**kw):
+    return train_cfg(SMALL, **kw)
 
 
 def global_batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, 97, (G, T), generator=g), torch.randint(0, 97, (G, T), generator=g)
+    return distributed.global_batch(step, T, 97)
 
 
 def named_optim_state(raw, opt):
@@ -82,8 +82,7 @@ def train(rank, world, tp, accum, out_dir, cfg_kw, ref_file):
     torch.manual_seed(0)
     raw = Transformer(ModelConfig.from_cfg(cfg))
     if tp > 1:
-        import tp as tp_mod
-        tp_mod.tensor_parallel(raw, grid)
+        tensor_parallel(raw, grid)
     if grid.dp_rank == 1:  # a different local init must be overwritten by the dp group's first rank
         with torch.no_grad():
             for p in raw.parameters():
@@ -102,8 +101,8 @@ def train(rank, world, tp, accum, out_dir, cfg_kw, ref_file):
                 (model(x[m * mb:(m + 1) * mb], y[m * mb:(m + 1) * mb]) / accum).backward()
         model.finish()
         if i == 0 and not rec.get("grads"):
-            rec["grads"] = fsdp._by_name(model, lambda u: u.grad)
-        rec["norms"].append(fsdp.clip_grad_norm_(model, cfg.grad_clip))
+            rec["grads"] = fsdp.gather_by_name(model, lambda u: u.grad)
+        rec["norms"].append(parallel.clip_grad_norm_(model, cfg.grad_clip, grid))
         opt.step()
         model.zero_grad()
 
@@ -183,7 +182,6 @@ def test_fsdp2_with_accumulation_and_grad_checkpoint(tmp_path, ref_default):
     assert_matches(ranks, ref_default[0], "FSDP2 x accumulation 2 x grad_checkpoint")
 
 
-@pytest.mark.skipif(not HAS_TP, reason="tp.py not written yet")
 def test_tp2_fsdp2_equals_one_process(tmp_path):
     # MQA: the one kv head and the q/k norms are pieces both TP ranks hold (gradient summed over
     # TP by tp.py's parameter hooks, counted once in the norm)
@@ -217,12 +215,12 @@ def test_fsdp_on_one_process(ref_default):
             loss.backward()
         assert all(u.full is None for u in model.units)
         model.finish()
-        fsdp.clip_grad_norm_(model, cfg.grad_clip)
+        parallel.clip_grad_norm_(model, cfg.grad_clip, grid)
         opt.step()
         model.zero_grad()
     assert_close(fsdp.full_state_dict(model), ref["steps"][1], "FSDP on one process")
     with model.summon_full_params():  # the plain model is back, e.g. for generate()
-        assert raw.generate(torch.zeros(1, 1, dtype=torch.long), 3, temperature=0).shape == (1, 4)
+        assert generate.generate(raw, torch.zeros(1, 1, dtype=torch.long), 3, temperature=0).shape == (1, 4)
     with torch.no_grad():  # evaluation: no backward will come, nothing stays gathered
         model(*global_batch(0))
     assert all(u.full is None for u in model.units)
@@ -231,5 +229,5 @@ def test_fsdp_on_one_process(ref_default):
     model = fsdp.FSDP(Transformer(ModelConfig.from_cfg(cfg)), grid, compute_dtype=torch.bfloat16)
     model(*global_batch(0)).backward()
     model.finish()
-    for k, g in fsdp._by_name(model, lambda u: u.grad).items():  # fp32 gradients of bf16 compute
+    for k, g in fsdp.gather_by_name(model, lambda u: u.grad).items():  # fp32 gradients of bf16 compute
         assert rel_err(g, ref["grads"][k]) < 3e-2, k

@@ -36,6 +36,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 import data  # noqa: E402
+import generate  # noqa: E402
 import hf  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
@@ -157,12 +158,12 @@ def test_greedy_generation_matches(arch):
     ours = hf.load_hf(folder)
     x = ids(3, (3, 6))
     theirs = ref.generate(x, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert torch.equal(ours.generate(x, 12, temperature=0), theirs)
+    assert torch.equal(generate.generate(ours, x, 12, temperature=0), theirs)
     if name in ("llama", "gpt2"):  # left-padded prompts of different lengths
         mask = torch.ones_like(x)
         mask[0, :3] = mask[1, :1] = 0
         theirs = ref.generate(x, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
-        assert torch.equal(ours.generate(x, 12, temperature=0, attention_mask=mask)[:, 6:], theirs[:, 6:])
+        assert torch.equal(generate.generate(ours, x, 12, temperature=0, attention_mask=mask)[:, 6:], theirs[:, 6:])
 
 
 @torch.no_grad()

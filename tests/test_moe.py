@@ -27,8 +27,9 @@ import config
 import moe
 import optim
 import parallel
-from distributed import rel_err, spawn
-from model import ModelConfig, Transformer
+import distributed
+from distributed import rel_err, spawn, train_cfg
+from model import ModelConfig, Transformer, make_moe
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: extra threads only add overhead
@@ -104,7 +105,7 @@ def grads_of(layer, x, fn, dy):
 ])
 def test_layer_equals_dense_oracle(kw):
     torch.manual_seed(0)
-    layer = moe.MoE(layer_cfg(**kw))
+    layer = make_moe(layer_cfg(**kw))
     B, N, C, E = 2, 6, 16, layer.n_experts
     x = torch.rand(B, N, C) + 0.5  # positive: a router row of -1s is never chosen
     with torch.no_grad():
@@ -129,7 +130,7 @@ def test_layer_equals_dense_oracle(kw):
 
 def test_experts_with_no_rows():
     """An EP rank may receive no slot at all for its experts (dropless): empty output, zero gradients."""
-    layer = moe.MoE(layer_cfg())
+    layer = make_moe(layer_cfg())
     out = layer._ffn(torch.zeros(0, 16, requires_grad=True), [0] * 4)
     assert out.shape == (0, 16)
     out.sum().backward()
@@ -138,7 +139,7 @@ def test_experts_with_no_rows():
 
 def test_balance_loss_golden():
     """Perfectly balanced router (uniform probabilities, every expert the same load) -> coeff."""
-    layer = moe.MoE(layer_cfg(n_experts=4, moe_top_k=1, aux_loss_coeff=0.01, z_loss_coeff=0.0))
+    layer = make_moe(layer_cfg(n_experts=4, moe_top_k=1, aux_loss_coeff=0.01, z_loss_coeff=0.0))
     with torch.no_grad():
         layer.router.weight.zero_()  # uniform probs; topk ties break to expert 0 -> make loads equal by hand
     logits = torch.zeros(8, 4)
@@ -158,7 +159,7 @@ def test_balance_loss_golden():
 
 
 def test_z_loss_golden():
-    layer = moe.MoE(layer_cfg(n_experts=2, moe_top_k=1, aux_loss_coeff=0.0, z_loss_coeff=0.5))
+    layer = make_moe(layer_cfg(n_experts=2, moe_top_k=1, aux_loss_coeff=0.0, z_loss_coeff=0.5))
     logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
     # logsumexp: log 2 and log 4 = 2 log 2 -> mean of squares = (1 + 4) / 2 * log(2)^2
     layer._losses(logits, logits.softmax(-1), torch.tensor([1, 1]), torch.zeros((), dtype=torch.long))
@@ -167,7 +168,7 @@ def test_z_loss_golden():
 
 def test_router_fp32_under_autocast():
     torch.manual_seed(0)
-    layer = moe.MoE(layer_cfg())
+    layer = make_moe(layer_cfg())
     seen = {}
     layer.router.register_forward_hook(lambda *a: None)  # the router weight is used via F.linear
     orig = layer._losses
@@ -233,18 +234,17 @@ def test_bad_configs(kw, msg):
 G, T, STEPS = 8, 8, 3
 
 
-def small_cfg(**kw):
-    d = config.defaults()
-    d.update(vocab_size=61, pad_vocab_multiple=32, n_layer=2, n_head=2, n_embd=16, ffn_hidden=16,
-             n_experts=4, moe_top_k=2, block_size=T, device="cpu", lr=3e-3, weight_decay=0.1,
+SMALL = dict(vocab_size=61, pad_vocab_multiple=32, n_layer=2, n_head=2, n_embd=16, ffn_hidden=16,
+             n_experts=4, moe_top_k=2, block_size=T, lr=3e-3, weight_decay=0.1,
              grad_clip=0.5, grad_bucket_mb=0.001, eps=1e-6, aux_loss_coeff=0.1, z_loss_coeff=0.01)
-    d.update(kw)
-    return SimpleNamespace(**d)
+
+
+def small_cfg(**kw):
+    return train_cfg(SMALL, **kw)
 
 
 def global_batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, 61, (G, T), generator=g), torch.randint(0, 61, (G, T), generator=g)
+    return distributed.global_batch(step, T, 61)
 
 
 def train(rank, world, accum, out_dir, cfg_kw):
@@ -279,7 +279,7 @@ def train(rank, world, accum, out_dir, cfg_kw):
         model.finish()
         if step == 0:
             rec["grads"] = {n: p.grad.clone() for n, p in names.items()}
-        moe.clip_grad_norm_(raw.parameters(), cfg.grad_clip, grid)
+        parallel.clip_grad_norm_(raw, cfg.grad_clip, grid)
         opt.step()
         model.zero_grad()
         rec["steps"].append({n: p.detach().clone() for n, p in names.items()})

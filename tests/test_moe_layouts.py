@@ -29,7 +29,8 @@ import moe
 import optim
 import parallel
 import tp
-from distributed import assert_close, ns_calls, rel_err, spawn
+import distributed
+from distributed import assert_close, ns_calls, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,18 +44,17 @@ VARIANTS = {
 }
 
 
-def small_cfg(**kw):
-    d = config.defaults()
-    d.update(vocab_size=61, pad_vocab_multiple=32, n_layer=2, n_head=2, n_embd=32, ffn_hidden=16,
-             block_size=T, device="cpu", lr=3e-3, weight_decay=0.1, grad_clip=0.5, grad_bucket_mb=0.01,
+SMALL = dict(vocab_size=61, pad_vocab_multiple=32, n_layer=2, n_head=2, n_embd=32, ffn_hidden=16,
+             block_size=T, lr=3e-3, weight_decay=0.1, grad_clip=0.5, grad_bucket_mb=0.01,
              eps=1e-6, **MOE)
-    d.update(kw)
-    return SimpleNamespace(**d)
+
+
+def small_cfg(**kw):
+    return train_cfg(SMALL, **kw)
 
 
 def global_batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, 61, (G, T), generator=g), torch.randint(0, 61, (G, T), generator=g)
+    return distributed.global_batch(step, T, 61)
 
 
 def layout(grid, kw, sharded, steps, load=None, save=None, seed=0):
@@ -86,16 +86,16 @@ def layout(grid, kw, sharded, steps, load=None, save=None, seed=0):
             rec["losses"].append(loss.detach())
             if s == 0:
                 if sharded:
-                    g = fsdp._by_name(model, lambda u: u.grad)
+                    g = fsdp.gather_by_name(model, lambda u: u.grad)
                 else:
                     g = {n: tp.full_tensor(p, p.grad, grid) for n, p in raw.named_parameters()}
                 rec["grads"] = moe.gather_experts(raw, grid, g)[0]
             if grid.world == 1:  # the reference clips with torch's own
                 rec["norms"].append(torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip))
             elif sharded:
-                rec["norms"].append(fsdp.clip_grad_norm_(model, cfg.grad_clip))
+                rec["norms"].append(parallel.clip_grad_norm_(model, cfg.grad_clip, grid))
             else:
-                rec["norms"].append(tp.clip_grad_norm_(raw.parameters(), cfg.grad_clip, grid))
+                rec["norms"].append(parallel.clip_grad_norm_(model, cfg.grad_clip, grid))
             opt.step()
             model.zero_grad()
             if grid.world == 1 or s + 1 == start + steps or (save and s + 1 == save[1]):

@@ -25,25 +25,25 @@ import muon
 import optim
 import parallel
 import tp
-from distributed import assert_close, ns_calls, rel_err, spawn
+import distributed
+from distributed import assert_close, ns_calls, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer
 
 
 G, T, STEPS, MORE = 8, 16, 3, 2
 
 
-def small_cfg(**kw):
-    d = config.defaults()
-    d.update(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-             block_size=T, device="cpu", lr=3e-3, weight_decay=0.1, grad_clip=1.0, grad_bucket_mb=0.01,
+SMALL = dict(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+             block_size=T, lr=3e-3, weight_decay=0.1, grad_clip=1.0, grad_bucket_mb=0.01,
              eps=1e-6, optimizer="muon", ns_dtype="float32", muon_lr=0.0)  # muon lr = lr (rms scale)
-    d.update(kw)
-    return SimpleNamespace(**d)
+
+
+def small_cfg(**kw):
+    return train_cfg(SMALL, **kw)
 
 
 def global_batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, 97, (G, T), generator=g), torch.randint(0, 97, (G, T), generator=g)
+    return distributed.global_batch(step, T, 97)
 
 
 
@@ -167,12 +167,8 @@ def _layout(grid, kw, out_dir, tag, load_from=None, steps=STEPS, save=True):
             model.finish()
             if getattr(opt, "grad_owner", None):  # reduced to owners only; the rest dropped
                 assert all((p.grad is not None) == opt.owns(p) for p in raw.parameters())
-            if wrapper is not None:
-                fsdp.clip_grad_norm_(model, cfg.grad_clip)
-            elif getattr(opt, "grad_owner", None):  # ZeRO-1: gradients were reduced to their owners
-                opt.clip_grad_norm_(cfg.grad_clip)
-            else:
-                tp.clip_grad_norm_(raw.parameters(), cfg.grad_clip, grid)
+            # one norm for every layout (ZeRO-1: gradients were reduced to their owners)
+            parallel.clip_grad_norm_(model, cfg.grad_clip, grid, getattr(opt, "grad_owner", None))
             opt.step()
             model.zero_grad()
     weights, ostate = checkpoint.gather(raw, opt, grid, wrapper)
@@ -287,7 +283,7 @@ def _ep(rank, out_dir, ep, zero1=False):
             x, y = (t[grid.data_rank * per:(grid.data_rank + 1) * per] for t in global_batch(s))
             model(x, y).backward()
             model.finish()
-            moe.clip_grad_norm_(raw.parameters(), cfg.grad_clip, grid)
+            parallel.clip_grad_norm_(raw, cfg.grad_clip, grid)
             opt.step()
             model.zero_grad()
     out = {}

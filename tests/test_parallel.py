@@ -8,7 +8,10 @@ equals the full batch; with bf16 gradient reduction the gradients are exactly th
 ranks' rounded gradients (close to fp32's); a dropped DataParallel model is freed (its gradient
 hooks hold it weakly); a backward into buckets still being reduced (DDP-style no_sync around the
 forward only) is refused with an error that says what to change; the process grid places TP
-innermost.
+innermost. parallel.parallelize with partly frozen parameters, under DP and FSDP on two ranks,
+equals one process (frozen weights unchanged, the rest as a plain run training only them, the
+gradient norm as torch's over the trainable ones); a frozen model gets no optimizer and stays
+replicated, also when fsdp is asked for.
 """
 import gc
 import os
@@ -18,33 +21,30 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import config
 import optim
 import parallel
-from distributed import assert_close, rel_err, spawn
+import distributed
+from distributed import assert_close, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer
 
 G, T, STEPS = 8, 16, 3  # global batch (sequences), sequence length, optimizer steps
 
 
-def small_cfg(**kw):
-    d = config.defaults()
-    d.update(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-             block_size=T, device="cpu", lr=1e-3, weight_decay=0.1, grad_clip=1.0,
+SMALL = dict(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+             block_size=T, lr=1e-3, weight_decay=0.1, grad_clip=1.0,
              grad_bucket_mb=0.01,  # tiny buckets: several all-reduces in flight during backward
              # The key bias has a mathematically zero gradient (softmax ignores a constant shift of
              # all scores), so its gradient is pure rounding noise; Adam with eps=1e-8 would blow that
              # noise up to lr-sized, run-dependent updates. eps=1e-6 keeps noise at noise level.
              eps=1e-6)
-    d.update(kw)
-    return SimpleNamespace(**d)
+
+
+def small_cfg(**kw):
+    return train_cfg(SMALL, **kw)
 
 
 def global_batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    x = torch.randint(0, 97, (G, T), generator=g)
-    y = torch.randint(0, 97, (G, T), generator=g)
-    return x, y
+    return distributed.global_batch(step, T, 97)
 
 
 def train(rank, world, accum, out_dir, cfg_kw):
@@ -98,8 +98,6 @@ def run(tmp_path, world, accum, **cfg_kw):
     else:
         spawn(train, world, world, accum, str(out), cfg_kw)
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
-
-
 
 
 
@@ -190,3 +188,62 @@ def test_grid_tp_innermost(tmp_path, tp, ep):
     for r, g in enumerate(gs):  # rank = (dp_rank * ep + ep_rank) * tp + tp_rank
         assert (g["dp"], g["tp"], g["ep"]) == (dp, tp, ep)
         assert r == (g["dp_rank"] * ep + g["ep_rank"]) * tp + g["tp_rank"]
+
+
+FROZEN = ("tok_emb.weight", "blocks.0.attn.qkv.weight", "blocks.1.norm1.weight")  # LoRA-style partial freezing
+
+
+def _frozen(rank, world, out_dir, data_parallel):
+    cfg = small_cfg(data_parallel=data_parallel, grad_clip=0.3)
+    grid = parallel.init(cfg)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_cfg(cfg))
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in FROZEN)
+    run = parallel.parallelize(model, grid, cfg)
+    per = G // world
+    rec = {"norms": []}
+    for step in range(2):
+        x, y = (t[rank * per:(rank + 1) * per] for t in global_batch(step))
+        run.fwd(x, y).backward()
+        run.model.finish()
+        rec["norms"].append(run.clip_grad_norm_(cfg.grad_clip))
+        run.optimizer.step()
+        run.model.zero_grad(set_to_none=True)
+    with run.full_params():
+        rec["weights"] = {k: v.clone() for k, v in run.raw.state_dict().items()}
+    ref = Transformer(ModelConfig.from_cfg(cfg)).requires_grad_(False)  # a frozen reference model
+    frozen = parallel.parallelize(ref, grid, cfg, optimizer=False)
+    assert frozen.optimizer is None and isinstance(frozen.model, parallel.DataParallel)
+    rec["ref_loss"] = frozen.fwd(*global_batch(0)).item()
+    torch.save(rec, os.path.join(out_dir, f"{data_parallel}{rank}.pt"))
+
+
+def test_parallelize_partly_frozen_and_frozen(tmp_path):
+    """One process trains only the unfrozen parameters (AdamW, torch's clip); DP and FSDP over two
+    ranks, through parallelize, give the same weights, norms and frozen-model loss."""
+    cfg = small_cfg(grad_clip=0.3)  # below the first norms: clipping is exercised
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_cfg(cfg))
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in FROZEN)
+    opt = optim.build_optimizer(model, cfg)
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters())) - len(FROZEN)
+    norms = []
+    for step in range(2):
+        model(*global_batch(step)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                                    cfg.grad_clip))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ref_loss = Transformer(ModelConfig.from_cfg(cfg))(*global_batch(0)).item()  # same seed stream as _frozen
+    spawn(_frozen, 2, 2, str(tmp_path), "ddp")
+    spawn(_frozen, 2, 2, str(tmp_path), "fsdp")
+    for name in ("ddp0", "ddp1", "fsdp0", "fsdp1"):
+        rec = torch.load(tmp_path / f"{name}.pt")
+        assert_close(rec["weights"], model.state_dict(), name)
+        assert all(torch.equal(rec["weights"][n], init[n]) for n in FROZEN)
+        assert_close(torch.stack(rec["norms"]), torch.stack(norms), f"{name} norms")
+        assert abs(rec["ref_loss"] - ref_loss) <= 1e-5 * ref_loss
+    assert norms[0] > cfg.grad_clip  # clipping was exercised

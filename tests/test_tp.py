@@ -18,12 +18,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import config
+import checkpoint
+import generate
 import hf
 import optim
 import parallel
 import tp
-from distributed import assert_close, rel_err, spawn
+import distributed
+from distributed import assert_close, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer
 
 G, T, STEPS = 8, 16, 3
@@ -36,22 +38,18 @@ CONFIGS = {  # vocab 97 (padded to 128 = 2 x 64: rank 1's shard ends in 31 paddi
 HF_OK = ("mqa_qkvbias", "gpt2_tied")  # exportable to HF (qk_norm is not)
 
 
-def small_cfg(**kw):
-    d = config.defaults()
-    d.update(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-             block_size=T, device="cpu", lr=1e-3, weight_decay=0.1,
+SMALL = dict(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+             block_size=T, lr=1e-3, weight_decay=0.1,
              grad_clip=0.05,  # small enough that clipping really scales the gradients
              grad_bucket_mb=0.01, eps=1e-6)  # eps: see tests/test_parallel.py
-    d.update(kw)
-    return SimpleNamespace(**d)
+
+
+def small_cfg(**kw):
+    return train_cfg(SMALL, **kw)
 
 
 def global_batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    x = torch.randint(0, 97, (G, T), generator=g)
-    y = torch.randint(0, 97, (G, T), generator=g)
-    y[:, :3] = -100  # ignored positions
-    return x, y
+    return distributed.global_batch(step, T, 97, ignore=3)  # 3 ignored positions per row
 
 
 
@@ -158,18 +156,20 @@ def _train_layout(rank, out_dir, grid, tp_size, names, refs):
             model.finish()
             if rec is not None and s == 0:
                 rec["grads"] = {n: tp.full_tensor(p, p.grad, grid) for n, p in raw.named_parameters()}
-            clip = torch.nn.utils.clip_grad_norm_ if grid.world == 1 else tp.clip_grad_norm_
-            norm = clip(raw.parameters(), cfg.grad_clip, *([grid] if grid.world > 1 else []))
+            if grid.world == 1:
+                norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
+            else:
+                norm = parallel.clip_grad_norm_(raw, cfg.grad_clip, grid)
             opt.step()
             model.zero_grad()
             return norm
 
         raw, opt, model = build(0)
-        rec = {"init": tp.full_state_dict(raw, grid), "steps": [], "norms": [], "replicated": [], "shared_ok": []}
+        rec = {"init": checkpoint.full_state_dict(raw, grid), "steps": [], "norms": [], "replicated": [], "shared_ok": []}
         n_steps = STEPS if loading else STEPS + 1  # the reference also makes the step after loading
         for s in range(n_steps):
             rec["norms"].append(step(raw, opt, model, s, rec))
-            full = tp.full_state_dict(raw, grid)
+            full = checkpoint.full_state_dict(raw, grid)
             rec["steps"].append(full)
             rec["replicated"].append({n: p.detach().clone() for n, p in raw.named_parameters()
                                       if not hasattr(p, "tp_split")})
@@ -177,30 +177,30 @@ def _train_layout(rank, out_dir, grid, tp_size, names, refs):
             rec["shared_ok"].append(all(torch.equal(p, tp.local_tensor(p, full[n], grid))
                                         for n, p in raw.named_parameters()))
             if s == STEPS - 1:
-                rec["optim"] = tp.full_optim_state(raw, opt, grid)
+                rec["optim"] = checkpoint.full_optim_state(raw, opt, grid)
                 if not loading:
                     rec["optim_ckpt"] = copy.deepcopy({n: dict(opt.state[p]) for n, p in raw.named_parameters()})
                     x, y = global_batch(99)
                     with torch.no_grad():
                         rec["logits"], rec["nll"] = raw(x), raw(x, y, reduction="none")
-                    rec["gen"] = raw.generate(x[:2, :4], 6, temperature=0)
+                    rec["gen"] = generate.generate(raw, x[:2, :4], 6, temperature=0)
         if loading:  # a one-process checkpoint after STEPS steps, loaded into this layout
             ref = refs[name]
             raw, opt, model = build(1)  # another init: everything must come from the load
-            tp.load_full_state_dict(raw, grid, ref["steps"][STEPS - 1])
-            tp.load_full_optim_state(raw, opt, grid, ref["optim"])
+            checkpoint.load_full_state_dict(raw, grid, ref["steps"][STEPS - 1])
+            checkpoint.load_full_optim_state(raw, opt, grid, ref["optim"])
             x, y = global_batch(99)
             with torch.no_grad():
                 rec["logits"], rec["nll"] = raw(x), raw(x, y, reduction="none")
-            rec["gen"] = raw.generate(x[:2, :4], 6, temperature=0)
+            rec["gen"] = generate.generate(raw, x[:2, :4], 6, temperature=0)
             step(raw, opt, model, STEPS, None)
-            rec["after_load_step"] = tp.full_state_dict(raw, grid)
+            rec["after_load_step"] = checkpoint.full_state_dict(raw, grid)
             if name in HF_OK:  # an HF folder read shard by shard
                 path = os.path.join(out_dir, f"hf_{name}_{rank}")
                 hf.export_hf(_full_model(mcfg, ref["steps"][STEPS - 1]), path)
                 raw, _, _ = build(1)
                 hf.load_weights(path, raw, shard_fn=tp.hf_shard_fn(raw, grid))
-                rec["hf"] = tp.full_state_dict(raw, grid)
+                rec["hf"] = checkpoint.full_state_dict(raw, grid)
                 rec["hf_ref"] = hf.load_hf(path).state_dict()
         out[name] = rec
     return out
@@ -277,7 +277,7 @@ def test_clip_grad_norm_tp1_equals_torch():
     x = torch.randint(0, 50, (2, 8))
     for m in (a, b):
         m(x, x).backward()
-    na = tp.clip_grad_norm_(a.parameters(), 0.01, grid)
+    na = parallel.clip_grad_norm_(a, 0.01, grid)
     nb = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.01)
     assert_close(na, nb, "norm")
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
