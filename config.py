@@ -13,6 +13,8 @@ without a traceback.
 import ast
 import difflib
 import os
+import sys
+import traceback
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -56,10 +58,11 @@ TRAIN_DEFAULTS = dict(
     ckpt_every=500,          # steps between checkpoints (0: only at the end)
     keep_last=2,             # checkpoints kept on disk
     # data
-    data="stdlib",           # "stdlib" | a local file/folder (.txt .md .py .jsonl .parquet) | "hf:<name>"
+    data="stdlib",           # "stdlib" | "python" (stdlib + site-packages) | a local file/folder (.txt .md .py .jsonl .parquet) | "hf:<name>"
     text_field="text",
     data_dir="",             # where the tokenized memmaps go ("" -> data/<name>)
-    val_fraction=0.01,
+    val_fraction=0.01,       # validation share of the corpus: at least val_tokens, at most 10% (data.val_split)
+    val_tokens=1 << 20,      # floor of the validation split in tokens (a small corpus still gets a real one)
     max_docs=0,              # 0: all documents
     tokenizer="cl100k_base",
     tokenizer_vocab=0,       # >0: keep only the first N tokens of the BPE (small models)
@@ -275,8 +278,41 @@ def validate(cfg, world=1):
          f"tokenizer_vocab={cfg.tokenizer_vocab} must be 0 (full BPE) or >= 257 (256 bytes + EOS)")
     need(cfg.peak_tflops >= 0, f"peak_tflops={cfg.peak_tflops} must be >= 0")
     need(cfg.grad_bucket_mb > 0, f"grad_bucket_mb={cfg.grad_bucket_mb} must be positive")
+    # found here, not after training: numpy's generators take seeds in [0, 2**32)
+    need(0 <= cfg.seed < 2**32, f"seed={cfg.seed} must be in [0, 2**32)")
+    need(cfg.val_tokens >= 0, f"val_tokens={cfg.val_tokens} must be >= 0")
+    need(cfg.max_docs >= 0, f"max_docs={cfg.max_docs} must be >= 0 (0: all documents)")
+    need(cfg.eval_batches >= 0, f"eval_batches={cfg.eval_batches} must be >= 0 (0: the whole validation split)")
+    need(cfg.sample_tokens >= 0, f"sample_tokens={cfg.sample_tokens} must be >= 0 (0: no sample)")
+    need(cfg.sample_temperature >= 0, f"sample_temperature={cfg.sample_temperature} must be >= 0 (0: greedy)")
+    need(cfg.sample_top_k >= 0, f"sample_top_k={cfg.sample_top_k} must be >= 0 (0: no top-k filter)")
 
 
 def show(cfg):
     width = max(len(k) for k in vars(cfg))
     return "\n".join(f"  {k:<{width}} = {v!r}" for k, v in sorted(vars(cfg).items()))
+
+
+def run(main, argv):
+    """Run a stage script's main(argv) so that a mistake the user must fix reads as one message.
+
+    A UserError prints `error: <message>` once and exits with status 2, without a traceback: rank 0
+    under torchrun (every rank meets the same error; the others leave quietly with status 0, so
+    torchrun's own summary that follows names one failed process); `--debug` anywhere
+    on the command line shows the traceback instead. Every other exception is a bug and keeps its
+    traceback on every rank that hits it.
+    """
+    debug = "--debug" in argv
+    try:
+        return main([a for a in argv if a != "--debug"])
+    except UserError as e:
+        if debug:
+            raise
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(0)  # rank 0 reports it: torchrun's summary then names one failed process, not all
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves: parallel.Interrupt)
+        if debug:
+            traceback.print_exc()
+        sys.exit(130)

@@ -37,6 +37,8 @@ optim, parallel, checkpoint, hf, data, logs, then the scripts:
 import contextlib
 import datetime
 import os
+import signal
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -44,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import config
 import fsdp
 import moe
 import optim
@@ -127,6 +130,73 @@ def init(cfg):
 def shutdown():
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def on_main(grid, fn):
+    """Run fn() on rank 0 only and hand its result to every rank (broadcast, so pickled: keep it
+    small and plain). A UserError raised there is raised on every rank, so all stop together with
+    one message (config.run prints it on rank 0 only) instead of the others waiting forever in the
+    next collective; any other exception stops the other ranks with a UserError that points to
+    rank 0's traceback."""
+    box = [None]
+    if grid.rank == 0:
+        try:
+            box = [("ok", fn())]
+        except config.UserError as e:
+            box = [("user", str(e))]
+        except BaseException:
+            if grid.world > 1:
+                dist.broadcast_object_list([("bug", None)], src=0)
+            raise
+    if grid.world > 1:
+        dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "user":
+        raise config.UserError(value)
+    if kind == "bug":
+        raise config.UserError("rank 0 failed: its traceback says why")
+    return value
+
+
+class Interrupt:
+    """SIGTERM / SIGINT during training: finish the current step on every rank, save, exit 0.
+
+    The handler only raises a flag. `requested()` runs once per step on every rank: an all-reduce
+    (MAX) of the flags over a gloo group on the CPU, so it never waits for the GPU, and every rank
+    stops after the same step even when the signal reached only some of them. (torchrun forwards
+    SIGTERM to every worker and kills them 30 s later: time to finish a step and save; Ctrl-C in a
+    terminal reaches every process, and torchrun forwards it once more.) A repeat within `echo`
+    seconds is that same event; a later one gives up: the previous handlers come back and the
+    signal is raised again (Ctrl-C, then Ctrl-C again, stops at once).
+    """
+
+    def __init__(self, grid, signals=(signal.SIGTERM, signal.SIGINT), echo=2.0):
+        self.flag, self.signum, self.when, self.echo = False, None, 0.0, echo
+        # new_group is collective: every rank creates it, whatever the main backend is
+        self.group = dist.new_group(backend="gloo") if grid.world > 1 else None
+        self.previous = {s: signal.signal(s, self.handle) for s in signals}
+
+    def handle(self, signum, frame):
+        if self.flag and time.monotonic() - self.when > self.echo:  # asked twice: stop waiting for the step
+            self.restore()
+            signal.raise_signal(signum)
+        elif not self.flag:
+            self.flag, self.signum, self.when = True, signum, time.monotonic()
+
+    def requested(self):
+        """True on every rank once any rank got a signal. Collective: every rank calls it each step."""
+        if self.group is None:
+            return self.flag
+        t = torch.tensor([int(self.flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def name(self):
+        return signal.Signals(self.signum).name if self.signum else "a signal on another rank"
+
+    def restore(self):
+        for s, h in self.previous.items():
+            signal.signal(s, h)
 
 
 class DataParallel(nn.Module):

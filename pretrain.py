@@ -30,6 +30,7 @@ from model import ModelConfig, Transformer
 
 def main(argv):
     # ------------------------------------------------------------------------ setup
+    t_start = time.perf_counter()
     cfg = config.load(argv)
     grid = parallel.init(cfg)
     is_main = grid.is_main
@@ -51,20 +52,46 @@ def main(argv):
     if not from_hf:
         cfg.vocab_size = tok.n_vocab  # the model's vocabulary is the tokenizer's (padded inside the model)
     data_dir = cfg.data_dir or data.default_data_dir(cfg.data, tok.name, cfg.tokenizer_vocab)
+    T = cfg.seq_len or cfg.block_size
+    prompt = tok.encode(cfg.sample_prompt) or [tok.eos_id]
+    if cfg.sample_tokens and len(prompt) >= cfg.block_size:
+        raise config.ConfigError(f"sample_prompt is {len(prompt)} tokens, block_size={cfg.block_size} leaves no room "
+                                 "to generate: shorten it or set sample_tokens=0")
+    # out_dir belongs to this run: rank 0 takes its lock, picks the checkpoint to resume and checks
+    # the settings against it, before any work is spent (a refusal stops every rank, one message)
+    lease = None  # rank 0's hold on out_dir: kept until the process ends
+
+    def open_run():
+        nonlocal lease
+        lease = checkpoint.open_run(cfg)
+        return lease.resume_from, lease.run_id, lease.notes
+    resume_from, run_id, notes = parallel.on_main(grid, open_run)
+    for line in notes:
+        say(line)
     # rank 0 tokenizes (once: later runs reuse the memmaps) while the others wait; then the first
     # rank of every other node checks too, a no-op on a shared file system
-    for writer in (grid.rank == 0, grid.local_rank == 0 and grid.rank != 0):
-        if writer:
-            data.prepare(cfg.data, tok, data_dir, val_fraction=cfg.val_fraction, text_field=cfg.text_field,
-                         max_docs=cfg.max_docs, verbose=is_main)
-        if grid.world > 1:
-            torch.distributed.barrier()
-    T = cfg.seq_len or cfg.block_size
+    prep = dict(val_fraction=cfg.val_fraction, val_tokens=cfg.val_tokens, text_field=cfg.text_field,
+                max_docs=cfg.max_docs)
+    meta = parallel.on_main(grid, lambda: data.prepare(cfg.data, tok, data_dir, verbose=is_main, **prep))
+    if grid.local_rank == 0 and grid.rank != 0:
+        data.prepare(cfg.data, tok, data_dir, verbose=False, **prep)
+    if grid.world > 1:
+        torch.distributed.barrier()
     # data-parallel ranks: dp x ep (expert-parallel ranks see different data too)
     accum = cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
+    # both splits checked now, not at the first evaluation: the loader needs one global batch of
+    # windows, the evaluation shrinks to what validation holds (and says so)
     loader = data.Loader(os.path.join(data_dir, "train.bin"), cfg.micro_batch_size, T,
                          grid.data_rank, grid.data_world, seed=cfg.seed, device=device)
+    n_eval, note = (data.eval_plan(os.path.join(data_dir, "val.bin"), cfg.micro_batch_size, T, grid.data_world,
+                                   cfg.eval_batches) if cfg.eval_every else (0, None))
     say(f"config:\n{config.show(cfg)}")
+    if note:
+        say(note)
+    epochs = cfg.max_steps * cfg.batch_size * T / meta["n_train"]
+    say(f"corpus: {meta['n_docs']:,} documents, {meta['n_train']:,} train / {meta['n_val']:,} validation tokens; "
+        f"{cfg.max_steps} steps read {epochs:.2f} epochs" + (" (warning: past ~10 epochs a model memorises its "
+                                                          "corpus: more data or fewer steps)" if epochs > 10 else ""))
     say(f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {device} | {dtype}"
         f" | global batch {cfg.batch_size} x {T} tokens = {cfg.micro_batch_size} sequences x {grid.data_world}"
         f" ranks x {accum} accumulation steps")
@@ -77,15 +104,11 @@ def main(argv):
     run = parallel.parallelize(raw, grid, cfg, load=hf.init_loader(cfg, grid))
     model, fwd, optimizer = run.model, run.fwd, run.optimizer
     step = 0
-    if cfg.resume:
-        path = checkpoint.latest(cfg.out_dir)
-        if path is None:
-            say(f"resume: no checkpoint in {cfg.out_dir}, starting from scratch")
-        else:  # saved by any layout: full tensors, cut to this one
-            state = checkpoint.load(path, raw, optimizer, grid, model)
-            loader.load_state_dict(state["loader"])
-            step = state["step"]
-            say(f"resumed from {path} at step {step}")
+    if resume_from:  # saved by any layout: full tensors, cut to this one
+        state = checkpoint.load(resume_from, raw, optimizer, grid, model)
+        loader.load_state_dict(state["loader"])
+        step = state["step"]
+        say(f"resumed from {resume_from} at step {step}")
     peak = logs.peak_tflops(device, cfg.peak_tflops)
     say(f"model: {n_params / 1e6:.2f}M parameters ({n_active / 1e6:.2f}M active, {n_body / 1e6:.2f}M active "
         f"non-embedding), {flops_per_token / 1e6:.1f} MFLOPs/token, peak {peak or 'n/a'} TFLOP/s per device")
@@ -97,7 +120,7 @@ def main(argv):
         raw.eval()
         total = torch.zeros(2, device=device)
         for x, y in data.eval_batches(os.path.join(data_dir, "val.bin"), cfg.micro_batch_size, T,
-                                      grid.data_rank, grid.data_world, cfg.eval_batches, device=device):
+                                      grid.data_rank, grid.data_world, n_eval, device=device):
             with autocast:
                 total[0] += fwd(x, y).float()
             total[1] += 1
@@ -112,11 +135,17 @@ def main(argv):
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
+    def save():  # every rank helps gather the full tensors (experts too); rank 0 writes
+        weights, opt_state = checkpoint.gather(raw, optimizer, grid, model)
+        checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, loader.state_dict(), cfg.keep_last,
+                        grid.rank, run_id=run_id)
+
     # ------------------------------------------------------------------------ training loop
     last = cfg.stop_at or cfg.max_steps
+    interrupt, stopped = parallel.Interrupt(grid), False  # SIGTERM / SIGINT: finish the step, save, exit 0
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not (is_main and cfg.progress), dynamic_ncols=True)
     t0 = now()
-    t_steps = 0
+    t_steps, t_first = 0, None
     loss_sum = torch.zeros((), device=device)  # summed over the steps since the last log line
     while step < last:
         lr = optim.lr_at(step, cfg)
@@ -137,6 +166,9 @@ def main(argv):
         step += 1
         t_steps += 1
         bar.update(1)
+        if t_first is None:
+            t_first = now()
+            say(f"first step done {t_first - t_start:.1f} s after start (data, model, compilation)")
 
         if step % cfg.log_every == 0 or step == last:
             if grid.world > 1:
@@ -158,26 +190,32 @@ def main(argv):
                 bar.write(f"step {step}/{cfg.max_steps} | " + logs.fmt(m))
             t0, t_steps = now(), 0
             loss_sum.zero_()
-        do_eval = cfg.eval_every and (step % cfg.eval_every == 0 or step == last)
+        stopped = interrupt.requested()  # every rank agrees, after the same step
+        if stopped:
+            save()
+            bar.close()
+            say(f"{interrupt.name()}: saved step {step} in {cfg.out_dir}; continue with --resume")
+            break
+        # the checkpoint first: an evaluation that fails never costs the steps before it
         do_save = (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last
+        do_eval = cfg.eval_every and (step % cfg.eval_every == 0 or step == last)
         if do_eval or do_save:
             t_pause = now()  # evaluation and checkpoints stay out of the throughput numbers
+            if do_save:
+                save()
             if do_eval:
                 val = evaluate()
                 logger.log(step, {"val_loss": val})
                 if is_main:
                     bar.write(f"step {step} | val loss {val:.4f}")
-            if do_save:  # every rank helps gather the full tensors (experts too); rank 0 writes
-                weights, opt_state = checkpoint.gather(raw, optimizer, grid, model)
-                checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, loader.state_dict(), cfg.keep_last,
-                                grid.rank)
             t0 += now() - t_pause
     bar.close()
+    interrupt.restore()
 
     # ------------------------------------------------------------------------ sample
-    if cfg.sample_tokens > 0:  # every rank generates (TP shards need all ranks), the same seed; rank 0 prints
+    if cfg.sample_tokens > 0 and not stopped:  # every rank generates (TP shards need all), same seed
         raw.eval()
-        prompt = torch.tensor([tok.encode(cfg.sample_prompt) or [tok.eos_id]], device=device)
+        prompt = torch.tensor([prompt], device=device)
         with run.full_params(), autocast:
             out = generate.generate(raw, prompt, min(cfg.sample_tokens, cfg.block_size - prompt.shape[1]),
                                     temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
@@ -188,4 +226,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    config.run(main, sys.argv[1:])  # a user's mistake: one message from rank 0, no traceback (--debug: one)
