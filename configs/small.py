@@ -1,7 +1,7 @@
 # GPT-2-small-class LLaMA-style model (about 125M parameters) for 2 GPUs.
 #   torchrun --nproc_per_node=2 pretrain.py configs/small.py
 # The corpus: every .py file this interpreter can import (standard library + installed packages),
-# deduplicated, in a fixed shuffled order, no top-level package above 10% of it (data.py). On the
+# deduplicated, in a fixed shuffled order, no top-level package above 10% of it (corpus.py). On the
 # CPU machine (Python 3.11, torch + transformers + ... installed) that is 16,057 files = 67.7M tokens
 # with this tokenizer: 2000 steps of 262k tokens repeat it ~8 times; slim installs give less.
 # Point `data` at a larger corpus (a folder of text/jsonl/parquet, or hf:<dataset>) for a real run.

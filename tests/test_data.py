@@ -1,12 +1,13 @@
-"""data.py, pretraining part: what these tests prove.
+"""data.py and corpus.py, pretraining part: what these tests prove.
 
 Tokenizer: the bundled cl100k_base/o200k_base build exactly tiktoken's own Encoding
 (tiktoken.load.load_tiktoken_bpe + the constructor in tiktoken_ext.openai_public, fed the same
 file), give tiktoken's published ids, round-trip arbitrary text, refuse a corrupt file, and a
 truncated vocab is a complete BPE with EOS at vocab-1. Unknown encodings fail with a clear
 message and no network.
-Corpora: every source kind yields exactly the expected documents; the hub path is the same
-`datasets` streaming path as local parquet; bad sources fail with clear messages.
+Corpora (corpus.py): every source kind yields exactly the expected documents; the hub path is the
+same `datasets` streaming path as local parquet; bad sources fail with clear messages, as
+corpus.DataError, a config.UserError that is also a ValueError.
 prepare: train.bin/val.bin hold exactly encode(doc) + [eos] per document of each split, in order,
 with the right dtype, split as an independent reference (and val_split as worked by hand) says;
 a finished preparation is reused; an interrupted one is never mistaken for finished.
@@ -35,6 +36,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import config  # noqa: E402
+import corpus  # noqa: E402
 import data  # noqa: E402
 
 TEXTS = [
@@ -49,7 +52,7 @@ TEXTS = [
 
 
 def test_import_has_no_side_effects():
-    code = "import sys, data; assert 'datasets' not in sys.modules, 'datasets imported at import time'"
+    code = "import sys, corpus, data; assert 'datasets' not in sys.modules, 'datasets imported at import time'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(data.__file__))
 
 
@@ -154,15 +157,15 @@ def test_corpus_files(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
     text = "one doc\nwith two lines"
-    assert list(data.iter_documents(_write(tmp_path / "a.txt", text))) == [text]
+    assert list(corpus.iter_documents(_write(tmp_path / "a.txt", text))) == [text]
     rows = [{"content": "first", "id": 1}, {"content": "", "id": 2}, {"content": "  \n", "id": 3},
             {"content": "second ünï", "id": 4}]
     jl = _jsonl(tmp_path / "d.jsonl", rows)
-    assert list(data.iter_documents(jl, text_field="content")) == ["first", "second ünï"]  # blanks skipped
-    with pytest.raises(data.DataError, match=r"d\.jsonl:1: no field 'text' \(fields: \['content', 'id'\]\)"):
-        list(data.iter_documents(jl))
+    assert list(corpus.iter_documents(jl, text_field="content")) == ["first", "second ünï"]  # blanks skipped
+    with pytest.raises(corpus.DataError, match=r"d\.jsonl:1: no field 'text' \(fields: \['content', 'id'\]\)"):
+        list(corpus.iter_documents(jl))
     pq.write_table(pa.table({"text": ["p0", "p1", "p2"]}), tmp_path / "p.parquet")
-    assert list(data.iter_documents(str(tmp_path / "p.parquet"))) == ["p0", "p1", "p2"]
+    assert list(corpus.iter_documents(str(tmp_path / "p.parquet"))) == ["p0", "p1", "p2"]
 
     root = tmp_path / "folder"
     _write(root / "b" / "z.md", "markdown")
@@ -170,21 +173,22 @@ def test_corpus_files(tmp_path):
     _jsonl(root / "b" / "c.jsonl", [{"text": "j0"}, {"text": "j1"}])
     _write(root / "ignored.csv", "x,y")
     _write(root / "c" / "empty.txt", "")
-    assert list(data.iter_documents(str(root))) == ["print(1)\n", "j0", "j1", "markdown"]  # sorted paths
+    assert list(corpus.iter_documents(str(root))) == ["print(1)\n", "j0", "j1", "markdown"]  # sorted paths
 
 
 def test_corpus_errors(tmp_path):
-    with pytest.raises(data.DataError, match=r"no/such/dir.*not found.*stdlib.*python.*hf:.*jsonl"):
-        data.iter_documents(str(tmp_path / "no/such/dir"))  # raised at call time, not lazily
+    assert issubclass(corpus.DataError, config.UserError) and issubclass(corpus.DataError, ValueError)
+    with pytest.raises(corpus.DataError, match=r"no/such/dir.*not found.*stdlib.*python.*hf:.*jsonl"):
+        corpus.iter_documents(str(tmp_path / "no/such/dir"))  # raised at call time, not lazily
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="corpus .*empty.* is empty"):
-        list(data.iter_documents(str(tmp_path / "empty")))
+        list(corpus.iter_documents(str(tmp_path / "empty")))
     with pytest.raises(ValueError, match="is empty"):
-        list(data.iter_documents(_write(tmp_path / "blank.txt", " \n\n ")))
+        list(corpus.iter_documents(_write(tmp_path / "blank.txt", " \n\n ")))
     with pytest.raises(ValueError, match="unsupported"):
-        data.iter_documents(_write(tmp_path / "x.csv", "a,b"))
+        corpus.iter_documents(_write(tmp_path / "x.csv", "a,b"))
     with pytest.raises(ValueError, match="hf:<name>"):
-        data.iter_documents("hf:")
+        corpus.iter_documents("hf:")
 
 
 def test_hub_source_uses_streaming_datasets(monkeypatch):
@@ -194,18 +198,18 @@ def test_hub_source_uses_streaming_datasets(monkeypatch):
         calls.append((args, kwargs))
         return iter([{"text": "row 0"}, {"text": ""}, {"text": "row 2"}])
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    assert list(data.iter_documents("hf:org/name:cfg@validation")) == ["row 0", "row 2"]
+    assert list(corpus.iter_documents("hf:org/name:cfg@validation")) == ["row 0", "row 2"]
     assert calls == [(("org/name", "cfg"), {"split": "validation", "streaming": True})]
-    list(data.iter_documents("hf:org/name"))
+    list(corpus.iter_documents("hf:org/name"))
     assert calls[-1] == (("org/name", None), {"split": "train", "streaming": True})
 
 
 def test_stdlib_corpus():
-    docs = list(itertools.islice(data.iter_documents("stdlib"), 150))
+    docs = list(itertools.islice(corpus.iter_documents("stdlib"), 150))
     assert len(docs) == 150 and all(isinstance(d, str) and d.strip() for d in docs)
-    roots = data.python_roots(site_packages=False)
-    files = data.python_files(roots)
-    assert len(files) > 100 and files == data.python_files(roots)  # a fixed order
+    roots = corpus.python_roots(site_packages=False)
+    files = corpus.python_files(roots)
+    assert len(files) > 100 and files == corpus.python_files(roots)  # a fixed order
     assert not any("site-packages" in f for f in files)
     assert any(f.endswith(os.sep + "functools.py") for f in files)
     for f, d in zip(files[:20], docs):  # the documents are those files, in that order
@@ -290,19 +294,19 @@ def test_prepare_interrupted_is_not_reused(tmp_path, monkeypatch):
     tok = data.get_tokenizer("cl100k_base", 4096)
     src, out = _folder(tmp_path), str(tmp_path / "out")
     good = data.prepare(src, tok, out, val_fraction=0.25, verbose=False)
-    real = data.iter_documents
+    real = corpus.iter_documents
 
     def dies_midway(*a, **k):
         yield from itertools.islice(real(*a, **k), 3)
         raise RuntimeError("killed mid-way")
-    monkeypatch.setattr(data, "iter_documents", dies_midway)
+    monkeypatch.setattr(corpus, "iter_documents", dies_midway)
     with pytest.raises(RuntimeError, match="killed"):
         data.prepare(src, tok, out, val_fraction=0.5, verbose=False)
     assert not os.path.exists(os.path.join(out, "meta.json"))  # old meta must not describe new bins
     assert not [f for f in os.listdir(out) if ".tmp" in f]
     with pytest.raises(RuntimeError, match="killed"):  # and nothing is mistaken for finished data
         data.prepare(src, tok, out, val_fraction=0.25, verbose=False)
-    monkeypatch.setattr(data, "iter_documents", real)
+    monkeypatch.setattr(corpus, "iter_documents", real)
     assert data.prepare(src, tok, out, val_fraction=0.25, verbose=False) == good
     assert _read_bin(out, "val", np.uint16)[-1] == tok.eos_id
 
@@ -312,7 +316,7 @@ def test_prepare_split_edge_cases(tmp_path):
     meta = data.prepare(_write(tmp_path / "one.md", "a"), tok, str(tmp_path / "o1"), verbose=False)  # "a" + EOS
     assert (meta["n_train"], meta["n_val"], meta["val_split"]) == (1, 1, "tokens")  # the smallest corpus
     assert _read_bin(str(tmp_path / "o1"), "val", np.uint16) == [tok.eos_id]
-    with pytest.raises(data.DataError, match="val_fraction"):
+    with pytest.raises(corpus.DataError, match="val_fraction"):
         data.prepare("stdlib", tok, str(tmp_path / "o3"), val_fraction=1)
     # no validation asked: an empty val.bin
     meta = data.prepare(_folder(tmp_path), tok, str(tmp_path / "o4"), val_fraction=0, val_tokens=0, verbose=False)
@@ -322,7 +326,7 @@ def test_prepare_split_edge_cases(tmp_path):
 def test_prepare_stdlib_max_docs(tmp_path):
     tok = data.get_tokenizer("cl100k_base", 8192)
     meta = data.prepare("stdlib", tok, str(tmp_path / "std"), max_docs=50, val_fraction=0.1, verbose=False)
-    docs = list(itertools.islice(data.iter_documents("stdlib"), 50))
+    docs = list(itertools.islice(corpus.iter_documents("stdlib"), 50))
     want, mode, n_docs = _reference_split([tok.encode(d) + [tok.eos_id] for d in docs], 0.1, 0.1)
     assert (meta["n_train_docs"], meta["n_val_docs"], meta["val_split"], meta["n_docs"]) == (*n_docs, mode, 50)
     assert _read_bin(str(tmp_path / "std"), "val", np.uint16) == want["val"]
@@ -418,7 +422,7 @@ def test_loader_too_short(tmp_path):
     data.Loader(path, B=7, T=9)  # exactly enough
     with pytest.raises(ValueError, match="rank"):
         data.Loader(path, B=1, T=9, rank=2, world=2)
-    with pytest.raises(data.DataError, match="meta.json"):
+    with pytest.raises(corpus.DataError, match="meta.json"):
         data.Loader(str(tmp_path / "train.bin"), B=1, T=1)
 
 
@@ -486,7 +490,7 @@ def test_single_text_file_is_a_corpus(tmp_path, capsys):
     assert "1 documents -> " in capsys.readouterr().out
     # documents inside one .txt file: separated by '<|endoftext|>' or form feeds
     sep = _write(tmp_path / "stories.txt", "one upon a time<|endoftext|>two\n\fthree\n<|endoftext|>\nfour\n")
-    assert list(data.iter_documents(sep)) == ["one upon a time", "two\n", "three\n", "four\n"]
+    assert list(corpus.iter_documents(sep)) == ["one upon a time", "two\n", "three\n", "four\n"]
 
 
 def test_two_document_corpus_val_share(tmp_path):
@@ -524,13 +528,13 @@ def test_binary_and_undecodable_files_skipped_and_counted(tmp_path, capsys):
     assert meta["n_docs"] == 2 and "d.py" in out
     assert f"skipped 1 binary / 1 undecodable files (NUL bytes / over 10% invalid UTF-8): {root / 'b.txt'}" in out
     assert "1 files with a few invalid UTF-8 bytes were read with U+FFFD" in out and out.count("skipped") == 1
-    docs = list(data.iter_documents(str(root)))
+    docs = list(corpus.iter_documents(str(root)))
     assert docs == ["good text", "x = 1  # one bad byte \ufffd here\n" + "y = 2\n" * 20]
     only_binary = tmp_path / "bin"
     (only_binary / "x.txt").parent.mkdir()
     (only_binary / "x.txt").write_bytes(b"\x00\x01\x02" * 10)
-    with pytest.raises(data.DataError, match=r"is empty.*skipped 1 binary / 0 undecodable.*x\.txt"):
-        list(data.iter_documents(str(only_binary)))
+    with pytest.raises(corpus.DataError, match=r"is empty.*skipped 1 binary / 0 undecodable.*x\.txt"):
+        list(corpus.iter_documents(str(only_binary)))
 
 
 def test_unsupported_files_named(tmp_path, capsys):
@@ -544,30 +548,30 @@ def test_unsupported_files_named(tmp_path, capsys):
     only = tmp_path / "sheets"
     for name in ("b.csv", "d.xlsx"):
         _write(only / name, "x,y")
-    with pytest.raises(data.DataError, match=r"holds no .txt/.md/.py/.jsonl/.parquet file, only 2 files with "
+    with pytest.raises(corpus.DataError, match=r"holds no .txt/.md/.py/.jsonl/.parquet file, only 2 files with "
                                              r"unsupported extensions .csv .xlsx \(b.csv, d.xlsx\)"):
-        data.iter_documents(str(only))  # at once, not "empty"
+        corpus.iter_documents(str(only))  # at once, not "empty"
 
 
 def test_malformed_jsonl_line_named(tmp_path):
     """Finding: a malformed .jsonl line gave ~60 lines of pandas/pyarrow tracebacks."""
     path = _write(tmp_path / "bad.jsonl", '{"text": "a"}\n\n{"text": "b"}\n{"text": "c"\n{"text": "d"}\n')
-    with pytest.raises(data.DataError) as e:
-        list(data.iter_documents(path))
+    with pytest.raises(corpus.DataError) as e:
+        list(corpus.iter_documents(path))
     msg = str(e.value)
     assert msg.startswith(f"{path}:4: not valid JSON") and "\n" not in msg and len(msg) < 300
     for line, match in [('["a list"]', "bad2.jsonl:1: no field 'text' \\(a JSON list"),
                         ('{"text": 3}', "bad2.jsonl:1: field 'text' holds a int, not text")]:
-        with pytest.raises(data.DataError, match=match):
-            list(data.iter_documents(_write(tmp_path / "bad2.jsonl", line + "\n")))
-    assert list(data.iter_documents(_write(tmp_path / "ok.jsonl", '{"text": null}\n{"text": "x"}\n'))) == ["x"]
+        with pytest.raises(corpus.DataError, match=match):
+            list(corpus.iter_documents(_write(tmp_path / "bad2.jsonl", line + "\n")))
+    assert list(corpus.iter_documents(_write(tmp_path / "ok.jsonl", '{"text": null}\n{"text": "x"}\n'))) == ["x"]
 
 
 def test_corrupt_parquet_named(tmp_path):
     path = tmp_path / "broken.parquet"
     path.write_bytes(b"PAR1 this is not a parquet file PAR1")
-    with pytest.raises(data.DataError, match=r"broken\.parquet: cannot read it as parquet \("):
-        list(data.iter_documents(str(path)))
+    with pytest.raises(corpus.DataError, match=r"broken\.parquet: cannot read it as parquet \("):
+        list(corpus.iter_documents(str(path)))
 
 
 @pytest.mark.parametrize("call, match", [
@@ -578,19 +582,19 @@ def test_corrupt_parquet_named(tmp_path):
 ])
 def test_bad_prepare_settings_fail_at_once(tmp_path, monkeypatch, call, match):
     """Finding: --max_docs=-1 failed late with an itertools/numpy error."""
-    monkeypatch.setattr(data, "iter_documents", lambda *a, **k: pytest.fail("read the corpus first"))
-    with pytest.raises(data.DataError, match=match):
+    monkeypatch.setattr(corpus, "iter_documents", lambda *a, **k: pytest.fail("read the corpus first"))
+    with pytest.raises(corpus.DataError, match=match):
         call(_folder(tmp_path), data.get_tokenizer("cl100k_base", 4096), str(tmp_path / "out"))
 
 
 def test_bad_loader_settings_fail_at_once(tmp_path):
     """Finding: --seed=-1 failed late, at the first batch, with a numpy error."""
     path = _token_file(tmp_path, 1000)
-    with pytest.raises(data.DataError, match="seed=-1 must be an integer >= 0"):
+    with pytest.raises(corpus.DataError, match="seed=-1 must be an integer >= 0"):
         data.Loader(path, B=2, T=8, seed=-1)
-    with pytest.raises(data.DataError, match="B=0"):
+    with pytest.raises(corpus.DataError, match="B=0"):
         data.Loader(path, B=0, T=8)
-    with pytest.raises(data.DataError, match="eval_batches=-1"):
+    with pytest.raises(corpus.DataError, match="eval_batches=-1"):
         data.eval_batches(path, 2, 8, n_batches=-1)
 
 
@@ -598,7 +602,7 @@ def test_train_split_too_small(tmp_path):
     """check_split: train.bin must fill one global batch; the message says what to change."""
     path = _token_file(tmp_path, 8 * 10 + 1)  # 10 windows of T=8
     assert data.check_split(path, 8, 10, "train split") == 10
-    with pytest.raises(data.DataError, match=r"train split: 81 tokens make 10 windows of T=8, but one global "
+    with pytest.raises(corpus.DataError, match=r"train split: 81 tokens make 10 windows of T=8, but one global "
                                              r"batch needs 16 .*at least 129 tokens.*micro_batch_size.*seq_len.*more data"):
         data.check_split(path, 8, 16, "train split")
 
@@ -619,16 +623,16 @@ def test_small_validation_split_shrinks_evaluation(tmp_path):
     assert len(list(data.eval_batches(path, 2, 8, rank=1, world=2, n_batches=20))) == 4
     assert data.eval_plan(path, B=2, T=8, world=2, eval_batches=3) == (3, None)  # enough: no message
     assert data.eval_plan(path, B=2, T=8, world=2, eval_batches=0) == (4, None)  # 0: all of it
-    with pytest.raises(data.DataError, match=r"18 windows of T=8, fewer than one per data-parallel rank \(19\).*val_tokens"):
+    with pytest.raises(corpus.DataError, match=r"18 windows of T=8, fewer than one per data-parallel rank \(19\).*val_tokens"):
         data.eval_plan(path, B=1, T=8, world=19, eval_batches=1)
-    with pytest.raises(data.DataError, match="fewer than one per data-parallel rank"):
+    with pytest.raises(corpus.DataError, match="fewer than one per data-parallel rank"):
         data.eval_batches(path, 1, 200, world=1)  # 149 tokens: no window of T=200
 
 
 def test_pieces_encode_like_the_whole():
     """Long documents are tokenized in parts cut after a newline; the ids equal the whole text's."""
     text = ("x = f(a)\n//comment\n  indented\n\n\nword's\r\nlast)\n/path\n" + "日本語 🙂\n" * 3 + "tail") * 40
-    text += "".join(open(os.path.join(data.python_roots(False)[0], m), encoding="utf-8").read()
+    text += "".join(open(os.path.join(corpus.python_roots(False)[0], m), encoding="utf-8").read()
                     for m in ("functools.py", "textwrap.py"))
     for name in ("cl100k_base", "o200k_base"):
         tok = data.get_tokenizer(name)
@@ -657,40 +661,40 @@ def _site(tmp_path):
 
 def test_python_files_dedup_shuffle_cap(tmp_path):
     site = _site(tmp_path)
-    files = data.python_files([site], seed=0)
+    files = corpus.python_files([site], seed=0)
     rel = [os.path.relpath(f, site) for f in files]
-    assert len(files) == 6 + 2 + 10 and files == data.python_files([site], seed=0)  # deterministic
-    assert rel != sorted(rel) and data.python_files([site], seed=1) != files  # not alphabetical; seeded
+    assert len(files) == 6 + 2 + 10 and files == corpus.python_files([site], seed=0)  # deterministic
+    assert rel != sorted(rel) and corpus.python_files([site], seed=1) != files  # not alphabetical; seeded
     assert ("big/m3.py" in rel) != ("copy/__init__.py" in rel)  # one of the two equal files
     assert len({open(f).read() for f in files}) == len(files)
-    report = data.Intake()
-    data.python_files([site], seed=0, report=report)
+    report = corpus.Intake()
+    corpus.python_files([site], seed=0, report=report)
     assert report.duplicates == 1
     # cap by hand: sizes {big 6000 (or 5000 + copy 1000), mid 2000, 10 x 500}; share 0.25:
     # c <= 0.25 * (5000 + c + c) -> c <= 2500 with big and mid cut (2000 < 2500: mid is not cut)
     # c <= 0.25 * (5000 + 2000 + c) -> c = 7000 / 3 = 2333
     sizes = [6000, 2000] + [500] * 10 if "big/m3.py" in rel else [5000, 1000, 2000] + [500] * 10
-    cap = data.package_cap(sizes, 0.25)
+    cap = corpus.package_cap(sizes, 0.25)
     assert cap == (2333 if sizes[0] == 6000 else int(0.25 * 8000 / 0.75))
-    report = data.Intake()
-    capped = data.python_files([site], seed=0, max_package_share=0.25, report=report)
+    report = corpus.Intake()
+    capped = corpus.python_files([site], seed=0, max_package_share=0.25, report=report)
     big = [f for f in capped if os.sep + "big" + os.sep in f]
     assert len(big) == 2 and big == [f for f in files if f in big]  # the first two big files in order
     assert report.capped == {"big": len([f for f in files if os.sep + "big" + os.sep in f]) - 2}
     total = sum(os.path.getsize(f) for f in capped)
     assert 2000 / total <= 0.25 and len(capped) == len(files) - report.capped["big"]
-    assert data.package_cap([100, 100, 100], 0.25) is None  # three packages cannot be held to 25% each
-    assert data.package_cap([10, 10, 10, 10, 100], 0.25) == 13  # 13 <= 0.25 * (40 + 13)
+    assert corpus.package_cap([100, 100, 100], 0.25) is None  # three packages cannot be held to 25% each
+    assert corpus.package_cap([10, 10, 10, 10, 100], 0.25) == 13  # 13 <= 0.25 * (40 + 13)
 
 
 def test_python_corpus_source(tmp_path, monkeypatch):
     """data="python" reads stdlib + site-packages through python_files; its fingerprint changes when
     a file is added, so the prepared memmaps are rebuilt."""
     site = _site(tmp_path)
-    monkeypatch.setattr(data, "python_roots", lambda site_packages=True: [site] if site_packages else [])
-    monkeypatch.setitem(data.PYTHON_CORPORA, "python", (True, 0.25))
-    docs = list(data.iter_documents("python"))
-    assert docs == [open(f).read() for f in data.python_files([site], max_package_share=0.25)]
+    monkeypatch.setattr(corpus, "python_roots", lambda site_packages=True: [site] if site_packages else [])
+    monkeypatch.setitem(corpus.PYTHON_CORPORA, "python", (True, 0.25))
+    docs = list(corpus.iter_documents("python"))
+    assert docs == [open(f).read() for f in corpus.python_files([site], max_package_share=0.25)]
     tok = data.get_tokenizer("cl100k_base", 4096)
     out = data.default_data_dir("python", tok.name, 4096, root=str(tmp_path / "d"))
     assert os.path.basename(out).startswith("python-cl100k_base-4096-")
