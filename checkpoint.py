@@ -51,6 +51,7 @@ from safetensors.torch import load_file, save_file
 import config
 import fsdp
 import moe
+import parallel
 import tp
 from config import UserError
 from model import Transformer
@@ -436,6 +437,19 @@ def open_run(cfg):
         lock.release()
         raise
     return Run(lock, path, run_id, notes)
+
+
+def open_run_everywhere(cfg, grid):
+    """open_run() on rank 0, its decision (checkpoint to resume, run id, notes) on every rank; a
+    refusal raises the same UserError on all of them. Only rank 0's Run holds the lock: keep the
+    returned Run referenced while the run lasts."""
+    held = []
+
+    def first():
+        held.append(open_run(cfg))
+        return held[0].resume_from, held[0].run_id, held[0].notes
+    resume_from, run_id, notes = parallel.on_main(grid, first)
+    return held[0] if held else Run(None, resume_from, run_id, notes)
 
 
 # ---------------------------------------------------------------------------- resume

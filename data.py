@@ -29,6 +29,7 @@ import tiktoken
 import torch
 
 import corpus
+import parallel
 
 
 # -----------------------------------------------------------------------------
@@ -341,6 +342,19 @@ def _open_tokens(path):
     if os.path.getsize(path) == 0:
         return np.zeros(0, dtype=meta["dtype"])
     return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+
+
+def prepare_everywhere(grid, source, tokenizer, out_dir, **kw):
+    """prepare() for a multi-process run; returns its meta dict on every rank. Rank 0 tokenizes
+    (once: later runs reuse the memmaps) while the others wait, and a DataError there stops every
+    rank with its message; then the first rank of every other node checks too (a no-op on a shared
+    file system)."""
+    meta = parallel.on_main(grid, lambda: prepare(source, tokenizer, out_dir, verbose=grid.is_main, **kw))
+    if grid.local_rank == 0 and grid.rank != 0:
+        prepare(source, tokenizer, out_dir, verbose=False, **kw)
+    if grid.world > 1:
+        torch.distributed.barrier()
+    return meta
 
 
 def check_split(path, T, global_batch, name=""):

@@ -57,26 +57,13 @@ def main(argv):
     if cfg.sample_tokens and len(prompt) >= cfg.block_size:
         raise config.ConfigError(f"sample_prompt is {len(prompt)} tokens, block_size={cfg.block_size} leaves no room "
                                  "to generate: shorten it or set sample_tokens=0")
-    # out_dir belongs to this run: rank 0 takes its lock, picks the checkpoint to resume and checks
-    # the settings against it, before any work is spent (a refusal stops every rank, one message)
-    lease = None  # rank 0's hold on out_dir: kept until the process ends
-
-    def open_run():
-        nonlocal lease
-        lease = checkpoint.open_run(cfg)
-        return lease.resume_from, lease.run_id, lease.notes
-    resume_from, run_id, notes = parallel.on_main(grid, open_run)
-    for line in notes:
+    # out_dir belongs to this run: rank 0 takes its lock (held while `lease` lives), picks the
+    # checkpoint to resume and checks the settings against it, before any work is spent
+    lease = checkpoint.open_run_everywhere(cfg, grid)
+    for line in lease.notes:
         say(line)
-    # rank 0 tokenizes (once: later runs reuse the memmaps) while the others wait; then the first
-    # rank of every other node checks too, a no-op on a shared file system
-    prep = dict(val_fraction=cfg.val_fraction, val_tokens=cfg.val_tokens, text_field=cfg.text_field,
-                max_docs=cfg.max_docs)
-    meta = parallel.on_main(grid, lambda: data.prepare(cfg.data, tok, data_dir, verbose=is_main, **prep))
-    if grid.local_rank == 0 and grid.rank != 0:
-        data.prepare(cfg.data, tok, data_dir, verbose=False, **prep)
-    if grid.world > 1:
-        torch.distributed.barrier()
+    meta = data.prepare_everywhere(grid, cfg.data, tok, data_dir, val_fraction=cfg.val_fraction,
+                                   val_tokens=cfg.val_tokens, text_field=cfg.text_field, max_docs=cfg.max_docs)
     # data-parallel ranks: dp x ep (expert-parallel ranks see different data too)
     accum = cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
     # both splits checked now, not at the first evaluation: the loader needs one global batch of
@@ -104,11 +91,11 @@ def main(argv):
     run = parallel.parallelize(raw, grid, cfg, load=hf.init_loader(cfg, grid))
     model, fwd, optimizer = run.model, run.fwd, run.optimizer
     step = 0
-    if resume_from:  # saved by any layout: full tensors, cut to this one
-        state = checkpoint.load(resume_from, raw, optimizer, grid, model)
+    if lease.resume_from:  # saved by any layout: full tensors, cut to this one
+        state = checkpoint.load(lease.resume_from, raw, optimizer, grid, model)
         loader.load_state_dict(state["loader"])
         step = state["step"]
-        say(f"resumed from {resume_from} at step {step}")
+        say(f"resumed from {lease.resume_from} at step {step}")
     peak = logs.peak_tflops(device, cfg.peak_tflops)
     say(f"model: {n_params / 1e6:.2f}M parameters ({n_active / 1e6:.2f}M active, {n_body / 1e6:.2f}M active "
         f"non-embedding), {flops_per_token / 1e6:.1f} MFLOPs/token, peak {peak or 'n/a'} TFLOP/s per device")
@@ -138,7 +125,7 @@ def main(argv):
     def save():  # every rank helps gather the full tensors (experts too); rank 0 writes
         weights, opt_state = checkpoint.gather(raw, optimizer, grid, model)
         checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, loader.state_dict(), cfg.keep_last,
-                        grid.rank, run_id=run_id)
+                        grid.rank, run_id=lease.run_id)
 
     # ------------------------------------------------------------------------ training loop
     last = cfg.stop_at or cfg.max_steps
