@@ -83,14 +83,16 @@ def test_sigterm_saves_and_resumes_exactly(tmp_path, data_dir):
     part = str(tmp_path / "part")
     p = subprocess.Popen(torchrun(common + [f"--out_dir={part}"]), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and p.poll() is None:  # signal once a few steps are done
-        f = os.path.join(part, "train_metrics.jsonl")
-        if os.path.exists(f) and len(losses(part)) >= 3:
-            break
-        time.sleep(0.05)
-    assert p.poll() is None, "the run ended before it could be signalled: raise max_steps"
-    os.killpg(p.pid, signal.SIGTERM)  # torchrun and both workers, as a scheduler's SIGTERM or Ctrl-C
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and p.poll() is None:  # signal once a few steps are done
+            f = os.path.join(part, "train_metrics.jsonl")
+            if os.path.exists(f) and len(losses(part)) >= 3:
+                break
+            time.sleep(0.05)
+        assert p.poll() is None, "the run ended before it could be signalled: raise max_steps"
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)  # torchrun's group, as a scheduler's SIGTERM or Ctrl-C
     stdout, stderr = p.communicate(timeout=120)
     done = sorted(losses(part))
     k = done[-1]
@@ -122,6 +124,10 @@ def test_second_run_into_held_folder_refused(tmp_path, data_dir):
         assert r.returncode != 0 and len(errors) == 1, r.stderr[-2000:]
         assert "in use by another run (pid" in errors[0], errors[0]
         assert p.poll() is None  # the first run goes on, untouched
-    finally:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+    finally:  # SIGTERM: torchrun forwards it, the workers save and exit (SIGKILL would orphan them)
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            raise
