@@ -64,10 +64,43 @@ def test_type_mismatch(arg, match):
     (["--seq_len=4096"], 1, "seq_len=4096"),
     (["--warmup_steps=-5"], 1, "warmup_steps"),
     (["--stop_at=200", "--max_steps=100"], 1, "stop_at"),
+    # found at load time, not after training (they used to fail late inside numpy / the sampler)
+    (["--seed=-1"], 1, "seed=-1 must be in"),
+    (["--max_docs=-1"], 1, "max_docs=-1"),
+    (["--val_tokens=-5"], 1, "val_tokens=-5"),
+    (["--sample_tokens=-3"], 1, "sample_tokens=-3"),
+    (["--sample_temperature=-0.5"], 1, "sample_temperature=-0.5"),
+    (["--sample_top_k=-1"], 1, "sample_top_k=-1"),
+    (["--eval_batches=-2"], 1, "eval_batches=-2"),
 ])
 def test_invalid_values(args, world, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(config.ConfigError, match=match):  # a UserError that is also a ValueError
         config.load(args, world=world)
+
+
+def test_run_prints_user_errors_once_without_traceback(capsys, monkeypatch):
+    """config.run: a UserError is one `error:` line on rank 0 and exit status 2; other ranks exit
+    quietly with 0; --debug re-raises it with its traceback; a bug is never swallowed."""
+    def bad(argv):
+        assert "--debug" not in argv  # the flag is config.run's, not the stage's
+        config.load(argv + ["--lr=-1"], world=1)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as e:
+        config.run(bad, ["--max_steps=3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == "error: lr=-1.0 must be positive\n"
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as e:
+        config.run(bad, [])
+    assert e.value.code == 0 and capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(config.ConfigError, match="lr=-1.0"):
+        config.run(bad, ["--debug"])
+
+    def bug(argv):
+        raise ZeroDivisionError("a bug")
+    with pytest.raises(ZeroDivisionError):
+        config.run(bug, [])
 
 
 def test_missing_config_file():
