@@ -27,12 +27,13 @@ that it has no cycle and that no file uses another's _private names). Before iss
 
 Now, imports at the top of each file (data.py's optional hf aside), and an order in which each
 module imports only modules before it: fused, tp, moe, model, config, generate, fsdp, muon,
-optim, parallel, checkpoint, hf, data, logs, then the scripts:
+optim, parallel, checkpoint, hf, corpus, data, clean, logs, then the scripts:
 
     tp -> (torch);  moe -> tp;  model -> fused, moe, tp;  config -> model;  generate -> (torch)
-    fsdp -> tp;  muon -> fsdp, tp;  optim -> muon;  parallel -> fsdp, moe, optim, tp
-    checkpoint -> fsdp, moe, tp, model;  hf -> checkpoint, model, tp;  data -> hf (lazy: optional)
-    logs -> (torch);  pretrain / sample / bench* -> the concept modules above
+    fsdp -> tp;  muon -> fsdp, tp;  optim -> muon;  parallel -> config, fsdp, moe, optim, tp
+    checkpoint -> config, fsdp, moe, parallel, tp, model;  hf -> checkpoint, model, tp
+    corpus -> config;  data -> corpus, parallel, hf (lazy: optional);  clean -> (numpy);  logs -> (torch)
+    pretrain / sample / bench* -> the concept modules above
 """
 import contextlib
 import datetime
