@@ -8,14 +8,15 @@ Proves:
   with equal logits; ours saved in PEFT's format loads in PEFT with equal logits; merge_weights
   equals merge_and_unload's weights (through hf.export_hf's names); in-place merge gives the
   adapter's logits and unmerge restores the base weights;
-- layouts (gloo, 3 AdamW steps with clipping, adapters started non-zero so that every factor's
-  gradient is live from step 1): DP2, FSDP2, TP2 (one 2-process spawn) and TP2 x DP2, TP2 x FSDP2,
+- layouts (gloo, 3 AdamW steps with clipping and two accumulated micro-steps, adapters started
+  non-zero so that every factor's gradient is live from step 1): DP2, FSDP2, TP2 (one 2-process spawn) and TP2 x DP2, TP2 x FSDP2,
   TP4 with kv heads shared by two ranks (one 4-process spawn) give the one-process adapters
   (relative error <= 1e-5) and losses; after every step the adapters are bitwise identical on every
   rank (the TP replicas of A and B never drift); the base never changes; under FSDP the frozen base
   is sharded (each rank holds 1/dp of it) and the optimizer state covers the adapters' shards only;
 - MoE: attention and dense MLP layers are adapted, the MoE blocks (router, experts) are not and
-  stay frozen through a training step; bad settings raise errors that say what to change.
+  stay frozen through training steps; lora_base_dtype="bfloat16" stores the frozen base in bf16 and
+  trains under autocast; bad settings and an adapter that does not fit raise errors that say so.
 """
 import contextlib
 import copy
@@ -191,6 +192,10 @@ def test_peft_adapter_loads_into_ours(peft_case):
     x = ids(0)
     assert max_diff(pm(input_ids=x).logits, base(x).logits) > 1e-2  # the adapter matters
     assert max_diff(ours(x), pm(input_ids=x).logits) <= 1e-5
+    conf = lora.peft_config(adapter)
+    fewer, _ = ours_with(folder, dict(conf, lora_targets=conf["lora_targets"].split(",")[0]))
+    with pytest.raises(ValueError, match="does not fit this model's adapters"):
+        lora.load_peft(adapter, fewer, one_grid())
 
 
 @torch.no_grad()
@@ -319,17 +324,9 @@ def check_layout(tmp_path, name, world, ref, base_numel):
             assert rec["opt_numel"] == adapter_numel
 
 
-def test_layouts_2_processes(tmp_path, reference):
+@pytest.mark.parametrize("world, names", [(2, ["dp2", "fsdp2", "tp2"]), (4, ["tp2_dp2", "tp2_fsdp2", "tp4"])])
+def test_layouts_equal_one_process(tmp_path, reference, world, names):
     ref, init, base_numel = reference
-    names = ["dp2", "fsdp2", "tp2"]
-    spawn(_layouts, 2, str(tmp_path), names, init)
+    spawn(_layouts, world, str(tmp_path), names, init)
     for name in names:
-        check_layout(tmp_path, name, 2, ref, base_numel)
-
-
-def test_layouts_4_processes(tmp_path, reference):
-    ref, init, base_numel = reference
-    names = ["tp2_dp2", "tp2_fsdp2", "tp4"]
-    spawn(_layouts, 4, str(tmp_path), names, init)
-    for name in names:
-        check_layout(tmp_path, name, 4, ref, base_numel)
+        check_layout(tmp_path, name, world, ref, base_numel)
