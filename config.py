@@ -101,6 +101,13 @@ TRAIN_DEFAULTS = dict(
     tp=1,                    # tensor-parallel size (Megatron style, innermost: neighbouring GPUs)
     data_parallel="ddp",     # how the world // tp replicas split the batch: ddp (replicated) | fsdp (sharded)
     ep=1,                    # expert-parallel size: experts sharded over ep ranks that see different data (moe.py)
+    # LoRA (lora.py): lora_r > 0 freezes the base and trains rank-r adapters
+    lora_r=0,
+    lora_alpha=16.0,
+    lora_dropout=0.0,
+    lora_targets="all-linear",  # "all-linear" (attention + MLP) or HF module names: "q_proj,v_proj" (GPT-2: c_attn, ...)
+    lora_rslora=False,       # scale alpha / sqrt(r) instead of alpha / r
+    lora_base_dtype="float32",  # float32 | bfloat16: the frozen base's storage (bf16 needs bf16 autocast)
     # evaluation and logging
     eval_every=250,
     eval_batches=20,
@@ -277,6 +284,13 @@ def validate(cfg, world=1):
     need(cfg.tokenizer_vocab == 0 or cfg.tokenizer_vocab >= 257,
          f"tokenizer_vocab={cfg.tokenizer_vocab} must be 0 (full BPE) or >= 257 (256 bytes + EOS)")
     need(cfg.peak_tflops >= 0, f"peak_tflops={cfg.peak_tflops} must be >= 0")
+    need(cfg.lora_r >= 0, f"lora_r={cfg.lora_r} must be >= 0 (0: no LoRA)")
+    need(cfg.lora_alpha > 0 and 0 <= cfg.lora_dropout < 1,
+         f"lora_alpha={cfg.lora_alpha} must be > 0 and lora_dropout={cfg.lora_dropout} in [0, 1)")
+    need(cfg.lora_base_dtype in ("float32", "bfloat16"), f"lora_base_dtype='{cfg.lora_base_dtype}' must be float32 or bfloat16")
+    need(not cfg.lora_r or (cfg.optimizer == "adamw" and not cfg.zero1),
+         "LoRA trains with AdamW, without zero1 (Muon is for full hidden matrices; the adapters' state is small): "
+         "set optimizer='adamw', zero1=False")
     need(cfg.grad_bucket_mb > 0, f"grad_bucket_mb={cfg.grad_bucket_mb} must be positive")
     # found here, not after training: numpy's generators take seeds in [0, 2**32)
     need(0 <= cfg.seed < 2**32, f"seed={cfg.seed} must be in [0, 2**32)")

@@ -28,6 +28,12 @@ backward: the head is the first thing backward needs (PyTorch FSDP2 does the sam
 checkpointing recomputes a block inside backward, after _PreBackward refilled it: the hooks see
 `in_backward` and leave it alone.
 
+Frozen parameters (a LoRA base, lora.py) form units of their own, sharded the same way in their
+own dtype (a bf16 base stays bf16): gathered with their block, never reduced, no optimizer state
+(`FSDP.units` holds the trainable units, `FSDP.frozen` these). No gradient hook frees them: a
+block's are freed when the next backward block starts (its input gradient is complete), the rest
+in finish() or at the next forward.
+
 Gradient accumulation: every micro-step reduce-scatters and adds into the fp32 shard gradient, so
 no rank ever holds a full gradient between micro-steps (ZeRO-3's point); the price is one
 reduce-scatter per micro-step. no_sync() is a no-op, kept for pretrain.py.
@@ -94,8 +100,11 @@ class Unit:
     block's experts under EP. self.group / dp / rank: the ranks it is sharded over (the data group,
     dp x ep ranks; an expert unit: grid.dp_group, its replicas)."""
 
-    def __init__(self, params, grid, compute_dtype, expert=False):
+    def __init__(self, params, grid, compute_dtype, expert=False, frozen=False):
         # params: [(names, parameter, [(module, attribute), ...])], one entry per unique tensor
+        # frozen: parameters without gradients (a LoRA base): sharded and gathered, never reduced;
+        # the master shard keeps their own dtype (a bf16 base stays bf16)
+        self.frozen = frozen
         if expert:
             self.group, self.dp, self.rank = grid.dp_group, grid.dp, grid.dp_rank
         else:
@@ -103,6 +112,7 @@ class Unit:
         self.world = grid.data_world  # gradients: mean over every data rank (an expert's owner got them all)
         self.params = sorted(params, key=lambda e: run_of(e[0][0], e[1].dim()))  # stable: model order otherwise
         p0 = self.params[0][1]
+        keep = functools.reduce(torch.promote_types, [p.dtype for _, p, _ in params]) if frozen else torch.float32
         self.device, self.dtype = p0.device, compute_dtype or p0.dtype
         self.shapes = [p.shape for _, p, _ in self.params]
         numel = sum(p.numel() for _, p, _ in self.params)
@@ -110,12 +120,12 @@ class Unit:
         self.S = self.padded // self.dp  # this rank's shard length
         self.sizes = [p.numel() for _, p, _ in self.params] + [self.padded - numel]  # padding last
         with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1).float() for _, p, _ in self.params]
-                             + [torch.zeros(self.padded - numel, device=self.device)])
+            flat = torch.cat([p.detach().reshape(-1).to(keep) for _, p, _ in self.params]
+                             + [torch.zeros(self.padded - numel, dtype=keep, device=self.device)])
             if self.dp > 1:  # start identical everywhere: the group's first rank wins
                 dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
             lo = self.rank * self.S
-            self.shard = flat[lo:lo + self.S].clone()  # fp32 master
+            self.shard = flat[lo:lo + self.S].clone()  # fp32 master (frozen: their dtype)
         # cut this rank's [lo, lo + S) where the runs meet; padding joins the last part
         ends = [sum(p.numel() for names, p, _ in self.params if run_of(names[0], p.dim()) <= k) for k in (0, 1)]
         ends.append(self.padded)
@@ -124,7 +134,7 @@ class Unit:
             a, b = max(start, lo) - lo, min(end, lo + self.S) - lo
             if a < b:
                 t = self.shard[a:b]
-                self.shards.append(nn.Parameter(t.view(1, -1) if decay else t))  # shares self.shard's storage
+                self.shards.append(nn.Parameter(t.view(1, -1) if decay else t, requires_grad=not frozen))  # shares self.shard's storage
                 self.ranges.append((a, b))
         # the runs of this shard counted in the gradient norm (all of it without TP)
         mask = torch.cat([_counted(p, grid).reshape(-1) for _, p, _ in self.params]
@@ -168,7 +178,7 @@ class Unit:
     def install(self, hook):
         """Point the modules' parameters at views of the gathered buffer."""
         full = self.full
-        if torch.is_grad_enabled() and not full.requires_grad:
+        if torch.is_grad_enabled() and not full.requires_grad and not self.frozen:
             full.requires_grad_(True)  # the views' gradients sum into full.grad: one flat tensor
             full.register_post_accumulate_grad_hook(hook)
         for (_, _, locs), v, shape, hooks in zip(self.params, full.split(self.sizes), self.shapes, self.hooks):
@@ -251,23 +261,26 @@ class FSDP(nn.Module):
         entries = {}  # id(param) -> (names, param, homes): each unique tensor, every (module, attr) holding it
         for mname, mod in module.named_modules():
             for attr, p in mod._parameters.items():
-                if p is not None and p.requires_grad:
+                if p is not None:
                     e = entries.setdefault(id(p), ([], p, []))
                     e[0].append(f"{mname}.{attr}" if mname else attr)
                     e[2].append((mod, attr))
         L = len(module.blocks)
-        groups, experts = [[] for _ in range(L + 1)], [[] for _ in range(L + 1)]  # 0: root; 1 + i: blocks[i]
+        kinds = [(False, False), (True, False), (False, True), (True, True)]  # (expert, frozen)
+        groups = [{k: [] for k in kinds} for _ in range(L + 1)]  # 0: root; 1 + i: blocks[i]
         for e in entries.values():
             head = e[0][0].split(".")
             slot = 1 + int(head[1]) if head[0] == "blocks" else 0
-            (experts if grid.ep > 1 and getattr(e[1], "expert", False) else groups)[slot].append(e)
-        # slots[i]: the units gathered together around block i - 1 (slot 0: the root)
-        self.slots = [[Unit(g, grid, compute_dtype)] + ([Unit(x, grid, compute_dtype, expert=True)] if x else [])
-                      for g, x in zip(groups, experts)]
-        self.units = [u for s in self.slots for u in s]
-        for i, u in enumerate(self.units):  # registered, so .parameters() yields the shards
-            for j, p in enumerate(u.shards):
-                self.register_parameter(f"unit{i}_shard{j}", p)
+            groups[slot][(grid.ep > 1 and getattr(e[1], "expert", False), not e[1].requires_grad)].append(e)
+        # slots[i]: the units gathered together around block i - 1 (slot 0: the root), trainable first
+        self.slots = [[Unit(g[k], grid, compute_dtype, expert=k[0], frozen=k[1]) for k in kinds if g[k]]
+                      for g in groups]
+        self.units = [u for s in self.slots for u in s if not u.frozen]  # what has gradients and optimizer state
+        self.frozen = [u for s in self.slots for u in s if u.frozen]
+        for kind, us in (("unit", self.units), ("frozen", self.frozen)):  # registered: .parameters() yields the shards
+            for i, u in enumerate(us):
+                for j, p in enumerate(u.shards):
+                    self.register_parameter(f"{kind}{i}_shard{j}", p)
         for i, block in enumerate(module.blocks, start=1):
             block.register_forward_pre_hook(functools.partial(self._pre_forward, i))
             block.register_forward_hook(functools.partial(self._post_forward, i))
@@ -282,16 +295,25 @@ class FSDP(nn.Module):
     def forward(self, *args, **kwargs):
         if self.summoned:
             return self.module(*args, **kwargs)
-        root = self.units[0]
-        root.drop()
-        root.gather(fresh=True)
-        root.wait()
-        root.install(functools.partial(self._post_backward, root))
+        self._drop_frozen()  # what the last backward left gathered (gradient accumulation)
+        for u in self.slots[0]:
+            u.drop()
+            u.gather(fresh=True)
+        for u in self.slots[0]:
+            u.wait()
+            u.install(functools.partial(self._post_backward, u))
         self._prefetch(1, fresh=True)  # block 0 while the embedding runs
         out = self.module(*args, **kwargs)
         if not (torch.is_grad_enabled() and out.requires_grad):
-            root.drop()  # no backward will come (evaluation)
+            for u in self.slots[0]:
+                u.drop()  # no backward will come (evaluation)
         return out
+
+    def _drop_frozen(self, slot=None):
+        """Free frozen units (no gradient hook frees them): those of `slot`, or all gathered ones."""
+        for u in self.frozen if slot is None else [u for u in self.slots[slot] if u.frozen]:
+            if u.full is not None:
+                u.drop()
 
     def _prefetch(self, i, fresh):
         for u in self.slots[i] if 0 < i < len(self.slots) else []:
@@ -323,6 +345,8 @@ class FSDP(nn.Module):
         return out
 
     def _pre_backward(self, i):
+        if i + 1 < len(self.slots):  # the next block's backward is over (it produced this gradient):
+            self._drop_frozen(i + 1)  # its frozen weights, read only for its input's gradient, are done
         for u in self.slots[i]:
             if not u.ready:
                 u.gather(fresh=False)
@@ -354,6 +378,7 @@ class FSDP(nn.Module):
     def finish(self):
         """Wait for the outstanding reduce-scatters: before clipping and the optimizer step."""
         self._drain()
+        self._drop_frozen()
 
     def zero_grad(self, set_to_none=True):
         for u in self.units:  # the next reduce-scatter's output becomes the gradient: nothing to zero
@@ -365,7 +390,7 @@ class FSDP(nn.Module):
     def summon_full_params(self):
         """The model's own Parameters, gathered in fp32, for sampling or helpers that read the
         plain model (generate, tp's state helpers). Collective; changes inside are discarded."""
-        for u in self.units:
+        for u in self.units + self.frozen:
             u.drop()
             for (_, p, locs), v, shape in zip(u.params, u.all_gather_fp32(u.shard).split(u.sizes), u.shapes):
                 p.data = v.view(shape)
@@ -376,7 +401,7 @@ class FSDP(nn.Module):
             yield self.module
         finally:
             self.summoned = False
-            for u in self.units:
+            for u in self.units + self.frozen:
                 u.drop()
                 for _, p, _ in u.params:
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -388,7 +413,7 @@ def gather_by_name(model, local_of):
     """{first name: full fp32 tensor on CPU} from a per-unit (S,) local tensor laid out like the
     shard (skipped where local_of gives None). Collective over dp (and TP)."""
     out = {}
-    for u in model.units:
+    for u in model.units + model.frozen:
         local = local_of(u)
         if local is None:
             continue
@@ -426,7 +451,7 @@ def full_state_dict(model):
     """{name: full fp32 tensor on CPU}: the keys and order of the unwrapped one-process model's
     state_dict (tied names share one tensor). Collective over dp (and TP): every rank calls it."""
     full = gather_by_name(model, lambda u: u.shard)
-    for u in model.units:
+    for u in model.units + model.frozen:
         for names, _, _ in u.params:
             full.update({n: full[names[0]] for n in names[1:]})
     full.update({k: v.detach().cpu() for k, v in model.module.state_dict().items()})  # persistent buffers
@@ -436,7 +461,7 @@ def full_state_dict(model):
 @torch.no_grad()
 def load_full_state_dict(model, sd):
     """Every rank copies its slice of each unit out of full tensors (saved by any layout)."""
-    for u in model.units:
+    for u in model.units + model.frozen:
         u.drop()
         u.shard.copy_(local_flat(model, u, lambda names: pick(sd, names)))
     for k, b in model.module.named_buffers():

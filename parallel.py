@@ -13,7 +13,7 @@ holds the replicas of one expert shard (= data_group when ep = 1).
 
 parallelize() applies, in the one order that works: the TP cut (tp.py), the initial weights (an
 HF folder or a checkpoint, read after the cut so each rank reads only its slices, before the EP
-cut which drops other ranks' experts), the EP cut (moe.py), then FSDP (fsdp.py) and its optimizer,
+cut which drops other ranks' experts), LoRA adapters (lora.py: on the cut, loaded base), the EP cut (moe.py), then FSDP (fsdp.py) and its optimizer,
 or the optimizer and DataParallel (whose ZeRO-1 owner map comes from the optimizer), then
 torch.compile. clip_grad_norm_ is the one gradient norm of every layout and their products.
 
@@ -26,11 +26,12 @@ that it has no cycle and that no file uses another's _private names). Before iss
     (and muon / fsdp read fsdp's and tp's private helpers)
 
 Now, imports at the top of each file (data.py's optional hf aside), and an order in which each
-module imports only modules before it: fused, tp, moe, model, config, generate, fsdp, muon,
-optim, parallel, checkpoint, hf, corpus, data, clean, logs, then the scripts:
+module imports only modules before it: fused, tp, moe, model, config, generate, fsdp, lora,
+muon, optim, parallel, checkpoint, hf, corpus, data, clean, logs, then the scripts:
 
     tp -> (torch);  moe -> tp;  model -> fused, moe, tp;  config -> model;  generate -> (torch)
-    fsdp -> tp;  muon -> fsdp, tp;  optim -> muon;  parallel -> config, fsdp, moe, optim, tp
+    fsdp -> tp;  lora -> fsdp, model, tp;  muon -> fsdp, tp;  optim -> muon
+    parallel -> config, fsdp, lora, moe, optim, tp
     checkpoint -> config, fsdp, moe, parallel, tp, model;  hf -> checkpoint, model, tp
     corpus -> config;  data -> corpus, parallel, hf (lazy: optional);  clean -> (numpy);  logs -> (torch)
     pretrain / sample / bench* -> the concept modules above
@@ -49,6 +50,7 @@ import torch.nn as nn
 
 import config
 import fsdp
+import lora
 import moe
 import optim
 import tp
@@ -482,12 +484,16 @@ def parallelize(model, grid, cfg, load=None, optimizer=True):
     same seed on every rank, in place, and build its optimizer (optimizer=False: none).
 
     load(model): the initial weights (hf.init_loader), called on the TP-cut model before the EP cut.
+    cfg.lora_r > 0: then the base is frozen and LoRA adapters added (lora.apply), except on a model
+    that is frozen already (a reference model).
     A model without trainable parameters (a frozen reference) gets no optimizer and stays
     replicated (DataParallel: broadcast once, nothing to reduce), also under data_parallel="fsdp".
     Partly frozen models work: frozen parameters are neither reduced nor optimised."""
     tp.tensor_parallel(model, grid)  # TP: keep this rank's heads / MLP columns / vocabulary rows (tp=1: no-op)
     if load is not None:
         load(model)  # initial weights: each TP rank reads only its slices; every expert still here
+    if cfg.lora_r and any(p.requires_grad for p in model.parameters()):
+        lora.apply(model, cfg, grid)  # freeze the base, add adapters cut like their base (lora.py)
     moe.expert_parallel(model, grid)  # EP: keep this rank's experts, set the groups (dense: no-op)
     trainable = any(p.requires_grad for p in model.parameters())
     dtype = amp_dtype(cfg, grid.device)
