@@ -113,7 +113,8 @@ def test_sigterm_saves_and_resumes_exactly(tmp_path, data_dir):
 def test_second_run_into_held_folder_refused(tmp_path, data_dir):
     out = str(tmp_path / "run")
     common = [f"--data_dir={data_dir}/main", f"--out_dir={out}", "--ckpt_every=0"]
-    p = subprocess.Popen(torchrun(common + ["--max_steps=1000000"]), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+    one = [sys.executable, os.path.join(ROOT, "pretrain.py")] + SMALL  # the holder: one process is enough
+    p = subprocess.Popen(one + common + ["--max_steps=1000000"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 300
@@ -124,7 +125,7 @@ def test_second_run_into_held_folder_refused(tmp_path, data_dir):
         assert r.returncode != 0 and len(errors) == 1, r.stderr[-2000:]
         assert "in use by another run (pid" in errors[0], errors[0]
         assert p.poll() is None  # the first run goes on, untouched
-    finally:  # SIGTERM: torchrun forwards it, the workers save and exit (SIGKILL would orphan them)
+    finally:  # SIGTERM: the run saves and exits
         os.killpg(p.pid, signal.SIGTERM)
         try:
             p.wait(timeout=120)
