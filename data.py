@@ -183,22 +183,24 @@ VARIANT_DEFAULTS = dict(fim_rate=0.0, fim_spm_rate=0.5, fim_seed=0, clean=False,
 
 
 def data_settings(cfg):
-    """The VARIANT_DEFAULTS keys of a run's config, for default_data_dir and prepare."""
-    return {k: getattr(cfg, k, v) for k, v in VARIANT_DEFAULTS.items()}
+    """prepare()'s keywords from a run's config: the split and size keys, then VARIANT_DEFAULTS'."""
+    return dict(val_fraction=cfg.val_fraction, val_tokens=cfg.val_tokens, text_field=cfg.text_field,
+                max_docs=cfg.max_docs, **{k: getattr(cfg, k, v) for k, v in VARIANT_DEFAULTS.items()})
 
 
 def default_data_dir(source, tokenizer_name, vocab=0, root="data", **settings):
-    """Readable and unique: e.g. data/stdlib-cl100k_base-8192-1a2b3c4d, or with settings that differ
-    from VARIANT_DEFAULTS (they are in the hash, and named: -clean, -near, -fim) e.g.
-    data/stdlib-cl100k_base-8192-clean-exact-fim-5e6f7a8b. So changing them prepares a new folder."""
+    """Readable and unique: e.g. data/stdlib-cl100k_base-8192-1a2b3c4d. The VARIANT_DEFAULTS keys among
+    `settings` (others are ignored) that differ from their default are in the hash, and named
+    (-clean, -exact / -near, -fim): data/stdlib-cl100k_base-8192-clean-near-fim-5e6f7a8b. Changing
+    them prepares another folder; switching back reuses the first."""
     key = corpus.source_key(source)
     readable = key if key in corpus.PYTHON_CORPORA or key.startswith("hf:") else os.path.basename(key.rstrip(os.sep))
     slug = re.sub(r"[^A-Za-z0-9_.]+", "-", readable).strip("-.")[:40] or "corpus"
-    changed = {k: v for k, v in sorted(settings.items()) if v != VARIANT_DEFAULTS[k]}
+    changed = {k: settings[k] for k, v in sorted(VARIANT_DEFAULTS.items()) if settings.get(k, v) != v}
     digest = hashlib.sha1(f"{key}|{tokenizer_name}|{vocab}{f'|{changed}' if changed else ''}".encode()).hexdigest()[:8]
-    tags = ["clean"] * bool(settings.get("clean")) + [settings.get("dedup", "none")] * (settings.get("dedup", "none") != "none")
-    tags += ["fim"] * (settings.get("fim_rate", 0) > 0)
-    return os.path.join(root, f"{slug}-{tokenizer_name}{f'-{vocab}' if vocab else ''}{''.join('-' + t for t in tags)}-{digest}")
+    tags = "".join(f"-{t}" for t, on in (("clean", changed.get("clean")), (changed.get("dedup"), "dedup" in changed),
+                                          ("fim", changed.get("fim_rate"))) if on)
+    return os.path.join(root, f"{slug}-{tokenizer_name}{f'-{vocab}' if vocab else ''}{tags}-{digest}")
 
 
 def _read_meta(out_dir):
@@ -267,7 +269,8 @@ def _tokenize(docs, tokenizer, paths, dtype, num_threads, bar, transform=None):
     files = [open(path, "wb") for path in paths]
     try:
         for batch in _batches(_items(docs, transform, modes)):
-            encoded = iter(tokenizer.encode_batch([p for _, p, _ in batch if isinstance(p, str)], num_threads=num_threads))
+            texts = [piece for _, piece, _ in batch if isinstance(piece, str)]
+            encoded = iter(tokenizer.encode_batch(texts, num_threads=num_threads))
             for streams, piece, last in batch:
                 ids = next(encoded) if isinstance(piece, str) else [piece]
                 buf = np.array(ids, dtype=dtype).tobytes()
