@@ -5,8 +5,16 @@
 # CPU machine (Python 3.11, torch + transformers + ... installed) that is 16,057 files = 67.7M tokens
 # with this tokenizer: 2000 steps of 262k tokens repeat it ~8 times; slim installs give less.
 # Point `data` at a larger corpus (a folder of text/jsonl/parquet, or hf:<dataset>) for a real run.
+# Cleaned (clean.py) and exactly deduplicated before tokenization: on the CPU machine 850 of 16,516
+# files go (764 auto-generated, e.g. transformers' modeling files generated from modular ones; 32
+# encoded data; 20 lines over 1000 chars; ...) in ~45 s once. dedup="near" would drop 375 more
+# near-copies (2.3%) but takes ~110 s instead of ~45 s: prepared data is reused, a fresh machine
+# pays it. Half the training documents are in fill-in-the-middle layout (validation stays plain).
 out_dir = "out/small"
 data = "python"
+clean = True
+dedup = "exact"
+fim_rate = 0.5
 tokenizer = "cl100k_base"
 tokenizer_vocab = 32768
 pad_vocab_multiple = 128
