@@ -266,7 +266,8 @@ def test_pretrain_with_fim_then_infill(tmp_path):
     src = _jsonl(tmp_path / "c.jsonl", [doc] * 400)
     common = ["configs/tiny.py", f"--data={src}", "--n_layer=2", "--n_embd=64", "--block_size=64", "--tokenizer_vocab=512",
               "--batch_size=16", "--micro_batch_size=16", "--eval_every=0", "--sample_tokens=0", "--progress=False",
-              "--log_every=50", "--warmup_steps=10", "--max_docs=0", "--val_tokens=0", "--val_fraction=0.05"]
+              "--log_every=50", "--warmup_steps=10", "--max_docs=0", "--val_tokens=0", "--val_fraction=0.05",
+              "--clean=False", "--dedup=none"]  # tiny.py dedups: 400 copies would become one document
     out = str(tmp_path / "fim")
     r = _run(common + ["--fim_rate=1.0", "--max_steps=150", f"--out_dir={out}", f"--data_dir={tmp_path}/d1"])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
