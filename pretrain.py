@@ -48,10 +48,11 @@ def main(argv):
     # ------------------------------------------------------------------------ data
     # init_from = a Hugging Face model folder: its config.json sets the model keys, its tokenizer the vocabulary
     from_hf = hf.configure(cfg)
-    tok = data.get_tokenizer(cfg.tokenizer, cfg.tokenizer_vocab)
+    tok = data.tokenizer_for(cfg)  # with FIM sentinels when fim_rate > 0
     if not from_hf:
         cfg.vocab_size = tok.n_vocab  # the model's vocabulary is the tokenizer's (padded inside the model)
-    data_dir = cfg.data_dir or data.default_data_dir(cfg.data, tok.name, cfg.tokenizer_vocab)
+    settings = data.data_settings(cfg)  # prepare()'s keywords; cleaning, dedup and FIM name the folder too
+    data_dir = cfg.data_dir or data.default_data_dir(cfg.data, tok.name, cfg.tokenizer_vocab, **settings)
     T = cfg.seq_len or cfg.block_size
     prompt = tok.encode(cfg.sample_prompt) or [tok.eos_id]
     if cfg.sample_tokens and len(prompt) >= cfg.block_size:
@@ -62,8 +63,7 @@ def main(argv):
     lease = checkpoint.open_run_everywhere(cfg, grid)
     for line in lease.notes:
         say(line)
-    meta = data.prepare_everywhere(grid, cfg.data, tok, data_dir, val_fraction=cfg.val_fraction,
-                                   val_tokens=cfg.val_tokens, text_field=cfg.text_field, max_docs=cfg.max_docs)
+    meta = data.prepare_everywhere(grid, cfg.data, tok, data_dir, **settings)
     # data-parallel ranks: dp x ep (expert-parallel ranks see different data too)
     accum = cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
     # both splits checked now, not at the first evaluation: the loader needs one global batch of

@@ -1,0 +1,289 @@
+"""Fill-in-the-Middle in the data path (fim.py, data.prepare) and clean.py inside prepare: what these tests prove.
+
+- Every FIM document in train.bin decodes back to exactly its original document, PSM and SPM,
+  by a decoder written here from the layouts (PSM: <PRE> prefix <SUF> suffix <MID> middle <EOS>;
+  SPM: <PRE> <SUF> suffix <MID> prefix middle <EOS>), with each part encoded on its own; documents
+  not chosen are plain encode(doc) + EOS.
+- On 10,000 documents the observed FIM and SPM rates are within 0.02 of fim_rate / fim_spm_rate
+  (two settings), and the cut points are uniform (sorted pair: means 1/3, 2/3).
+- EOS and loss: one EOS per document, after the middle; one of each sentinel per FIM document;
+  validation stays plain; the Loader's targets include the sentinels and EOS (no mask: every
+  token is trained on).
+- Determinism: a document's transform depends only on (fim_seed, its index), as the documented
+  BLAKE2b formula computed here; the same settings give identical files, another seed others.
+- Sentinels: cl100k_base's ids 100258-100260; a truncated vocab with fim keeps them at vocab-4..-2
+  (EOS at vocab-1), inside the model's vocab; without fim the truncated tokenizer is as before;
+  o200k_base (no sentinels) is refused by get_tokenizer, prepare and pretrain.py, before work.
+- Settings: fim/clean/dedup name the prepared folder; an old meta.json without those keys is reused.
+- clean=True / dedup in prepare: planted exact / near duplicates, an auto-generated file and a
+  binary-ish file are removed and counted in meta.json, the kept documents tokenized exactly.
+- End to end on CPU: pretrain.py (tiny config, shrunk) trains with fim_rate=1 on a tiny corpus,
+  then sample.py --prefix/--suffix infills and stops at EOS; a model trained without FIM is refused.
+"""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import corpus
+import data
+import fim
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+DOCS = ["def f(x):\n    return {'a': x ** 2}  # comment\n", "héllo wörld — ünïcödé, 日本語, emoji 🙂👍🏽",
+        "x", "ab", "special tokens as text: <|endoftext|> <|fim_prefix|> <|fim_middle|>"]
+DOCS += [f"class C{i}:\n    value = {i * 7919}\n    name = 'n{i}' * {i % 5}\n" * (1 + i % 4) for i in range(200)]
+
+
+def _jsonl(path, docs):
+    with open(path, "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+    return str(path)
+
+
+def _split_docs(ids, eos):
+    ends = np.flatnonzero(ids == eos)
+    return [ids[a + 1 if i else 0: b + 1] for i, (a, b) in enumerate(zip(np.r_[-1, ends[:-1]], ends))]
+
+
+def _decode(seq, tok):
+    """(mode, document) from one training sequence, by the layouts alone."""
+    pre, mid, suf = (tok.special_tokens[s] for s in ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"))
+    seq = [int(t) for t in seq]
+    assert seq[-1] == tok.eos_id and tok.eos_id not in seq[:-1]  # one EOS, last
+    body = seq[:-1]
+    if not body or body[0] != pre:
+        assert not {pre, mid, suf} & set(body)
+        return "plain", tok.decode(body)
+    assert body.count(pre) == body.count(mid) == body.count(suf) == 1
+    if body[1] == suf:  # SPM: <PRE> <SUF> suffix <MID> prefix middle (= PSM with an empty prefix)
+        m = body.index(mid)
+        return "spm", tok.decode(body[m + 1:]) + tok.decode(body[2:m])
+    s, m = body.index(suf), body.index(mid)  # PSM: <PRE> prefix <SUF> suffix <MID> middle
+    assert 0 < s < m
+    return "psm", tok.decode(body[1:s]) + tok.decode(body[m + 1:]) + tok.decode(body[s + 1:m])
+
+
+def _reference_plan(text, index, rate, spm_rate, seed):
+    # fim.py's documented draws: BLAKE2b("fim:{seed}:{index}", 32 bytes) as 4 little-endian u64 / 2^64
+    h = hashlib.blake2b(f"fim:{seed}:{index}".encode(), digest_size=32).digest()
+    u = [int.from_bytes(h[8 * k: 8 * k + 8], "little") / 2 ** 64 for k in range(4)]
+    if u[0] >= rate:
+        return None
+    a, b = sorted(int(x * (len(text) + 1)) for x in u[2:])
+    return ("spm" if u[1] < spm_rate else "psm"), a, b
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return data.get_tokenizer("cl100k_base", 4096, fim=True)
+
+
+def _prepare(tmp_path, docs, tok, name="out", **kw):
+    kw = {"val_fraction": 0, "val_tokens": 0, "verbose": False, **kw}
+    out = str(tmp_path / name)
+    meta = data.prepare(_jsonl(tmp_path / f"{name}.jsonl", docs), tok, out, **kw)
+    read = lambda s: np.fromfile(os.path.join(out, f"{s}.bin"), dtype=meta["dtype"])  # noqa: E731
+    return meta, read("train"), read("val"), out
+
+
+def test_every_fim_document_decodes_to_the_original(tmp_path, tok):
+    meta, train, val, _ = _prepare(tmp_path, DOCS, tok, fim_rate=0.7, fim_spm_rate=0.5, fim_seed=3)
+    assert len(val) == 0 and meta["n_docs"] == len(DOCS)
+    seqs = _split_docs(train, tok.eos_id)
+    assert len(seqs) == len(DOCS)
+    modes = {"plain": 0, "psm": 0, "spm": 0}
+    separately = 0
+    for i, (doc, seq) in enumerate(zip(DOCS, seqs)):
+        mode, text = _decode(seq, tok)
+        assert text == doc, (i, mode)
+        ref = _reference_plan(doc, i, 0.7, 0.5, 3)
+        modes[ref[0] if ref else "plain"] += 1
+        assert mode == (ref[0] if ref and ref[1] else "spm" if ref else "plain")  # empty prefix: PSM = SPM
+        if ref is None:
+            assert seq.tolist() == tok.encode(doc) + [tok.eos_id]
+            continue
+        _, a, b = ref
+        pre, mid, suf = fim.sentinels(tok)
+        parts = [[pre], tok.encode(doc[:a]), [suf], tok.encode(doc[b:]), [mid], tok.encode(doc[a:b])]
+        if mode == "spm":
+            parts = [[pre, suf], tok.encode(doc[b:]), [mid], tok.encode(doc[:a]), tok.encode(doc[a:b])]
+        assert seq.tolist() == sum(parts, []) + [tok.eos_id]  # each part encoded on its own
+        separately += tok.encode(doc[:a]) + tok.encode(doc[a:b]) + tok.encode(doc[b:]) != tok.encode(doc)
+    assert modes["psm"] > 20 and modes["spm"] > 20 and modes["plain"] > 20, modes
+    assert meta["fim_docs"] == {"psm": modes["psm"], "spm": modes["spm"]}
+    assert separately > 10  # cuts inside tokens happen, and the parts are not re-merged
+
+
+@pytest.mark.parametrize("rate,spm_rate", [(0.5, 0.5), (0.9, 0.2)])
+def test_rates_on_10000_documents(tmp_path, tok, rate, spm_rate):
+    docs = [f"doc {i}: " + "word " * (i % 37) for i in range(10_000)]
+    meta, train, _, _ = _prepare(tmp_path, docs, tok, fim_rate=rate, fim_spm_rate=spm_rate)
+    seqs = _split_docs(train, tok.eos_id)
+    refs = [_reference_plan(d, i, rate, spm_rate, 0) for i, d in enumerate(docs)]
+    pre, _, suf = fim.sentinels(tok)
+    for seq, ref in zip(seqs, refs):  # the data follows the documented draws (full check: first test)
+        assert (seq[0] == pre) == (ref is not None) and (ref is None or (seq[1] == suf) == (ref[0] == "spm" or not ref[1]))
+    modes = [r[0] if r else "plain" for r in refs]
+    n_fim = sum(m != "plain" for m in modes)
+    assert abs(n_fim / 10_000 - rate) < 0.02
+    assert abs(modes.count("spm") / n_fim - spm_rate) < 0.02
+    assert meta["fim_docs"] == {"psm": modes.count("psm"), "spm": modes.count("spm")}
+    cuts = [p[1:] for i, d in enumerate(docs) if (p := fim.plan(d, i, 1.0, 0.5)) is not None]
+    lo = np.mean([len(p[0]) / (len(docs[i]) + 1) for i, p in enumerate(cuts)])
+    hi = np.mean([(len(p[0]) + len(p[1])) / (len(docs[i]) + 1) for i, p in enumerate(cuts)])
+    assert abs(lo - 1 / 3) < 0.02 and abs(hi - 2 / 3) < 0.02  # two sorted uniform cuts
+
+
+def test_validation_plain_and_targets_unmasked(tmp_path, tok):
+    meta, train, val, out = _prepare(tmp_path, DOCS, tok, fim_rate=0.5, val_fraction=0.05)
+    assert meta["val_split"] == "documents" and meta["n_val_docs"] > 5
+    assert not set(fim.sentinels(tok)) & set(val.tolist())  # validation stays plain
+    plain = {d for d in DOCS}
+    assert all(_decode(s, tok) == ("plain", tok.decode(s[:-1])) and tok.decode(s[:-1]) in plain
+               for s in _split_docs(val, tok.eos_id))
+    assert sum(len(s) for s in _split_docs(val, tok.eos_id)) == meta["n_val"] == len(val)
+    assert meta["n_train"] == len(train)
+    # every token is a target: y is x shifted, sentinels and EOS included, nothing ignored
+    T = 16
+    loader = data.Loader(os.path.join(out, "train.bin"), 4, T)
+    targets = set()
+    for _ in range(loader.n_windows // 4):
+        x, y = loader.next()
+        assert torch.equal(x[:, 1:], y[:, :-1]) and (y >= 0).all()
+        targets |= set(y.flatten().tolist())
+    assert set(fim.sentinels(tok)) | {tok.eos_id} <= targets
+
+
+def test_tokens_split_keeps_the_cut_document_plain(tmp_path, tok):
+    docs = ["short one\n", "def long():\n" + "    x = 1\n" * 400]
+    meta, train, val, _ = _prepare(tmp_path, docs, tok, fim_rate=1.0, val_fraction=0.3)
+    assert meta["val_split"] == "tokens" and meta["fim_docs"] == {"psm": 1, "spm": 0} or \
+        meta["fim_docs"] == {"psm": 0, "spm": 1}
+    first = _split_docs(train, tok.eos_id)[0]
+    assert _decode(first, tok)[1] == docs[0] and _decode(first, tok)[0] != "plain"
+    head = train[len(first):].tolist()
+    assert head + val.tolist() == tok.encode(docs[1]) + [tok.eos_id]  # the cut document, plain
+
+
+def test_deterministic_per_seed_and_document(tmp_path, tok):
+    _, a, _, _ = _prepare(tmp_path, DOCS, tok, "a", fim_rate=0.5)
+    _, b, _, _ = _prepare(tmp_path, DOCS, tok, "b", fim_rate=0.5)
+    _, c, _, _ = _prepare(tmp_path, DOCS, tok, "c", fim_rate=0.5, fim_seed=1)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    t = fim.Transform(tok, 0.5, 0.5, seed=0)
+    for i in (0, 7, 123):  # a document's layout needs only (seed, index), not the others
+        mode, parts = t.apply(DOCS[i], i)
+        ref = _reference_plan(DOCS[i], i, 0.5, 0.5, 0)
+        assert fim.MODES[mode] == (ref[0] if ref else "plain")
+        ids = sum(([p] if isinstance(p, int) else tok.encode(p) for p in parts), [])
+        assert ids + [tok.eos_id] == _split_docs(a, tok.eos_id)[i].tolist()
+
+
+def test_sentinels_and_refusals(tmp_path):
+    full = data.get_tokenizer("cl100k_base", fim=True)
+    assert fim.sentinels(full) == (100258, 100259, 100260)  # tiktoken's published ids
+    for vocab in (512, 4096, 32768):
+        t = data.get_tokenizer("cl100k_base", vocab, fim=True)
+        assert fim.sentinels(t) == (vocab - 4, vocab - 3, vocab - 2) and t.eos_id == vocab - 1 == t.n_vocab - 1
+        assert t.decode([vocab - 4]) == "<|fim_prefix|>"
+        assert t.enc.decode_single_token_bytes(vocab - 5) == full.enc.decode_single_token_bytes(vocab - 5)
+        plain = data.get_tokenizer("cl100k_base", vocab)
+        assert plain.special_tokens == {"<|endoftext|>": vocab - 1}  # unchanged without fim
+        assert plain.enc.decode_single_token_bytes(vocab - 2) == full.enc.decode_single_token_bytes(vocab - 2)
+        with pytest.raises(corpus.DataError, match="no fill-in-the-middle sentinels"):
+            fim.sentinels(plain)
+    with pytest.raises(corpus.DataError, match="needs 260 <= vocab"):
+        data.get_tokenizer("cl100k_base", 259, fim=True)  # 256 bytes + 3 sentinels + EOS do not fit
+    for vocab in (0, 4096):
+        with pytest.raises(corpus.DataError, match="o200k_base has no fill-in-the-middle sentinels.*fim_rate=0"):
+            data.get_tokenizer("o200k_base", vocab, fim=True)
+    o200k = data.get_tokenizer("o200k_base", 4096)
+    with pytest.raises(corpus.DataError, match="no fill-in-the-middle sentinels"):
+        data.prepare(_jsonl(tmp_path / "c.jsonl", DOCS), o200k, str(tmp_path / "o"), fim_rate=0.5)
+    assert not os.path.exists(tmp_path / "o")  # refused before any work
+
+
+def test_settings_name_the_folder_and_old_meta_is_reused(tmp_path, tok):
+    base = data.default_data_dir("stdlib", "cl100k_base", 4096)
+    assert data.default_data_dir("stdlib", "cl100k_base", 4096, **data.VARIANT_DEFAULTS, max_docs=5) == base
+    named = {data.default_data_dir("stdlib", "cl100k_base", 4096, **kw) for kw in
+             [dict(fim_rate=0.5), dict(fim_rate=0.5, fim_seed=1), dict(fim_rate=0.5, fim_spm_rate=0.1),
+              dict(clean=True), dict(dedup="exact"), dict(dedup="near"), dict(clean=True, dedup="near")]}
+    assert len(named) == 7 and base not in named
+    assert data.default_data_dir("stdlib", "cl100k_base", 4096, clean=True, dedup="near", fim_rate=0.5) \
+        .startswith("data/stdlib-cl100k_base-4096-clean-near-fim-")
+    plain = data.get_tokenizer("cl100k_base", 4096)
+    meta, _, _, out = _prepare(tmp_path, DOCS, plain)
+    with open(os.path.join(out, "meta.json")) as f:
+        old = json.load(f)
+    for k in ("fim_rate", "fim_spm_rate", "fim_seed", "clean", "dedup", "cleaned", "fim_docs"):
+        old.pop(k)  # as written before these settings existed
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump(old, f)
+    assert data.prepare(str(tmp_path / "out.jsonl"), plain, out, val_fraction=0, val_tokens=0, verbose=False) == old
+    again = data.prepare(str(tmp_path / "out.jsonl"), tok, out, val_fraction=0, val_tokens=0, verbose=False,
+                         fim_rate=0.5)
+    assert again["fim_rate"] == 0.5 and sum(again["fim_docs"].values()) > 0  # a changed setting rebuilds
+
+
+def test_clean_and_dedup_in_prepare(tmp_path, tok, capsys):
+    body = "".join(f"def handler_{i}(request, value):\n    return compute(value, {i}) + offset_{i}\n\n"
+                   for i in range(30))
+    near = body.replace("handler_7(", "handler_seven(")  # one line of thirty edited
+    generated = "# Generated by the protocol buffer compiler.  DO NOT EDIT!\n" + body.replace("def ", "def g_")
+    binary = "x = 1\n" + "\x00\x01\x02" * 40
+    other = body.replace("compute", "other_function").replace("offset", "shift").replace("handler", "h")
+    docs = [body, body.replace("\n\n", "\n \n"), near, generated, binary, other]
+    want = {"none": ({}, docs), "exact": ({"exact_duplicate": 1}, [body, near, generated, binary, other])}
+    for dedup, (removed, kept) in want.items():
+        meta, train, _, _ = _prepare(tmp_path, docs, tok, f"d{dedup}", dedup=dedup)
+        assert meta["cleaned"]["removed"] == removed and meta["n_docs"] == len(kept)
+        assert train.tolist() == sum((tok.encode(d) + [tok.eos_id] for d in kept), [])
+    meta, train, _, _ = _prepare(tmp_path, docs, tok, "all", clean=True, dedup="near", verbose=True)
+    assert meta["cleaned"]["removed"] == {"exact_duplicate": 1, "near_duplicate": 1, "autogenerated": 1, "binary": 1}
+    assert meta["cleaned"]["docs"] == 6 and meta["cleaned"]["kept"] == meta["n_docs"] == 2
+    assert train.tolist() == sum((tok.encode(d) + [tok.eos_id] for d in (body, other)), [])
+    printed = capsys.readouterr().out
+    assert printed.count("6 documents in, 2 kept") == 1 and "removed        1 near_duplicate" in printed
+
+
+def _run(args, script="pretrain.py"):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, script)] + args, cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=600)
+    return r
+
+
+def test_pretrain_with_fim_then_infill(tmp_path):
+    doc = "def add(a, b):\n    return a + b\n"
+    src = _jsonl(tmp_path / "c.jsonl", [doc] * 400)
+    common = ["configs/tiny.py", f"--data={src}", "--n_layer=2", "--n_embd=64", "--block_size=64", "--tokenizer_vocab=512",
+              "--batch_size=16", "--micro_batch_size=16", "--eval_every=0", "--sample_tokens=0", "--progress=False",
+              "--log_every=50", "--warmup_steps=10", "--max_docs=0", "--val_tokens=0", "--val_fraction=0.05",
+              "--clean=False", "--dedup=none"]  # tiny.py dedups: 400 copies would become one document
+    out = str(tmp_path / "fim")
+    r = _run(common + ["--fim_rate=1.0", "--max_steps=150", f"--out_dir={out}", f"--data_dir={tmp_path}/d1"])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "FIM (rate 1.0" in r.stdout
+    s = _run([out, "--prefix=def add(a, b):\n    return", "--suffix= + b\n", "--tokens=20", "--temperature=0",
+              "--device=cpu"], "sample.py")
+    assert s.returncode == 0, s.stderr
+    head, text = s.stdout.split("---\n", 1)
+    assert head.startswith("--- sample 0: middle of") and "stopped at EOS" in head, s.stdout  # learned to stop
+    assert text.startswith("def add(a, b):\n    return") and text.endswith(" + b\n\n")  # prefix middle suffix
+    print(s.stdout)  # the quality of the middle is the GPU run's question, not this test's
+    plain = str(tmp_path / "plain")
+    r = _run(common + ["--max_steps=1", f"--out_dir={plain}", f"--data_dir={tmp_path}/d2"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = _run([plain, "--prefix=x", "--suffix=y", "--device=cpu"], "sample.py")
+    assert s.returncode == 2 and "trained without fill-in-the-middle" in s.stderr
+    r = _run(common + ["--tokenizer=o200k_base", "--fim_rate=0.5", f"--out_dir={tmp_path}/o"])
+    assert r.returncode == 2 and "o200k_base has no fill-in-the-middle sentinels" in r.stderr
+    assert not os.path.exists(tmp_path / "o" / "train_metrics.jsonl")
