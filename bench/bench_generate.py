@@ -22,8 +22,10 @@ the mean context (prompt + new/2 keys per row); bandwidth = a measured 1 GiB dev
 write bytes / seconds). `of_bound` = tokens/s / bound.
 
 checks (before the rows, fp32 and bf16 on the 124m shape, prompts of different lengths): greedy
-decode (graph, and compile when asked) vs the eager path, token agreement rate (fp32 should be
-1.0); max |log-prob - teacher-forced log_softmax| over the generated tokens.
+decode (graph; compile too with --check_compile) vs the eager path: token agreement rate and
+tokens per row before the first difference (fp32: all identical; bf16: near-ties flip, and
+after a flip the rows continue differently); max |log-prob - teacher-forced log_softmax| over
+the tokens sampled with top-k (the log-probs' error in this dtype).
 
 Rows run in priority order until --budget_s has passed; later rows are listed as skipped. A
 failing row prints its error and the table goes on.
@@ -197,7 +199,10 @@ def checks():
                 logits = model(sampled.tokens, attn_mask=sampled.mask)[:, T - 1:-1].float()
             tf = logits.log_softmax(-1).gather(-1, sampled.tokens[:, T:, None]).squeeze(-1)
             key = f"{str(dt).removeprefix('torch.')}-{name}"
-            out[key] = {"greedy_agreement": (r.tokens[:, T:] == ref).float().mean().item(),
+            same = r.tokens[:, T:] == ref
+            first_diff = torch.where(same.all(1), N, (~same).float().argmax(1))  # per row: tokens before a flip
+            out[key] = {"greedy_agreement": same.float().mean().item(),
+                        "tokens_before_first_difference": first_diff.tolist(),
                         "greedy_identical": bool(torch.equal(r.tokens[:, T:], ref)),
                         "logprob_max_abs_err": (sampled.logprobs - tf).abs().max().item()}
             say(f"  check {key}: {out[key]}")

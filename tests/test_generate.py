@@ -22,11 +22,15 @@ Proves, on CPU in fp32 with tiny models:
 - LoRA adapters applied on the fly give the merged model's tokens; MoE layers decode dropless
   (equal to the eager path with capacity_factor 0; the setting is restored);
 - tensor parallelism (2 gloo ranks): greedy and seeded sampling equal one process, every rank the
-  same tokens;
-- bad arguments raise errors naming the fix.
+  same tokens; FSDP (2 ranks, inside Parallel.full_params()): greedy equals one process;
+- bad arguments raise errors naming the fix; bench/bench_generate.py's CPU smoke test runs and its
+  checks pass.
 Not testable here: CUDA graph capture and compile + capture (bench/bench_generate.py on a GPU).
 """
+import json
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -40,6 +44,7 @@ from distributed import spawn, train_cfg
 from model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 V = 97
 TINY = dict(vocab_size=V, block_size=48, n_layer=2, n_head=4, n_embd=32, init_std=0.2)
@@ -247,10 +252,16 @@ def _tp_decode(rank, out_dir):
     ps = prompts()
     res = {"greedy": generate.decode(model, ps, 10, temperature=0).tokens,
            "sampled": generate.decode(model, ps, 10, n=2, temperature=1.0, top_p=0.9, seed=7, stop_tokens=[5])}
+    # FSDP over the same two ranks: parameters gathered once around the whole rollout
+    cfg = train_cfg(dict(LLAMA, data_parallel="fsdp"))
+    torch.manual_seed(0)
+    run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), parallel.init(cfg), cfg)
+    with run.full_params():
+        res["fsdp"] = generate.decode(run.raw, ps, 10, temperature=0).tokens
     torch.save(res, os.path.join(out_dir, f"tp_{rank}.pt"))
 
 
-def test_tensor_parallel_equals_one_process(tmp_path):
+def test_tensor_parallel_and_fsdp_equal_one_process(tmp_path):
     spawn(_tp_decode, 2, str(tmp_path))
     model = build(**LLAMA)
     ps = prompts()
@@ -258,7 +269,7 @@ def test_tensor_parallel_equals_one_process(tmp_path):
     sampled = generate.decode(model, ps, 10, n=2, temperature=1.0, top_p=0.9, seed=7, stop_tokens=[5])
     for rank in (0, 1):
         res = torch.load(tmp_path / f"tp_{rank}.pt", weights_only=False)
-        assert torch.equal(res["greedy"], greedy)
+        assert torch.equal(res["greedy"], greedy) and torch.equal(res["fsdp"], greedy)
         assert torch.equal(res["sampled"].tokens, sampled.tokens)
         assert (res["sampled"].logprobs - sampled.logprobs).abs().max() <= 1e-5
 
@@ -273,3 +284,18 @@ def test_bad_arguments():
         generate.decode(model, [[1, 2], []], 4)
     with pytest.raises(ValueError, match="temperature"):
         generate.decode(model, prompts(), 4, temperature=-1)
+
+
+def test_bench_smoke(tmp_path):
+    """bench/bench_generate.py on CPU: the checks pass and every CPU row is measured."""
+    out = tmp_path / "gen.json"
+    res = subprocess.run([sys.executable, "bench/bench_generate.py", "--device=cpu", "--shape=tiny", "--batches=3",
+                          "--rows=ours-eager,ours-static,ours-graph", f"--json={out}"], cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    check = rep["checks"]["float32-static"]
+    assert check["greedy_identical"] and check["logprob_max_abs_err"] <= 1e-5
+    rows = {r["row"]: r for r in rep["rows"]}
+    assert rows["ours-eager"]["tok_s"] > 0 and rows["ours-static"]["tok_s"] > 0
+    assert rows["ours-graph"]["skipped"] == "CUDA only" and rows["ours-static"]["bound_tok_s"] > 0
