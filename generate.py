@@ -32,6 +32,9 @@ LoRA adapters run on the fly (lora.merge() first is the faster choice, same toke
 run dropless during decoding (capacity_factor set to 0, restored after); their per-layer host sync
 makes the step uncapturable, so MoE models decode eagerly.
 
+Not done yet (issue 16's prototype did them): attending over KV-length buckets rather than the
+whole preallocated cache every step (masked slots are read too), fused gate/up matmuls.
+
 Why a file of its own: model.py holds the training model and is near its line budget; the forward
 takes any cache with `length` and `update(layer, k, v)`.
 """
