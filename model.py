@@ -263,6 +263,11 @@ class Attention(nn.Module):
             if cache is not None:
                 k, v = cache.update(layer, k, v)  # (B, KV, S, D): everything cached so far + new
             gqa = KV != H
+            if gqa and T == 1 and not is_causal:
+                # one new token (decoding): a kv head's H/KV query heads become H/KV query rows of one
+                # MHA head, so the cache is read once, never repeated per query head
+                y = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, D), k, v, attn_mask=mask, dropout_p=p)
+                return self.proj(y.reshape(B, T, H * D))
             if gqa and (mask is not None or not SDPA_GQA):
                 # the fused kernels that take a mask don't all support GQA: give them full heads
                 k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)

@@ -1,0 +1,299 @@
+"""Generation throughput: our decoders vs transformers' generate, same weights, one run (issue 16).
+
+    python bench/bench_generate.py --json=bench/results/generate_h200.json     # one GPU, < 8 min
+    python bench/bench_generate.py --device=cpu --shape=tiny                   # smoke test, seconds
+
+Every row generates --new tokens (256) after --prompt random tokens (64) for B prompts, sampling
+with temperature 1 and top-k 50, no stop tokens, bf16 weights (fp32 on CPU), random init (the
+124m and 1b LLaMA shapes of bench.py and bench/bench_parallel.py). tokens/s = B * new / seconds of
+one whole call (prefill, capture and compilation guards included), timed after one untimed
+warm-up call of the same shape (compilation happens there).
+
+rows  ours-eager     generate.generate: the eager KV-cache loop (the reference path)
+      ours-static    generate.decode(graph=False): static cache, the step run eagerly
+      ours-graph     generate.decode: the step captured as a CUDA graph by hand and replayed
+      ours-compile   generate.decode(compile=True): torch.compile'd step, then captured
+      hf-dynamic     transformers generate, its default dynamic cache (SDPA)
+      hf-static      transformers generate, cache_implementation="static" (its own auto-compile)
+
+bound: the memory-bandwidth limit of a decode step, tokens/s = B / (bytes / bandwidth), bytes =
+the weights read once per step (every parameter but the token embedding) + the KV cache read at
+the mean context (prompt + new/2 keys per row); bandwidth = a measured 1 GiB device copy (read +
+write bytes / seconds). `of_bound` = tokens/s / bound.
+
+checks (before the rows, fp32 and bf16 on the 124m shape, prompts of different lengths): greedy
+decode (graph; compile too with --check_compile) vs the eager path: token agreement rate and
+tokens per row before the first difference (fp32: all identical; bf16: near-ties flip, and
+after a flip the rows continue differently); max |log-prob - teacher-forced log_softmax| over
+the tokens sampled with top-k (the log-probs' error in this dtype).
+
+Rows run in priority order until --budget_s has passed; later rows are listed as skipped. A
+failing row prints its error and the table goes on.
+"""
+import argparse
+import datetime
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+# the modules live one folder up (the repository root)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import generate  # noqa: E402
+import hf  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
+
+LLAMA = dict(vocab_size=50304, pos_emb="rope", norm="rmsnorm", activation="swiglu", bias=False,
+             tie_embeddings=False, dropout=0.0)
+SHAPES = {  # name -> (model config, prompt length, new tokens)
+    "124m": (dict(LLAMA, block_size=1024, n_layer=12, n_head=12, n_embd=768), 64, 256),
+    "1b": (dict(LLAMA, block_size=2048, n_layer=16, n_embd=2048, n_head=16, n_kv_head=8, ffn_hidden=8192), 64, 256),
+    "tiny": (dict(LLAMA, vocab_size=512, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64), 8, 16),
+}
+ROWS = ("ours-eager", "ours-static", "ours-graph", "ours-compile", "hf-dynamic", "hf-static")
+
+p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+p.add_argument("--device", default="cuda")
+p.add_argument("--shape", default="124m,1b", help="comma-separated: " + ", ".join(SHAPES))
+p.add_argument("--batches", default="64,256,1", help="comma-separated batch sizes, in priority order")
+p.add_argument("--rows", default="ours-graph,hf-static,ours-compile,hf-dynamic,ours-eager,ours-static",
+               help="comma-separated, in priority order: " + ", ".join(ROWS))
+p.add_argument("--prompt", type=int, default=0, help="prompt tokens (0: the shape's)")
+p.add_argument("--new", type=int, default=0, help="new tokens (0: the shape's)")
+p.add_argument("--top_k", type=int, default=50)
+p.add_argument("--budget_s", type=float, default=400.0, help="start no row after this many seconds (checks included)")
+p.add_argument("--no_checks", action="store_true")
+p.add_argument("--check_compile", action="store_true", help="checks also for compile=True (two more compilations)")
+p.add_argument("--json", default="", help="write the results here")
+args = p.parse_args()
+
+device = torch.device(args.device)
+cuda = device.type == "cuda"
+if not cuda:
+    torch.set_num_threads(1)  # the CPU smoke test's tiny matmuls: extra threads only contend
+dtype = torch.bfloat16 if cuda else torch.float32
+START = time.time()
+
+
+class SkipRow(Exception):
+    pass
+
+
+def say(*a):
+    print(*a, flush=True)
+
+
+def sync():
+    if cuda:
+        torch.cuda.synchronize(device)
+
+
+def free():
+    gc.collect()
+    torch._dynamo.reset()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def copy_bandwidth():
+    """Bytes/s of a device-to-device copy (read + write counted)."""
+    n = (1 << 30) if cuda else (1 << 26)
+    x = torch.empty(n, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync()
+    t, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        y.copy_(x)
+    sync()
+    return 2 * n * reps / (time.perf_counter() - t)
+
+
+def build(shape, dt=None, std=0.02):
+    mcfg, T, N = SHAPES[shape]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Transformer(ModelConfig(**dict(mcfg, init_std=std)))
+    return model.to(dt or dtype).eval(), T, N
+
+
+def hf_model(ctx):
+    """transformers' LlamaForCausalLM with our weights (exported through hf.py), once per shape."""
+    try:
+        import transformers
+    except ImportError:
+        raise SkipRow("transformers is not installed")
+    if "hf" not in ctx:
+        transformers.logging.set_verbosity_error()
+        hf.export_hf(ctx["model"], ctx["folder"])
+        ctx["hf"] = transformers.AutoModelForCausalLM.from_pretrained(ctx["folder"], dtype=dtype).to(device).eval()
+    return ctx["hf"]
+
+
+def bound(model, B, T, N, bw):
+    c = model.cfg
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "tok_emb.weight")
+    if c.tie_embeddings:
+        weights += model.head.weight.numel() * model.head.weight.element_size()
+    kv = 2 * c.n_layer * c.kv_heads * c.head_dim * dtype.itemsize * B * (T + N / 2)
+    return B * bw / (weights + kv)
+
+
+def run_row(name, ctx, B, T, N):
+    model = ctx["model"]
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randint(0, model.cfg.vocab_size, (B, T), device=device, generator=g)
+    kw = dict(temperature=1.0, top_k=args.top_k)
+    if name in ("ours-graph", "ours-compile") and not cuda:
+        raise SkipRow("CUDA only")
+    if name == "ours-eager":
+        call = lambda: generate.generate(model, x, N, seed=0, **kw)
+    elif name.startswith("ours-"):
+        opts = {"ours-static": dict(graph=False), "ours-graph": dict(graph=True),
+                "ours-compile": dict(graph=True, compile=True)}[name]
+        call = lambda: generate.decode(model, x, N, seed=0, **kw, **opts)
+    else:
+        ref = hf_model(ctx)
+        extra = {"cache_implementation": "static"} if name == "hf-static" else {}
+        mask = torch.ones_like(x)
+        call = lambda: ref.generate(x, attention_mask=mask, max_new_tokens=N, min_new_tokens=N, do_sample=True,
+                                    pad_token_id=0, **kw, **extra)
+    with torch.no_grad():
+        call()  # warm-up: compilation, cuBLAS handles, autotuning
+        sync()
+        t = time.perf_counter()
+        out = call()
+        sync()
+        secs = time.perf_counter() - t
+    toks = out.tokens if isinstance(out, generate.Rollout) else out
+    if toks.shape != (B, T + N):
+        raise RuntimeError(f"{name} returned {tuple(toks.shape)}, expected {(B, T + N)}")
+    return secs
+
+
+def checks():
+    """Greedy agreement with the eager path and log-prob error, fp32 and bf16 (124m; tiny on CPU)."""
+    shape = "124m" if cuda else "tiny"
+    out = {}
+    for dt in ((torch.float32, torch.bfloat16) if cuda else (torch.float32,)):
+        model, T, N = build(shape, dt, std=0.05)  # a less flat distribution than 0.02: fewer near-ties
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g) for n in (T, T // 2, 1, T - 3)]
+        idx, mask = generate.pad_prompts(prompts, device=device)
+        ref = generate.generate(model, idx, N, temperature=0, attention_mask=mask)[:, T:]
+        for name, opts in [("graph" if cuda else "static", {}), ("compile", dict(compile=True))]:
+            if name == "compile" and not (cuda and args.check_compile):
+                continue
+            r = generate.decode(model, prompts, N, temperature=0, **opts)
+            sampled = generate.decode(model, prompts, N, temperature=1.0, top_k=args.top_k, seed=0, **opts)
+            with torch.no_grad():
+                logits = model(sampled.tokens, attn_mask=sampled.mask)[:, T - 1:-1].float()
+            tf = logits.log_softmax(-1).gather(-1, sampled.tokens[:, T:, None]).squeeze(-1)
+            key = f"{str(dt).removeprefix('torch.')}-{name}"
+            same = r.tokens[:, T:] == ref
+            first_diff = torch.where(same.all(1), N, (~same).float().argmax(1))  # per row: tokens before a flip
+            out[key] = {"greedy_agreement": same.float().mean().item(),
+                        "tokens_before_first_difference": first_diff.tolist(),
+                        "greedy_identical": bool(torch.equal(r.tokens[:, T:], ref)),
+                        "logprob_max_abs_err": (sampled.logprobs - tf).abs().max().item()}
+            say(f"  check {key}: {out[key]}")
+        del model
+        free()
+    return out
+
+
+def main():
+    say(f"# bench_generate: {torch.cuda.get_device_name(device) if cuda else 'cpu'}, torch {torch.__version__}, "
+        f"dtype {str(dtype).removeprefix('torch.')}")
+    bw = copy_bandwidth()
+    say(f"# measured copy bandwidth {bw / 1e9:.0f} GB/s")
+    res = {"meta": {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+                    "date": datetime.datetime.now().isoformat(timespec="seconds"), "copy_bandwidth_Bps": bw,
+                    "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                             text=True).stdout.strip(), "args": vars(args)},
+           "checks": {}, "rows": []}
+    try:
+        import transformers
+        res["meta"]["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if not args.no_checks:
+        res["checks"] = checks()
+    rows = [r for r in args.rows.split(",") if r]
+    for bad in set(rows) - set(ROWS):
+        raise SystemExit(f"unknown row {bad!r}: choose from {', '.join(ROWS)}")
+    shapes = args.shape.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        ctxs = {}  # shape -> {"model", "folder", "hf"}: built once, kept (one GPU holds both shapes)
+        for B in (int(b) for b in args.batches.split(",")):  # batch-major: every shape's B=64 first
+            for shape in shapes:
+                if shape not in ctxs:
+                    model, T, N = build(shape)
+                    ctxs[shape] = {"model": model, "folder": os.path.join(tmp, shape), "T": args.prompt or T,
+                                   "N": args.new or N}
+                ctx = ctxs[shape]
+                T, N = ctx["T"], ctx["N"]
+                bnd = bound(ctx["model"], B, T, N, bw)
+                for name in rows:
+                    row = {"shape": shape, "batch": B, "prompt": T, "new": N, "row": name, "bound_tok_s": bnd}
+                    if time.time() - START > args.budget_s:
+                        row["skipped"] = f"time budget {args.budget_s:.0f} s spent"
+                    else:
+                        try:
+                            secs = run_row(name, ctx, B, T, N)
+                            row.update(seconds=secs, tok_s=B * N / secs, ms_per_step=1e3 * secs / N,
+                                       of_bound=B * N / secs / bnd,
+                                       peak_gb=torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None)
+                        except SkipRow as e:
+                            row["skipped"] = str(e)
+                        except Exception as e:  # report and go on
+                            traceback.print_exc()
+                            row["error"] = f"{type(e).__name__}: {e}"
+                        free()
+                    res["rows"].append(row)
+                    report(row)
+                    write(res)  # after every row: a run cut short keeps what it measured
+    table(res["rows"])
+    if args.json:
+        say(f"# wrote {args.json}")
+
+
+def write(res):
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+def report(r):
+    what = r.get("skipped") or r.get("error") or f"{r['tok_s']:,.0f} tok/s, {r['ms_per_step']:.2f} ms/step"
+    say(f"  {r['shape']:>5} B={r['batch']:<4} {r['row']:<13} {what}  (t={time.time() - START:.0f}s)")
+
+
+def table(rows):
+    say("\n| shape | B | row | new tok/s | ms/step | vs hf-static | of bound | bound tok/s | peak GB |")
+    say("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    ref = {(r["shape"], r["batch"]): r.get("tok_s") for r in rows if r["row"] == "hf-static"}
+    for r in rows:
+        if "tok_s" not in r:
+            say(f"| {r['shape']} | {r['batch']} | {r['row']} | {r.get('skipped') or r.get('error')} | | | | | |")
+            continue
+        vs = ref.get((r["shape"], r["batch"]))
+        peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else ""
+        say(f"| {r['shape']} | {r['batch']} | {r['row']} | {r['tok_s']:,.0f} | {r['ms_per_step']:.2f} | "
+            f"{r['tok_s'] / vs:.2f}x | {r['of_bound']:.2f} | {r['bound_tok_s']:,.0f} | {peak} |"
+            if vs else f"| {r['shape']} | {r['batch']} | {r['row']} | {r['tok_s']:,.0f} | {r['ms_per_step']:.2f} | "
+            f" | {r['of_bound']:.2f} | {r['bound_tok_s']:,.0f} | {peak} |")
+
+
+if __name__ == "__main__":
+    main()
