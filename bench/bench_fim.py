@@ -64,8 +64,8 @@ def main():
     files = sorted(glob.glob(os.path.join(ROOT, a.files)))
     rows, t0 = [], time.perf_counter()
     def fill(ids):
-        ids = ids[-(cfg.block_size - a.tokens):]
-        x = torch.tensor([ids], device=device)
+        ids = (ids or [tok.eos_id])[-(cfg.block_size - a.tokens):]  # a file's first line: no prefix
+        x = torch.tensor([ids], dtype=torch.long, device=device)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
             out = generate.generate(model, x, a.tokens, temperature=0, stop_tokens=stops)
         got = tok.decode([t for t in out[0, len(ids):].tolist() if t not in stops])
