@@ -63,6 +63,7 @@ SUFFIXES = (".json", ".jsonl", ".parquet")
 EOT_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")  # end-of-turn tokens known by name
 PROTECT, UNPROTECT, GEN, END_GEN = "\ue000", "\ue001", "\ue002", "\ue003"  # private-use markers
 MARKERS = PROTECT + UNPROTECT + GEN + END_GEN
+MARKER_RE = re.compile(f"[{MARKERS}]")
 
 CHAT_DEFAULTS = dict(
     chat_data="",            # a .json/.jsonl/.parquet file or folder, or hf:<name>[:<config>][@<split>]
@@ -370,23 +371,19 @@ def _protect(value, pattern):
 
 
 def _unmark(raw):
-    """Rendered text with markers -> (text, index map raw -> text (len(raw)+1), protected ranges,
-    generation spans), the ranges in text coordinates. Lone markers are dropped."""
-    text, where, protected, spans, opened = [], [], [], [], {}
-    n = 0
-    for ch in raw:
-        where.append(n)
-        if ch in MARKERS:
-            if ch in (PROTECT, GEN):
-                opened[ch] = n
-            elif opened.get(PROTECT if ch == UNPROTECT else GEN) is not None:
-                start = opened.pop(PROTECT if ch == UNPROTECT else GEN)
-                (protected if ch == UNPROTECT else spans).append((start, n))
-            continue
-        text.append(ch)
-        n += 1
-    where.append(n)
-    return "".join(text), where, protected, [s for s in spans if s[1] > s[0]]
+    """Rendered text with markers -> (text, protected ranges, generation spans), the ranges in text
+    coordinates. Lone markers are dropped."""
+    text, protected, spans, opened, n, pos = [], [], [], {}, 0, 0
+    for m in MARKER_RE.finditer(raw):
+        text.append(raw[pos:m.start()])
+        n, pos, ch = n + m.start() - pos, m.end(), m.group(0)
+        if ch in (PROTECT, GEN):
+            opened[ch] = n
+        elif opened.get(PROTECT if ch == UNPROTECT else GEN) is not None:
+            start = opened.pop(PROTECT if ch == UNPROTECT else GEN)
+            (protected if ch == UNPROTECT else spans).append((start, n))
+    text.append(raw[pos:])
+    return "".join(text), protected, [s for s in spans if s[1] > s[0]]
 
 
 class ChatTemplate:
@@ -421,7 +418,7 @@ class ChatTemplate:
         (see the module docstring; none when spans=False)."""
         marked = _protect([dict(m) for m in messages], self.pattern)
         raw = self._raw(marked, add_generation_prompt)
-        text, where, protected, generated = _unmark(raw)
+        text, protected, generated = _unmark(raw)
         if not spans or self.generation:
             return text, protected, generated if spans else []
         out = []
@@ -625,13 +622,14 @@ def batch(rows, device="cpu"):
     """Rows -> (x, y, pos, attn_mask): x (B, T) ids; y (B, T) next ids, IGNORE where not trained, across
     example borders and on padding; pos (B, T) positions restarting per example; attn_mask (B, T, T)
     bool, causal within the same example (padding sees padding: no empty row)."""
-    ids, mask, seg, pos = (torch.from_numpy(np.stack([getattr(r, k) for r in rows])) for k in ("ids", "mask", "seg", "pos"))
+    ids, mask, seg, pos = (torch.from_numpy(np.stack([getattr(r, k) for r in rows])).to(device)
+                           for k in ("ids", "mask", "seg", "pos"))  # the (B, T, T) mask is built on the device
     same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] >= 0)
     y = torch.where(mask[:, 1:] & same, ids[:, 1:], IGNORE)
     s = seg[:, :-1]
     T = s.shape[1]
-    attn = (s[:, :, None] == s[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
-    return tuple(t.to(device) for t in (ids[:, :-1], y, pos[:, :-1], attn))
+    attn = (s[:, :, None] == s[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=s.device).tril()
+    return ids[:, :-1], y, pos[:, :-1], attn
 
 
 class ChatLoader(data.Loader):
@@ -657,12 +655,14 @@ class ChatLoader(data.Loader):
 def setup(cfg):
     """(tokenizer, template) of a chat stage: the run's tokenizer (data.tokenizer_for(cfg): after
     hf.configure an HF folder's) with the template's special tokens added where missing (new ids past
-    the vocabulary), cfg.vocab_size raised to cover them. cfg.chat_template picks the template."""
+    the vocabulary) and the template as its chat_template, cfg.vocab_size raised to cover them.
+    cfg.chat_template picks the template."""
     fmt = getattr(cfg, "chat_format", "auto")
     if fmt != "auto" and fmt not in FORMATS:
         raise ChatDataError(f"chat_format={fmt!r} is not one of auto, {', '.join(FORMATS)}")
     tok = data.tokenizer_for(cfg)
     template = template_for(tok, getattr(cfg, "init_from", ""), getattr(cfg, "chat_template", ""))
     tok = tok.with_chat(template.special_tokens, template.eos)
+    tok.chat_template = template.source  # what hf.save_tokenizer (export) writes as the model's template
     cfg.vocab_size = max(cfg.vocab_size, tok.n_vocab)
     return tok, template
