@@ -20,7 +20,8 @@ A message is {"role": "system" | "user" | "assistant", "content": str}. The rule
   transformers' sanitize_control_tokens); after rendering the markers are removed and those places
   stay ordinary text. The text is cut at the template-written special tokens; every piece between
   them is encoded as ordinary text by the tokenizer, every special token as its id. A user typing
-  '<|im_start|>' gets the ids of those characters, never the control token.
+  '<|im_start|>' gets the ids of those characters, never the control token. (The four marker
+  characters U+E000..U+E003 are removed from messages, as transformers removes its own.)
 - Loss spans (ChatTemplate.spans): a template with {% generation %} blocks trains what they enclose
   (what transformers' return_assistant_tokens_mask and TRL's assistant_only_loss train). Otherwise,
   for each assistant message i, from the end of render(messages[:i], add_generation_prompt=True)
@@ -412,31 +413,40 @@ class ChatTemplate:
                                 f"user message begins {first!r}. Fix the data or the template (chat_template)") \
                 from None
 
-    def parts(self, messages, add_generation_prompt=False, spans=True):
+    def parts(self, messages, add_generation_prompt=False, spans=True, train_from=0):
         """(text, protected ranges, loss spans): the rendered text, the ranges of it that are a
         message's literal special-token text (ordinary text, never ids), and the spans to train on
-        (see the module docstring; none when spans=False)."""
+        (see the module docstring; none when spans=False). train_from > 0: only what follows the
+        first train_from messages rendered with add_generation_prompt=True (DPO: the answer after its
+        prompt, as TRL cuts it)."""
         marked = _protect([dict(m) for m in messages], self.pattern)
-        raw = self._raw(marked, add_generation_prompt)
-        text, protected, generated = _unmark(raw)
-        if not spans or self.generation:
-            return text, protected, generated if spans else []
-        out = []
-        for i, m in enumerate(marked):
+        text, protected, generated = _unmark(self._raw(marked, add_generation_prompt))
+        if not spans:
+            return text, protected, []
+        out = generated if self.generation else []
+        for i, m in enumerate(marked if not self.generation else ()):
             if m.get("role") != "assistant":
                 continue
-            prefix = _unmark(self._raw(marked[:i], True))[0]
-            if not text.startswith(prefix):
-                raise ChatDataError(
-                    f"{self.name}: the conversation before assistant message {i + 1}, rendered with "
-                    "add_generation_prompt=True, is not the start of the whole conversation's text, so where the "
-                    "answer starts is unknown: put {% generation %}...{% endgeneration %} around the assistant's "
-                    "output in the template")
+            start = self.answer_start(marked, i, text)
             upto = _unmark(self._raw(marked[:i + 1], False))[0]
-            limit = len(upto) if text.startswith(upto) and len(upto) > len(prefix) else len(text)
-            end = self.eot_end(text, protected, len(prefix), limit)
-            out.append((len(prefix), end if end is not None else len(text[:limit].rstrip())))
+            limit = len(upto) if text.startswith(upto) and len(upto) > start else len(text)
+            end = self.eot_end(text, protected, start, limit)
+            out.append((start, end if end is not None else len(text[:limit].rstrip())))
+        if train_from:
+            start = self.answer_start(marked, train_from, text)
+            out = [(max(a, start), b) for a, b in out if b > start]
         return text, protected, out
+
+    def answer_start(self, marked, i, text):
+        """Where the answer after messages[:i] starts in text: the end of their rendering with
+        add_generation_prompt=True, which must be a prefix of text."""
+        prefix = _unmark(self._raw(marked[:i], True))[0]
+        if not text.startswith(prefix):
+            raise ChatDataError(
+                f"{self.name}: the conversation before message {i + 1}, rendered with add_generation_prompt=True, "
+                "is not the start of the whole conversation's text, so where the answer starts is unknown: put "
+                "{% generation %}...{% endgeneration %} around the assistant's output in the template")
+        return len(prefix)
 
     def eot_end(self, text, protected, start, limit):
         """The end of the first end-of-turn token the template wrote in text[start:limit], or None."""
@@ -483,8 +493,9 @@ def default_template():
 def template_specials(source, tok):
     """The special tokens a template writes: tok's special tokens that occur in its literal text,
     <|name|> literals tok lacks (they are added to it), and bos/eos when it reads bos_token /
-    eos_token; in order of first occurrence. (A token the template assembles from pieces, like
-    '<|' + role + '|>', is not found: transformers misses it too.)"""
+    eos_token; in order of first occurrence. A token the template only assembles from pieces, like
+    '<|' + role + '|>', is not found (nor by transformers' sanitize_control_tokens): it stays text
+    unless another literal names it; list such tokens yourself: ChatTemplate(source, special_tokens, eos)."""
     ast = compile_template(source).environment.parse(source)
     literal = "\0".join([n.data for n in ast.find_all(jinja2.nodes.TemplateData)] +
                         [n.value for n in ast.find_all(jinja2.nodes.Const) if isinstance(n.value, str)])
@@ -520,14 +531,15 @@ def template_for(tok, init_from="", name=""):
 # -----------------------------------------------------------------------------
 # Token ids and the loss mask
 
-def encode(tok, template, messages, *, add_generation_prompt=False):
+def encode(tok, template, messages, *, add_generation_prompt=False, train_from=0):
     """(ids, mask) of a conversation: the rendered text tokenised once, special tokens as single ids
     where the template wrote them; mask[i] True when token i is trained on (its characters overlap
     a loss span). add_generation_prompt=True: the prompt's ids (ending in the assistant header) and an
-    all-False mask."""
+    all-False mask. train_from=len(prompt): only the answer after the prompt is trained (a DPO pair's
+    prompt + chosen: earlier assistant turns of the prompt are not)."""
     if getattr(tok, "nfc", False):  # a normalising tokenizer: normalise the messages, not the rendered text
         messages = [{**m, "content": unicodedata.normalize("NFC", m["content"])} for m in messages]
-    text, protected, spans = template.parts(messages, add_generation_prompt, spans=not add_generation_prompt)
+    text, protected, spans = template.parts(messages, add_generation_prompt, not add_generation_prompt, train_from)
     ids, starts, ends = [], [], []
     for a, b, special in template.pieces(text, protected):
         if special is not None:

@@ -11,6 +11,7 @@ Proves, against independent references:
   return_assistant_tokens_mask on the {% generation %} templates; on the plain templates our mask
   (found from prefixes) equals transformers' mask on TRL's generation-tagged variant of the same
   template, except Qwen2.5's variant, which also trains the newline before and after each answer;
+  train_from (DPO) trains only the answer after the prompt's ids as TRL cuts them;
 - a literal '<|im_start|>' in a message stays text (equal to transformers' sanitize_control_tokens);
   our own tokenizers get the ChatML tokens past the vocabulary; a BPE merge across the prompt/answer
   border changes neither the ids (one tokenization) nor the mask (tiktoken's own offsets);
@@ -215,6 +216,9 @@ def test_templates_equal_transformers(hf_pair, tmp_path):
                                                         return_dict=False) and not any(none), name
             if generation:
                 assert mask == [bool(m) for m in ref["assistant_masks"]], name
+            # DPO's cut (TRL): only what follows the prompt rendered with the generation prompt
+            _, last = chat.encode(tok, template, conv, train_from=len(conv) - 1)
+            assert ids[:len(prompt)] == prompt and last == [m and i >= len(prompt) for i, m in enumerate(mask)], name
             masks[name, k] = (ids, mask)
             trained = tok.decode([i for i, m in zip(ids, mask) if m])
             assert all(m["content"].strip() in trained for m in conv if m["role"] == "assistant"), name
