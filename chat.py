@@ -103,8 +103,11 @@ def _files(path):
         if not path.endswith(SUFFIXES):
             raise ChatDataError(f"chat data {path!r}: unsupported file type (accepted: {' '.join(SUFFIXES)})")
         return [path]
-    files = sorted(os.path.join(d, n) for d, dirs, names in os.walk(path) for n in names
-                   if n.endswith(SUFFIXES) and not n.startswith(".") and "/." not in d)
+    files = []
+    for d, dirs, names in os.walk(path):
+        dirs[:] = [x for x in dirs if not x.startswith(".")]  # hidden folders and files are not data
+        files += [os.path.join(d, n) for n in names if n.endswith(SUFFIXES) and not n.startswith(".")]
+    files.sort()
     if not files:
         raise ChatDataError(f"chat data folder {path!r} holds no {'/'.join(SUFFIXES)} file")
     return files
@@ -177,7 +180,8 @@ def _messages(items, what):
     out = []
     for i, m in enumerate(items, 1):
         _bad(isinstance(m, dict), "not_messages", f"{what} message {i} is a {type(m).__name__}, not an object")
-        role_key, content_key = ("role", "content") if "role" in m or "content" in m else ("from", "value")
+        role_key, content_key = ("from", "value") if m.get("role") is None and m.get("content") is None \
+            else ("role", "content")  # (a parquet column of both shapes holds nulls for the other's keys)
         role, content = m.get(role_key), m.get(content_key)
         _bad(role in ROLES, "unknown_role", f"{what} message {i}: unknown role {role!r} "
              f"(known: {', '.join(ROLES)}; a message is {{'role': ..., 'content': ...}} or {{'from': ..., 'value': ...}})")
