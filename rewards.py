@@ -40,6 +40,7 @@ Code. run_code(program, tests) runs the program, then its tests, in a fresh `pyt
 run_many() runs many programs in parallel on a thread pool (each one a process).
 """
 import builtins
+import collections
 import contextlib
 import ctypes
 import importlib.util
@@ -48,7 +49,6 @@ import math
 import os
 import re
 import resource
-import secrets
 import selectors
 import signal
 import subprocess
@@ -57,9 +57,7 @@ import tempfile
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 
 END_OF_TURN = re.compile(r"<\|[^|<>]*\|>")   # <|im_end|>, <|endoftext|>: a completion ends at the first
 
@@ -156,50 +154,63 @@ def math_verify_available():
     return importlib.util.find_spec("math_verify") is not None   # optional: pip install math-verify
 
 
-def symbolic_worker(pairs, timeout, conn):
-    """In a spawned process (at most 2 GB of address space): math-verify's verdict on each
-    (gold, answer), each under its own signal-based timeout (this is the process's main thread)."""
+def symbolic_server(timeout):
+    """The math-verify worker (run_code's sibling: `python -I -c`, at most 2 GB of address space):
+    reads one JSON [gold, answer] per line, answers 1 or 0 per line; each pair under math-verify's
+    own signal-based timeouts (this is the main thread here, whatever thread asked)."""
     resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
     from math_verify import parse, verify
-    conn.send("ready")
     seconds = max(1, math.ceil(timeout))
-    for gold, answer in pairs:
+    verify(parse("$x^2+2x+1$"), parse("$(x+1)^2$"))          # sympy's first use imports more: not in a pair's time
+    print("ready", flush=True)
+    for line in sys.stdin:
+        gold, answer = json.loads(line)
         try:
-            g = parse(f"${gold}$", parsing_timeout=seconds)
-            a = parse(f"${answer}$", parsing_timeout=seconds)
+            g, a = parse(f"${gold}$", parsing_timeout=seconds), parse(f"${answer}$", parsing_timeout=seconds)
             ok = bool(g) and bool(a) and verify(g, a, timeout_seconds=seconds)
         except BaseException:  # a timeout or anything sympy raises: not equal
             ok = False
-        conn.send(bool(ok))
-    conn.close()
+        print(int(bool(ok)), flush=True)
+
+
+def read_line(fd, seconds):
+    """One line from a pipe within seconds; None at a timeout or end of file."""
+    data, deadline = b"", time.monotonic() + seconds
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not selectors.select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 1)
+        if not chunk:
+            return None
+        data += chunk
+    return data.decode().strip()
 
 
 def symbolic_equal_many(pairs, timeout):
-    """math-verify on each pair in a spawned worker (sympy imported once). A pair that runs past
-    timeout (+1 s) inside C code no signal interrupts (2^{2^{40}}), or that kills the worker, counts
-    as not equal; the worker is killed and a fresh one takes the remaining pairs."""
-    import multiprocessing as mp  # lazy: only symbolic comparisons need it
-    ctx = mp.get_context("spawn")
+    """math-verify on each pair in a worker process (sympy imported once), one pair at a time. A pair
+    that runs past timeout (+1 s) inside C code no signal interrupts (2^{2^{40}}), or that kills the
+    worker, counts as not equal; the worker is killed and a fresh one takes the remaining pairs."""
     out = []
     while len(out) < len(pairs):
-        recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=symbolic_worker, args=(pairs[len(out):], timeout, send), daemon=True)
-        proc.start()
-        send.close()
+        child = f"import sys; sys.path.insert(0, {here()!r}); import rewards; rewards.symbolic_server({timeout!r})"
+        proc = subprocess.Popen([sys.executable, "-I", "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL)
         try:
-            if not recv.poll(120) or recv.recv() != "ready":      # start-up: importing sympy
+            if read_line(proc.stdout.fileno(), 120) != "ready":             # start-up: importing sympy
                 raise RuntimeError("the math-verify worker did not start within 120 s")
             while len(out) < len(pairs):
-                if not recv.poll(timeout + 1):
-                    out.append(False)
+                proc.stdin.write((json.dumps(pairs[len(out)]) + "\n").encode())
+                proc.stdin.flush()
+                answer = read_line(proc.stdout.fileno(), timeout + 1)
+                out.append(answer == "1")
+                if answer is None:
                     break
-                out.append(recv.recv())
-        except EOFError:
-            out.append(False)
         finally:
             proc.kill()
-            proc.join()
-            recv.close()
+            proc.wait()
+            proc.stdin.close()
+            proc.stdout.close()
     return out
 
 
@@ -308,13 +319,10 @@ def combine(fns, weights=None):
 
 # ----------------------------------------------------------------------------- code sandbox
 
-@dataclass
-class Result:
-    passed: bool
-    reason: str          # "passed", or why not (the exception, the limit hit, ...)
-    output: str = ""     # the program's stdout and stderr, at most output_bytes
-    seconds: float = 0.0
-    isolation: str = ""  # what the OS allowed: "uid:N net pid readonly proc" on Linux as root
+# passed; reason: "passed" or why not (the exception, the limit hit, ...); output: the program's stdout
+# and stderr (at most output_bytes); isolation: what the OS allowed ("uid:N net pid readonly proc" on
+# Linux as root). A named tuple, not a dataclass: the sandbox imports this module, and fast.
+Result = collections.namedtuple("Result", "passed reason output seconds isolation", defaults=("", 0.0, ""))
 
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
@@ -375,12 +383,13 @@ def run_code(program, tests="", *, timeout=10.0, memory_mb=512, nproc=8, nofile=
     """
     if timeout <= 0 or memory_mb <= 0 or nproc < 1 or nofile < 8 or output_bytes < 1:
         raise ValueError("run_code needs timeout > 0, memory_mb > 0, nproc >= 1, nofile >= 8, output_bytes >= 1")
-    token = secrets.token_hex(16)
-    uid = (1 << 20) + secrets.randbelow(1 << 30) if os.geteuid() == 0 else -1
+    token = os.urandom(16).hex()
+    uid = (1 << 20) + int.from_bytes(os.urandom(4), "little") % (1 << 30) if os.geteuid() == 0 else -1
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ingot-sandbox-", ignore_cleanup_errors=True) as work:
-        Path(work, "candidate.py").write_text(program)
-        Path(work, "tests.py").write_text(tests)
+        for name, text in (("candidate.py", program), ("tests.py", tests)):
+            with open(os.path.join(work, name), "w") as f:
+                f.write(text)
         tok_r, tok_w = os.pipe()
         ver_r, ver_w = os.pipe()
         os.write(tok_w, token.encode())
@@ -572,7 +581,7 @@ def sandbox_main():
     os.umask(0o022)                                           # directories made for the sandbox's user
     sys.path += [p for p in s["site"] if p not in sys.path]   # -S skipped site's .pth files (fast start)
     libc = ctypes.CDLL(None, use_errno=True)
-    program, tests = (Path(s["dir"], name).read_text() for name in ("candidate.py", "tests.py"))
+    program, tests = (open(os.path.join(s["dir"], name)).read() for name in ("candidate.py", "tests.py"))
     token = os.read(s["token_fd"], 64).decode()
     os.close(s["token_fd"])
     nproc = s["nproc"] if os.geteuid() == 0 else len(processes_of(os.getuid())) + s["nproc"]

