@@ -6,17 +6,16 @@ dataset's other columns ("answer", "tests", ...) arrive as keyword lists. combin
 
 Math. extract_answer() finds the final answer (\\boxed{...} with nested braces, <answer> tags,
 '#### 42', 'the answer is 42'); math_equal() compares it with the gold answer: numbers exactly
-(integers, decimals, fractions, thousands commas, currency, percent and unit words stripped
-conservatively; decimals agree to 6 places as math-verify rounds), anything else symbolically with
-math-verify (the library TRL uses) when installed, else by exact normalised text. Symbolic checks
-run in one spawned worker process per batch with a wall-clock kill, so a pathological expression
-never hangs the trainer, from any thread (math-verify's own timeout is signal-based: main thread only).
+(decimals, fractions, thousands commas, currency, percent, unit words stripped conservatively),
+anything else with math-verify (the library TRL uses) when installed, else as normalised text.
+math-verify runs in a worker process killed on a wall clock: a pathological expression never
+hangs the trainer, from any thread (its own timeout is signal-based: main thread only).
 
 Code. run_code(program, tests) runs the program, then its tests, in a fresh `python -I -S` process
 (all set-up happens in that child, no preexec_fn, so run_many's threads may start runs safely):
-    - a fresh temporary directory as cwd, a clean environment (nothing inherited), stdin closed;
-    - its own session, killed whole on a wall-clock timeout; stdout+stderr capped (output_bytes);
-    - RLIMIT_CPU, _AS (memory), _FSIZE, _NPROC, _NOFILE and no core files;
+    - a fresh temporary directory as cwd, a clean environment (nothing inherited), stdin closed,
+      RLIMIT_CPU/_AS/_FSIZE/_NPROC/_NOFILE, no core files, stdout+stderr capped (output_bytes);
+      its own session, killed whole on a wall-clock timeout;
     - Linux namespaces where the OS allows (Result.isolation says what applied):
         net       a new network namespace: no interface is up, no socket reaches anything;
         pid       a new PID namespace: the program sees and can signal only its own processes,
@@ -49,6 +48,7 @@ import math
 import os
 import re
 import resource
+import select
 import selectors
 import signal
 import subprocess
@@ -102,10 +102,8 @@ def extract_answer(text):
     found = next((c for c in candidates if c is not None), None)
     if found is None:
         return None
-    found = found.strip().strip("*").strip()
-    found = re.sub(r"^\$+|\$+$|^\\\(|\\\)$|^\\\[|\\\]$", "", found).strip()
-    found = found.rstrip(".").strip()
-    return found or None
+    found = re.sub(r"^\$+|\$+$|^\\\(|\\\)$|^\\\[|\\\]$", "", found.strip().strip("*").strip()).strip()
+    return found.rstrip(".").strip() or None
 
 
 UNITS = re.compile(r"(?:\s*(?:\\(?:text|mbox|mathrm)\{[^{}]*\}|\^\s*\{?\\circ\}?|°|\\?%))+$"
@@ -122,16 +120,15 @@ def parse_number(text):
     s = str(text).strip().replace("\u2212", "-").replace("\\!", "").replace("{,}", ",").replace("\\,", ",")
     s = re.sub(r"^\$+|\$+$", "", s).strip()
     s = re.sub(r"^(-?)\s*(?:\\\$|\$|€|£)\s*", r"\1", s)
+    if len(s) > 200:    # not a plain number, and int() of thousands of digits would raise
+        return None
     for _ in range(2):
         s = UNITS.sub("", s).strip()
     if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
         s = s.replace(",", "")
-    m = FRAC.match(s)
+    m = FRAC.match(s) or re.fullmatch(r"()([-+]?\d+)\s*/\s*([-+]?\d+)", s)
     if m:
         return None if int(m.group(3)) == 0 else Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1)
-    m = re.fullmatch(r"([-+]?\d+)\s*/\s*([-+]?\d+)", s)
-    if m:
-        return None if int(m.group(2)) == 0 else Fraction(int(m.group(1)), int(m.group(2)))
     if DECIMAL.match(s) and len(s) < 100:
         return Fraction(s)
     return None
@@ -178,7 +175,7 @@ def read_line(fd, seconds):
     data, deadline = b"", time.monotonic() + seconds
     while not data.endswith(b"\n"):
         left = deadline - time.monotonic()
-        if left <= 0 or not selectors.select.select([fd], [], [], left)[0]:
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
             return None
         chunk = os.read(fd, 1)
         if not chunk:
@@ -200,16 +197,20 @@ def symbolic_equal_many(pairs, timeout):
             if read_line(proc.stdout.fileno(), 120) != "ready":             # start-up: importing sympy
                 raise RuntimeError("the math-verify worker did not start within 120 s")
             while len(out) < len(pairs):
-                proc.stdin.write((json.dumps(pairs[len(out)]) + "\n").encode())
-                proc.stdin.flush()
-                answer = read_line(proc.stdout.fileno(), timeout + 1)
+                try:
+                    proc.stdin.write((json.dumps(pairs[len(out)]) + "\n").encode())
+                    proc.stdin.flush()
+                    answer = read_line(proc.stdout.fileno(), timeout + 1)
+                except BrokenPipeError:                                     # it died on the last pair
+                    answer = None
                 out.append(answer == "1")
                 if answer is None:
                     break
         finally:
             proc.kill()
             proc.wait()
-            proc.stdin.close()
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
             proc.stdout.close()
     return out
 
@@ -319,9 +320,8 @@ def combine(fns, weights=None):
 
 # ----------------------------------------------------------------------------- code sandbox
 
-# passed; reason: "passed" or why not (the exception, the limit hit, ...); output: the program's stdout
-# and stderr (at most output_bytes); isolation: what the OS allowed ("uid:N net pid readonly proc" on
-# Linux as root). A named tuple, not a dataclass: the sandbox imports this module, and fast.
+# reason: "passed" or why not (the exception, the limit hit, ...); output: stdout+stderr (at most
+# output_bytes); isolation: what the OS allowed. A named tuple: the sandbox imports this module, fast.
 Result = collections.namedtuple("Result", "passed reason output seconds isolation", defaults=("", 0.0, ""))
 
 
@@ -346,15 +346,10 @@ def clean_env(work):
 def processes_of(uid):
     """Host pids whose real user id is uid (from /proc; empty where there is none)."""
     pids = []
-    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/status") as f:
-                    line = next(x for x in f if x.startswith("Uid:"))
-            except (OSError, StopIteration):
-                continue
-            if int(line.split()[1]) == uid:
-                pids.append(int(name))
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        with contextlib.suppress(OSError, StopIteration), open(f"/proc/{pid}/status") as f:
+            if int(next(x for x in f if x.startswith("Uid:")).split()[1]) == uid:
+                pids.append(int(pid))
     return pids
 
 
@@ -390,8 +385,7 @@ def run_code(program, tests="", *, timeout=10.0, memory_mb=512, nproc=8, nofile=
         for name, text in (("candidate.py", program), ("tests.py", tests)):
             with open(os.path.join(work, name), "w") as f:
                 f.write(text)
-        tok_r, tok_w = os.pipe()
-        ver_r, ver_w = os.pipe()
+        (tok_r, tok_w), (ver_r, ver_w) = os.pipe(), os.pipe()
         os.write(tok_w, token.encode())
         os.close(tok_w)
         settings = {"dir": work, "uid": uid, "cpu": math.ceil(timeout) + 1, "memory": memory_mb << 20,
@@ -405,10 +399,11 @@ def run_code(program, tests="", *, timeout=10.0, memory_mb=512, nproc=8, nofile=
         finally:
             os.close(tok_r)
             os.close(ver_w)
+        out, verdict, limit = b"", b"", ""
         try:
-            out, verdict, limit = collect(proc, ver_r, start + timeout, output_bytes, uid)
-        finally:
-            kill_all(proc, uid)
+            out, verdict, limit = collect(proc, ver_r, start + timeout, output_bytes)
+        finally:   # a PID namespace dies with its first process; without one, look for any left (as root)
+            kill_all(proc, -1 if "pid" in isolation_of(token, verdict).split() else uid)
             proc.wait()
             proc.stdout.close()
             os.close(ver_r)
@@ -416,7 +411,7 @@ def run_code(program, tests="", *, timeout=10.0, memory_mb=512, nproc=8, nofile=
     return judge(token, proc.returncode, out, verdict, limit, timeout, output_bytes, seconds)
 
 
-def collect(proc, ver_r, deadline, output_bytes, uid):
+def collect(proc, ver_r, deadline, output_bytes):
     """Read the child's output (at most output_bytes) and verdict pipe until both close, the
     deadline passes or the output runs over. Returns (output, verdict, limit hit or "")."""
     out, verdict, limit = bytearray(), bytearray(), ""
@@ -439,21 +434,26 @@ def collect(proc, ver_r, deadline, output_bytes, uid):
                 else:
                     out += data
                     if len(out) > output_bytes:
-                        limit = "output"
-                        del out[output_bytes:]
-                        return bytes(out), bytes(verdict), limit
+                        return bytes(out[:output_bytes]), bytes(verdict), "output"
             if not exited and proc.poll() is not None:
                 exited = True                        # what it left behind goes now; a second to drain
-                kill_all(proc, uid)
+                kill_all(proc, -1)
                 deadline = min(deadline, time.monotonic() + 1.0)
     return bytes(out), bytes(verdict), limit
 
 
+def harness_lines(token, verdict):
+    """The verdict pipe's lines that only the harness (which holds the token) can have written."""
+    return [line[len(token) + 1:] for line in verdict.decode("utf-8", "replace").splitlines() if line.startswith(token)]
+
+
+def isolation_of(token, verdict):
+    return " ".join(line[len("isolation "):] for line in harness_lines(token, verdict) if line.startswith("isolation "))
+
+
 def judge(token, returncode, out, verdict, limit, timeout, output_bytes, seconds):
-    ours = [line[len(token) + 1:] for line in verdict.decode("utf-8", "replace").splitlines()
-            if line.startswith(token + " ")]            # lines only the harness (which holds the token) wrote
-    isolation = " ".join(line[len("isolation "):] for line in ours if line.startswith("isolation ")).strip()
-    said = [line for line in ours if line == "pass" or line.startswith("fail ")]
+    isolation = isolation_of(token, verdict)
+    said = [line for line in harness_lines(token, verdict) if line == "pass" or line.startswith("fail ")]
     text = out.decode("utf-8", "replace")
     if limit == "output":
         reason = f"more than {output_bytes} bytes of output: killed"
@@ -476,9 +476,7 @@ def run_many(programs, tests, *, workers=None, **limits):
     tests = [tests] * len(programs) if isinstance(tests, str) else list(tests)
     if len(tests) != len(programs):
         raise ValueError(f"run_many: {len(programs)} programs but {len(tests)} tests")
-    if not programs:
-        return []
-    with ThreadPoolExecutor(max_workers=min(len(programs), workers or os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(programs), workers or os.cpu_count() or 1))) as pool:
         return list(pool.map(lambda pt: run_code(pt[0], pt[1], **limits), zip(programs, tests)))
 
 
@@ -554,11 +552,9 @@ def read_only_except(libc, work, root):
 
 def isolate(libc, settings):
     """New namespaces as far as the OS allows; returns the list of what applied."""
-    root, uid, gid = os.geteuid() == 0, os.getuid(), os.getgid()
-    user = 0 if root else CLONE_NEWUSER
-    applied = []
+    root, uid, gid, applied = os.geteuid() == 0, os.getuid(), os.getgid(), []
     for flags, names in ((CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID, ["net", "pid"]), (CLONE_NEWNET, ["net"])):
-        if hasattr(libc, "unshare") and libc.unshare(flags | user) == 0:
+        if hasattr(libc, "unshare") and libc.unshare(flags | (0 if root else CLONE_NEWUSER)) == 0:
             applied = names
             break
     if applied and not root:  # we are ourselves inside: map our ids, so files keep their owners
@@ -594,11 +590,9 @@ def sandbox_main():
     reaper = os.fork()
     if reaper == 0:
         if "pid" in applied:
-            try:
+            with contextlib.suppress(OSError):
                 mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
                 os.write(s["verdict_fd"], f"{token} isolation proc\n".encode())
-            except OSError:
-                pass
         worker = os.fork()
         if worker == 0:
             try:
