@@ -15,7 +15,6 @@ reward_fn() gives the same reward in rewards.py's batch form f(prompts, completi
 """
 import random
 import re
-import textwrap
 import zlib
 
 import rewards
@@ -45,7 +44,7 @@ def held_out(key, percent):
 
 
 class Task:
-    """A named source of items with a reward. Subclasses define items(split) or train/test."""
+    """A named source of items with a reward. Subclasses define train, test and reward."""
     name = "task"
 
     def train(self, n, seed=0):
@@ -61,14 +60,15 @@ class Task:
         """This task's reward in rewards.py's form f(prompts, completions, **columns): the columns
         are the items' other keys ("answer", ...), one value per completion."""
         def task_reward(prompts, completions, **columns):
-            return [self.reward(c, {"prompt": p, **{k: v[i] for k, v in columns.items()}})
+            return [self.reward(c, {"prompt": p, **{k: v[i] for k, v in columns.items() if isinstance(v, (list, tuple))}})
                     for i, (p, c) in enumerate(zip(prompts, completions))]
         task_reward.__name__ = f"{self.name}_reward"
         return task_reward
 
 
 class Arithmetic(Task):
-    """Sums and differences of integers in [0, max_operand]; a difference is never negative.
+    """Sums and differences (and products with ops="+-*") of integers in [0, max_operand]; a
+    difference is never negative.
 
     The space of problems is split once, by a hash of the question, into train (about 90%) and
     test (about 10%): test() never returns a question train() can, whatever the seeds. train(n)
