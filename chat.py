@@ -40,6 +40,7 @@ import collections
 import datetime
 import json
 import os
+import pathlib
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -103,11 +104,8 @@ def _files(path):
         if not path.endswith(SUFFIXES):
             raise ChatDataError(f"chat data {path!r}: unsupported file type (accepted: {' '.join(SUFFIXES)})")
         return [path]
-    files = []
-    for d, dirs, names in os.walk(path):
-        dirs[:] = [x for x in dirs if not x.startswith(".")]  # hidden folders and files are not data
-        files += [os.path.join(d, n) for n in names if n.endswith(SUFFIXES) and not n.startswith(".")]
-    files.sort()
+    files = sorted(str(p) for p in pathlib.Path(path).rglob("*") if p.name.endswith(SUFFIXES) and p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(path).parts))  # hidden: not data
     if not files:
         raise ChatDataError(f"chat data folder {path!r} holds no {'/'.join(SUFFIXES)} file")
     return files

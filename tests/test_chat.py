@@ -64,8 +64,8 @@ def test_formats_to_messages(tmp_path):
                    [[u("Add.\n\n2 3"), a("5")], [s, u("Hi"), a("Hello")]]),
         "sharegpt": ([{"conversations": [{"from": "system", "value": "Be kind."}, {"from": "human", "value": "Hi"},
                                          {"from": "gpt", "value": "Hello"}, {"from": "user", "value": "Bye"},
-                                         {"from": "assistant", "value": "Ciao"}]}],
-                     [[s, u("Hi"), a("Hello"), u("Bye"), a("Ciao")]]),
+                                         {"from": "assistant", "value": "Ciao", "role": None, "content": None}]}],
+                     [[s, u("Hi"), a("Hello"), u("Bye"), a("Ciao")]]),  # (nulls: a parquet column's other keys)
         "messages": ([{"messages": [s, u("1+1?"), a("2"), u("2+2?"), a("4")], "id": 7}],
                      [[s, u("1+1?"), a("2"), u("2+2?"), a("4")]]),
         "prompt_completion": ([{"prompt": "Capital of France?", "completion": " Paris."},
@@ -81,6 +81,8 @@ def test_formats_to_messages(tmp_path):
     folder.mkdir()
     write(folder / "a.jsonl", cases["alpaca"][0])
     write(folder / "b.json", cases["alpaca"][0][:1])
+    (folder / ".hidden.jsonl").write_text("not read\n")  # hidden files and folders are not data
+    (folder / "notes.txt").write_text("not read")
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
     rows = [{"system": None, **r} for r in cases["alpaca"][0]]  # a parquet column holds null where a key is absent
