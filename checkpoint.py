@@ -400,13 +400,14 @@ class Run:
     notes: list = field(default_factory=list)  # lines to print once: skipped checkpoints, moved files, changes
 
 
-def open_run(cfg):
+def open_run(cfg, free=()):
     """Rank 0, once cfg is final (vocab_size set): lock cfg.out_dir, pick the checkpoint to resume
     (find_resume), check changed settings (check_resume), and make sure out_dir holds only this
     run's history. What stands in the way (an earlier run's files for a fresh run; checkpoints newer
     than the resumed one or of another run) refuses with RunDirNotEmpty unless cfg.overwrite, which
     moves it into out_dir/old_<time>/; broken checkpoints resume skipped are moved there anyway.
-    Raises a UserError before any work is spent (broadcast its message to the other ranks)."""
+    Raises a UserError before any work is spent (broadcast its message to the other ranks). free:
+    a stage's own keys a resumed run may change (with config.RESUME_FREE)."""
     out = cfg.out_dir
     lock = claim(out)
     try:
@@ -420,7 +421,7 @@ def open_run(cfg):
             why = (f"out_dir '{out}' holds an earlier run ({listed}): "
                    f"continue it with --resume, choose another --out_dir, or start over with --overwrite=True")
         else:
-            notes += check_resume(path, cfg)
+            notes += check_resume(path, cfg, free)
             man = _manifest(path)
             run_id = man["run_id"]
             if os.path.realpath(os.path.dirname(os.path.abspath(path))) != os.path.realpath(out):
@@ -444,14 +445,14 @@ def open_run(cfg):
     return Run(lock, path, run_id, notes)
 
 
-def open_run_everywhere(cfg, grid):
+def open_run_everywhere(cfg, grid, free=()):
     """open_run() on rank 0, its decision (checkpoint to resume, run id, notes) on every rank; a
     refusal raises the same UserError on all of them. Only rank 0's Run holds the lock: keep the
     returned Run referenced while the run lasts."""
     held = []
 
     def first():
-        held.append(open_run(cfg))
+        held.append(open_run(cfg, free))
         return held[0].resume_from, held[0].run_id, held[0].notes
     resume_from, run_id, notes = parallel.on_main(grid, first)
     return held[0] if held else Run(None, resume_from, run_id, notes)
@@ -491,9 +492,9 @@ def find_resume(cfg):
     return None, []
 
 
-def resume_changes(saved, cfg):
+def resume_changes(saved, cfg, free=()):
     """(refused, info): the settings that differ between a checkpoint's config (a dict) and this
-    run's (a namespace or dict), as 'key: old -> new'. Keys in config.RESUME_FREE are info; every
+    run's (a namespace or dict), as 'key: old -> new'. Keys in config.RESUME_FREE (or free) are info; every
     other changed key breaks exactness and is refused; keys only one side knows are info."""
     now = cfg if isinstance(cfg, dict) else vars(cfg)
     refused, info = [], []
@@ -504,11 +505,11 @@ def resume_changes(saved, cfg):
             info.append(f"{k}: {saved[k]!r} in the checkpoint, not a setting now" if k in saved
                         else f"{k}: {now[k]!r} (the checkpoint does not record it)")
         elif saved[k] != now[k]:
-            (info if k in config.RESUME_FREE else refused).append(f"{k}: {saved[k]!r} -> {now[k]!r}")
+            (info if k in config.RESUME_FREE or k in free else refused).append(f"{k}: {saved[k]!r} -> {now[k]!r}")
     return refused, info
 
 
-def check_resume(path, cfg):
+def check_resume(path, cfg, free=()):
     """Compare the checkpoint's config with cfg: notes listing the harmless changes; ResumeMismatch
     for changes that break exactness, unless cfg.force_resume (then they are listed as forced)."""
     try:
@@ -516,7 +517,7 @@ def check_resume(path, cfg):
             saved = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"'{path}': cannot read config.json ({e})") from e
-    refused, info = resume_changes(saved, cfg)
+    refused, info = resume_changes(saved, cfg, free)
     if refused and not getattr(cfg, "force_resume", False):
         raise ResumeMismatch(f"resuming '{path}' with changed settings; the run would differ from an "
                              f"uninterrupted one:\n  " + "\n  ".join(refused) +

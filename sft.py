@@ -70,6 +70,7 @@ SFT_DEFAULTS = dict(
     ckpt_every=0,       # steps between checkpoints (0: only at the end)
     sample_tokens=0,    # (pretraining's end-of-run sample; SFT prints answers to held-out prompts)
 )
+RESUME_FREE = ("n_eval", "eval_every", "eval_tokens", "eval_batch", "merge", "export_hf")  # a resume may change them
 
 
 def check(cfg, grid):
@@ -187,15 +188,16 @@ def main(argv):
         raise config.ConfigError(f"{len(rows)} training rows (from {len(convs)} conversations) cannot fill one global "
                                  f"batch of {cfg.batch_size}: more data, or a smaller batch_size")
     # out_dir belongs to this run: its lock, the checkpoint to resume, changed settings checked
-    lease = checkpoint.open_run_everywhere(cfg, grid)
+    lease = checkpoint.open_run_everywhere(cfg, grid, free=RESUME_FREE)
     for line in [started] + lease.notes:
         say(line)
     loader = chat.ChatLoader(rows, cfg.micro_batch_size, grid.data_rank, grid.data_world, cfg.seed, device)
     n_loss = sum(int(r.mask[1:].sum()) for r in rows)
     n_real = sum(int((r.seg >= 0).sum()) for r in rows)
     say(f"config:\n{config.show(cfg)}")
-    say(f"data: {len(convs):,} conversations -> {len(rows):,} rows of {T + 1} tokens ({'packed' if cfg.pack else 'padded'}"
-        f", {n_real / (len(rows) * (T + 1)):.0%} filled), {n_loss:,} assistant tokens trained on"
+    say(f"data: {len(convs):,} conversations -> {len(rows):,} rows of {T + 1} tokens "
+        f"({'packed' if cfg.pack else 'padded'}, {n_real / (len(rows) * (T + 1)):.0%} filled), {n_loss:,} assistant "
+        f"tokens trained on"
         + "".join(f"; {n:,} {why}" for why, n in sorted(counts.items())) +
         f" | {cfg.max_steps} steps read {cfg.max_steps * cfg.batch_size / len(rows):.2f} epochs")
     say(f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {device} | {dtype} | "
