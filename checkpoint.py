@@ -164,8 +164,7 @@ def save(out_dir, step, weights, optim_state, cfg, loader_state=None, keep_last=
     distributed (RNG states are gathered); rank 0 writes. run_id: open_run(cfg).run_id, recorded
     in the checkpoint; pruning keeps the newest keep_last of this run id's checkpoints and never
     touches another run's. Temporary folders are removed only when they are this process's or
-    their writer is verifiably gone. extra(folder): writes more files into the checkpoint (a LoRA
-    run's PEFT adapter), listed and hashed in its manifest like the rest."""
+    their writer is verifiably gone. extra(folder) writes more files into it (a PEFT adapter), hashed too."""
     rngs = _gather_rng()
     if rank != 0:
         return None
@@ -528,8 +527,7 @@ def check_resume(path, cfg, free=()):
 
 def read_weights(path, cfg):
     """model.safetensors -> full state dict with every name of model config `cfg` (tied names
-    filled in), plus the LoRA adapters a LoRA run saved (lora.is_adapter names); a mismatch with
-    the config names the offending keys."""
+    filled in; a LoRA run's adapters too); a mismatch with the config names the offending keys."""
     file = os.path.join(path, "model.safetensors")
     if not os.path.isfile(file):
         raise config.MissingFileError(f"no model.safetensors in '{path}': is it a checkpoint folder "
@@ -570,12 +568,31 @@ def read_weights(path, cfg):
     return saved
 
 
+def grow_vocab(t, n_old, n_new):
+    """Rows n_old..n_new-1 (tokens just added) = the mean of the n_old real rows: an average token, not noise."""
+    t = t.clone()
+    t[n_old:n_new] = t[:n_old].float().mean(0).to(t.dtype)
+    return t
+
+
+def fit_weights(weights, saved, mcfg):
+    """A checkpoint's full weights (`saved`: its config dict) -> model config mcfg's: LoRA adapters
+    merged into their base, vocabulary grown (grow_vocab)."""
+    if any(lora.is_adapter(k) for k in weights):
+        weights = lora.merge_weights(weights, SimpleNamespace(**saved))
+    out, n = dict(weights), saved["vocab_size"]
+    for k in ("tok_emb.weight", "head.weight") if n < mcfg.vocab_size else ():
+        grown = torch.cat([out[k][:n], out[k].new_zeros(mcfg.padded_vocab - n, mcfg.n_embd)])
+        out[k] = grow_vocab(grown, n, mcfg.vocab_size)
+    return out
+
+
 def load_model(path, model):
     """Load a checkpoint's weights into a plain (unsharded) model (a LoRA run's: adapters merged)."""
     sd = read_weights(path, model.cfg)
     if any(lora.is_adapter(k) for k in sd):
         with open(os.path.join(path, "config.json")) as f:
-            sd = lora.merge_weights(sd, SimpleNamespace(**json.load(f)))
+            sd = fit_weights(sd, json.load(f), model.cfg)
     with torch.no_grad():
         for k, t in model.state_dict().items():
             t.copy_(sd[k])
@@ -602,9 +619,8 @@ def load(path, model, optimizer, grid, wrapper=None):
         raise CheckpointError(f"'{path}' is not a complete checkpoint: {reason}")
     weights = read_weights(path, model.cfg)
     have, got = ({k for k in sd if lora.is_adapter(k)} for sd in (model.state_dict(), weights))
-    if have != got:
-        raise CheckpointError(f"'{path}' holds LoRA adapters {sorted(got)[:3]}, this model {sorted(have)[:3]}: resume "
-                              f"with the checkpoint's lora_r / lora_targets")
+    if have != got:  # (resume's config check refuses changed lora_* settings first)
+        raise CheckpointError(f"'{path}' holds LoRA adapters {sorted(got)[:2]}, this model {sorted(have)[:2]}")
     opt_state = None
     if optimizer is not None:
         opt_file = os.path.join(path, "optimizer.pt")
