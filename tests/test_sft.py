@@ -15,9 +15,9 @@ Proves:
   resumes in a new run folder under FSDP2 (full) / TP2 (LoRA) to its step 3.
 - LoRA outputs: the checkpoint folder holds the adapter in PEFT's format (its tensors under PEFT's
   names); merge= writes a checkpoint whose logits equal the LoRA model's (adapters on the fly,
-  restored by checkpoint.load); export_hf= writes a folder transformers loads with the same logits;
-  a LoRA checkpoint as init_from starts from the merged weights; sample.py --chat answers with the
-  eager generate()'s greedy tokens.
+  restored by checkpoint.load), the same from a TP2 run; export_hf= writes a folder transformers
+  loads with the same logits; a LoRA checkpoint as init_from starts from the merged weights;
+  sample.py --chat answers with the eager generate()'s greedy tokens.
 - init_from: a run folder configures the model shape and tokenizer (hf.configure) and names its
   newest checkpoint; new vocabulary rows are the mean of the old ones (ours and HF's).
 - bad input stops sft.main with one UserError before anything is written: a missing init_from, LoRA
@@ -105,8 +105,9 @@ def check_same(root, name, ref):
 
 def test_layouts_and_resume_equal_one_process(reference):
     root = reference
-    two = [args(root, f"{name}_{kind}", *LAYOUTS[name], *extra) for name in ("dp2", "fsdp2", "tp2")
+    two = [args(root, f"{name}_{kind}", *LAYOUTS[name], *extra) for name in ("dp2", "fsdp2")
            for kind, extra in (("full", []), ("lora", LORA))]
+    two += [args(root, "tp2_full", "--tp=2"), args(root, "tp2_lora", "--tp=2", *LORA, f"--merge={root}/merged_tp2")]
     # the one-process run's step 2 resumed under another layout, in a new run folder
     two += [args(root, "resume_full", f"--resume={root}/ref_full/step_000002", "--data_parallel=fsdp"),
             args(root, "resume_lora", f"--resume={root}/ref_lora/step_000002", *LORA, "--tp=2")]
@@ -116,6 +117,7 @@ def test_layouts_and_resume_equal_one_process(reference):
         for name in ("dp2", "fsdp2", "tp2", "tp2_dp2"):
             check_same(root, f"{name}_{kind}", f"ref_{kind}")
         assert_close(weights(root, f"resume_{kind}"), weights(root, f"ref_{kind}"), f"resume_{kind}")
+    assert_close(weights(root, "merged_tp2"), weights(root, "merged"), "merge= under TP2")
     full, ref = weights(root, "ref_lora"), weights(root, "ref_full")
     init = checkpoint.read_weights(str(root / "init" / "step_000007"), ModelConfig.from_cfg(run_cfg(**TINY)))
     assert torch.equal(full["blocks.0.attn.qkv.weight"], init["blocks.0.attn.qkv.weight"])  # LoRA: base frozen
