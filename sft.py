@@ -195,11 +195,11 @@ def main(argv):
     n_loss = sum(int(r.mask[1:].sum()) for r in rows)
     n_real = sum(int((r.seg >= 0).sum()) for r in rows)
     say(f"config:\n{config.show(cfg)}")
-    say(f"data: {len(convs):,} conversations -> {len(rows):,} rows of {T + 1} tokens "
-        f"({'packed' if cfg.pack else 'padded'}, {n_real / (len(rows) * (T + 1)):.0%} filled), {n_loss:,} assistant "
-        f"tokens trained on"
-        + "".join(f"; {n:,} {why}" for why, n in sorted(counts.items())) +
-        f" | {cfg.max_steps} steps read {cfg.max_steps * cfg.batch_size / len(rows):.2f} epochs")
+    left_out = "".join(f"; {n:,} {why}" for why, n in sorted(counts.items()))  # skipped records, dropped examples
+    say(f"data: {len(convs):,} conversations -> {len(rows):,} rows of {T + 1} tokens ("
+        f"{'packed' if cfg.pack else 'padded'}, {n_real / (len(rows) * (T + 1)):.0%} filled), {n_loss:,} assistant "
+        f"tokens trained on{left_out} | "
+        f"{cfg.max_steps} steps read {cfg.max_steps * cfg.batch_size / len(rows):.2f} epochs")
     say(f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {device} | {dtype} | "
         f"global batch {cfg.batch_size} rows = {cfg.micro_batch_size} x {grid.data_world} ranks x {accum} micro-steps"
         + (f" | LoRA r={cfg.lora_r} on {cfg.lora_targets}" if cfg.lora_r else " | full fine-tuning"))
