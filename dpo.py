@@ -1,0 +1,491 @@
+"""Preference optimisation (DPO and its variants), top to bottom: the math, then main().
+
+    python dpo.py configs/dpo_tiny.py                          # after sft_tiny: init_from=out/sft_tiny
+    torchrun --nproc_per_node=2 dpo.py configs/dpo_tiny.py --reference=precomputed
+    torchrun --nproc_per_node=2 dpo.py configs/dpo_tiny.py --lora_r=8 --lr=1e-3   # reference: adapters off
+
+Sequence log-probs are SUMS of log pi(y_t | prompt, y_<t) over an answer's tokens (its content
+and end-of-turn token), from the model's own loss path -model(x, y, reduction="none"): under
+tensor parallelism the vocab-parallel cross-entropy, so the full logits are never gathered. One
+forward per micro-batch: rows [chosen answers; rejected answers], each prompt + answer,
+right-padded. With D = (pi_c - ref_c) - (pi_r - ref_r), per pair (mean over the pairs of the
+global batch; beta = cfg.beta, eps = cfg.label_smoothing, g = cfg.simpo_gamma):
+
+    sigmoid  -log s(beta D)                                    DPO (TRL's default)
+    ipo      (D_tok - 1/(2 beta))^2, each log-ratio divided by its answer's tokens   (as TRL)
+    hinge    relu(1 - beta D)
+    robust   (-(1-eps) log s(beta D) + eps log s(-beta D)) / (1 - 2 eps)           (as TRL)
+    cdpo     -(1-eps) log s(beta D) - eps log s(-beta D)    conservative DPO (TRL <= 0.28's sigmoid)
+    simpo    -log s(beta (pi_c/|c| - pi_r/|r|) - g)         reference-free, length-normalised (TRL's CPO)
+    + rpo_alpha * the chosen answers' NLL, a token mean over the global batch (RPO; TRL's "sft" term)
+
+Metrics carry TRL's names and meaning, summed on each rank and reduced over the data-parallel
+ranks: rewards/chosen = mean beta (pi_c - ref_c) (simpo: beta pi_c / |c|), rewards/rejected,
+rewards/accuracies (chosen reward strictly greater: 0 while policy == reference), rewards/margins,
+logps/chosen, logps/rejected (summed log-probs); policy/accuracy: pi_c > pi_r (no reference).
+
+The reference (cfg.reference): "copy" a frozen model loaded like the policy (init_from); "adapters"
+(LoRA) the policy itself with its adapters switched off (lora.disabled: no second copy);
+"precomputed" one pass before training, by the policy while it still equals the reference, kept
+in memory and in out_dir/ref_logps.pt (no reference model during training); "auto": adapters
+with LoRA, else copy. It never receives gradients (frozen, under no_grad). Resume rebuilds it as
+it was at the start of DPO (init_from, never the policy of the checkpoint) and checks that: the
+reference log-probs of the first held-out micro-batch are saved with every checkpoint, and a
+resumed run whose reference differs is refused.
+
+Data: cfg.pairs is a task (tasks.get(name).pairs(): correct vs wrong answers, offline) or
+preference records (chat.read_pairs: prompt/chosen/rejected as strings or messages, implicit
+prompts; a local file or "hf:" dataset). Each is rendered with the SFT stage's chat template
+(chat.encode, tokenised once). Truncation: a sequence holds at most T+1 tokens (T = seq_len or
+block_size); the prompt is kept whole, answers are cut to fit and counted; a pair whose prompt
+leaves no room, or whose answers become identical tokens, is skipped and counted.
+Importing this file runs nothing: main() does the work.
+"""
+import contextlib
+import hashlib
+import math
+import os
+import sys
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import chat
+import checkpoint
+import config
+import hf
+import lora
+import logs
+import optim
+import parallel
+import tasks
+from model import IGNORE, ModelConfig, Transformer
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "cdpo", "simpo")
+REFERENCES = ("auto", "copy", "adapters", "precomputed")
+DPO_DEFAULTS = dict(
+    pairs="arithmetic",      # a task (tasks.get) or a preference file / folder / "hf:name[:split]"
+    n_pairs=2000,            # training pairs drawn from a task (a file: 0 = all of its pairs)
+    eval_pairs=200,          # held-out pairs (a task: other prompts; a file: its last ones after a shuffle)
+    skip_bad=False,          # bad records: skip and count (True) or stop at the first (False)
+    beta=0.1,
+    loss_type="sigmoid",     # sigmoid | ipo | hinge | robust | cdpo | simpo
+    label_smoothing=0.0,     # eps of robust and cdpo, in [0, 0.5)
+    simpo_gamma=0.5,         # SimPO's margin
+    rpo_alpha=0.0,           # weight of the chosen answers' NLL (RPO); 0: none
+    reference="auto",        # auto | copy | adapters | precomputed
+)
+STATS = ("pairs", "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+         "logps/chosen", "logps/rejected", "policy/accuracy", "nll", "tokens")
+
+
+# ----------------------------------------------------------------------------- the math
+
+def pair_losses(pc, pr, rc, rr, lc, lr, loss_type="sigmoid", beta=0.1, eps=0.0, gamma=0.5):
+    """Per-pair losses (B,) from summed log-probs of the policy (pc, pr) and reference (rc, rr) on
+    the chosen / rejected answers, whose token counts are lc, lr (ipo, simpo)."""
+    if loss_type == "simpo":  # reference-free: the reference terms are not read
+        return -F.logsigmoid(beta * (pc / lc - pr / lr) - gamma)
+    dc, dr = pc - rc, pr - rr
+    z = beta * (dc - dr)
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(z)
+    if loss_type == "hinge":
+        return torch.relu(1 - z)
+    if loss_type == "ipo":
+        return (dc / lc - dr / lr - 1 / (2 * beta)) ** 2
+    if loss_type == "robust":
+        return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+    if loss_type == "cdpo":
+        return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+    raise ValueError(f"loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
+
+
+def rewards(pc, pr, rc, rr, lc, lr, loss_type, beta):
+    """The implicit rewards of the chosen and rejected answers: beta * log-ratio (simpo: beta * mean log-prob)."""
+    if loss_type == "simpo":
+        return beta * pc / lc, beta * pr / lr
+    return beta * (pc - rc), beta * (pr - rr)
+
+
+def sequence_logps(fwd, x, y):
+    """(B,) sums of log p(y_t) over the positions where y != IGNORE (the answers), through the
+    model's loss path: -fwd(x, y, reduction="none") is (B, T) fp32 log-probs, 0 where ignored."""
+    return -fwd(x, y, reduction="none").sum(-1)
+
+
+def objective(logps, ref_logps, y, cfg, n_pairs, n_tokens, weight=None):
+    """logps, ref_logps (2b,): rows [chosen; rejected] of one micro-batch; y its targets (answer
+    lengths). n_pairs, n_tokens: the global batch's pairs and chosen-answer tokens divided by the
+    data-parallel world (DataParallel and FSDP average gradients over ranks), so that the terms of
+    every micro-step and rank add up to the global batch's mean. weight (b,): 0 for padding pairs.
+    -> (loss to backward, detached sums in STATS order)."""
+    lens = (y != IGNORE).sum(-1).to(logps.dtype)
+    (pc, pr), (rc, rr), (lc, lr) = logps.chunk(2), ref_logps.chunk(2), lens.chunk(2)
+    w = torch.ones_like(pc) if weight is None else weight.to(pc)
+    losses = pair_losses(pc, pr, rc, rr, lc, lr, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma)
+    loss = (losses * w).sum() / n_pairs
+    nll = -(pc * w).sum()
+    if cfg.rpo_alpha:
+        loss = loss + cfg.rpo_alpha * nll / n_tokens
+    with torch.no_grad():
+        c, r = rewards(pc, pr, rc, rr, lc, lr, cfg.loss_type, cfg.beta)
+        sums = torch.stack([w.sum(), (losses * w).sum(), (c * w).sum(), (r * w).sum(), ((c > r).to(w) * w).sum(),
+                            ((c - r) * w).sum(), (pc * w).sum(), (pr * w).sum(), ((pc > pr).to(w) * w).sum(),
+                            nll, (lc * w).sum()])
+    return loss, sums.detach()
+
+
+def metrics(sums, group=None, prefix="", rpo_alpha=0.0):
+    """Summed STATS of this rank -> means over every data-parallel rank (all-reduce over group);
+    loss = the pair losses' mean + rpo_alpha * nll (the chosen answers' token-mean NLL)."""
+    if group is not None and dist.get_world_size(group) > 1:
+        sums = sums.clone()
+        dist.all_reduce(sums, group=group)
+    s = dict(zip(STATS, sums.tolist()))
+    out = {prefix + k: v / max(s["pairs"], 1) for k, v in s.items() if k not in ("pairs", "nll", "tokens")}
+    out[prefix + "nll"] = s["nll"] / max(s["tokens"], 1)
+    out[prefix + "loss"] += rpo_alpha * out[prefix + "nll"]
+    return out
+
+
+# ----------------------------------------------------------------------------- batches
+
+def collate(seqs, device="cpu"):
+    """[(prompt ids, chosen ids, rejected ids)] -> x, y (2b, L): rows [prompt+chosen ...;
+    prompt+rejected ...] right-padded (pad id 0, never attended to by a real token); y the next
+    token on answer positions, IGNORE on prompt and padding."""
+    rows = [(p, p + c) for p, c, _ in seqs] + [(p, p + r) for p, _, r in seqs]
+    L = max(len(full) for _, full in rows) - 1
+    x = torch.zeros(len(rows), L, dtype=torch.long)
+    y = torch.full((len(rows), L), IGNORE, dtype=torch.long)
+    for i, (p, full) in enumerate(rows):
+        x[i, :len(full) - 1] = torch.tensor(full[:-1])
+        y[i, len(p) - 1:len(full) - 1] = torch.tensor(full[len(p):])
+    return x.to(device), y.to(device)
+
+
+def step_indices(step, n, batch_size, seed):
+    """The global batch of `step`: batch_size pair indices from a seeded permutation per epoch (an
+    epoch's incomplete last batch dropped). A function of the step alone: the same on every rank,
+    and resume needs nothing but the step."""
+    per_epoch = n // batch_size
+    epoch, k = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000003 + epoch))
+    return perm[k * batch_size:(k + 1) * batch_size].tolist()
+
+
+def sharded(n, mb, grid):
+    """Micro-batches (indices, weights) of this data rank covering pairs 0..n-1 once over all data
+    ranks. Every rank gets as many (TP / FSDP forwards are collective); padding is pair 0 at weight 0."""
+    per = mb * grid.data_world
+    out = []
+    for b in range(-(-n // per)):
+        ids = [b * per + grid.data_rank * mb + i for i in range(mb)]
+        out.append(([i if i < n else 0 for i in ids], [float(i < n) for i in ids]))
+    return out
+
+
+# ----------------------------------------------------------------------------- policy, reference, one step
+
+def build(cfg, grid, frozen=False):
+    """The policy (or, frozen, a reference copy) in this run's layout, from init_from: parallelize's
+    Parallel. Both from cfg.seed: without init_from the copy equals the policy's starting weights."""
+    torch.manual_seed(cfg.seed)
+    m = Transformer(ModelConfig.from_cfg(cfg)).to(grid.device).requires_grad_(not frozen)
+    return parallel.parallelize(m, grid, cfg, load=hf.init_loader(cfg, grid), optimizer=not frozen)
+
+
+def make_reference(kind, cfg, grid, run, seqs, autocast, table=None):
+    """(x, y, pair indices) -> (2b,) reference log-probs, under no_grad. kind: copy (a frozen model,
+    eval mode), adapters (the policy, LoRA off), precomputed (`table`, else computed now by the
+    policy, which must not have trained yet), none (simpo: zeros, never read)."""
+    if kind == "copy":
+        ref = build(cfg, grid, frozen=True)
+        ref.raw.eval()
+        fn = torch.no_grad()(lambda x, y, idx: sequence_logps(ref.fwd, x, y))
+        fn.model = ref.raw  # for the tests: it never receives a gradient
+        return fn
+    if kind == "adapters":
+        @torch.no_grad()
+        def adapters_off(x, y, idx):
+            with lora.disabled(run.raw):
+                return sequence_logps(run.fwd, x, y)
+        return adapters_off
+    if kind == "precomputed":
+        table = precompute(run, seqs, cfg.micro_batch_size, grid, autocast) if table is None else table
+        return lambda x, y, idx: torch.cat([table[idx, 0], table[idx, 1]]).to(x.device)
+    return lambda x, y, idx: torch.zeros(x.shape[0], device=x.device)
+
+
+@torch.no_grad()
+def precompute(run, seqs, mb, grid, autocast):
+    """(N, 2) [chosen, rejected] log-probs of every pair by the policy in eval mode, each pair by
+    one data rank, then shared by all."""
+    table = torch.zeros(len(seqs), 2, device=grid.device)
+    run.raw.eval()
+    for ids, w in sharded(len(seqs), mb, grid):
+        x, y = collate([seqs[i] for i in ids], grid.device)
+        with autocast:
+            c, r = sequence_logps(run.fwd, x, y).float().chunk(2)
+        real = torch.tensor(w, device=grid.device) > 0
+        table[torch.tensor(ids, device=grid.device)[real]] = torch.stack([c, r], 1)[real]
+    run.raw.train()
+    if grid.data_world > 1:
+        dist.all_reduce(table, group=grid.data_group)
+    return table
+
+
+def train_step(run, reference, seqs, batch, cfg, grid, autocast):
+    """One optimizer step on the global batch `batch` (pair indices, the same on every rank): this
+    data rank's share in micro-batches, the reference first (no gradient), then the policy's one
+    forward over [chosen; rejected] and backward. -> (summed STATS of this rank, gradient norm)."""
+    mb = cfg.micro_batch_size
+    accum = cfg.batch_size // (mb * grid.data_world)
+    n_pairs = cfg.batch_size / grid.data_world
+    n_tokens = sum(len(seqs[i][1]) for i in batch) / grid.data_world  # RPO's token mean
+    mine = batch[grid.data_rank * mb * accum:(grid.data_rank + 1) * mb * accum]
+    sums = torch.zeros(len(STATS), device=grid.device)
+    for micro in range(accum):
+        ids = mine[micro * mb:(micro + 1) * mb]
+        x, y = collate([seqs[i] for i in ids], grid.device)
+        with autocast:
+            ref = reference(x, y, ids).float()
+        # communicate only on the last micro-step; earlier ones accumulate gradients locally
+        with run.model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+            with autocast:
+                logps = sequence_logps(run.fwd, x, y)
+            loss, s = objective(logps, ref, y, cfg, n_pairs, n_tokens)
+            loss.backward()
+        sums += s
+    run.model.finish()
+    grad_norm = run.clip_grad_norm_(cfg.grad_clip or float("inf"))
+    run.optimizer.step()
+    run.model.zero_grad(set_to_none=True)
+    return sums, grad_norm
+
+
+# ----------------------------------------------------------------------------- data
+
+def read_pairs(cfg):
+    """-> (train, held-out, Counter of skipped records) as [(prompt, chosen, rejected) messages]."""
+    if cfg.pairs.startswith("hf:") or os.path.exists(cfg.pairs):
+        pairs, skipped = chat.read_pairs(cfg.pairs, skip_bad=cfg.skip_bad)
+        pairs = [(p.prompt, p.chosen, p.rejected) for p in pairs]
+        g = torch.Generator().manual_seed(cfg.seed)
+        pairs = [pairs[i] for i in torch.randperm(len(pairs), generator=g).tolist()]
+        n_eval = min(cfg.eval_pairs, len(pairs) // 2)
+        train = pairs[:len(pairs) - n_eval]
+        return train[:cfg.n_pairs or None], pairs[len(pairs) - n_eval:], skipped
+    task = tasks.get(cfg.pairs)
+    as_tuple = lambda d: (d["prompt"], d["chosen"], d["rejected"])  # noqa: E731
+    train = [as_tuple(d) for d in task.pairs(cfg.n_pairs, cfg.seed)]
+    seen = {repr(p) for p, _, _ in train}  # held out: prompts training never saw
+    held = [as_tuple(d) for d in task.pairs(cfg.eval_pairs * 2, cfg.seed + 1) if repr(d["prompt"]) not in seen]
+    return train, held[:cfg.eval_pairs], Counter()
+
+
+def common_prefix(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def tokenize(pairs, encode, T):
+    """[(prompt, chosen, rejected) messages] -> ([(prompt ids, chosen ids, rejected ids)], Counter).
+    encode(messages, add_generation_prompt) -> (ids, mask): chat.encode with the run's template.
+    The prompt is the generation prompt's ids (as far as both full renderings share them, as TRL);
+    an answer runs to its last trained token (content + end of turn). Truncation: module docstring."""
+    out, counts = [], Counter()
+    for prompt, chosen, rejected in pairs:
+        p, _ = encode(prompt, True)
+        full = [encode(prompt + a, False) for a in (chosen, rejected)]
+        n = min(common_prefix(p, ids) for ids, _ in full)
+        answers = []
+        for ids, mask in full:
+            last = max((i for i in range(n, len(ids)) if mask[i]), default=n - 1)
+            answers.append(ids[n:last + 1])
+        if not all(answers):
+            counts["empty answer"] += 1
+            continue
+        if n > T:
+            counts["prompt longer than seq_len"] += 1
+            continue
+        cut = [a[:T + 1 - n] for a in answers]
+        if cut != answers:
+            counts["answers cut to seq_len"] += 1
+        if cut[0] == cut[1]:
+            counts["chosen == rejected tokens (after the cut)"] += 1
+            continue
+        out.append((p[:n], *cut))
+    return out, counts
+
+
+def check(cfg):
+    """DPO's own settings, before any work is spent."""
+    def need(ok, msg):
+        if not ok:
+            raise config.ConfigError(msg)
+    need(cfg.loss_type in LOSS_TYPES, f"loss_type={cfg.loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
+    need(cfg.reference in REFERENCES, f"reference={cfg.reference!r}: choose one of {', '.join(REFERENCES)}")
+    need(cfg.beta > 0, f"beta={cfg.beta} must be > 0")
+    need(0 <= cfg.label_smoothing < 0.5, f"label_smoothing={cfg.label_smoothing} must be in [0, 0.5)")
+    need(cfg.rpo_alpha >= 0 and cfg.n_pairs >= 0 and cfg.eval_pairs >= 0,
+         "rpo_alpha, n_pairs and eval_pairs must be >= 0")
+    need(cfg.reference != "adapters" or cfg.lora_r > 0,
+         "reference='adapters' is the policy with its LoRA adapters off: set lora_r > 0, or reference='copy'")
+    need(cfg.eval_pairs > 0 or not cfg.eval_every, "eval_every > 0 needs held-out pairs: set eval_pairs > 0")
+    return "none" if cfg.loss_type == "simpo" else cfg.reference if cfg.reference != "auto" else (
+        "adapters" if cfg.lora_r else "copy")
+
+
+def main(argv):
+    # ------------------------------------------------------------------------ setup
+    t_start = time.perf_counter()
+    cfg = config.load(argv, extra={**chat.CHAT_DEFAULTS, **DPO_DEFAULTS})
+    kind = check(cfg)
+    grid = parallel.init(cfg)
+    say = print if grid.is_main else (lambda *a, **k: None)
+    device = grid.device
+    dtype = parallel.amp_dtype(cfg, device)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16
+                else contextlib.nullcontext())
+    if cfg.dropout or cfg.lora_dropout:  # log-probs must be deterministic: TRL's disable_dropout too
+        say(f"dropout={cfg.dropout}, lora_dropout={cfg.lora_dropout} -> 0: DPO compares exact log-probs")
+        cfg.dropout = cfg.lora_dropout = 0.0
+    said = hf.configure(cfg)  # init_from: the SFT model, its shape and tokenizer
+    if said:
+        say(said)
+    tok, template = chat.setup(cfg)
+    T = cfg.seq_len or cfg.block_size
+    lease = checkpoint.open_run_everywhere(cfg, grid)
+    for line in lease.notes:
+        say(line)
+
+    # ------------------------------------------------------------------------ data
+    train_pairs, held_pairs, skipped = read_pairs(cfg)
+    encode = lambda msgs, gen: chat.encode(tok, template, msgs, add_generation_prompt=gen)  # noqa: E731
+    train, cut = tokenize(train_pairs, encode, T)
+    held, cut_held = tokenize(held_pairs, encode, T)
+    seqs = train + held  # pair index i < len(train): training; the rest held out
+    for what, c in (("records skipped", skipped), ("training pairs", cut), ("held-out pairs", cut_held)):
+        if c:
+            say(f"{what}: " + ", ".join(f"{v} {k}" for k, v in c.items()))
+    if len(train) < cfg.batch_size:
+        raise config.ConfigError(f"{len(train)} usable training pairs, fewer than batch_size={cfg.batch_size}: "
+                                 f"more pairs (n_pairs, pairs=...) or a smaller batch_size")
+    accum = cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
+    mb = cfg.micro_batch_size
+    say(f"config:\n{config.show(cfg)}")
+    say(f"{len(train)} training / {len(held)} held-out pairs from {cfg.pairs}; loss {cfg.loss_type}, reference "
+        f"{kind}; world {grid.world} (dp {grid.dp} {cfg.data_parallel}, tp {grid.tp}) on {device} | {dtype} | "
+        f"{cfg.batch_size} pairs per step = {mb} x {grid.data_world} ranks x {accum} accumulation steps")
+
+    # ------------------------------------------------------------------------ policy and reference
+    run = build(cfg, grid)
+    raw, model, optimizer = run.raw, run.model, run.optimizer
+    table = None
+    if kind == "precomputed":  # by the policy now, before any step or resume: it is the reference
+        cache, key = os.path.join(cfg.out_dir, "ref_logps.pt"), hashlib.sha256(repr(seqs).encode()).hexdigest()
+        saved = parallel.on_main(grid, lambda: checkpoint.read_pt(cache) if lease.resume_from and
+                                 os.path.isfile(cache) else None)
+        fresh = not (saved and saved["key"] == key)
+        table = None if fresh else saved["table"].to(device)
+        if fresh:
+            table = precompute(run, seqs, mb, grid, autocast)
+            if grid.is_main:
+                torch.save({"key": key, "table": table.cpu()}, cache + ".tmp")
+                os.replace(cache + ".tmp", cache)
+        say(f"reference log-probs of {len(seqs)} pairs {'computed, kept in' if fresh else 'read from'} {cache}")
+    reference = make_reference(kind, cfg, grid, run, seqs, autocast, table)
+
+    @torch.no_grad()
+    def evaluate():
+        """Held-out metrics (eval_ + TRL's names); the policy in eval mode."""
+        raw.eval()
+        sums = torch.zeros(len(STATS), device=device)
+        for ids, w in sharded(len(held), mb, grid):
+            ids = [len(train) + i for i in ids]
+            x, y = collate([seqs[i] for i in ids], device)
+            with autocast:
+                ref = reference(x, y, ids).float()
+                logps = sequence_logps(run.fwd, x, y).float()
+            sums += objective(logps, ref, y, cfg, 1.0, 1.0, torch.tensor(w, device=device))[1]
+        raw.train()
+        return metrics(sums, grid.data_group or grid.dp_group, "eval_", cfg.rpo_alpha)
+
+    def ref_check():  # the reference's log-probs of the first micro-batch of held-out (else training) pairs
+        ids = list(range(len(train), len(train) + min(mb, len(held)))) if held else list(range(mb))
+        x, y = collate([seqs[i] for i in ids], device)
+        with autocast:
+            return reference(x, y, ids).float().cpu()
+    check_ref = ref_check()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2  # another layout may round differently
+    step = 0
+    if lease.resume_from:  # the policy and optimizer of the checkpoint; the reference stays the start's
+        state = checkpoint.load(lease.resume_from, raw, optimizer, grid, model)
+        step = state["step"]
+        then = torch.tensor(state["loader"]["ref_check"])
+        if not torch.allclose(check_ref, then, rtol=tol, atol=tol) and not cfg.force_resume:
+            raise checkpoint.ResumeMismatch(
+                f"the reference differs from the one this run started with (log-probs {then[:4].tolist()} then, "
+                f"{check_ref[:4].tolist()} now): init_from '{cfg.init_from}' changed? Point init_from at the "
+                f"model DPO started from, or --force_resume=True")
+        say(f"resumed from {lease.resume_from} at step {step}; the reference is the one DPO started with")
+    logger = logs.Logger(cfg, grid)
+
+    def save():
+        weights, opt_state = checkpoint.gather(raw, optimizer, grid, model)
+        checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, {"step": step, "ref_check": check_ref.tolist()},
+                        cfg.keep_last, grid.rank, run_id=lease.run_id)
+
+    # ------------------------------------------------------------------------ training loop
+    if cfg.eval_every and step == 0:
+        m = evaluate()
+        logger.log(0, m)
+        say("step 0 | " + logs.fmt(m))
+    last = cfg.stop_at or cfg.max_steps
+    interrupt, stopped = parallel.Interrupt(grid), False
+    sums = torch.zeros(len(STATS), device=device)
+    t0, t_steps = time.perf_counter(), 0
+    while step < last:
+        lr = optim.lr_at(step, cfg)
+        for g in optimizer.param_groups:
+            g["lr"] = lr * g.get("lr_scale", 1.0)
+        batch = step_indices(step, len(train), cfg.batch_size, cfg.seed)
+        step_sums, grad_norm = train_step(run, reference, seqs, batch, cfg, grid, autocast)
+        sums += step_sums
+        step += 1
+        t_steps += 1
+        if step % cfg.log_every == 0 or step == last:
+            m = {**metrics(sums, grid.data_group or grid.dp_group, rpo_alpha=cfg.rpo_alpha), "lr": lr, "grad_norm": grad_norm.item(),
+                 "pairs_s": t_steps * cfg.batch_size / (time.perf_counter() - t0), "mem_gb": logs.peak_memory_gb(device)}
+            logger.log(step, m)
+            if not math.isfinite(m["loss"]):
+                raise FloatingPointError(f"loss is {m['loss']} at step {step}: lower lr or check the data")
+            say(f"step {step}/{cfg.max_steps} | " + logs.fmt(m))
+            sums.zero_()
+            t0, t_steps = time.perf_counter(), 0
+        stopped = interrupt.requested()
+        if stopped:
+            save()
+            say(f"{interrupt.name()}: saved step {step} in {cfg.out_dir}; continue with --resume")
+            break
+        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last:
+            save()
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == last):
+            m = evaluate()
+            logger.log(step, m)
+            say(f"step {step} | " + logs.fmt(m))
+    interrupt.restore()
+    say(f"done in {time.perf_counter() - t_start:.1f} s")
+    logger.close()
+    parallel.shutdown()
+
+
+if __name__ == "__main__":
+    config.run(main, sys.argv[1:])
