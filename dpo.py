@@ -67,10 +67,9 @@ from model import IGNORE, ModelConfig, Transformer
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "cdpo", "simpo")
 REFERENCES = ("auto", "copy", "adapters", "precomputed")
 DPO_DEFAULTS = dict(
-    pairs="arithmetic",      # a task (tasks.get) or a preference file / folder / "hf:name[:split]"
-    n_pairs=2000,            # training pairs drawn from a task (a file: 0 = all of its pairs)
-    eval_pairs=200,          # held-out pairs (a task: other prompts; a file: its last ones after a shuffle)
-    skip_bad=False,          # bad records: skip and count (True) or stop at the first (False)
+    task="arithmetic",       # tasks.get(task).pairs(): the pairs when chat_data (chat.CHAT_DEFAULTS) is ""
+    n_pairs=2000,            # training pairs drawn from the task (chat_data: 0 = all of its pairs)
+    eval_pairs=200,          # held-out pairs (the task's test questions; chat_data: its last after a shuffle)
     beta=0.1,
     loss_type="sigmoid",     # sigmoid | ipo | hinge | robust | cdpo | simpo
     label_smoothing=0.0,     # eps of robust and cdpo, in [0, 0.5)
@@ -117,26 +116,21 @@ def sequence_logps(fwd, x, y):
     return -fwd(x, y, reduction="none").sum(-1)
 
 
-def objective(logps, ref_logps, y, cfg, n_pairs, n_tokens, weight=None):
-    """logps, ref_logps (2b,): rows [chosen; rejected] of one micro-batch; y its targets (answer
-    lengths). n_pairs, n_tokens: the global batch's pairs and chosen-answer tokens divided by the
-    data-parallel world (DataParallel and FSDP average gradients over ranks), so that the terms of
-    every micro-step and rank add up to the global batch's mean. weight (b,): 0 for padding pairs.
-    -> (loss to backward, detached sums in STATS order)."""
-    lens = (y != IGNORE).sum(-1).to(logps.dtype)
-    (pc, pr), (rc, rr), (lc, lr) = logps.chunk(2), ref_logps.chunk(2), lens.chunk(2)
-    w = torch.ones_like(pc) if weight is None else weight.to(pc)
+def objective(logps, ref_logps, lens, cfg, n_pairs, n_tokens):
+    """logps, ref_logps, lens (2b,): summed log-probs and answer lengths, rows [chosen; rejected].
+    n_pairs, n_tokens: the global batch's pairs and chosen-answer tokens divided by the data-parallel
+    world (DataParallel and FSDP average gradients over ranks), so that the terms of every
+    micro-step and rank add up to the global batch's mean. -> (loss to backward, sums of STATS)."""
+    (pc, pr), (rc, rr), (lc, lr) = logps.chunk(2), ref_logps.chunk(2), lens.to(logps).chunk(2)
     losses = pair_losses(pc, pr, rc, rr, lc, lr, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma)
-    loss = (losses * w).sum() / n_pairs
-    nll = -(pc * w).sum()
+    loss = losses.sum() / n_pairs
     if cfg.rpo_alpha:
-        loss = loss + cfg.rpo_alpha * nll / n_tokens
+        loss = loss - cfg.rpo_alpha * pc.sum() / n_tokens
     with torch.no_grad():
         c, r = rewards(pc, pr, rc, rr, lc, lr, cfg.loss_type, cfg.beta)
-        sums = torch.stack([w.sum(), (losses * w).sum(), (c * w).sum(), (r * w).sum(), ((c > r).to(w) * w).sum(),
-                            ((c - r) * w).sum(), (pc * w).sum(), (pr * w).sum(), ((pc > pr).to(w) * w).sum(),
-                            nll, (lc * w).sum()])
-    return loss, sums.detach()
+        sums = [torch.tensor(float(len(pc)), device=pc.device), losses, c, r, (c > r).to(c), c - r, pc, pr,
+                (pc > pr).to(c), -pc, lc]
+        return loss, torch.stack([t.sum() for t in sums]).detach()
 
 
 def metrics(sums, group=None, prefix="", rpo_alpha=0.0):
@@ -178,33 +172,41 @@ def step_indices(step, n, batch_size, seed):
     return perm[k * batch_size:(k + 1) * batch_size].tolist()
 
 
-def sharded(n, mb, grid):
-    """Micro-batches (indices, weights) of this data rank covering pairs 0..n-1 once over all data
-    ranks. Every rank gets as many (TP / FSDP forwards are collective); padding is pair 0 at weight 0."""
-    per = mb * grid.data_world
-    out = []
-    for b in range(-(-n // per)):
-        ids = [b * per + grid.data_rank * mb + i for i in range(mb)]
-        out.append(([i if i < n else 0 for i in ids], [float(i < n) for i in ids]))
+@torch.no_grad()
+def pair_logps(fn, seqs, ids, mb, grid, autocast):
+    """(len(ids), 2) [chosen, rejected] log-probs fn(x, y, pair indices) of the pairs seqs[ids]: each
+    by one data rank, then shared (all-reduce). Every rank runs as many micro-batches (TP and FSDP
+    forwards are collective), a rank with nothing left recomputing pair ids[0]."""
+    out = torch.zeros(len(ids), 2, device=grid.device)
+    for start in range(0, len(ids), mb * grid.data_world):
+        mine = [j for j in range(start + grid.data_rank * mb, start + (grid.data_rank + 1) * mb) if j < len(ids)]
+        batch = [ids[j] for j in mine] or [ids[0]]
+        x, y = collate([seqs[i] for i in batch], grid.device)
+        with autocast:
+            c, r = fn(x, y, batch).float().chunk(2)
+        out[mine] = torch.stack([c, r], 1)[:len(mine)]
+    if grid.data_world > 1:
+        dist.all_reduce(out, group=grid.data_group)
     return out
 
 
 # ----------------------------------------------------------------------------- policy, reference, one step
 
-def build(cfg, grid, frozen=False):
-    """The policy (or, frozen, a reference copy) in this run's layout, from init_from: parallelize's
-    Parallel. Both from cfg.seed: without init_from the copy equals the policy's starting weights."""
+def build(cfg, grid, load=None, frozen=False):
+    """The policy (or, frozen, a reference copy) in this run's layout, its weights from load
+    (hf.init_loader(cfg, grid): init_from): parallelize's Parallel. Both from cfg.seed: without
+    init_from the copy equals the policy's starting weights."""
     torch.manual_seed(cfg.seed)
     m = Transformer(ModelConfig.from_cfg(cfg)).to(grid.device).requires_grad_(not frozen)
-    return parallel.parallelize(m, grid, cfg, load=hf.init_loader(cfg, grid), optimizer=not frozen)
+    return parallel.parallelize(m, grid, cfg, load=load, optimizer=not frozen)
 
 
-def make_reference(kind, cfg, grid, run, seqs, autocast, table=None):
+def make_reference(kind, cfg, grid, run, seqs, autocast, table=None, load=None):
     """(x, y, pair indices) -> (2b,) reference log-probs, under no_grad. kind: copy (a frozen model,
     eval mode), adapters (the policy, LoRA off), precomputed (`table`, else computed now by the
     policy, which must not have trained yet), none (simpo: zeros, never read)."""
     if kind == "copy":
-        ref = build(cfg, grid, frozen=True)
+        ref = build(cfg, grid, load, frozen=True)
         ref.raw.eval()
         fn = torch.no_grad()(lambda x, y, idx: sequence_logps(ref.fwd, x, y))
         fn.model = ref.raw  # for the tests: it never receives a gradient
@@ -216,26 +218,17 @@ def make_reference(kind, cfg, grid, run, seqs, autocast, table=None):
                 return sequence_logps(run.fwd, x, y)
         return adapters_off
     if kind == "precomputed":
-        table = precompute(run, seqs, cfg.micro_batch_size, grid, autocast) if table is None else table
+        table = precompute(run, seqs, cfg, grid, autocast) if table is None else table
         return lambda x, y, idx: torch.cat([table[idx, 0], table[idx, 1]]).to(x.device)
     return lambda x, y, idx: torch.zeros(x.shape[0], device=x.device)
 
 
-@torch.no_grad()
-def precompute(run, seqs, mb, grid, autocast):
-    """(N, 2) [chosen, rejected] log-probs of every pair by the policy in eval mode, each pair by
-    one data rank, then shared by all."""
-    table = torch.zeros(len(seqs), 2, device=grid.device)
+def precompute(run, seqs, cfg, grid, autocast):
+    """(N, 2) log-probs of every pair by the policy in eval mode (call it before it trains)."""
     run.raw.eval()
-    for ids, w in sharded(len(seqs), mb, grid):
-        x, y = collate([seqs[i] for i in ids], grid.device)
-        with autocast:
-            c, r = sequence_logps(run.fwd, x, y).float().chunk(2)
-        real = torch.tensor(w, device=grid.device) > 0
-        table[torch.tensor(ids, device=grid.device)[real]] = torch.stack([c, r], 1)[real]
+    table = pair_logps(lambda x, y, idx: sequence_logps(run.fwd, x, y), seqs, range(len(seqs)),
+                       cfg.micro_batch_size, grid, autocast)
     run.raw.train()
-    if grid.data_world > 1:
-        dist.all_reduce(table, group=grid.data_group)
     return table
 
 
@@ -258,7 +251,7 @@ def train_step(run, reference, seqs, batch, cfg, grid, autocast):
         with run.model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
             with autocast:
                 logps = sequence_logps(run.fwd, x, y)
-            loss, s = objective(logps, ref, y, cfg, n_pairs, n_tokens)
+            loss, s = objective(logps, ref, (y != IGNORE).sum(-1), cfg, n_pairs, n_tokens)
             loss.backward()
         sums += s
     run.model.finish()
@@ -271,28 +264,18 @@ def train_step(run, reference, seqs, batch, cfg, grid, autocast):
 # ----------------------------------------------------------------------------- data
 
 def read_pairs(cfg):
-    """-> (train, held-out, Counter of skipped records) as [(prompt, chosen, rejected) messages]."""
-    if cfg.pairs.startswith("hf:") or os.path.exists(cfg.pairs):
-        pairs, skipped = chat.read_pairs(cfg.pairs, skip_bad=cfg.skip_bad)
-        pairs = [(p.prompt, p.chosen, p.rejected) for p in pairs]
+    """-> (train, held-out, Counter of skipped records) as [(prompt, chosen, rejected) messages]:
+    chat_data's records (chat.read_pairs), shuffled (seed), the last eval_pairs held out; else the
+    task's pairs on its training questions and, held out, on its test questions."""
+    if cfg.chat_data:
+        pairs, skipped = chat.read_pairs(cfg.chat_data, skip_bad=cfg.skip_bad_records, limit=cfg.chat_limit)
         g = torch.Generator().manual_seed(cfg.seed)
-        pairs = [pairs[i] for i in torch.randperm(len(pairs), generator=g).tolist()]
+        pairs = [(pairs[i].prompt, pairs[i].chosen, pairs[i].rejected) for i in torch.randperm(len(pairs), generator=g)]
         n_eval = min(cfg.eval_pairs, len(pairs) // 2)
-        train = pairs[:len(pairs) - n_eval]
-        return train[:cfg.n_pairs or None], pairs[len(pairs) - n_eval:], skipped
-    task = tasks.get(cfg.pairs)
-    as_tuple = lambda d: (d["prompt"], d["chosen"], d["rejected"])  # noqa: E731
-    train = [as_tuple(d) for d in task.pairs(cfg.n_pairs, cfg.seed)]
-    seen = {repr(p) for p, _, _ in train}  # held out: prompts training never saw
-    held = [as_tuple(d) for d in task.pairs(cfg.eval_pairs * 2, cfg.seed + 1) if repr(d["prompt"]) not in seen]
-    return train, held[:cfg.eval_pairs], Counter()
-
-
-def common_prefix(a, b):
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+        return pairs[:len(pairs) - n_eval][:cfg.n_pairs or None], pairs[len(pairs) - n_eval:], skipped
+    task = tasks.get(cfg.task)
+    train, held = task.pairs(cfg.n_pairs, cfg.seed), task.pairs(cfg.eval_pairs, cfg.seed, split="test")
+    return [[(d["prompt"], d["chosen"], d["rejected"]) for d in ds] for ds in (train, held)] + [Counter()]
 
 
 def tokenize(pairs, encode, T):
@@ -304,7 +287,7 @@ def tokenize(pairs, encode, T):
     for prompt, chosen, rejected in pairs:
         p, _ = encode(prompt, True)
         full = [encode(prompt + a, False) for a in (chosen, rejected)]
-        n = min(common_prefix(p, ids) for ids, _ in full)
+        n = len(os.path.commonprefix([p] + [ids for ids, _ in full]))  # works on lists of ids too
         answers = []
         for ids, mask in full:
             last = max((i for i in range(n, len(ids)) if mask[i]), default=n - 1)
@@ -336,6 +319,8 @@ def check(cfg):
     need(0 <= cfg.label_smoothing < 0.5, f"label_smoothing={cfg.label_smoothing} must be in [0, 0.5)")
     need(cfg.rpo_alpha >= 0 and cfg.n_pairs >= 0 and cfg.eval_pairs >= 0,
          "rpo_alpha, n_pairs and eval_pairs must be >= 0")
+    need(cfg.chat_data or (cfg.task and cfg.n_pairs), "no pairs: set chat_data (a file, folder or hf:<name>) or "
+         "task with n_pairs > 0")
     need(cfg.reference != "adapters" or cfg.lora_r > 0,
          "reference='adapters' is the policy with its LoRA adapters off: set lora_r > 0, or reference='copy'")
     need(cfg.eval_pairs > 0 or not cfg.eval_every, "eval_every > 0 needs held-out pairs: set eval_pairs > 0")
@@ -357,13 +342,14 @@ def main(argv):
     if cfg.dropout or cfg.lora_dropout:  # log-probs must be deterministic: TRL's disable_dropout too
         say(f"dropout={cfg.dropout}, lora_dropout={cfg.lora_dropout} -> 0: DPO compares exact log-probs")
         cfg.dropout = cfg.lora_dropout = 0.0
-    said = hf.configure(cfg)  # init_from: the SFT model, its shape and tokenizer
-    if said:
-        say(said)
-    tok, template = chat.setup(cfg)
+    started = hf.configure(cfg) or "no init_from: random initial weights"  # init_from's shape and tokenizer
+    tok, template = chat.setup(cfg)  # the template's special tokens added; cfg.vocab_size covers them
+    if not cfg.init_from:
+        cfg.vocab_size = tok.n_vocab
+    config.validate(cfg, grid.world)  # the model keys just changed
     T = cfg.seq_len or cfg.block_size
     lease = checkpoint.open_run_everywhere(cfg, grid)
-    for line in lease.notes:
+    for line in [started] + lease.notes:
         say(line)
 
     # ------------------------------------------------------------------------ data
@@ -377,70 +363,56 @@ def main(argv):
             say(f"{what}: " + ", ".join(f"{v} {k}" for k, v in c.items()))
     if len(train) < cfg.batch_size:
         raise config.ConfigError(f"{len(train)} usable training pairs, fewer than batch_size={cfg.batch_size}: "
-                                 f"more pairs (n_pairs, pairs=...) or a smaller batch_size")
+                                 f"more pairs (n_pairs, chat_data) or a smaller batch_size")
     accum = cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
     mb = cfg.micro_batch_size
     say(f"config:\n{config.show(cfg)}")
-    say(f"{len(train)} training / {len(held)} held-out pairs from {cfg.pairs}; loss {cfg.loss_type}, reference "
+    say(f"{len(train)} training / {len(held)} held-out pairs from {cfg.chat_data or cfg.task}; loss {cfg.loss_type}, reference "
         f"{kind}; world {grid.world} (dp {grid.dp} {cfg.data_parallel}, tp {grid.tp}) on {device} | {dtype} | "
         f"{cfg.batch_size} pairs per step = {mb} x {grid.data_world} ranks x {accum} accumulation steps")
 
     # ------------------------------------------------------------------------ policy and reference
-    run = build(cfg, grid)
+    load = hf.init_loader(cfg, grid)
+    run = build(cfg, grid, load)
     raw, model, optimizer = run.raw, run.model, run.optimizer
-    table = None
+    table, held_ids = None, list(range(len(train), len(seqs))) or list(range(mb))  # (no held-out: the first pairs)
     if kind == "precomputed":  # by the policy now, before any step or resume: it is the reference
         cache, key = os.path.join(cfg.out_dir, "ref_logps.pt"), hashlib.sha256(repr(seqs).encode()).hexdigest()
         saved = parallel.on_main(grid, lambda: checkpoint.read_pt(cache) if lease.resume_from and
                                  os.path.isfile(cache) else None)
         fresh = not (saved and saved["key"] == key)
-        table = None if fresh else saved["table"].to(device)
-        if fresh:
-            table = precompute(run, seqs, mb, grid, autocast)
-            if grid.is_main:
-                torch.save({"key": key, "table": table.cpu()}, cache + ".tmp")
-                os.replace(cache + ".tmp", cache)
+        table = precompute(run, seqs, cfg, grid, autocast) if fresh else saved["table"].to(device)
+        if fresh and grid.is_main:
+            torch.save({"key": key, "table": table.cpu()}, cache + ".tmp")
+            os.replace(cache + ".tmp", cache)
         say(f"reference log-probs of {len(seqs)} pairs {'computed, kept in' if fresh else 'read from'} {cache}")
-    reference = make_reference(kind, cfg, grid, run, seqs, autocast, table)
+    reference = make_reference(kind, cfg, grid, run, seqs, autocast, table, load)
+    ref_held = pair_logps(reference, seqs, held_ids, mb, grid, autocast).T.flatten()  # [chosen; rejected]
+    lens = torch.tensor([len(seqs[i][k]) for k in (1, 2) for i in held_ids], device=device)
 
-    @torch.no_grad()
     def evaluate():
-        """Held-out metrics (eval_ + TRL's names); the policy in eval mode."""
+        """Held-out metrics (eval_ + TRL's names), the policy in eval mode."""
         raw.eval()
-        sums = torch.zeros(len(STATS), device=device)
-        for ids, w in sharded(len(held), mb, grid):
-            ids = [len(train) + i for i in ids]
-            x, y = collate([seqs[i] for i in ids], device)
-            with autocast:
-                ref = reference(x, y, ids).float()
-                logps = sequence_logps(run.fwd, x, y).float()
-            sums += objective(logps, ref, y, cfg, 1.0, 1.0, torch.tensor(w, device=device))[1]
+        pol = pair_logps(lambda x, y, idx: sequence_logps(run.fwd, x, y), seqs, held_ids, mb, grid, autocast)
         raw.train()
-        return metrics(sums, grid.data_group or grid.dp_group, "eval_", cfg.rpo_alpha)
+        return metrics(objective(pol.T.flatten(), ref_held, lens, cfg, 1, 1)[1], None, "eval_", cfg.rpo_alpha)
 
-    def ref_check():  # the reference's log-probs of the first micro-batch of held-out (else training) pairs
-        ids = list(range(len(train), len(train) + min(mb, len(held)))) if held else list(range(mb))
-        x, y = collate([seqs[i] for i in ids], device)
-        with autocast:
-            return reference(x, y, ids).float().cpu()
-    check_ref = ref_check()
-    tol = 1e-4 if dtype == torch.float32 else 3e-2  # another layout may round differently
     step = 0
     if lease.resume_from:  # the policy and optimizer of the checkpoint; the reference stays the start's
         state = checkpoint.load(lease.resume_from, raw, optimizer, grid, model)
-        step = state["step"]
-        then = torch.tensor(state["loader"]["ref_check"])
-        if not torch.allclose(check_ref, then, rtol=tol, atol=tol) and not cfg.force_resume:
+        step, then = state["step"], torch.tensor(state["loader"]["ref_held"], device=device)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2  # another layout may round differently
+        if not torch.allclose(ref_held, then, rtol=tol, atol=tol) and not cfg.force_resume:
             raise checkpoint.ResumeMismatch(
-                f"the reference differs from the one this run started with (log-probs {then[:4].tolist()} then, "
-                f"{check_ref[:4].tolist()} now): init_from '{cfg.init_from}' changed? Point init_from at the "
+                f"the reference differs from the one this run started with (log-probs {then[:3].tolist()} then, "
+                f"{ref_held[:3].tolist()} now): init_from '{cfg.init_from}' changed? Point init_from at the "
                 f"model DPO started from, or --force_resume=True")
         say(f"resumed from {lease.resume_from} at step {step}; the reference is the one DPO started with")
     logger = logs.Logger(cfg, grid)
 
     def save():
         weights, opt_state = checkpoint.gather(raw, optimizer, grid, model)
-        checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, {"step": step, "ref_check": check_ref.tolist()},
+        checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, {"step": step, "ref_held": ref_held.tolist()},
                         cfg.keep_last, grid.rank, run_id=lease.run_id)
 
     # ------------------------------------------------------------------------ training loop

@@ -21,6 +21,7 @@ Proves:
   empty answer and answers identical after the cut (counted); bad settings raise one clear error.
 """
 import contextlib
+import json
 import math
 import os
 from collections import Counter
@@ -29,7 +30,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
+import chat
 import checkpoint
 import config
 import dpo
@@ -41,7 +44,7 @@ from model import IGNORE, ModelConfig, Transformer
 V, N = 97, 24
 SMALL = dict(vocab_size=V, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=32,
              batch_size=8, micro_batch_size=2, lr=1e-2, weight_decay=0.1, grad_clip=0.5, eps=1e-6, warmup_steps=0,
-             schedule="constant", seed=0, **dpo.DPO_DEFAULTS)
+             schedule="constant", seed=0, **chat.CHAT_DEFAULTS, **dpo.DPO_DEFAULTS)
 
 
 def small_cfg(**kw):
@@ -63,10 +66,8 @@ def random_seqs(n=N, seed=0):
 
 def golden(loss_type, rpo_alpha=0.0, policy=(-10.0, -12.0)):
     cfg = SimpleNamespace(loss_type=loss_type, beta=0.1, label_smoothing=0.1, simpo_gamma=0.5, rpo_alpha=rpo_alpha)
-    y = torch.full((2, 5), 7)
-    y[0, 4] = IGNORE  # answer lengths 4 (chosen) and 5 (rejected)
     logps, ref = torch.tensor(policy, dtype=torch.float64), torch.tensor([-11.0, -11.0], dtype=torch.float64)
-    loss, sums = dpo.objective(logps, ref, y, cfg, n_pairs=1, n_tokens=4)
+    loss, sums = dpo.objective(logps, ref, torch.tensor([4, 5]), cfg, n_pairs=1, n_tokens=4)  # answer lengths 4, 5
     return loss.item(), dpo.metrics(sums, rpo_alpha=rpo_alpha)
 
 
@@ -117,7 +118,8 @@ def test_sigmoid_gradients_equal_straightforward(one_thread, rpo_alpha):
     seqs = random_seqs(4)
     x, y = dpo.collate(seqs)
     ref = dpo.sequence_logps(ref_model, x, y)
-    loss, _ = dpo.objective(dpo.sequence_logps(model, x, y), ref, y, cfg, 4, sum(len(c) for _, c, _ in seqs))
+    loss, _ = dpo.objective(dpo.sequence_logps(model, x, y), ref, (y != IGNORE).sum(-1), cfg, 4,
+                            sum(len(c) for _, c, _ in seqs))
     loss.backward()
     ours = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -194,7 +196,7 @@ def test_trl_parity(trl_case, tmp_path, loss_types, weights, eps):
     with torch.no_grad():
         logps = dpo.sequence_logps(hf.load_hf(pol_dir), x, y)
         ref = dpo.sequence_logps(hf.load_hf(ref_dir), x, y)
-    loss, sums = dpo.objective(logps, ref, y, cfg, len(seqs), sum(len(s[1]) for s in seqs))
+    loss, sums = dpo.objective(logps, ref, (y != IGNORE).sum(-1), cfg, len(seqs), sum(len(s[1]) for s in seqs))
     ours = dpo.metrics(sums, rpo_alpha=cfg.rpo_alpha)
     assert abs(loss.item() - want) <= 1e-5 * max(1.0, abs(want)) and abs(ours["loss"] - want) <= 1e-5 * max(1, abs(want))
     for k in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -214,7 +216,7 @@ def test_references_agree_and_get_no_gradient(one_thread):
     cfg, grid, nothing = small_cfg(lora_r=4), one_grid(), contextlib.nullcontext()
     seqs = random_seqs()
     run = dpo.build(cfg, grid)  # fresh adapters: the policy still equals its base
-    table = dpo.precompute(run, seqs, cfg.micro_batch_size, grid, nothing)
+    table = dpo.precompute(run, seqs, cfg, grid, nothing)
     lora.load(run.raw, grid, random_adapters(run.raw, 3))  # now it does not
     base = {n: p.clone() for n, p in run.raw.named_parameters() if not lora.is_adapter(n)}
     refs = {k: dpo.make_reference(k, cfg, grid, run, seqs, nothing, table if k == "precomputed" else None)
@@ -226,7 +228,7 @@ def test_references_agree_and_get_no_gradient(one_thread):
         assert_close(got[k], got["copy"], f"reference {k}", tol=1e-6)
     policy = dpo.sequence_logps(run.fwd, x, y)
     assert (policy - got["copy"]).abs().max() > 0.1  # adapters on again after lora.disabled
-    losses = {k: dpo.objective(policy, v, y, cfg, 3, 9)[0] for k, v in got.items()}
+    losses = {k: dpo.objective(policy, v, (y != IGNORE).sum(-1), cfg, 3, 9)[0] for k, v in got.items()}
     assert max(abs(v.item() - losses["copy"].item()) for v in losses.values()) <= 1e-6
     adapters = {}
     for k, f in refs.items():  # one training step with each: the same adapters
@@ -331,3 +333,58 @@ def test_bad_settings(kw, msg):
         dpo.check(small_cfg(**kw))
     assert dpo.check(small_cfg()) == "copy" and dpo.check(small_cfg(lora_r=4)) == "adapters"
     assert dpo.check(small_cfg(loss_type="simpo")) == "none"
+
+
+def test_read_pairs_bad_records(tmp_path):
+    good = {"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}
+    bad = [{"prompt": "p", "chosen": "same", "rejected": "same"}, {"prompt": "p", "chosen": "a", "rejected": []},
+           {"prompt": "p", "chosen": " ", "rejected": "b"}]
+    file = tmp_path / "pairs.jsonl"
+    file.write_text("\n".join(json.dumps(r) for r in [good] * 3 + bad + [good]) + "\n")
+    cfg = small_cfg(chat_data=str(file), eval_pairs=1)
+    with pytest.raises(chat.ChatDataError, match=r"pairs.jsonl:4: chosen and rejected are the same answer"):
+        dpo.read_pairs(cfg)
+    cfg.skip_bad_records = True
+    train, held, skipped = dpo.read_pairs(cfg)
+    assert len(train) == 3 and len(held) == 1 and skipped == Counter(same_answers=1, mismatched=1, empty_answer=1)
+    assert train[0] == ([{"role": "user", "content": good["prompt"]}], [{"role": "assistant", "content": "2"}],
+                        [{"role": "assistant", "content": "3"}])
+
+
+# ----------------------------------------------------------------------------- main: resume
+
+MAIN = dict(device="cpu", tokenizer_vocab=300, n_layer=2, n_head=2, n_embd=32, block_size=32, n_pairs=32,
+            eval_pairs=8, batch_size=8, micro_batch_size=4, max_steps=4, warmup_steps=0, lr=1e-2, eval_every=2,
+            ckpt_every=2, log_every=1, keep_last=5, progress=False)
+
+
+def main(out, **kw):
+    dpo.main([f"--{k}={v}" for k, v in {**MAIN, "out_dir": out, **kw}.items()])
+
+
+def steps(out):
+    with open(os.path.join(out, "train_metrics.jsonl")) as f:
+        return {(r["step"], "loss" in r): r for r in map(json.loads, f)}
+
+
+def test_main_resume_restores_the_reference(tmp_path, one_thread, capsys):
+    """Uninterrupted 4 steps == 2 steps, then resumed to 4 (copy: bitwise; precomputed: its cache),
+    so the resumed run trained against the reference DPO started with. A reference that is not the
+    start's (here: init_from a trained policy) is refused on resume."""
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    main(a)
+    for out, kind in ((b, "copy"), (c, "precomputed")):
+        main(out, reference=kind, stop_at=2)
+        main(out, reference=kind, resume="latest")
+    assert "reference log-probs of 40 pairs read from" in capsys.readouterr().out
+    want = load_file(os.path.join(a, "step_000004", "model.safetensors"))
+    assert all(torch.equal(v, want[k]) for k, v in load_file(os.path.join(b, "step_000004", "model.safetensors")).items())
+    assert_close(load_file(os.path.join(c, "step_000004", "model.safetensors")), want, "precomputed")
+    ref, resumed = steps(a), steps(b)
+    assert ref.keys() == resumed.keys() and len(ref) == 7  # steps 1-4, evaluations at 0, 2, 4
+    for k, r in ref.items():
+        assert all(v == resumed[k][n] for n, v in r.items() if n not in ("time", "pairs_s", "mem_gb")), k
+    assert ref[(0, False)]["eval_rewards/accuracies"] == 0 and ref[(0, False)]["eval_loss"] == pytest.approx(math.log(2))
+    main(b, stop_at=2, overwrite=True)
+    with pytest.raises(checkpoint.ResumeMismatch, match="the reference differs from the one this run started with"):
+        main(b, resume="latest", init_from=os.path.join(a, "step_000004"))
