@@ -112,6 +112,15 @@ def iter_records(source, bad=None):
     """(where, record) of every record of a source, where = "file:line" (.jsonl), "file[index]"
     (.json: a list of records), "file row i" (.parquet) or "hf:... row i". bad: a Counter: .jsonl
     lines that are not JSON are counted and skipped instead of raising."""
+    try:
+        yield from _records(source, bad)
+    except corpus.DataError as e:  # corpus.py's readers: the same message, as this module's error
+        if isinstance(e, ChatDataError):
+            raise
+        raise ChatDataError(str(e)) from None
+
+
+def _records(source, bad):
     if source.startswith("hf:"):
         name, config, split = corpus.parse_hf(source)
         for i, row in enumerate(corpus.dataset_rows(name, config, split)):
@@ -483,7 +492,7 @@ def template_specials(source, tok):
     literal = "\0".join([n.data for n in ast.find_all(jinja2.nodes.TemplateData)] +
                         [n.value for n in ast.find_all(jinja2.nodes.Const) if isinstance(n.value, str)])
     found = {t: literal.find(t) for t in tok.special_tokens if t in literal and not t.isspace()}
-    found.update({m.group(0): m.start() for m in re.finditer(r"<\|[^|\s<>]+\|>", literal) if m.group(0) not in found})
+    found.update({m.group(0): m.start() for m in re.finditer(r"<\|[^|\s<>\x00]+\|>", literal) if m.group(0) not in found})
     names = jinja2.meta.find_undeclared_variables(ast)
     for var, text in (("bos_token", tok.bos_token), ("eos_token", tok.eos_token)):
         if var in names and text:
@@ -507,7 +516,7 @@ def template_for(tok, init_from="", name=""):
     else:
         return default_template()
     specials = template_specials(source, tok)
-    eos = next((t for t in EOT_TOKENS if t in specials), tok.eos_token)
+    eos = next((t for t in specials if t in EOT_TOKENS), tok.eos_token)  # the first the template writes
     return ChatTemplate(source, specials, eos, {"bos_token": tok.bos_token, "eos_token": tok.eos_token}, name)
 
 
