@@ -1,45 +1,34 @@
 """Preference optimisation (DPO and its variants), top to bottom: the math, then main().
 
-    python dpo.py configs/dpo_tiny.py                          # after sft_tiny: init_from=out/sft_tiny
+    python dpo.py configs/dpo_tiny.py                             # after sft_tiny: init_from=out/sft_tiny
     torchrun --nproc_per_node=2 dpo.py configs/dpo_tiny.py --reference=precomputed
     torchrun --nproc_per_node=2 dpo.py configs/dpo_tiny.py --lora_r=8 --lr=1e-3   # reference: adapters off
 
-Sequence log-probs are SUMS of log pi(y_t | prompt, y_<t) over an answer's tokens (its content
-and end-of-turn token), from the model's own loss path -model(x, y, reduction="none"): under
-tensor parallelism the vocab-parallel cross-entropy, so the full logits are never gathered. One
-forward per micro-batch: rows [chosen answers; rejected answers], each prompt + answer,
-right-padded. With D = (pi_c - ref_c) - (pi_r - ref_r), per pair (mean over the pairs of the
-global batch; beta = cfg.beta, eps = cfg.label_smoothing, g = cfg.simpo_gamma):
-
-    sigmoid  -log s(beta D)                                    DPO (TRL's default)
-    ipo      (D_tok - 1/(2 beta))^2, each log-ratio divided by its answer's tokens   (as TRL)
+A sequence log-prob is the SUM of log pi(y_t | prompt, y_<t) over an answer's tokens (content and end
+of turn), by the model's loss path -model(x, y, reduction="none") (under TP the vocab-parallel cross-
+entropy: logits never gathered); one forward a micro-batch, rows [prompt + chosen; prompt + rejected].
+D = (pi_c - ref_c) - (pi_r - ref_r); per pair, a mean over the global batch (eps = label_smoothing):
+    sigmoid  -log s(beta D)                                   DPO, TRL's default
+    ipo      (D_tok - 1/(2 beta))^2, log-ratios divided by their answer's tokens (as TRL)
     hinge    relu(1 - beta D)
-    robust   (-(1-eps) log s(beta D) + eps log s(-beta D)) / (1 - 2 eps)           (as TRL)
-    cdpo     -(1-eps) log s(beta D) - eps log s(-beta D)    conservative DPO (TRL <= 0.28's sigmoid)
-    simpo    -log s(beta (pi_c/|c| - pi_r/|r|) - g)         reference-free, length-normalised (TRL's CPO)
-    + rpo_alpha * the chosen answers' NLL, a token mean over the global batch (RPO; TRL's "sft" term)
+    robust   (-(1-eps) log s(beta D) + eps log s(-beta D)) / (1 - 2 eps)       (as TRL)
+    cdpo     -(1-eps) log s(beta D) - eps log s(-beta D)   conservative DPO (TRL <= 0.28's sigmoid)
+    simpo    -log s(beta (pi_c/|c| - pi_r/|r|) - simpo_gamma)   reference-free (TRL's CPO simpo)
+    + rpo_alpha * NLL of the chosen answers, a token mean over the global batch (RPO)
+Metrics: TRL's names and meaning, reduced over data-parallel ranks: rewards/chosen = mean beta
+(pi_c - ref_c) (simpo: beta pi_c / |c|), rewards/rejected, rewards/accuracies (strictly greater: 0
+while policy == reference), rewards/margins, logps/chosen, logps/rejected; policy/accuracy: pi_c > pi_r.
 
-Metrics carry TRL's names and meaning, summed on each rank and reduced over the data-parallel
-ranks: rewards/chosen = mean beta (pi_c - ref_c) (simpo: beta pi_c / |c|), rewards/rejected,
-rewards/accuracies (chosen reward strictly greater: 0 while policy == reference), rewards/margins,
-logps/chosen, logps/rejected (summed log-probs); policy/accuracy: pi_c > pi_r (no reference).
+The reference (cfg.reference), never given a gradient: "copy", a frozen model loaded from init_from;
+"adapters" (LoRA), the policy with its adapters off (lora.disabled: no second copy); "precomputed",
+one pass by the policy before it trains, kept in memory and out_dir/ref_logps.pt (no reference model
+while training); "auto": adapters with LoRA, else copy. Resume rebuilds it as DPO started (never
+from the resumed policy) and checks it: its held-out log-probs are saved in every checkpoint.
 
-The reference (cfg.reference): "copy" a frozen model loaded like the policy (init_from); "adapters"
-(LoRA) the policy itself with its adapters switched off (lora.disabled: no second copy);
-"precomputed" one pass before training, by the policy while it still equals the reference, kept
-in memory and in out_dir/ref_logps.pt (no reference model during training); "auto": adapters
-with LoRA, else copy. It never receives gradients (frozen, under no_grad). Resume rebuilds it as
-it was at the start of DPO (init_from, never the policy of the checkpoint) and checks that: the
-reference log-probs of the first held-out micro-batch are saved with every checkpoint, and a
-resumed run whose reference differs is refused.
-
-Data: cfg.pairs is a task (tasks.get(name).pairs(): correct vs wrong answers, offline) or
-preference records (chat.read_pairs: prompt/chosen/rejected as strings or messages, implicit
-prompts; a local file or "hf:" dataset). Each is rendered with the SFT stage's chat template
-(chat.encode, tokenised once). Truncation: a sequence holds at most T+1 tokens (T = seq_len or
-block_size); the prompt is kept whole, answers are cut to fit and counted; a pair whose prompt
-leaves no room, or whose answers become identical tokens, is skipped and counted.
-Importing this file runs nothing: main() does the work.
+Data: chat_data's preference records (chat.read_pairs: text or messages, implicit prompts; files or
+hf:), else the task's pairs (tasks.py, offline), tokenised once with the chat template (chat.encode).
+Sequences of at most T+1 tokens (T = seq_len or block_size): the prompt is kept whole, answers are
+cut (counted); a pair whose prompt leaves no room or whose answers become the same is skipped (counted).
 """
 import contextlib
 import hashlib
@@ -52,6 +41,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 import chat
 import checkpoint
@@ -103,13 +93,6 @@ def pair_losses(pc, pr, rc, rr, lc, lr, loss_type="sigmoid", beta=0.1, eps=0.0, 
     raise ValueError(f"loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
 
 
-def rewards(pc, pr, rc, rr, lc, lr, loss_type, beta):
-    """The implicit rewards of the chosen and rejected answers: beta * log-ratio (simpo: beta * mean log-prob)."""
-    if loss_type == "simpo":
-        return beta * pc / lc, beta * pr / lr
-    return beta * (pc - rc), beta * (pr - rr)
-
-
 def sequence_logps(fwd, x, y):
     """(B,) sums of log p(y_t) over the positions where y != IGNORE (the answers), through the
     model's loss path: -fwd(x, y, reduction="none") is (B, T) fp32 log-probs, 0 where ignored."""
@@ -126,8 +109,9 @@ def objective(logps, ref_logps, lens, cfg, n_pairs, n_tokens):
     loss = losses.sum() / n_pairs
     if cfg.rpo_alpha:
         loss = loss - cfg.rpo_alpha * pc.sum() / n_tokens
-    with torch.no_grad():
-        c, r = rewards(pc, pr, rc, rr, lc, lr, cfg.loss_type, cfg.beta)
+    with torch.no_grad():  # the implicit rewards: beta * log-ratio (simpo: beta * mean log-prob)
+        b = cfg.beta
+        c, r = (b * pc / lc, b * pr / lr) if cfg.loss_type == "simpo" else (b * (pc - rc), b * (pr - rr))
         sums = [torch.tensor(float(len(pc)), device=pc.device), losses, c, r, (c > r).to(c), c - r, pc, pr,
                 (pc > pr).to(c), -pc, lc]
         return loss, torch.stack([t.sum() for t in sums]).detach()
@@ -153,30 +137,24 @@ def collate(seqs, device="cpu"):
     prompt+rejected ...] right-padded (pad id 0, never attended to by a real token); y the next
     token on answer positions, IGNORE on prompt and padding."""
     rows = [(p, p + c) for p, c, _ in seqs] + [(p, p + r) for p, _, r in seqs]
-    L = max(len(full) for _, full in rows) - 1
-    x = torch.zeros(len(rows), L, dtype=torch.long)
-    y = torch.full((len(rows), L), IGNORE, dtype=torch.long)
-    for i, (p, full) in enumerate(rows):
-        x[i, :len(full) - 1] = torch.tensor(full[:-1])
-        y[i, len(p) - 1:len(full) - 1] = torch.tensor(full[len(p):])
+    x = pad_sequence([torch.tensor(full[:-1]) for _, full in rows], batch_first=True)
+    y = pad_sequence([torch.tensor([IGNORE] * (len(p) - 1) + full[len(p):]) for p, full in rows], batch_first=True,
+                     padding_value=IGNORE)
     return x.to(device), y.to(device)
 
 
 def step_indices(step, n, batch_size, seed):
-    """The global batch of `step`: batch_size pair indices from a seeded permutation per epoch (an
-    epoch's incomplete last batch dropped). A function of the step alone: the same on every rank,
-    and resume needs nothing but the step."""
-    per_epoch = n // batch_size
-    epoch, k = divmod(step, per_epoch)
+    """The global batch of `step`: pair indices from a seeded permutation per epoch (its last partial
+    batch dropped). A function of the step alone: the same on every rank; resume needs only the step."""
+    epoch, k = divmod(step, n // batch_size)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000003 + epoch))
     return perm[k * batch_size:(k + 1) * batch_size].tolist()
 
 
 @torch.no_grad()
 def pair_logps(fn, seqs, ids, mb, grid, autocast):
-    """(len(ids), 2) [chosen, rejected] log-probs fn(x, y, pair indices) of the pairs seqs[ids]: each
-    by one data rank, then shared (all-reduce). Every rank runs as many micro-batches (TP and FSDP
-    forwards are collective), a rank with nothing left recomputing pair ids[0]."""
+    """(len(ids), 2) [chosen, rejected] log-probs fn(x, y, idx) of pairs seqs[ids], each by one data rank, then
+    shared; every rank runs as many micro-batches (TP / FSDP forwards are collective), spares redo ids[0]."""
     out = torch.zeros(len(ids), 2, device=grid.device)
     for start in range(0, len(ids), mb * grid.data_world):
         mine = [j for j in range(start + grid.data_rank * mb, start + (grid.data_rank + 1) * mb) if j < len(ids)]
@@ -193,9 +171,8 @@ def pair_logps(fn, seqs, ids, mb, grid, autocast):
 # ----------------------------------------------------------------------------- policy, reference, one step
 
 def build(cfg, grid, load=None, frozen=False):
-    """The policy (or, frozen, a reference copy) in this run's layout, its weights from load
-    (hf.init_loader(cfg, grid): init_from): parallelize's Parallel. Both from cfg.seed: without
-    init_from the copy equals the policy's starting weights."""
+    """The policy (or, frozen, a reference copy) in this run's layout, weights from load (hf.init_loader),
+    seeded by cfg.seed: without init_from the copy equals the policy's start. -> parallel.Parallel"""
     torch.manual_seed(cfg.seed)
     m = Transformer(ModelConfig.from_cfg(cfg)).to(grid.device).requires_grad_(not frozen)
     return parallel.parallelize(m, grid, cfg, load=load, optimizer=not frozen)
@@ -217,29 +194,25 @@ def make_reference(kind, cfg, grid, run, seqs, autocast, table=None, load=None):
             with lora.disabled(run.raw):
                 return sequence_logps(run.fwd, x, y)
         return adapters_off
-    if kind == "precomputed":
-        table = precompute(run, seqs, cfg, grid, autocast) if table is None else table
+    if kind == "precomputed":  # by the policy before it trains: it is the reference then
+        table = policy_logps(run, seqs, range(len(seqs)), cfg, grid, autocast) if table is None else table
         return lambda x, y, idx: torch.cat([table[idx, 0], table[idx, 1]]).to(x.device)
     return lambda x, y, idx: torch.zeros(x.shape[0], device=x.device)
 
 
-def precompute(run, seqs, cfg, grid, autocast):
-    """(N, 2) log-probs of every pair by the policy in eval mode (call it before it trains)."""
+def policy_logps(run, seqs, ids, cfg, grid, autocast):
+    """(len(ids), 2) log-probs of pairs seqs[ids] by the policy in eval mode (pair_logps)."""
     run.raw.eval()
-    table = pair_logps(lambda x, y, idx: sequence_logps(run.fwd, x, y), seqs, range(len(seqs)),
-                       cfg.micro_batch_size, grid, autocast)
+    out = pair_logps(lambda x, y, idx: sequence_logps(run.fwd, x, y), seqs, ids, cfg.micro_batch_size, grid, autocast)
     run.raw.train()
-    return table
+    return out
 
 
 def train_step(run, reference, seqs, batch, cfg, grid, autocast):
-    """One optimizer step on the global batch `batch` (pair indices, the same on every rank): this
-    data rank's share in micro-batches, the reference first (no gradient), then the policy's one
-    forward over [chosen; rejected] and backward. -> (summed STATS of this rank, gradient norm)."""
-    mb = cfg.micro_batch_size
-    accum = cfg.batch_size // (mb * grid.data_world)
-    n_pairs = cfg.batch_size / grid.data_world
-    n_tokens = sum(len(seqs[i][1]) for i in batch) / grid.data_world  # RPO's token mean
+    """One optimizer step on the global batch (pair indices): this rank's share in micro-batches, each the
+    reference's forward, then the policy's over [chosen; rejected] and backward. -> (STATS sums, grad norm)"""
+    mb, dw = cfg.micro_batch_size, grid.data_world
+    accum, n_pairs, n_tokens = cfg.batch_size // (mb * dw), cfg.batch_size / dw, sum(len(seqs[i][1]) for i in batch) / dw
     mine = batch[grid.data_rank * mb * accum:(grid.data_rank + 1) * mb * accum]
     sums = torch.zeros(len(STATS), device=grid.device)
     for micro in range(accum):
@@ -279,32 +252,21 @@ def read_pairs(cfg):
 
 
 def tokenize(pairs, encode, T):
-    """[(prompt, chosen, rejected) messages] -> ([(prompt ids, chosen ids, rejected ids)], Counter).
-    encode(messages, add_generation_prompt) -> (ids, mask): chat.encode with the run's template.
-    The prompt is the generation prompt's ids (as far as both full renderings share them, as TRL);
-    an answer runs to its last trained token (content + end of turn). Truncation: module docstring."""
+    """[(prompt, chosen, rejected) messages] -> ([(prompt, chosen, rejected ids)], Counter); encode(msgs,
+    add_generation_prompt) -> (ids, mask) is chat.encode's. The prompt: the generation prompt's ids (as far
+    as both renderings share them, as TRL); an answer: up to its last trained token (the end of turn)."""
     out, counts = [], Counter()
     for prompt, chosen, rejected in pairs:
         p, _ = encode(prompt, True)
         full = [encode(prompt + a, False) for a in (chosen, rejected)]
         n = len(os.path.commonprefix([p] + [ids for ids, _ in full]))  # works on lists of ids too
-        answers = []
-        for ids, mask in full:
-            last = max((i for i in range(n, len(ids)) if mask[i]), default=n - 1)
-            answers.append(ids[n:last + 1])
-        if not all(answers):
-            counts["empty answer"] += 1
-            continue
-        if n > T:
-            counts["prompt longer than seq_len"] += 1
-            continue
+        answers = [ids[n:max((i for i in range(n, len(ids)) if mask[i]), default=n - 1) + 1] for ids, mask in full]
         cut = [a[:T + 1 - n] for a in answers]
-        if cut != answers:
-            counts["answers cut to seq_len"] += 1
-        if cut[0] == cut[1]:
-            counts["chosen == rejected tokens (after the cut)"] += 1
-            continue
-        out.append((p[:n], *cut))
+        why = ("empty answer" if not all(answers) else "prompt longer than seq_len" if n > T else
+               "chosen == rejected tokens (after the cut)" if cut[0] == cut[1] else None)
+        counts.update([why] if why else ["answers cut to seq_len"] if cut != answers else [])
+        if not why:
+            out.append((p[:n], *cut))
     return out, counts
 
 
@@ -315,73 +277,60 @@ def check(cfg):
             raise config.ConfigError(msg)
     need(cfg.loss_type in LOSS_TYPES, f"loss_type={cfg.loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
     need(cfg.reference in REFERENCES, f"reference={cfg.reference!r}: choose one of {', '.join(REFERENCES)}")
-    need(cfg.beta > 0, f"beta={cfg.beta} must be > 0")
-    need(0 <= cfg.label_smoothing < 0.5, f"label_smoothing={cfg.label_smoothing} must be in [0, 0.5)")
-    need(cfg.rpo_alpha >= 0 and cfg.n_pairs >= 0 and cfg.eval_pairs >= 0,
-         "rpo_alpha, n_pairs and eval_pairs must be >= 0")
-    need(cfg.chat_data or (cfg.task and cfg.n_pairs), "no pairs: set chat_data (a file, folder or hf:<name>) or "
-         "task with n_pairs > 0")
+    need(cfg.beta > 0 and 0 <= cfg.label_smoothing < 0.5,
+         f"beta={cfg.beta} must be > 0, label_smoothing={cfg.label_smoothing} in [0, 0.5)")
+    need(min(cfg.rpo_alpha, cfg.n_pairs, cfg.eval_pairs) >= 0, "rpo_alpha, n_pairs and eval_pairs must be >= 0")
+    need(cfg.chat_data or (cfg.task and cfg.n_pairs), "no pairs: set chat_data (file, folder, hf:) or task, n_pairs > 0")
     need(cfg.reference != "adapters" or cfg.lora_r > 0,
          "reference='adapters' is the policy with its LoRA adapters off: set lora_r > 0, or reference='copy'")
-    need(cfg.eval_pairs > 0 or not cfg.eval_every, "eval_every > 0 needs held-out pairs: set eval_pairs > 0")
     return "none" if cfg.loss_type == "simpo" else cfg.reference if cfg.reference != "auto" else (
         "adapters" if cfg.lora_r else "copy")
 
 
 def main(argv):
     # ------------------------------------------------------------------------ setup
-    t_start = time.perf_counter()
     cfg = config.load(argv, extra={**chat.CHAT_DEFAULTS, **DPO_DEFAULTS})
     kind = check(cfg)
     grid = parallel.init(cfg)
     say = print if grid.is_main else (lambda *a, **k: None)
-    device = grid.device
-    dtype = parallel.amp_dtype(cfg, device)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16
-                else contextlib.nullcontext())
-    if cfg.dropout or cfg.lora_dropout:  # log-probs must be deterministic: TRL's disable_dropout too
+    device, dtype = grid.device, parallel.amp_dtype(cfg, grid.device)
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype == torch.bfloat16 else contextlib.nullcontext()
+    if cfg.dropout or cfg.lora_dropout:  # log-probs must be deterministic (TRL's disable_dropout too)
         say(f"dropout={cfg.dropout}, lora_dropout={cfg.lora_dropout} -> 0: DPO compares exact log-probs")
         cfg.dropout = cfg.lora_dropout = 0.0
     started = hf.configure(cfg) or "no init_from: random initial weights"  # init_from's shape and tokenizer
     tok, template = chat.setup(cfg)  # the template's special tokens added; cfg.vocab_size covers them
-    if not cfg.init_from:
-        cfg.vocab_size = tok.n_vocab
+    cfg.vocab_size = cfg.vocab_size if cfg.init_from else tok.n_vocab  # (from scratch: the tokenizer's)
     config.validate(cfg, grid.world)  # the model keys just changed
-    T = cfg.seq_len or cfg.block_size
-    lease = checkpoint.open_run_everywhere(cfg, grid)
-    for line in [started] + lease.notes:
-        say(line)
 
-    # ------------------------------------------------------------------------ data
+    # ------------------------------------------------------------------------ data, then out_dir (lock, resume)
+    T, mb = cfg.seq_len or cfg.block_size, cfg.micro_batch_size
     train_pairs, held_pairs, skipped = read_pairs(cfg)
     encode = lambda msgs, gen: chat.encode(tok, template, msgs, add_generation_prompt=gen)  # noqa: E731
-    train, cut = tokenize(train_pairs, encode, T)
-    held, cut_held = tokenize(held_pairs, encode, T)
-    seqs = train + held  # pair index i < len(train): training; the rest held out
-    for what, c in (("records skipped", skipped), ("training pairs", cut), ("held-out pairs", cut_held)):
-        if c:
-            say(f"{what}: " + ", ".join(f"{v} {k}" for k, v in c.items()))
+    (train, cut), (held, cut_held) = tokenize(train_pairs, encode, T), tokenize(held_pairs, encode, T)
+    seqs = train + held  # pair i < len(train): training; the rest held out
     if len(train) < cfg.batch_size:
         raise config.ConfigError(f"{len(train)} usable training pairs, fewer than batch_size={cfg.batch_size}: "
                                  f"more pairs (n_pairs, chat_data) or a smaller batch_size")
-    accum = cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
-    mb = cfg.micro_batch_size
-    say(f"config:\n{config.show(cfg)}")
-    say(f"{len(train)} training / {len(held)} held-out pairs from {cfg.chat_data or cfg.task}; loss {cfg.loss_type}, reference "
-        f"{kind}; world {grid.world} (dp {grid.dp} {cfg.data_parallel}, tp {grid.tp}) on {device} | {dtype} | "
-        f"{cfg.batch_size} pairs per step = {mb} x {grid.data_world} ranks x {accum} accumulation steps")
+    lease = checkpoint.open_run_everywhere(cfg, grid)
+    for line in [f"config:\n{config.show(cfg)}", started] + lease.notes + [f"{what}: {dict(c)}" for what, c in (
+            ("records skipped", skipped), ("training pairs", cut), ("held-out pairs", cut_held)) if c]:
+        say(line)
+    say(f"{len(train)} training / {len(held)} held-out pairs from {cfg.chat_data or cfg.task}; {cfg.loss_type} loss, "
+        f"reference {kind}; world {grid.world} (dp {grid.dp} {cfg.data_parallel}, tp {grid.tp}) on {device} | {dtype} | "
+        f"{cfg.batch_size} pairs a step = {mb} x {grid.data_world} ranks x "
+        f"{cfg.batch_size // (mb * grid.data_world)} micro-steps")
 
-    # ------------------------------------------------------------------------ policy and reference
+    # ------------------------------------------------------------------------ policy, reference
     load = hf.init_loader(cfg, grid)
     run = build(cfg, grid, load)
-    raw, model, optimizer = run.raw, run.model, run.optimizer
-    table, held_ids = None, list(range(len(train), len(seqs))) or list(range(mb))  # (no held-out: the first pairs)
+    table, held_ids = None, list(range(len(train), len(seqs))) or list(range(mb))  # (none held out: the first)
     if kind == "precomputed":  # by the policy now, before any step or resume: it is the reference
         cache, key = os.path.join(cfg.out_dir, "ref_logps.pt"), hashlib.sha256(repr(seqs).encode()).hexdigest()
         saved = parallel.on_main(grid, lambda: checkpoint.read_pt(cache) if lease.resume_from and
                                  os.path.isfile(cache) else None)
         fresh = not (saved and saved["key"] == key)
-        table = precompute(run, seqs, cfg, grid, autocast) if fresh else saved["table"].to(device)
+        table = policy_logps(run, seqs, range(len(seqs)), cfg, grid, autocast) if fresh else saved["table"].to(device)
         if fresh and grid.is_main:
             torch.save({"key": key, "table": table.cpu()}, cache + ".tmp")
             os.replace(cache + ".tmp", cache)
@@ -389,72 +338,60 @@ def main(argv):
     reference = make_reference(kind, cfg, grid, run, seqs, autocast, table, load)
     ref_held = pair_logps(reference, seqs, held_ids, mb, grid, autocast).T.flatten()  # [chosen; rejected]
     lens = torch.tensor([len(seqs[i][k]) for k in (1, 2) for i in held_ids], device=device)
-
-    def evaluate():
-        """Held-out metrics (eval_ + TRL's names), the policy in eval mode."""
-        raw.eval()
-        pol = pair_logps(lambda x, y, idx: sequence_logps(run.fwd, x, y), seqs, held_ids, mb, grid, autocast)
-        raw.train()
-        return metrics(objective(pol.T.flatten(), ref_held, lens, cfg, 1, 1)[1], None, "eval_", cfg.rpo_alpha)
-
     step = 0
     if lease.resume_from:  # the policy and optimizer of the checkpoint; the reference stays the start's
-        state = checkpoint.load(lease.resume_from, raw, optimizer, grid, model)
+        state = checkpoint.load(lease.resume_from, run.raw, run.optimizer, grid, run.model)
         step, then = state["step"], torch.tensor(state["loader"]["ref_held"], device=device)
         tol = 1e-4 if dtype == torch.float32 else 3e-2  # another layout may round differently
         if not torch.allclose(ref_held, then, rtol=tol, atol=tol) and not cfg.force_resume:
-            raise checkpoint.ResumeMismatch(
-                f"the reference differs from the one this run started with (log-probs {then[:3].tolist()} then, "
-                f"{ref_held[:3].tolist()} now): init_from '{cfg.init_from}' changed? Point init_from at the "
-                f"model DPO started from, or --force_resume=True")
+            raise checkpoint.ResumeMismatch(f"the reference differs from the one this run started with (log-probs "
+                                            f"{then[:3].tolist()} then, {ref_held[:3].tolist()} now): init_from "
+                                            f"changed? Point it at the model DPO started from, or --force_resume=True")
         say(f"resumed from {lease.resume_from} at step {step}; the reference is the one DPO started with")
     logger = logs.Logger(cfg, grid)
 
+    def evaluate():  # held-out metrics: eval_ + TRL's names
+        pol = policy_logps(run, seqs, held_ids, cfg, grid, autocast).T.flatten()
+        m = metrics(objective(pol, ref_held, lens, cfg, 1, 1)[1], None, "eval_", cfg.rpo_alpha)
+        logger.log(step, m)
+        say(f"step {step} | " + logs.fmt(m))
+
     def save():
-        weights, opt_state = checkpoint.gather(raw, optimizer, grid, model)
+        weights, opt_state = checkpoint.gather(run.raw, run.optimizer, grid, run.model)
         checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, {"step": step, "ref_held": ref_held.tolist()},
                         cfg.keep_last, grid.rank, run_id=lease.run_id)
 
     # ------------------------------------------------------------------------ training loop
     if cfg.eval_every and step == 0:
-        m = evaluate()
-        logger.log(0, m)
-        say("step 0 | " + logs.fmt(m))
+        evaluate()
     last = cfg.stop_at or cfg.max_steps
-    interrupt, stopped = parallel.Interrupt(grid), False
-    sums = torch.zeros(len(STATS), device=device)
-    t0, t_steps = time.perf_counter(), 0
+    interrupt = parallel.Interrupt(grid)  # SIGTERM / SIGINT: finish the step, save, exit 0
+    sums, t0, t_steps = torch.zeros(len(STATS), device=device), time.perf_counter(), 0
     while step < last:
         lr = optim.lr_at(step, cfg)
-        for g in optimizer.param_groups:
+        for g in run.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
         batch = step_indices(step, len(train), cfg.batch_size, cfg.seed)
         step_sums, grad_norm = train_step(run, reference, seqs, batch, cfg, grid, autocast)
         sums += step_sums
-        step += 1
-        t_steps += 1
+        step, t_steps = step + 1, t_steps + 1
         if step % cfg.log_every == 0 or step == last:
-            m = {**metrics(sums, grid.data_group or grid.dp_group, rpo_alpha=cfg.rpo_alpha), "lr": lr, "grad_norm": grad_norm.item(),
+            m = {**metrics(sums, grid.data_group, rpo_alpha=cfg.rpo_alpha), "lr": lr, "grad_norm": grad_norm.item(),
                  "pairs_s": t_steps * cfg.batch_size / (time.perf_counter() - t0), "mem_gb": logs.peak_memory_gb(device)}
             logger.log(step, m)
             if not math.isfinite(m["loss"]):
                 raise FloatingPointError(f"loss is {m['loss']} at step {step}: lower lr or check the data")
             say(f"step {step}/{cfg.max_steps} | " + logs.fmt(m))
-            sums.zero_()
-            t0, t_steps = time.perf_counter(), 0
-        stopped = interrupt.requested()
-        if stopped:
+            sums, t0, t_steps = sums.zero_(), time.perf_counter(), 0
+        if interrupt.requested():  # every rank agrees, after the same step
             save()
             say(f"{interrupt.name()}: saved step {step} in {cfg.out_dir}; continue with --resume")
             break
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last:
             save()
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == last):
-            m = evaluate()
-            logger.log(step, m)
-            say(f"step {step} | " + logs.fmt(m))
+            evaluate()
     interrupt.restore()
-    say(f"done in {time.perf_counter() - t_start:.1f} s")
     logger.close()
     parallel.shutdown()
 

@@ -216,7 +216,7 @@ def test_references_agree_and_get_no_gradient(one_thread):
     cfg, grid, nothing = small_cfg(lora_r=4), one_grid(), contextlib.nullcontext()
     seqs = random_seqs()
     run = dpo.build(cfg, grid)  # fresh adapters: the policy still equals its base
-    table = dpo.precompute(run, seqs, cfg, grid, nothing)
+    table = dpo.policy_logps(run, seqs, range(N), cfg, grid, nothing)
     lora.load(run.raw, grid, random_adapters(run.raw, 3))  # now it does not
     base = {n: p.clone() for n, p in run.raw.named_parameters() if not lora.is_adapter(n)}
     refs = {k: dpo.make_reference(k, cfg, grid, run, seqs, nothing, table if k == "precomputed" else None)
@@ -315,7 +315,7 @@ def test_tokenize_truncation_policy():
              (user("ab"), bot("same-1"), bot("same-2")),         # identical after the cut: skipped
              (user("ab"), bot(""), bot("no"))]                   # '|' only: kept (an answer of one token)
     out, counts = dpo.tokenize(pairs, fake_encode, T=22)
-    assert counts == Counter({"prompt longer than seq_len": 1, "answers cut to seq_len": 2,
+    assert counts == Counter({"prompt longer than seq_len": 1, "answers cut to seq_len": 1,  # each pair once
                               "chosen == rejected tokens (after the cut)": 1})
     assert len(out) == 3 and all(len(p) == 18 and len(p) + max(len(c), len(r)) <= 23 for p, c, r in out)
     assert [chr(i) for i in out[0][1]] == list("yes|") and [chr(i) for i in out[1][1]] == list("long ")
@@ -326,8 +326,8 @@ def test_tokenize_truncation_policy():
 @pytest.mark.parametrize("kw, msg", [(dict(loss_type="dpo"), "loss_type='dpo'"),
                                      (dict(reference="adapters"), "set lora_r > 0"),
                                      (dict(label_smoothing=0.5), "label_smoothing=0.5"),
-                                     (dict(beta=0.0), "beta=0.0"),
-                                     (dict(eval_pairs=0, eval_every=10), "needs held-out pairs")])
+                                     (dict(beta=0.0), "beta=0.0 must be > 0"),
+                                     (dict(task="", n_pairs=0), "no pairs: set chat_data")])
 def test_bad_settings(kw, msg):
     with pytest.raises(config.ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         dpo.check(small_cfg(**kw))
