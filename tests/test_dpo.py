@@ -176,7 +176,7 @@ def test_trl_parity(trl_case, tmp_path, loss_types, weights, eps):
     args = DPOConfig(output_dir=str(tmp_path), beta=0.1, loss_type=loss_types, loss_weights=weights,
                      label_smoothing=eps, max_length=None, bf16=False, use_cpu=True, gradient_checkpointing=False,
                      report_to="none", dataset_num_proc=None)
-    assert args.beta == 0.1 and args.truncation_mode == "keep_start"  # the installed TRL's settings we rely on
+    assert args.truncation_mode == "keep_start" and DPOConfig(output_dir=str(tmp_path)).loss_type == ["sigmoid"]
     trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(pol_dir), args=args,
                          ref_model=AutoModelForCausalLM.from_pretrained(ref_dir),
                          train_dataset=Dataset.from_dict(rows), processing_class=tok)
@@ -368,18 +368,24 @@ def steps(out):
 
 
 def test_main_resume_restores_the_reference(tmp_path, one_thread, capsys):
-    """Uninterrupted 4 steps == 2 steps, then resumed to 4 (copy: bitwise; precomputed: its cache),
-    so the resumed run trained against the reference DPO started with. A reference that is not the
-    start's (here: init_from a trained policy) is refused on resume."""
-    a, b, c = (str(tmp_path / n) for n in "abc")
+    """Uninterrupted 4 steps == 2 steps, then resumed to 4, for the three references (copy and LoRA's
+    adapters off: bitwise; precomputed: from its cache), so a resumed run trains against the
+    reference DPO started with. A reference that is not the start's (here: init_from a trained
+    policy, as if rebuilt from the resumed policy) is refused on resume."""
+    a, b, c, d, e = (str(tmp_path / n) for n in "abcde")
     main(a)
-    for out, kind in ((b, "copy"), (c, "precomputed")):
-        main(out, reference=kind, stop_at=2)
-        main(out, reference=kind, resume="latest")
+    main(d, lora_r=4)
+    for out, kw in ((b, dict(reference="copy")), (c, dict(reference="precomputed")), (e, dict(lora_r=4))):
+        main(out, stop_at=2, **kw)
+        main(out, resume="latest", **kw)
     assert "reference log-probs of 40 pairs read from" in capsys.readouterr().out
-    want = load_file(os.path.join(a, "step_000004", "model.safetensors"))
-    assert all(torch.equal(v, want[k]) for k, v in load_file(os.path.join(b, "step_000004", "model.safetensors")).items())
-    assert_close(load_file(os.path.join(c, "step_000004", "model.safetensors")), want, "precomputed")
+
+    def weights(out):
+        return load_file(os.path.join(out, "step_000004", "model.safetensors"))
+    for out, want in ((b, a), (e, d)):
+        assert all(torch.equal(v, weights(want)[k]) for k, v in weights(out).items()), out
+    assert_close(weights(c), weights(a), "precomputed")
+    assert any(lora.is_adapter(k) for k in weights(e))
     ref, resumed = steps(a), steps(b)
     assert ref.keys() == resumed.keys() and len(ref) == 7  # steps 1-4, evaluations at 0, 2, 4
     for k, r in ref.items():
