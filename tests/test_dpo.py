@@ -176,7 +176,7 @@ def test_trl_parity(trl_case, tmp_path, loss_types, weights, eps):
     args = DPOConfig(output_dir=str(tmp_path), beta=0.1, loss_type=loss_types, loss_weights=weights,
                      label_smoothing=eps, max_length=None, bf16=False, use_cpu=True, gradient_checkpointing=False,
                      report_to="none", dataset_num_proc=None)
-    assert args.truncation_mode == "keep_start" and DPOConfig(output_dir=str(tmp_path)).loss_type == ["sigmoid"]
+    assert args.truncation_mode == "keep_start" and DPOConfig(str(tmp_path), use_cpu=True, bf16=False).loss_type == ["sigmoid"]
     trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(pol_dir), args=args,
                          ref_model=AutoModelForCausalLM.from_pretrained(ref_dir),
                          train_dataset=Dataset.from_dict(rows), processing_class=tok)
