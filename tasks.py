@@ -115,12 +115,12 @@ class Arithmetic(Task):
         """Conversations to fine-tune on: the question, then the bare answer."""
         return [it["prompt"] + assistant(it["answer"]) for it in self.train(n, seed)]
 
-    def pairs(self, n, seed=0):
+    def pairs(self, n, seed=0, split="train"):
         """Preference pairs: the correct answer chosen, a plausible wrong one rejected (off by one,
-        off by ten, digits swapped)."""
+        off by ten, digits swapped). split="test": on the held-out questions (as test(n, seed))."""
         rng = random.Random(seed)
         out = []
-        for it in self.train(n, seed):
+        for it in (self.test if split == "test" else self.train)(n, seed):
             out.append({"prompt": it["prompt"], "chosen": assistant(it["answer"]),
                         "rejected": assistant(rng.choice(wrong_answers(int(it["answer"]))))})
         return out

@@ -1,0 +1,400 @@
+"""Preference optimisation (DPO and its variants), top to bottom: the math, then main().
+
+    python dpo.py configs/dpo_tiny.py                             # after sft_tiny: init_from=out/sft_tiny
+    torchrun --nproc_per_node=2 dpo.py configs/dpo_tiny.py --reference=precomputed
+    torchrun --nproc_per_node=2 dpo.py configs/dpo_tiny.py --lora_r=8 --lr=1e-3   # reference: adapters off
+
+A sequence log-prob is the SUM of log pi(y_t | prompt, y_<t) over an answer's tokens (content and end
+of turn), by the model's loss path -model(x, y, reduction="none") (under TP the vocab-parallel cross-
+entropy: logits never gathered); one forward a micro-batch, rows [prompt + chosen; prompt + rejected].
+D = (pi_c - ref_c) - (pi_r - ref_r); per pair, a mean over the global batch (eps = label_smoothing):
+    sigmoid  -log s(beta D)                                   DPO, TRL's default
+    ipo      (D_tok - 1/(2 beta))^2, log-ratios divided by their answer's tokens (as TRL)
+    hinge    relu(1 - beta D)
+    robust   (-(1-eps) log s(beta D) + eps log s(-beta D)) / (1 - 2 eps)       (as TRL)
+    cdpo     -(1-eps) log s(beta D) - eps log s(-beta D)   conservative DPO (TRL <= 0.28's sigmoid)
+    simpo    -log s(beta (pi_c/|c| - pi_r/|r|) - simpo_gamma)   reference-free (TRL's CPO simpo)
+    + rpo_alpha * NLL of the chosen answers, a token mean over the global batch (RPO)
+Metrics: TRL's names and meaning, reduced over data-parallel ranks: rewards/chosen = mean beta
+(pi_c - ref_c) (simpo: beta pi_c / |c|), rewards/rejected, rewards/accuracies (strictly greater: 0
+while policy == reference), rewards/margins, logps/chosen, logps/rejected; policy/accuracy: pi_c > pi_r.
+
+The reference (cfg.reference), never given a gradient: "copy", a frozen model loaded from init_from;
+"adapters" (LoRA), the policy with its adapters off (lora.disabled: no second copy); "precomputed",
+one pass by the policy before it trains, kept in memory and out_dir/ref_logps.pt (no reference model
+while training); "auto": adapters with LoRA, else copy. Resume rebuilds it as DPO started (never
+from the resumed policy) and checks it: its held-out log-probs are saved in every checkpoint.
+
+Data: chat_data's preference records (chat.read_pairs: text or messages, implicit prompts; files or
+hf:), else the task's pairs (tasks.py, offline), tokenised once with the chat template (chat.encode).
+Sequences of at most T+1 tokens (T = seq_len or block_size): the prompt is kept whole, answers are
+cut (counted); a pair whose prompt leaves no room or whose answers become the same is skipped (counted).
+"""
+import contextlib
+import hashlib
+import math
+import os
+import sys
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+import chat
+import checkpoint
+import config
+import hf
+import lora
+import logs
+import optim
+import parallel
+import tasks
+from model import IGNORE, ModelConfig, Transformer
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "cdpo", "simpo")
+REFERENCES = ("auto", "copy", "adapters", "precomputed")
+DPO_DEFAULTS = dict(
+    task="arithmetic",       # tasks.get(task).pairs(): the pairs when chat_data (chat.CHAT_DEFAULTS) is ""
+    n_pairs=2000,            # training pairs drawn from the task (chat_data: 0 = all of its pairs)
+    eval_pairs=200,          # held-out pairs (the task's test questions; chat_data: its last after a shuffle)
+    beta=0.1,
+    loss_type="sigmoid",     # sigmoid | ipo | hinge | robust | cdpo | simpo
+    label_smoothing=0.0,     # eps of robust and cdpo, in [0, 0.5)
+    simpo_gamma=0.5,         # SimPO's margin
+    rpo_alpha=0.0,           # weight of the chosen answers' NLL (RPO); 0: none
+    reference="auto",        # auto | copy | adapters | precomputed
+)
+STATS = ("pairs", "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+         "logps/chosen", "logps/rejected", "policy/accuracy", "nll", "tokens")
+
+
+# ----------------------------------------------------------------------------- the math
+
+def pair_losses(pc, pr, rc, rr, lc, lr, loss_type="sigmoid", beta=0.1, eps=0.0, gamma=0.5):
+    """Per-pair losses (B,) from summed log-probs of the policy (pc, pr) and reference (rc, rr) on
+    the chosen / rejected answers, whose token counts are lc, lr (ipo, simpo)."""
+    if loss_type == "simpo":  # reference-free: the reference terms are not read
+        return -F.logsigmoid(beta * (pc / lc - pr / lr) - gamma)
+    dc, dr = pc - rc, pr - rr
+    z = beta * (dc - dr)
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(z)
+    if loss_type == "hinge":
+        return torch.relu(1 - z)
+    if loss_type == "ipo":
+        return (dc / lc - dr / lr - 1 / (2 * beta)) ** 2
+    if loss_type == "robust":
+        return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+    if loss_type == "cdpo":
+        return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+    raise ValueError(f"loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
+
+
+def sequence_logps(fwd, x, y):
+    """(B,) sums of log p(y_t) over the positions where y != IGNORE (the answers), through the
+    model's loss path: -fwd(x, y, reduction="none") is (B, T) fp32 log-probs, 0 where ignored."""
+    return -fwd(x, y, reduction="none").sum(-1)
+
+
+def objective(logps, ref_logps, lens, cfg, n_pairs, n_tokens):
+    """logps, ref_logps, lens (2b,): summed log-probs and answer lengths, rows [chosen; rejected].
+    n_pairs, n_tokens: the global batch's pairs and chosen-answer tokens divided by the data-parallel
+    world (DataParallel and FSDP average gradients over ranks), so that the terms of every
+    micro-step and rank add up to the global batch's mean. -> (loss to backward, sums of STATS)."""
+    (pc, pr), (rc, rr), (lc, lr) = logps.chunk(2), ref_logps.chunk(2), lens.to(logps).chunk(2)
+    losses = pair_losses(pc, pr, rc, rr, lc, lr, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma)
+    loss = losses.sum() / n_pairs
+    if cfg.rpo_alpha:
+        loss = loss - cfg.rpo_alpha * pc.sum() / n_tokens
+    with torch.no_grad():  # the implicit rewards: beta * log-ratio (simpo: beta * mean log-prob)
+        b = cfg.beta
+        c, r = (b * pc / lc, b * pr / lr) if cfg.loss_type == "simpo" else (b * (pc - rc), b * (pr - rr))
+        sums = [torch.tensor(float(len(pc)), device=pc.device), losses, c, r, (c > r).to(c), c - r, pc, pr,
+                (pc > pr).to(c), -pc, lc]
+        return loss, torch.stack([t.sum() for t in sums]).detach()
+
+
+def metrics(sums, group=None, prefix="", rpo_alpha=0.0):
+    """Summed STATS of this rank -> means over every data-parallel rank (all-reduce over group);
+    loss = the pair losses' mean + rpo_alpha * nll (the chosen answers' token-mean NLL)."""
+    if group is not None and dist.get_world_size(group) > 1:
+        sums = sums.clone()
+        dist.all_reduce(sums, group=group)
+    s = dict(zip(STATS, sums.tolist()))
+    out = {prefix + k: v / max(s["pairs"], 1) for k, v in s.items() if k not in ("pairs", "nll", "tokens")}
+    out[prefix + "nll"] = s["nll"] / max(s["tokens"], 1)
+    out[prefix + "loss"] += rpo_alpha * out[prefix + "nll"]
+    return out
+
+
+# ----------------------------------------------------------------------------- batches
+
+def collate(seqs, device="cpu"):
+    """[(prompt ids, chosen ids, rejected ids)] -> x, y (2b, L): rows [prompt+chosen ...;
+    prompt+rejected ...] right-padded (pad id 0, never attended to by a real token); y the next
+    token on answer positions, IGNORE on prompt and padding."""
+    rows = [(p, p + c) for p, c, _ in seqs] + [(p, p + r) for p, _, r in seqs]
+    x = pad_sequence([torch.tensor(full[:-1]) for _, full in rows], batch_first=True)
+    y = pad_sequence([torch.tensor([IGNORE] * (len(p) - 1) + full[len(p):]) for p, full in rows], batch_first=True,
+                     padding_value=IGNORE)
+    return x.to(device), y.to(device)
+
+
+def step_indices(step, n, batch_size, seed):
+    """The global batch of `step`: pair indices from a seeded permutation per epoch (its last partial
+    batch dropped). A function of the step alone: the same on every rank; resume needs only the step."""
+    epoch, k = divmod(step, n // batch_size)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000003 + epoch))
+    return perm[k * batch_size:(k + 1) * batch_size].tolist()
+
+
+@torch.no_grad()
+def pair_logps(fn, seqs, ids, mb, grid, autocast):
+    """(len(ids), 2) [chosen, rejected] log-probs fn(x, y, idx) of pairs seqs[ids], each by one data rank, then
+    shared; every rank runs as many micro-batches (TP / FSDP forwards are collective), spares redo ids[0]."""
+    out = torch.zeros(len(ids), 2, device=grid.device)
+    for start in range(0, len(ids), mb * grid.data_world):
+        mine = [j for j in range(start + grid.data_rank * mb, start + (grid.data_rank + 1) * mb) if j < len(ids)]
+        batch = [ids[j] for j in mine] or [ids[0]]
+        x, y = collate([seqs[i] for i in batch], grid.device)
+        with autocast:
+            c, r = fn(x, y, batch).float().chunk(2)
+        out[mine] = torch.stack([c, r], 1)[:len(mine)]
+    if grid.data_world > 1:
+        dist.all_reduce(out, group=grid.data_group)
+    return out
+
+
+# ----------------------------------------------------------------------------- policy, reference, one step
+
+def build(cfg, grid, load=None, frozen=False):
+    """The policy (or, frozen, a reference copy) in this run's layout, weights from load (hf.init_loader),
+    seeded by cfg.seed: without init_from the copy equals the policy's start. -> parallel.Parallel"""
+    torch.manual_seed(cfg.seed)
+    m = Transformer(ModelConfig.from_cfg(cfg)).to(grid.device).requires_grad_(not frozen)
+    return parallel.parallelize(m, grid, cfg, load=load, optimizer=not frozen)
+
+
+def make_reference(kind, cfg, grid, run, seqs, autocast, table=None, load=None):
+    """(x, y, pair indices) -> (2b,) reference log-probs, under no_grad. kind: copy (a frozen model,
+    eval mode), adapters (the policy, LoRA off), precomputed (`table`, else computed now by the
+    policy, which must not have trained yet), none (simpo: zeros, never read)."""
+    if kind == "copy":
+        ref = build(cfg, grid, load, frozen=True)
+        ref.raw.eval()
+        fn = torch.no_grad()(lambda x, y, idx: sequence_logps(ref.fwd, x, y))
+        fn.model = ref.raw  # for the tests: it never receives a gradient
+        return fn
+    if kind == "adapters":
+        @torch.no_grad()
+        def adapters_off(x, y, idx):
+            with lora.disabled(run.raw):
+                return sequence_logps(run.fwd, x, y)
+        return adapters_off
+    if kind == "precomputed":  # by the policy before it trains: it is the reference then
+        table = policy_logps(run, seqs, range(len(seqs)), cfg, grid, autocast) if table is None else table
+        return lambda x, y, idx: torch.cat([table[idx, 0], table[idx, 1]]).to(x.device)
+    return lambda x, y, idx: torch.zeros(x.shape[0], device=x.device)
+
+
+def policy_logps(run, seqs, ids, cfg, grid, autocast):
+    """(len(ids), 2) log-probs of pairs seqs[ids] by the policy in eval mode (pair_logps)."""
+    run.raw.eval()
+    out = pair_logps(lambda x, y, idx: sequence_logps(run.fwd, x, y), seqs, ids, cfg.micro_batch_size, grid, autocast)
+    run.raw.train()
+    return out
+
+
+def train_step(run, reference, seqs, batch, cfg, grid, autocast):
+    """One optimizer step on the global batch (pair indices): this rank's share in micro-batches, each the
+    reference's forward, then the policy's over [chosen; rejected] and backward. -> (STATS sums, grad norm)"""
+    mb, dw = cfg.micro_batch_size, grid.data_world
+    accum, n_pairs, n_tokens = cfg.batch_size // (mb * dw), cfg.batch_size / dw, sum(len(seqs[i][1]) for i in batch) / dw
+    mine = batch[grid.data_rank * mb * accum:(grid.data_rank + 1) * mb * accum]
+    sums = torch.zeros(len(STATS), device=grid.device)
+    for micro in range(accum):
+        ids = mine[micro * mb:(micro + 1) * mb]
+        x, y = collate([seqs[i] for i in ids], grid.device)
+        with autocast:
+            ref = reference(x, y, ids).float()
+        # communicate only on the last micro-step; earlier ones accumulate gradients locally
+        with run.model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+            with autocast:
+                logps = sequence_logps(run.fwd, x, y)
+            loss, s = objective(logps, ref, (y != IGNORE).sum(-1), cfg, n_pairs, n_tokens)
+            loss.backward()
+        sums += s
+    run.model.finish()
+    grad_norm = run.clip_grad_norm_(cfg.grad_clip or float("inf"))
+    run.optimizer.step()
+    run.model.zero_grad(set_to_none=True)
+    return sums, grad_norm
+
+
+# ----------------------------------------------------------------------------- data
+
+def read_pairs(cfg):
+    """-> (train, held-out, Counter of skipped records) as [(prompt, chosen, rejected) messages]:
+    chat_data's records (chat.read_pairs), shuffled (seed), the last eval_pairs held out; else the
+    task's pairs on its training questions and, held out, on its test questions."""
+    if cfg.chat_data:
+        pairs, skipped = chat.read_pairs(cfg.chat_data, skip_bad=cfg.skip_bad_records, limit=cfg.chat_limit)
+        g = torch.Generator().manual_seed(cfg.seed)
+        pairs = [(pairs[i].prompt, pairs[i].chosen, pairs[i].rejected) for i in torch.randperm(len(pairs), generator=g)]
+        n_eval = min(cfg.eval_pairs, len(pairs) // 2)
+        return pairs[:len(pairs) - n_eval][:cfg.n_pairs or None], pairs[len(pairs) - n_eval:], skipped
+    task = tasks.get(cfg.task)
+    train, held = task.pairs(cfg.n_pairs, cfg.seed), task.pairs(cfg.eval_pairs, cfg.seed, split="test")
+    return [[(d["prompt"], d["chosen"], d["rejected"]) for d in ds] for ds in (train, held)] + [Counter()]
+
+
+def tokenize(pairs, encode, T):
+    """[(prompt, chosen, rejected) messages] -> ([(prompt, chosen, rejected ids)], Counter); encode(msgs,
+    add_generation_prompt) -> (ids, mask) is chat.encode's. The prompt: the generation prompt's ids (as far
+    as both renderings share them, as TRL); an answer: up to its last trained token (the end of turn)."""
+    out, counts = [], Counter()
+    for prompt, chosen, rejected in pairs:
+        p, _ = encode(prompt, True)
+        full = [encode(prompt + a, False) for a in (chosen, rejected)]
+        n = len(os.path.commonprefix([p] + [ids for ids, _ in full]))  # works on lists of ids too
+        answers = [ids[n:max((i for i in range(n, len(ids)) if mask[i]), default=n - 1) + 1] for ids, mask in full]
+        cut = [a[:T + 1 - n] for a in answers]
+        why = ("empty answer" if not all(answers) else "prompt longer than seq_len" if n > T else
+               "chosen == rejected tokens (after the cut)" if cut[0] == cut[1] else None)
+        counts.update([why] if why else ["answers cut to seq_len"] if cut != answers else [])
+        if not why:
+            out.append((p[:n], *cut))
+    return out, counts
+
+
+def check(cfg):
+    """DPO's own settings, before any work is spent."""
+    def need(ok, msg):
+        if not ok:
+            raise config.ConfigError(msg)
+    need(cfg.loss_type in LOSS_TYPES, f"loss_type={cfg.loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
+    need(cfg.reference in REFERENCES, f"reference={cfg.reference!r}: choose one of {', '.join(REFERENCES)}")
+    need(cfg.beta > 0 and 0 <= cfg.label_smoothing < 0.5,
+         f"beta={cfg.beta} must be > 0, label_smoothing={cfg.label_smoothing} in [0, 0.5)")
+    need(min(cfg.rpo_alpha, cfg.n_pairs, cfg.eval_pairs) >= 0, "rpo_alpha, n_pairs and eval_pairs must be >= 0")
+    need(cfg.chat_data or (cfg.task and cfg.n_pairs), "no pairs: set chat_data (file, folder, hf:) or task, n_pairs > 0")
+    need(cfg.reference != "adapters" or cfg.lora_r > 0,
+         "reference='adapters' is the policy with its LoRA adapters off: set lora_r > 0, or reference='copy'")
+    return "none" if cfg.loss_type == "simpo" else cfg.reference if cfg.reference != "auto" else (
+        "adapters" if cfg.lora_r else "copy")
+
+
+def main(argv):
+    # ------------------------------------------------------------------------ setup
+    cfg = config.load(argv, extra={**chat.CHAT_DEFAULTS, **DPO_DEFAULTS})
+    kind = check(cfg)
+    grid = parallel.init(cfg)
+    say = print if grid.is_main else (lambda *a, **k: None)
+    device, dtype = grid.device, parallel.amp_dtype(cfg, grid.device)
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype == torch.bfloat16 else contextlib.nullcontext()
+    if cfg.dropout or cfg.lora_dropout:  # log-probs must be deterministic (TRL's disable_dropout too)
+        say(f"dropout={cfg.dropout}, lora_dropout={cfg.lora_dropout} -> 0: DPO compares exact log-probs")
+        cfg.dropout = cfg.lora_dropout = 0.0
+    started = hf.configure(cfg) or "no init_from: random initial weights"  # init_from's shape and tokenizer
+    tok, template = chat.setup(cfg)  # the template's special tokens added; cfg.vocab_size covers them
+    cfg.vocab_size = cfg.vocab_size if cfg.init_from else tok.n_vocab  # (from scratch: the tokenizer's)
+    config.validate(cfg, grid.world)  # the model keys just changed
+
+    # ------------------------------------------------------------------------ data, then out_dir (lock, resume)
+    T, mb = cfg.seq_len or cfg.block_size, cfg.micro_batch_size
+    train_pairs, held_pairs, skipped = read_pairs(cfg)
+    encode = lambda msgs, gen: chat.encode(tok, template, msgs, add_generation_prompt=gen)  # noqa: E731
+    (train, cut), (held, cut_held) = tokenize(train_pairs, encode, T), tokenize(held_pairs, encode, T)
+    seqs = train + held  # pair i < len(train): training; the rest held out
+    if len(train) < cfg.batch_size:
+        raise config.ConfigError(f"{len(train)} usable training pairs, fewer than batch_size={cfg.batch_size}: "
+                                 f"more pairs (n_pairs, chat_data) or a smaller batch_size")
+    lease = checkpoint.open_run_everywhere(cfg, grid)
+    for line in [f"config:\n{config.show(cfg)}", started] + lease.notes + [f"{what}: {dict(c)}" for what, c in (
+            ("records skipped", skipped), ("training pairs", cut), ("held-out pairs", cut_held)) if c]:
+        say(line)
+    say(f"{len(train)} training / {len(held)} held-out pairs from {cfg.chat_data or cfg.task}; {cfg.loss_type} loss, "
+        f"reference {kind}; world {grid.world} (dp {grid.dp} {cfg.data_parallel}, tp {grid.tp}) on {device} | {dtype} | "
+        f"{cfg.batch_size} pairs a step = {mb} x {grid.data_world} ranks x "
+        f"{cfg.batch_size // (mb * grid.data_world)} micro-steps")
+
+    # ------------------------------------------------------------------------ policy, reference
+    load = hf.init_loader(cfg, grid)
+    run = build(cfg, grid, load)
+    table, held_ids = None, list(range(len(train), len(seqs))) or list(range(mb))  # (none held out: the first)
+    if kind == "precomputed":  # by the policy now, before any step or resume: it is the reference
+        cache, key = os.path.join(cfg.out_dir, "ref_logps.pt"), hashlib.sha256(repr(seqs).encode()).hexdigest()
+        saved = parallel.on_main(grid, lambda: checkpoint.read_pt(cache) if lease.resume_from and
+                                 os.path.isfile(cache) else None)
+        fresh = not (saved and saved["key"] == key)
+        table = policy_logps(run, seqs, range(len(seqs)), cfg, grid, autocast) if fresh else saved["table"].to(device)
+        if fresh and grid.is_main:
+            torch.save({"key": key, "table": table.cpu()}, cache + ".tmp")
+            os.replace(cache + ".tmp", cache)
+        say(f"reference log-probs of {len(seqs)} pairs {'computed, kept in' if fresh else 'read from'} {cache}")
+    reference = make_reference(kind, cfg, grid, run, seqs, autocast, table, load)
+    ref_held = pair_logps(reference, seqs, held_ids, mb, grid, autocast).T.flatten()  # [chosen; rejected]
+    lens = torch.tensor([len(seqs[i][k]) for k in (1, 2) for i in held_ids], device=device)
+    step = 0
+    if lease.resume_from:  # the policy and optimizer of the checkpoint; the reference stays the start's
+        state = checkpoint.load(lease.resume_from, run.raw, run.optimizer, grid, run.model)
+        step, then = state["step"], torch.tensor(state["loader"]["ref_held"], device=device)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2  # another layout may round differently
+        if not torch.allclose(ref_held, then, rtol=tol, atol=tol) and not cfg.force_resume:
+            raise checkpoint.ResumeMismatch(f"the reference differs from the one this run started with (log-probs "
+                                            f"{then[:3].tolist()} then, {ref_held[:3].tolist()} now): init_from "
+                                            f"changed? Point it at the model DPO started from, or --force_resume=True")
+        say(f"resumed from {lease.resume_from} at step {step}; the reference is the one DPO started with")
+    logger = logs.Logger(cfg, grid)
+
+    def evaluate():  # held-out metrics: eval_ + TRL's names
+        pol = policy_logps(run, seqs, held_ids, cfg, grid, autocast).T.flatten()
+        m = metrics(objective(pol, ref_held, lens, cfg, 1, 1)[1], None, "eval_", cfg.rpo_alpha)
+        logger.log(step, m)
+        say(f"step {step} | " + logs.fmt(m))
+
+    def save():
+        weights, opt_state = checkpoint.gather(run.raw, run.optimizer, grid, run.model)
+        checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, {"step": step, "ref_held": ref_held.tolist()},
+                        cfg.keep_last, grid.rank, run_id=lease.run_id)
+
+    # ------------------------------------------------------------------------ training loop
+    if cfg.eval_every and step == 0:
+        evaluate()
+    last = cfg.stop_at or cfg.max_steps
+    interrupt = parallel.Interrupt(grid)  # SIGTERM / SIGINT: finish the step, save, exit 0
+    sums, t0, t_steps = torch.zeros(len(STATS), device=device), time.perf_counter(), 0
+    while step < last:
+        lr = optim.lr_at(step, cfg)
+        for g in run.optimizer.param_groups:
+            g["lr"] = lr * g.get("lr_scale", 1.0)
+        batch = step_indices(step, len(train), cfg.batch_size, cfg.seed)
+        step_sums, grad_norm = train_step(run, reference, seqs, batch, cfg, grid, autocast)
+        sums += step_sums
+        step, t_steps = step + 1, t_steps + 1
+        if step % cfg.log_every == 0 or step == last:
+            m = {**metrics(sums, grid.data_group, rpo_alpha=cfg.rpo_alpha), "lr": lr, "grad_norm": grad_norm.item(),
+                 "pairs_s": t_steps * cfg.batch_size / (time.perf_counter() - t0), "mem_gb": logs.peak_memory_gb(device)}
+            logger.log(step, m)
+            if not math.isfinite(m["loss"]):
+                raise FloatingPointError(f"loss is {m['loss']} at step {step}: lower lr or check the data")
+            say(f"step {step}/{cfg.max_steps} | " + logs.fmt(m))
+            sums, t0, t_steps = sums.zero_(), time.perf_counter(), 0
+        if interrupt.requested():  # every rank agrees, after the same step
+            save()
+            say(f"{interrupt.name()}: saved step {step} in {cfg.out_dir}; continue with --resume")
+            break
+        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last:
+            save()
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == last):
+            evaluate()
+    interrupt.restore()
+    logger.close()
+    parallel.shutdown()
+
+
+if __name__ == "__main__":
+    config.run(main, sys.argv[1:])
