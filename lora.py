@@ -7,6 +7,7 @@ merge and unmerge; adapters saved and loaded in PEFT's format.
     lora.save_peft(out_dir, state, cfg)               # adapter_model.safetensors + adapter_config.json
     lora.load_peft(path, run.raw, grid, run.model)    # a PEFT adapter into the adapters (any layout)
     weights = lora.merge_weights(full_weights, cfg)   # checkpoint.gather's weights -> plain model's, merged
+    with lora.disabled(run.raw): ...                  # the frozen base alone (a GRPO / DPO reference)
 
 What is adapted. y = x W^T + b + scale * B A dropout(x), A (r x in) and B (out x r) per HF module,
 scale = alpha / r (rsLoRA: alpha / sqrt(r)). Our linears are fused where HF's are not: attn.qkv
@@ -48,6 +49,7 @@ frozen tensor in bf16 (an 8B base in 16 GB); it needs bf16 autocast (dtype bfloa
 GPU). Adapters stay fp32. merge()/unmerge() add / subtract scale B A in place (plain or TP model:
 each rank its own slices); merge_weights() does it on full tensors from any layout.
 """
+import contextlib
 import json
 import math
 import os
@@ -136,7 +138,7 @@ class LoRALinear(nn.Module):
         self.weight, self.bias = base.weight, base.bias
         self.row = isinstance(base, tp.RowParallelLinear)
         self.group = getattr(base, "group", None)
-        self.scale, self.merged = scale, False
+        self.scale, self.merged, self.enabled = scale, False, True
         self.drop = nn.Dropout(dropout)
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
         cut = grid.tp > 1 and hasattr(base.weight, "tp_split")
@@ -174,7 +176,7 @@ class LoRALinear(nn.Module):
             y = y if self.bias is None else y + self.bias
         else:  # tp.ColumnParallelLinear's (or nn.Linear's)
             y = F.linear(tp.Copy.apply(x, self.group), self.weight, self.bias)
-        if self.merged or not self.lora_A:
+        if self.merged or not self.lora_A or not self.enabled:
             return y
         h = F.linear(self.drop(x), torch.cat(list(self.lora_A.values())))  # (..., adapted modules * r)
         # row: complete the partial sums before the replicated B; column: B_t's rows on every rank
@@ -210,6 +212,22 @@ def unmerge(model):
     """Undo merge(): subtract the same scale * B A (equal up to rounding)."""
     for m in adapted(model):
         m.unmerge()
+
+
+@contextlib.contextmanager
+def disabled(model):
+    """Inside: model runs as its frozen base, every adapter skipped (the reference policy of GRPO /
+    DPO with LoRA: no second model held). Adapters merged into the weights cannot be skipped."""
+    mods = adapted(model)
+    if any(m.merged for m in mods):
+        raise ValueError("lora.disabled: the adapters are merged into the weights: call lora.unmerge(model) first")
+    for m in mods:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m.enabled = True
 
 
 def apply(model, cfg, grid):
