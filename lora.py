@@ -1,5 +1,6 @@
 """LoRA adapters (Hu et al., 2021) on the Transformer's linears, exact under tensor parallelism;
-merge and unmerge; adapters saved and loaded in PEFT's format.
+merge and unmerge; adapters switched off for a block (disabled()); adapters saved and loaded in
+PEFT's format.
 
     cfg.lora_r = 16                                   # parallel.parallelize then calls apply(): base
     run = parallel.parallelize(model, grid, cfg, load=hf.init_loader(cfg, grid))  # frozen, adapters train
@@ -7,7 +8,7 @@ merge and unmerge; adapters saved and loaded in PEFT's format.
     lora.save_peft(out_dir, state, cfg)               # adapter_model.safetensors + adapter_config.json
     lora.load_peft(path, run.raw, grid, run.model)    # a PEFT adapter into the adapters (any layout)
     weights = lora.merge_weights(full_weights, cfg)   # checkpoint.gather's weights -> plain model's, merged
-    with lora.disabled(run.raw): ...                  # the frozen base alone (a GRPO / DPO reference)
+    with lora.disabled(run.raw): ref = run.fwd(x, y)  # the frozen base alone (dpo.py's reference, no copy)
 
 What is adapted. y = x W^T + b + scale * B A dropout(x), A (r x in) and B (out x r) per HF module,
 scale = alpha / r (rsLoRA: alpha / sqrt(r)). Our linears are fused where HF's are not: attn.qkv
@@ -138,7 +139,7 @@ class LoRALinear(nn.Module):
         self.weight, self.bias = base.weight, base.bias
         self.row = isinstance(base, tp.RowParallelLinear)
         self.group = getattr(base, "group", None)
-        self.scale, self.merged, self.enabled = scale, False, True
+        self.scale, self.merged, self.disabled = scale, False, False
         self.drop = nn.Dropout(dropout)
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
         cut = grid.tp > 1 and hasattr(base.weight, "tp_split")
@@ -176,7 +177,7 @@ class LoRALinear(nn.Module):
             y = y if self.bias is None else y + self.bias
         else:  # tp.ColumnParallelLinear's (or nn.Linear's)
             y = F.linear(tp.Copy.apply(x, self.group), self.weight, self.bias)
-        if self.merged or not self.lora_A or not self.enabled:
+        if self.merged or self.disabled or not self.lora_A:
             return y
         h = F.linear(self.drop(x), torch.cat(list(self.lora_A.values())))  # (..., adapted modules * r)
         # row: complete the partial sums before the replicated B; column: B_t's rows on every rank
@@ -216,18 +217,20 @@ def unmerge(model):
 
 @contextlib.contextmanager
 def disabled(model):
-    """Inside: model runs as its frozen base, every adapter skipped (the reference policy of GRPO /
-    DPO with LoRA: no second model held). Adapters merged into the weights cannot be skipped."""
+    """Inside the block every adapter is skipped: the model computes its frozen base alone (what
+    PEFT's disable_adapter() gives). DPO's reference without a second copy of the model. Works in
+    every layout (each rank skips the same adapters, so TP ranks skip the same collectives; FSDP
+    still gathers the adapter shards, unused). Refused while merged: the base weights hold them."""
     mods = adapted(model)
     if any(m.merged for m in mods):
-        raise ValueError("lora.disabled: the adapters are merged into the weights: call lora.unmerge(model) first")
+        raise ValueError("lora.disabled: the adapters are merged into the base weights; unmerge() first")
     for m in mods:
-        m.enabled = False
+        m.disabled = True
     try:
         yield model
     finally:
         for m in mods:
-            m.enabled = True
+            m.disabled = False
 
 
 def apply(model, cfg, grid):
