@@ -287,8 +287,9 @@ def test_score_masks_and_normalisers():
 # ----------------------------------------------------------------------------- layouts
 
 def one_step(cfg, grid, r, rewards, out=None):
-    """Rollouts r (this rank's rows) and rewards -> weights after one GRPO step (2 epochs, KL to the
-    initial weights), as full tensors."""
+    """Rollouts r (this rank's rows) and rewards -> full weights after one GRPO step (2 epochs, KL to
+    the initial weights), the gradient norm of its last epoch (AdamW would hide a gradient off by a
+    factor), the sums it logs (KL, clipped tokens, tokens) over every rank."""
     import checkpoint
     import parallel
     torch.manual_seed(0)
@@ -297,8 +298,9 @@ def one_step(cfg, grid, r, rewards, out=None):
     ref = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)).requires_grad_(False), grid, cfg, optimizer=False)
     batch, _ = grpo.score(r, rewards, grid, cfg, [STOP])
     batch.ref = grpo.reference_logprobs(ref.fwd, batch, cfg)
-    grpo.learn(run, batch, cfg, cfg.lr)
-    return checkpoint.gather(run.raw, None, grid, run.model)[0]
+    sums, norm = grpo.learn(run, batch, cfg, cfg.lr)
+    weights = checkpoint.gather(run.raw, None, grid, run.model)[0]
+    return {"weights": weights, "grad_norm": norm.reshape(1), "sums": grpo.all_sum(sums, grid)}
 
 
 LAYOUT_CFG = dict(lr=1e-2, beta=0.04, grpo_epochs=2, clip_high=0.28, dynamic_sampling=True, mask_truncated=True,
@@ -335,7 +337,8 @@ def test_layouts_equal_one_process(tmp_path):
     r, rewards = synthetic(model)
     want = one_step(cfg, parallel.init(cfg), r, rewards)
     init = build().state_dict()
-    assert max(rel_err(want[k], init[k]) for k in want) > 1e-3  # the step moved the weights
+    assert max(rel_err(want["weights"][k], init[k]) for k in init) > 1e-3  # the step moved the weights
+    assert want["sums"][1:3].sum() > 0  # some tokens were clipped in the second epoch
     res = [torch.load(tmp_path / f"rank{k}.pt", weights_only=False) for k in range(4)]
     for k in range(4):
         for dp in ("ddp", "fsdp"):
