@@ -210,9 +210,12 @@ def _row_text(row, text_field, where):
     return text or ""
 
 
-def _jsonl_documents(path, text_field, report):
-    # Read line by line with json.loads: a bad line is one error naming path:line
-    report.files += 1
+def jsonl_rows(path, report=None, bad=None):
+    """(line number, JSON value) of each non-blank line of a .jsonl file, read line by line: a line
+    that is not JSON raises DataError naming path:line, or, given a Counter `bad`, is counted under
+    "not_json" and skipped. Undecodable bytes become U+FFFD (the file noted in report.replaced)."""
+    if report is not None:
+        report.files += 1
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
@@ -221,30 +224,38 @@ def _jsonl_documents(path, text_field, report):
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
                 line = raw.decode("utf-8", "replace")
-                if path not in report.replaced:
+                if report is not None and path not in report.replaced:
                     report.replaced.append(path)
             try:
-                row = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno}): {line[:60].strip()!r}; "
-                                "each line of a .jsonl file must be one JSON object") from None
-            yield _row_text(row, text_field, f"{path}:{lineno}")
+                if bad is None:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno}): "
+                                    f"{line[:60].strip()!r}; each line of a .jsonl file must be one JSON object") from None
+                bad["not_json"] += 1
 
 
-def _rows(text_field, path, config=None, split="train", where=None, **kwargs):
-    """Text of each row of a streamed `datasets` dataset. Hub datasets and local parquet files share
-    this path, so the local tests cover the hub option too. where: the local file, named in errors."""
+def _jsonl_documents(path, text_field, report):
+    for lineno, row in jsonl_rows(path, report):
+        yield _row_text(row, text_field, f"{path}:{lineno}")
+
+
+def dataset_rows(path, config=None, split="train", where=None, **kwargs):
+    """Rows (dicts) of a streamed `datasets` dataset. Hub datasets and local parquet files share this
+    path, so the local tests cover the hub option too. where: the local file, named in errors."""
     import datasets  # slow to import: only when a row-based corpus is actually read
     try:
-        for i, row in enumerate(datasets.load_dataset(path, config, split=split, streaming=True, **kwargs)):
-            yield _row_text(row, text_field, f"{where or path} row {i}")
-    except DataError:
-        raise
+        yield from datasets.load_dataset(path, config, split=split, streaming=True, **kwargs)
     except Exception as e:
         if where is None:
             raise
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise DataError(f"{where}: cannot read it as parquet ({type(e).__name__}: {first})") from e
+
+
+def _rows(text_field, path, config=None, split="train", where=None, **kwargs):
+    for i, row in enumerate(dataset_rows(path, config, split, where, **kwargs)):
+        yield _row_text(row, text_field, f"{where or path} row {i}")
 
 
 def _file_documents(path, text_field, report):
@@ -280,7 +291,7 @@ def iter_documents(source="stdlib", text_field="text", report=None):
         site_packages, share = PYTHON_CORPORA[source]
         files = python_files(python_roots(site_packages), CORPUS_SEED, share, report)
     elif source.startswith("hf:"):
-        name, config, split = _parse_hf(source)
+        name, config, split = parse_hf(source)
         return _nonempty(_rows(text_field, name, config, split), source, report)
     elif os.path.exists(source):
         files = _corpus_files(source, report)
@@ -290,7 +301,8 @@ def iter_documents(source="stdlib", text_field="text", report=None):
     return _nonempty(docs, source, report)
 
 
-def _parse_hf(source):
+def parse_hf(source):
+    """'hf:<name>[:<config>][@<split>]' -> (name, config or None, split, default "train")."""
     rest = source[len("hf:"):]
     rest, _, split = rest.partition("@")
     name, _, config = rest.partition(":")

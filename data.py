@@ -135,20 +135,49 @@ def _encoding(name, vocab, fim=False):
                              special_tokens=special, explicit_n_vocab=vocab)
 
 
+@functools.lru_cache(maxsize=None)
+def _chat_encoding(name, vocab, fim, chat):
+    # _encoding plus the chat tokens it lacks, numbered from its n_vocab on (past every id)
+    enc = _encoding(name, vocab, fim)
+    new = [t for t in dict.fromkeys(chat) if t not in enc.special_tokens_set]
+    if not new:
+        return enc
+    special = {**enc._special_tokens, **{t: enc.n_vocab + i for i, t in enumerate(new)}}
+    return tiktoken.Encoding(f"{enc.name}_chat", pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks,
+                             special_tokens=special)
+
+
 class Tokenizer:
     """A tiktoken Encoding plus what training needs: ids are 0..n_vocab-1, documents end in eos_id.
     Text is always encoded as ordinary text: '<|endoftext|>' inside a document is just characters.
-    special_tokens: text -> id of the special tokens (EOS; FIM sentinels where the encoding has them)."""
+    special_tokens: text -> id of the special tokens (EOS; FIM sentinels where the encoding has them;
+    chat tokens when added).
 
-    def __init__(self, name="cl100k_base", vocab=0, fim=False):
-        self.name, self.vocab = name, vocab  # vocab=0: the full encoding
-        self.enc = _encoding(name, vocab, fim)
+    Chat (with_chat / get_tokenizer(chat=True)): a chat template's special tokens that the encoding
+    lacks get ids n_vocab, n_vocab+1, ... (past the base vocabulary, truncated or not); special_ids
+    (text -> id) are the chat tokens, eot_id the end-of-turn token's id (eos_id without chat), and
+    encode_chat(text) reads those tokens' text as the single ids (chat.encode does more: it turns
+    only the positions the template wrote into ids, never a user's literal text)."""
+
+    def __init__(self, name="cl100k_base", vocab=0, fim=False, chat=(), eot=None):
+        self.name, self.vocab, self.fim = name, vocab, fim  # vocab=0: the full encoding
+        self.enc = _chat_encoding(name, vocab, fim, tuple(chat)) if chat else _encoding(name, vocab, fim)
         self.n_vocab = self.enc.n_vocab
         self.eos_id = self.enc.eot_token
         self.special_tokens = {t: self.enc.encode_single_token(t) for t in sorted(self.enc.special_tokens_set)}
+        self.eos_token, self.bos_token = ENDOFTEXT, None
+        self.special_ids = {t: self.special_tokens[t] for t in chat}
+        self.eot_id = self.special_tokens[eot] if eot else self.eos_id
+
+    def with_chat(self, tokens, eot):
+        """This tokenizer with the chat special `tokens` (texts) added where missing; eot: the end-of-turn token."""
+        return Tokenizer(self.name, self.vocab, self.fim, tokens, eot)
 
     def encode(self, text):
         return self.enc.encode_ordinary(text)
+
+    def encode_chat(self, text):
+        return self.enc.encode(text, allowed_special=set(self.special_ids), disallowed_special=())
 
     def encode_batch(self, texts, num_threads=8):
         return self.enc.encode_ordinary_batch(texts, num_threads=num_threads)  # Rust releases the GIL
@@ -156,15 +185,23 @@ class Tokenizer:
     def decode(self, ids):
         return self.enc.decode(ids.tolist() if hasattr(ids, "tolist") else list(ids))
 
+    def token_bytes(self, ids):
+        """The bytes of each token (special tokens: their text): char offsets of an encoding."""
+        return [self.enc.decode_single_token_bytes(i) for i in ids]
+
     def __repr__(self):
         return f"Tokenizer({self.name!r}, n_vocab={self.n_vocab}, eos_id={self.eos_id})"
 
 
-def get_tokenizer(name="cl100k_base", vocab=0, fim=False):
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")  # chat.default_template()'s special tokens; the last ends a turn
+
+
+def get_tokenizer(name="cl100k_base", vocab=0, fim=False, chat=False):
     """vocab > 0 keeps the first vocab-1 BPE ranks plus EOS at vocab-1 (small models, small heads).
     fim=True: the tokenizer must have FIM sentinels (else DataError); truncated, it keeps vocab-4
     ranks, then <|fim_prefix|>, <|fim_middle|>, <|fim_suffix|> at vocab-4..vocab-2 and EOS at vocab-1
     (without fim the ids of a truncated tokenizer are the same as before FIM existed).
+    chat=True adds the default chat template's CHAT_TOKENS past the vocabulary (see Tokenizer).
     A folder is a Hugging Face model's: its tokenizer files are read by hf.py."""
     if os.path.isdir(name):
         if vocab:
@@ -175,7 +212,7 @@ def get_tokenizer(name="cl100k_base", vocab=0, fim=False):
         tok = Tokenizer(name, vocab, fim)
     if fim:
         fim_mod.sentinels(tok)  # refuses a tokenizer without them
-    return tok
+    return tok.with_chat(CHAT_TOKENS, CHAT_TOKENS[-1]) if chat else tok
 
 
 def tokenizer_for(cfg):
@@ -521,13 +558,19 @@ class Loader:
     """
 
     def __init__(self, path, B, T, rank=0, world=1, seed=0, device="cpu"):
+        self.init_stream(B, T, rank, world, seed, device)
+        self.path, self.tokens = path, _open_tokens(path)
+        self.n_windows = check_split(path, T, B * world)
+
+    def init_stream(self, B, T, rank, world, seed, device):
+        """The stream's settings, checked, at its start. A loader of other items (chat.ChatLoader's
+        packed rows) subclasses Loader: it calls this, sets path (a name), n_windows (its number of
+        items), and reads its items at next_windows()."""
         _need(0 <= rank < world, f"rank={rank} must be in [0, world={world})")
         _need(B >= 1, f"B={B} sequences per batch must be >= 1")
         _need(isinstance(seed, int) and seed >= 0, f"seed={seed} must be an integer >= 0")
-        self.path, self.B, self.T, self.rank, self.world, self.seed = path, B, T, rank, world, seed
+        self.B, self.T, self.rank, self.world, self.seed = B, T, rank, world, seed
         self.device = torch.device(device)
-        self.tokens = _open_tokens(path)
-        self.n_windows = check_split(path, T, B * world)
         self.epoch, self.pos = 0, 0  # pos: windows of this epoch's permutation consumed by all ranks
         self._perm, self._perm_epoch = None, -1
 
@@ -537,14 +580,18 @@ class Loader:
             self._perm_epoch = self.epoch
         return self._perm
 
-    def next(self):
+    def next_windows(self):
+        """This rank's B window indices of the next global batch (advances the stream)."""
         G = self.B * self.world
         if self.pos + G > self.n_windows:
             self.epoch, self.pos = self.epoch + 1, 0
         start = self.pos + self.rank * self.B
         windows = self._permutation()[start: start + self.B]
         self.pos += G
-        return _batch(self.tokens, windows, self.T, self.device)
+        return windows
+
+    def next(self):
+        return _batch(self.tokens, self.next_windows(), self.T, self.device)
 
     def state_dict(self):
         return dict(epoch=self.epoch, pos=self.pos, seed=self.seed, T=self.T, n_windows=self.n_windows,

@@ -408,16 +408,23 @@ class HFTokenizer:
     tiktoken Encoding built from HF tokenizer files, plus special_tokens (text -> id), bos_id,
     chat_template and files (the source files, copied by export_hf). encode() reads special-token
     text as plain text, as data.Tokenizer does; encode(text, special=True) turns it into the special
-    ids, as HF tokenizers do (what a rendered chat template needs).
+    ids, as HF tokenizers do (what a rendered chat template needs). The chat names are data.Tokenizer's:
+    with_chat(tokens, eot) adds a template's missing special tokens past the vocabulary, special_ids,
+    eot_id, encode_chat, token_bytes; eos_token / bos_token are the texts.
 
     ranks: token bytes -> HF id. merge_order: None when HF ids follow the merge order (they are
     then tiktoken's ranks); else the tokens in merge order, and ids are mapped both ways."""
     vocab = 0
 
     def __init__(self, name, ranks, pat, special_tokens, eos, bos=None, chat_template=None, nfc=False,
-                 files=(), merge_order=None):
-        self.name, self.special_tokens, self.chat_template, self.nfc, self.files = \
-            name, special_tokens, chat_template, nfc, list(files)
+                 files=(), merge_order=None, chat=(), eot=None):
+        self.args = dict(name=name, ranks=ranks, pat=pat, special_tokens=special_tokens, eos=eos, bos=bos,
+                         chat_template=chat_template, nfc=nfc, files=files, merge_order=merge_order)
+        self.name, self.chat_template, self.nfc, self.files = name, chat_template, nfc, list(files)
+        n = max([*ranks.values(), *special_tokens.values()]) + 1  # chat tokens it lacks come after every id
+        special_tokens = {**special_tokens, **{t: n + i for i, t in enumerate(
+            t for t in dict.fromkeys(chat) if t not in special_tokens)}}
+        self.special_tokens = special_tokens
         self.ids = self.rank_of = None
         if merge_order is not None:
             self.ids = [ranks[t] for t in merge_order] + list(special_tokens.values())  # tiktoken rank -> id
@@ -426,11 +433,18 @@ class HFTokenizer:
             special_tokens = {s: len(ranks) + j for j, s in enumerate(special_tokens)}
         self.enc = tiktoken.Encoding(name, pat_str=pat, mergeable_ranks=ranks, special_tokens=special_tokens)
         self.n_vocab = self.enc.n_vocab if self.ids is None else max(self.ids) + 1
-        for token in (eos, bos):
+        for token in (eos, bos, eot):
             if token and token not in self.special_tokens:
                 raise ValueError(f"{name}: special token {token!r} is not in the vocabulary")
+        self.eos_token, self.bos_token = eos, bos
         self.eos_id = self.special_tokens[eos]
         self.bos_id = self.special_tokens[bos] if bos else None
+        self.special_ids = {t: self.special_tokens[t] for t in chat}
+        self.eot_id = self.special_tokens[eot] if eot else self.eos_id
+
+    def with_chat(self, tokens, eot):
+        """This tokenizer with the chat special `tokens` (texts) added where missing; eot: the end-of-turn token."""
+        return HFTokenizer(**self.args, chat=tuple(tokens), eot=eot)
 
     def _to_ids(self, ranks):
         return ranks if self.ids is None else [self.ids[r] for r in ranks]
@@ -439,6 +453,10 @@ class HFTokenizer:
         text = unicodedata.normalize("NFC", text) if self.nfc else text
         return self._to_ids(self.enc.encode(text, allowed_special="all") if special else self.enc.encode_ordinary(text))
 
+    def encode_chat(self, text):
+        text = unicodedata.normalize("NFC", text) if self.nfc else text
+        return self._to_ids(self.enc.encode(text, allowed_special=set(self.special_ids), disallowed_special=()))
+
     def encode_batch(self, texts, num_threads=8):
         texts = [unicodedata.normalize("NFC", t) for t in texts] if self.nfc else texts
         return [self._to_ids(ids) for ids in self.enc.encode_ordinary_batch(texts, num_threads=num_threads)]
@@ -446,6 +464,10 @@ class HFTokenizer:
     def decode(self, ids):
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         return self.enc.decode(ids if self.rank_of is None else [self.rank_of[i] for i in ids])
+
+    def token_bytes(self, ids):
+        """The bytes of each token (special tokens: their text): char offsets of an encoding."""
+        return [self.enc.decode_single_token_bytes(i if self.rank_of is None else self.rank_of[i]) for i in ids]
 
     def __repr__(self):
         return f"HFTokenizer({self.name!r}, n_vocab={self.n_vocab}, eos_id={self.eos_id})"
