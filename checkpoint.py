@@ -41,6 +41,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ from safetensors.torch import load_file, save_file
 
 import config
 import fsdp
+import lora
 import moe
 import parallel
 import tp
@@ -157,12 +159,13 @@ def _plain(x):
                     f"load with weights_only=True")
 
 
-def save(out_dir, step, weights, optim_state, cfg, loader_state=None, keep_last=2, rank=0, run_id=None):
+def save(out_dir, step, weights, optim_state, cfg, loader_state=None, keep_last=2, rank=0, run_id=None, extra=None):
     """Write gather()'s output as out_dir/step_<step>; returns its path on rank 0. Collective when
     distributed (RNG states are gathered); rank 0 writes. run_id: open_run(cfg).run_id, recorded
     in the checkpoint; pruning keeps the newest keep_last of this run id's checkpoints and never
     touches another run's. Temporary folders are removed only when they are this process's or
-    their writer is verifiably gone."""
+    their writer is verifiably gone. extra(folder): writes more files into the checkpoint (a LoRA
+    run's PEFT adapter), listed and hashed in its manifest like the rest."""
     rngs = _gather_rng()
     if rank != 0:
         return None
@@ -184,6 +187,8 @@ def save(out_dir, step, weights, optim_state, cfg, loader_state=None, keep_last=
     _fsync_write(os.path.join(tmp, "trainer.pt"), lambda f: torch.save(trainer, f))
     read_pt(os.path.join(tmp, "trainer.pt"))  # loads with weights_only=True now, not only at resume time
     _fsync_write(os.path.join(tmp, "config.json"), lambda f: f.write(json.dumps(vars(cfg), indent=1).encode()))
+    if extra is not None:
+        extra(tmp)
     files = {f: {"size": os.path.getsize(os.path.join(tmp, f)), "sha256": _sha256(os.path.join(tmp, f))}
              for f in sorted(os.listdir(tmp))}
     manifest = {"step": step, "run_id": run_id, "files": files}
@@ -522,7 +527,8 @@ def check_resume(path, cfg):
 
 def read_weights(path, cfg):
     """model.safetensors -> full state dict with every name of model config `cfg` (tied names
-    filled in); a mismatch with the config names the offending keys."""
+    filled in), plus the LoRA adapters a LoRA run saved (lora.is_adapter names); a mismatch with
+    the config names the offending keys."""
     file = os.path.join(path, "model.safetensors")
     if not os.path.isfile(file):
         raise config.MissingFileError(f"no model.safetensors in '{path}': is it a checkpoint folder "
@@ -542,7 +548,7 @@ def read_weights(path, cfg):
     need = {k for k, v in ref.items() if alias[id(v)] == k}
     missing = sorted(k for k in need if k not in saved and not any(
         alias[id(ref[o])] == k and o in saved for o in ref))
-    unexpected = sorted(set(saved) - set(ref))
+    unexpected = sorted(k for k in set(saved) - set(ref) if not lora.is_adapter(k))
     shapes = [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(ref[k].shape)}"
               for k in sorted(set(ref) & set(saved)) if saved[k].shape != ref[k].shape]
     if missing or unexpected or shapes:
@@ -564,8 +570,11 @@ def read_weights(path, cfg):
 
 
 def load_model(path, model):
-    """Load a checkpoint's weights into a plain (unsharded) model."""
+    """Load a checkpoint's weights into a plain (unsharded) model (a LoRA run's: adapters merged)."""
     sd = read_weights(path, model.cfg)
+    if any(lora.is_adapter(k) for k in sd):
+        with open(os.path.join(path, "config.json")) as f:
+            sd = lora.merge_weights(sd, SimpleNamespace(**json.load(f)))
     with torch.no_grad():
         for k, t in model.state_dict().items():
             t.copy_(sd[k])
@@ -591,6 +600,10 @@ def load(path, model, optimizer, grid, wrapper=None):
     if reason:
         raise CheckpointError(f"'{path}' is not a complete checkpoint: {reason}")
     weights = read_weights(path, model.cfg)
+    have, got = ({k for k in sd if lora.is_adapter(k)} for sd in (model.state_dict(), weights))
+    if have != got:
+        raise CheckpointError(f"'{path}' holds LoRA adapters {sorted(got)[:3]}, this model {sorted(have)[:3]}: resume "
+                              f"with the checkpoint's lora_r / lora_targets")
     opt_state = None
     if optimizer is not None:
         opt_file = os.path.join(path, "optimizer.pt")

@@ -1,8 +1,15 @@
-"""Generate text from a checkpoint, or fill in the middle between a prefix and a suffix.
+"""Generate text from a checkpoint, fill in the middle between a prefix and a suffix, or chat.
 
     python sample.py out/tiny                       # newest checkpoint of a run
     python sample.py out/tiny/step_000300 --prompt="def parse(" --n=3 --tokens=200 --temperature=0.7
     python sample.py out/fim --prefix=$'def add(a, b):\n' --suffix=$'\n    return c\n'    # infilling
+    python sample.py out/sft_tiny --chat --prompt="What is 12 + 5?"     # one answer of a fine-tuned model
+    python sample.py out/sft_tiny --chat --temperature=0                # a conversation: type, Enter; Ctrl-D ends
+
+Chat (--chat): a model fine-tuned by sft.py (or an HF folder with a chat template) answers in its
+own chat template (chat.setup: the one it was trained with), through generate.decode, until its
+end-of-turn token; without --prompt it keeps the conversation going, turn by turn, from stdin.
+A LoRA run's checkpoint is sampled with its adapters merged.
 
 Infilling (a model trained with fim_rate > 0, or an HF model whose tokenizer has FIM sentinels)
 prompts in PSM order, <PRE> prefix <SUF> suffix <MID> (fim.py), generates the middle until EOS
@@ -12,10 +19,12 @@ into an argument.)
 import argparse
 import json
 import os
+import sys
 from types import SimpleNamespace
 
 import torch
 
+import chat
 import checkpoint
 import data
 import fim
@@ -43,6 +52,38 @@ def load(path, device="cpu"):
     return model.to(device).eval(), tok, cfg
 
 
+def chat_setup(path, cfg):
+    """(tokenizer with the chat template's special tokens, template) of a model loaded by load()."""
+    keys = dict(init_from=path, tokenizer=path, tokenizer_vocab=0) if hf.is_hf_folder(path) else {}
+    run = SimpleNamespace(**{**chat.CHAT_DEFAULTS, **vars(cfg), **keys})  # a pretraining checkpoint has no chat keys
+    tok, template = chat.setup(run)
+    if tok.n_vocab > cfg.vocab_size:
+        raise SystemExit(f"error: {path} was not fine-tuned for chat (its vocabulary lacks the template's special "
+                         f"tokens {template.special_tokens}): fine-tune it with sft.py first")
+    return tok, template
+
+
+def converse(model, tok, template, a):
+    """--chat: answer --prompt once (--n samples), or hold a conversation read from stdin."""
+    messages = [{"role": "system", "content": a.system}] if a.system else []
+    turns = [a.prompt] if a.prompt else (line.rstrip("\n") for line in sys.stdin)
+    if not a.prompt:
+        print("chat: type a message, Enter to send; Ctrl-D ends", file=sys.stderr)
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        ids = chat.encode(tok, template, messages, add_generation_prompt=True)[0]
+        new = min(a.tokens, model.cfg.block_size - len(ids))
+        if new <= 0:
+            raise SystemExit(f"error: the conversation has {len(ids)} tokens, block_size is {model.cfg.block_size}")
+        r = generate.decode(model, [ids], new, n=a.n if a.prompt else 1, temperature=a.temperature, top_k=a.top_k,
+                            top_p=a.top_p, stop_tokens=[tok.eot_id], pad_id=tok.eot_id, seed=a.seed)
+        answers = [tok.decode([t for t in row[:n] if t != tok.eot_id])
+                   for row, n in zip(r.tokens[:, r.prompt_len:].tolist(), r.lengths.tolist())]
+        for i, answer in enumerate(answers):
+            print(f"--- answer {i} ---\n{answer}" if a.prompt else f"assistant: {answer}", flush=True)
+        messages.append({"role": "assistant", "content": answers[0]})
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", help="run folder (out/<run>), checkpoint folder (out/<run>/step_N) or HF model folder")
@@ -56,7 +97,14 @@ def main(argv=None):
     p.add_argument("--top_p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--chat", action="store_true", help="talk to a fine-tuned model in its chat template")
+    p.add_argument("--system", default="", help="--chat: a system message first")
     a = p.parse_args(argv)
+    if a.chat:
+        if a.prefix is not None or a.suffix is not None:
+            p.error("--chat answers messages; --prefix/--suffix fill in a middle: give one or the other")
+        model, _, cfg = load(a.path, a.device)
+        return converse(model, *chat_setup(a.path, cfg), a)
     infill = a.prefix is not None or a.suffix is not None
     if infill and a.prompt:
         p.error("--prompt continues text; --prefix/--suffix fill in a middle: give one or the other")
