@@ -35,7 +35,6 @@ The log splits each step's time into rollout / reward / learn.
 Importing this file runs nothing: main() does the work.
 """
 import contextlib
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import chat
 import checkpoint
 import config
 import generate
@@ -51,6 +51,7 @@ import logs
 import lora
 import optim
 import parallel
+import tasks
 from model import IGNORE, ModelConfig, Transformer
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
@@ -299,20 +300,19 @@ def check(cfg, grid):
 
 
 def main(argv):
-    import chat
-    import tasks
     t_start = time.perf_counter()
     cfg = config.load(argv, extra={**chat.CHAT_DEFAULTS, **DEFAULTS})
     grid = parallel.init(cfg)
-    check(cfg, grid)
     say = print if grid.is_main else (lambda *a, **k: None)
     device, G, P = grid.device, cfg.group_size, cfg.batch_size // cfg.group_size
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
                 if parallel.amp_dtype(cfg, device) == torch.bfloat16 else contextlib.nullcontext())
-    note = hf.configure(cfg)  # init_from (an HF folder or our checkpoint): the model's shape and tokenizer
-    if note:
-        say(note)
+    started = hf.configure(cfg) or "no init_from: random initial weights"  # init_from's shape and tokenizer
     tok, template = chat.setup(cfg)  # the chat template's special tokens added; vocab_size grown to fit
+    if not cfg.init_from:
+        cfg.vocab_size = tok.n_vocab
+    config.validate(cfg, grid.world)  # the model keys just changed
+    check(cfg, grid)
     task = tasks.get(cfg.task)
     train, test = task.train(cfg.train_prompts, cfg.seed), task.test(cfg.eval_prompts, cfg.seed)
     train_ids, test_ids = ([chat.encode(tok, template, it["prompt"], add_generation_prompt=True)[0] for it in items]
@@ -324,7 +324,7 @@ def main(argv):
     stops = sorted({tok.eot_id, tok.eos_id})  # a completion ends with (and learns) its end-of-turn token
     sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p, stop_tokens=stops, pad_id=0)
     lease = checkpoint.open_run_everywhere(cfg, grid)
-    for line in lease.notes:
+    for line in [started] + lease.notes:
         say(line)
     say(f"config:\n{config.show(cfg)}")
 

@@ -23,11 +23,13 @@ Proves:
 - rewards to a batch (score): rewards gathered before the group statistics, dynamic sampling
   drops groups of equal rewards from the loss mask and the normaliser, mask_truncated drops
   completions that did not stop, the end-of-turn token is in the completion mask;
-- layouts (one 4-process gloo spawn): under TP2 x DP2 every rank of a TP group samples the same
-  tokens as one process with that data rank's seed, and the two data ranks differ; a GRPO step
-  (2 micro-batches, clip, KL to a reference) under TP2 x DP2 and TP2 x FSDP2 gives the
-  one-process weights (relative error <= 1e-5) on the same rollouts, with rewards gathered across
-  ranks for the advantages (groups spanning ranks).
+- layouts (one 4-process gloo spawn): under TP2 x DP2 and TP2 x FSDP2 (inside full_params) every
+  rank of a TP group samples the same tokens as one process with its data rank's seed
+  (rollout_seed(seed, step, grid)); a GRPO step (3 prompts x 4 samples, a group spanning the two
+  data ranks, 3 micro-batches per rank, 2 epochs, clip-higher, KL to a reference, dynamic sampling
+  and overlong filtering) under TP2 x DP2 and TP2 x FSDP2 gives the one-process weights, gradient
+  norm and logged sums (relative error <= 1e-5) on the same rollouts: rewards are gathered across
+  ranks before the advantages, the normalisers are the step's.
 """
 import os
 from types import SimpleNamespace
@@ -318,13 +320,14 @@ def _layouts(rank, out_dir):
         rows = grpo.rows_of(P, G, grid.data_rank, grid.data_world)
         mine = part(r, rows)
         res[dp] = one_step(cfg, grid, mine, rewards[rows])
-        if dp == "ddp":  # the rollout under TP2 x DP2: the seed of the data rank
-            torch.manual_seed(0)
-            run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg)
-            prompts = [r.tokens[i * G, :r.prompt_len][r.mask[i * G, :r.prompt_len]] for i in range(P)]
-            with run.full_params():
-                res["rollout"] = grpo.rollout(run.raw, prompts, G, grid.data_rank, grid.data_world, N, temperature=1.0,
-                                              stop_tokens=[STOP], seed=grpo.rollout_seed(0, 7, grid)).tokens
+        # the rollout under TP2 x DP2 (FSDP: parameters gathered once around it), seeded by the data rank
+        torch.manual_seed(0)
+        run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg)
+        prompts = [r.tokens[i * G, :r.prompt_len][r.mask[i * G, :r.prompt_len]] for i in range(P)]
+        with run.full_params():
+            res[dp + "_rollout"] = grpo.rollout(run.raw, prompts, G, grid.data_rank, grid.data_world, N,
+                                                temperature=1.0, stop_tokens=[STOP],
+                                                seed=grpo.rollout_seed(0, 7, grid)).tokens
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -341,10 +344,11 @@ def test_layouts_equal_one_process(tmp_path):
     assert want["sums"][1:3].sum() > 0  # some tokens were clipped in the second epoch
     res = [torch.load(tmp_path / f"rank{k}.pt", weights_only=False) for k in range(4)]
     for k in range(4):
-        for dp in ("ddp", "fsdp"):
+        for dp in ("ddp", "fsdp"):  # weights, gradient norm and logged sums of the step
             assert_close(res[k][dp], want, f"rank {k} {dp}")
     prompts = [r.tokens[i * G, :r.prompt_len][r.mask[i * G, :r.prompt_len]] for i in range(P)]
     for d in range(2):  # ranks 2d, 2d+1: data rank d's TP pair; both equal one process with d's seed
         one = grpo.rollout(model, prompts, G, d, 2, N, temperature=1.0, stop_tokens=[STOP],
                            seed=grpo.rollout_seed(0, 7, SimpleNamespace(data_rank=d))).tokens
-        assert torch.equal(res[2 * d]["rollout"], one) and torch.equal(res[2 * d + 1]["rollout"], one)
+        for k in (2 * d, 2 * d + 1):
+            assert torch.equal(res[k]["ddp_rollout"], one) and torch.equal(res[k]["fsdp_rollout"], one), k
