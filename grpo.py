@@ -114,10 +114,11 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type="dapo", eps_low=0.2, eps
 
     logp (B, N) log-probs of the completion tokens under the policy (differentiable), old_logp
     (B, N) under the rollout policy, adv (B,), mask (B, N) tokens that count, ref_logp (B, N) when
-    beta > 0; kl_ratio: the k3 term times the (differentiable) ratio, the unbiased reverse-KL gradient
-    of DeepSeek-V3.2 (TRL's use_bias_correction_kl, default since 1.x). The normalisers default to this batch's: n_seqs rows, n_tokens = mask.sum(),
-    max_len = N; a step split over micro-batches and ranks passes the step's totals (divided by
-    the data-parallel world, whose gradients are averaged), so the parts add up to the whole.
+    beta > 0; kl_ratio: k3 times the (differentiable) ratio, the unbiased reverse-KL gradient of
+    DeepSeek-V3.2 (TRL 1.16's default use_bias_correction_kl). The normalisers default to this
+    batch's: n_seqs rows, n_tokens = mask.sum(), max_len = N; a step split over micro-batches and
+    ranks passes the step's totals (over the data-parallel world, whose gradients are averaged), so
+    the parts add up to the whole.
     """
     mask = mask.float()
     eps_high = eps_low if eps_high is None else eps_high
@@ -193,11 +194,12 @@ def gather(x, grid):
     if grid.data_world == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(grid.data_world)]
-    dist.all_gather(parts, x.contiguous(), group=grid.data_group)
+    dist.all_gather(parts, x, group=grid.data_group)
     return torch.cat(parts)
 
 
 def all_sum(x, grid):
+    """x summed over the data ranks, in place."""
     if grid.data_world > 1:
         dist.all_reduce(x, group=grid.data_group)
     return x
@@ -364,16 +366,16 @@ def main(argv):
         with run.full_params(), autocast:
             r = generate.decode(raw, [test_ids[i] for i in mine], cfg.max_new_tokens, **{**sampling, "temperature": 0})
         got = rewards_of(r, test, mine).nan_to_num(0.0)
-        return (all_sum(torch.stack([got.sum(), torch.tensor(float(len(mine)), device=device)]), grid)).tolist()
+        s, n = all_sum(torch.stack([got.sum(), got.new_tensor(len(mine))]), grid).tolist()
+        logger.log(step, {"heldout_reward": s / n})
+        say(f"step {step} | held-out reward {s / n:.4f} ({len(test)} prompts)")
 
     def save():
         weights, opt_state = checkpoint.gather(raw, run.optimizer, grid, run.model)
         checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, {}, cfg.keep_last, grid.rank, run_id=lease.run_id)
 
     if cfg.eval_every and step == 0:
-        s, n = evaluate()
-        logger.log(0, {"heldout_reward": s / n})
-        say(f"step 0 | held-out reward {s / n:.4f}")
+        evaluate()
     last = cfg.stop_at or cfg.max_steps
     interrupt = parallel.Interrupt(grid)
     while step < last:
@@ -414,9 +416,7 @@ def main(argv):
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last:
             save()
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == last):
-            s, n = evaluate()
-            logger.log(step, {"heldout_reward": s / n})
-            say(f"step {step} | held-out reward {s / n:.4f}")
+            evaluate()
     interrupt.restore()
     logger.close()
     parallel.shutdown()
