@@ -285,18 +285,19 @@ def learn(run, batch, cfg, lr, autocast=contextlib.nullcontext()):
 
 def check(cfg, grid):
     """Settings that cannot work, found before any work is spent."""
-    G, dw = cfg.group_size, grid.data_world
+    G = cfg.group_size
     for bad, msg in [
         (G < 2, f"group_size={G} must be >= 2 (advantages compare samples of one prompt)"),
-        (cfg.batch_size % G, f"batch_size={cfg.batch_size} (completions per step) must be a multiple of group_size={G}"),
+        (cfg.batch_size % G, f"batch_size={cfg.batch_size} (completions per step): a multiple of group_size={G}"),
         (cfg.loss_type not in LOSS_TYPES, f"loss_type={cfg.loss_type!r} must be one of {', '.join(LOSS_TYPES)}"),
         (cfg.scale_rewards not in SCALES, f"scale_rewards={cfg.scale_rewards!r} must be one of {', '.join(SCALES)}"),
-        (cfg.importance_level not in ("token", "sequence"), f"importance_level={cfg.importance_level!r}: token or sequence"),
+        (cfg.importance_level not in ("token", "sequence"), f"importance_level={cfg.importance_level!r}?"),
         (not 0 <= cfg.clip_low < 1 or cfg.clip_high < 0, f"clip_low={cfg.clip_low} must be in [0, 1), clip_high >= 0"),
         (cfg.beta < 0 or cfg.temperature <= 0, f"beta={cfg.beta} must be >= 0 and temperature={cfg.temperature} > 0"),
-        (min(cfg.max_new_tokens, cfg.grpo_epochs, cfg.train_prompts) < 1, "max_new_tokens, grpo_epochs and "
-         "train_prompts must be >= 1"),
-        (cfg.eval_every and cfg.eval_prompts < dw, f"eval_prompts={cfg.eval_prompts} must be >= the {dw} data ranks")]:
+        (min(cfg.max_new_tokens, cfg.grpo_epochs, cfg.train_prompts) < 1,
+         "max_new_tokens, grpo_epochs and train_prompts must be >= 1"),
+        (cfg.eval_every and cfg.eval_prompts < grid.data_world,
+         f"eval_prompts={cfg.eval_prompts} must be >= the {grid.data_world} data ranks")]:
         if bad:
             raise config.ConfigError(msg)
 
@@ -361,14 +362,19 @@ def main(argv):
         return torch.tensor(out, device=device)
 
     def evaluate():
-        """Mean reward of greedy answers to the held-out prompts (each data rank some of them)."""
+        """Held-out prompts (each data rank some of them): the mean reward of group_size samples each
+        at the training temperature (fixed seed), and of the greedy answers."""
         mine = list(range(grid.data_rank, len(test), grid.data_world))
         with run.full_params(), autocast:
-            r = generate.decode(raw, [test_ids[i] for i in mine], cfg.max_new_tokens, **{**sampling, "temperature": 0})
-        got = rewards_of(r, test, mine).nan_to_num(0.0)
-        s, n = all_sum(torch.stack([got.sum(), got.new_tensor(len(mine))]), grid).tolist()
-        logger.log(step, {"heldout_reward": s / n})
-        say(f"step {step} | held-out reward {s / n:.4f} ({len(test)} prompts)")
+            sampled = generate.decode(raw, [test_ids[i] for i in mine], cfg.max_new_tokens, n=G,
+                                      **{**sampling, "seed": rollout_seed(cfg.seed, -1, grid)})
+            greedy = generate.decode(raw, [test_ids[i] for i in mine], cfg.max_new_tokens,
+                                     **{**sampling, "temperature": 0})
+        got = [rewards_of(sampled, test, [i for i in mine for _ in range(G)]).nan_to_num(0.0).mean() * len(mine),
+               rewards_of(greedy, test, mine).nan_to_num(0.0).sum(), torch.tensor(float(len(mine)), device=device)]
+        s, g, n = all_sum(torch.stack(got), grid).tolist()
+        logger.log(step, {"heldout_reward": s / n, "heldout_greedy": g / n})
+        say(f"step {step} | held-out reward {s / n:.4f} sampled, {g / n:.4f} greedy ({len(test)} prompts)")
 
     def save():
         weights, opt_state = checkpoint.gather(raw, run.optimizer, grid, run.model)

@@ -277,7 +277,8 @@ def test_score_masks_and_normalisers():
     assert torch.equal(batch.loss_mask, gen) and batch.n_seqs == 12 and batch.n_tokens == gen.sum()
     assert torch.allclose(batch.adv, grpo.advantages(rewards, G))
     for i in range(12):  # the end-of-turn token is the completion's last counted token
-        assert batch.loss_mask[i, r.lengths[i] - 1] and (r.tokens[i, r.prompt_len + r.lengths[i] - 1] == STOP) == (i % 3 != 1)
+        last = r.tokens[i, r.prompt_len + r.lengths[i] - 1]
+        assert batch.loss_mask[i, r.lengths[i] - 1] and (last == STOP) == (i % 3 != 1)
     assert stats == [6.0, 11.0, 1.0, 3.0, 4.0, float(r.lengths.sum())]  # reward sum, rewarded, equal groups, ...
     batch, _ = grpo.score(r, rewards, grid, grpo_cfg(dynamic_sampling=True, mask_truncated=True), [STOP])
     want = gen.clone()
@@ -374,7 +375,7 @@ def test_main_runs_and_logs(tmp_path):
     assert all(set(r) >= {"t_reward", "kl", "clip_low", "clip_high", "frac_equal_groups", "len"} for r in steps)
     assert [r["step"] for r in rec if "heldout_reward" in r] == [0, 2]
     assert (out / "step_000002" / "model.safetensors").exists()
-    for bad, match in [("--group_size=3", "multiple of group_size"), ("--loss_type=bnpo", "loss_type"),
+    for bad, match in [("--group_size=3", "a multiple of group_size"), ("--loss_type=bnpo", "loss_type"),
                        ("--max_new_tokens=60", "block_size")]:
         with pytest.raises(config.UserError, match=match):
             grpo.main(args + [bad, "--overwrite"])
