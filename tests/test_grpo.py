@@ -190,19 +190,29 @@ def plain_logprobs(model, tokens, start, temperature):
 
 
 def test_all_logprobs_use_the_temperature():
-    import types
-    model, T = build(), 0.7
+    import parallel
+    T = 0.7
+    cfg = grpo_cfg(temperature=T, micro_batch_size=3, clip_low=1e-4, clip_high=1e-4, beta=0.1)
+    run = parallel.parallelize(build(), parallel.init(cfg), cfg)
+    model = run.raw
     prompts = [torch.randint(0, V, (6,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    r = grpo.rollout(model, prompts, 4, 0, 1, 8, temperature=T, seed=3)  # no stop token: every row 8 long
+    r = grpo.rollout(model, prompts, G, 0, 1, 8, temperature=T, seed=3)  # no stop token: every row 8 long
     want = plain_logprobs(model, r.tokens, r.prompt_len, T)
-    assert (want - plain_logprobs(model, r.tokens, r.prompt_len, 1.0)).abs().max() > 0.05  # T matters here
-    cfg = types.SimpleNamespace(micro_batch_size=3, temperature=T)
-    batch = grpo.Batch(r.tokens, r.mask, r.prompt_len, r.logprobs, r.mask[:, r.prompt_len:], torch.zeros(8))
+    at_one = plain_logprobs(model, r.tokens, r.prompt_len, 1.0)
+    assert (want - at_one).abs().max() > 0.05  # T matters here
+    batch, _ = grpo.score(r, torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 0]), run.grid, cfg, [STOP])
     with torch.no_grad():
         new = grpo.token_logprobs(model, r.tokens, r.mask, r.prompt_len, T)
-    ref = grpo.reference_logprobs(model, batch, cfg)
-    for name, got in [("old (rollout)", r.logprobs), ("new", new), ("reference", ref)]:
+    batch.ref = grpo.reference_logprobs(model, batch, cfg)
+    for name, got in [("old (rollout)", r.logprobs), ("new", new), ("reference", batch.ref)]:
         assert (got - want).abs().max() <= 1e-5, name
+    # inside learn(): the policy's ratio to the rollout is 1 (no token outside a 1e-4 clip range) and
+    # k3 to the same weights is 0; rollout log-probs taken at T = 1 instead put tokens outside
+    sums, _ = grpo.learn(run, batch, cfg, lr=0.0)
+    assert sums[0] <= 1e-6 * sums[3] and sums[1] == sums[2] == 0 and sums[3] == 64
+    batch.old = at_one
+    sums, _ = grpo.learn(run, batch, cfg, lr=0.0)
+    assert sums[1] + sums[2] > 10
 
 
 def test_lora_reference_is_the_base():
@@ -263,8 +273,8 @@ def part(r, rows):
 
 def grpo_cfg(**kw):
     from distributed import train_cfg
-    return train_cfg({**grpo.DEFAULTS, **LLAMA}, group_size=G, max_new_tokens=N, temperature=0.8, micro_batch_size=2,
-                     **kw)
+    return train_cfg({**grpo.DEFAULTS, **LLAMA}, **{**dict(group_size=G, max_new_tokens=N, temperature=0.8,
+                                                           micro_batch_size=2), **kw})
 
 
 def test_score_masks_and_normalisers():
