@@ -414,11 +414,13 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, idx, targets=None, *, reduction="mean", cache=None, pos=None, attn_mask=None):
+    def forward(self, idx, targets=None, *, reduction="mean", cache=None, pos=None, attn_mask=None, temperature=1.0):
         """idx (B, T) token ids -> logits (B, T, vocab_size), or the loss when targets are given.
 
         targets: (B, T) ids, IGNORE (-100) where no loss is wanted; reduction "mean" | "sum" |
           "none" (-> (B, T), zeros at ignored positions).
+        temperature: the loss of logits / temperature (with targets only): GRPO's log-probs under the
+          sampling temperature (1.0: the plain loss).
         cache: a generate.KVCache; the new tokens' keys/values are appended at cache.length and the
           tokens attend to everything cached.
         MoE models (moe.py): in training mode with reduction "mean" the returned loss also holds
@@ -432,7 +434,7 @@ class Transformer(nn.Module):
         x = self.hidden_states(idx, cache=cache, pos=pos, attn_mask=attn_mask)
         if targets is None:
             return self.logits(x)
-        loss = self.head_loss(x, targets, reduction)
+        loss = self.head_loss(x, targets, reduction, temperature)
         if self.cfg.n_experts and self.training and reduction == "mean":
             loss = loss + self.router_loss()
         return loss
@@ -447,9 +449,10 @@ class Transformer(nn.Module):
         """Hidden states (..., C) -> logits (..., vocab_size): padded vocabulary rows sliced off."""
         return self.head(x)[..., :self.cfg.vocab_size]
 
-    def head_loss(self, x, targets, reduction="mean"):
-        """Hidden states (B, T, C) and targets (B, T) -> cross-entropy of the head's logits."""
-        return self.loss(self.logits(x), targets, reduction)
+    def head_loss(self, x, targets, reduction="mean", temperature=1.0):
+        """Hidden states (B, T, C) and targets (B, T) -> cross-entropy of the head's logits / temperature."""
+        logits = self.logits(x)
+        return self.loss(logits if temperature == 1.0 else logits / temperature, targets, reduction)
 
     @staticmethod
     def loss(logits, targets, reduction="mean"):

@@ -298,8 +298,11 @@ class VocabParallelHead(ColumnParallelLinear):
         """Full logits (..., vocab_size): gathers the shards (generation / evaluation only)."""
         return Gather.apply(self(x), self.group)[..., :self.vocab_size]
 
-    def loss(self, x, targets, reduction="mean"):
-        return vocab_parallel_cross_entropy(self(x), targets, self.group, self.vocab_size, IGNORE, reduction)
+    def loss(self, x, targets, reduction="mean", temperature=1.0):
+        """Cross-entropy of this rank's logits / temperature (each rank divides its own columns)."""
+        logits = self(x)
+        logits = logits if temperature == 1.0 else logits / temperature
+        return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_size, IGNORE, reduction)
 
 
 # ----------------------------------------------------------------------------- the model

@@ -1,0 +1,432 @@
+"""GRPO: reinforcement learning with verifiable rewards, top to bottom.
+
+    python grpo.py configs/grpo_tiny.py                                  # the arithmetic task on CPU
+    torchrun --nproc_per_node=2 grpo.py configs/grpo_tiny.py --data_parallel=fsdp --init_from=out/sft_tiny
+
+One step: P prompts -> G samples each with the fast decoder (generate.decode; the rollout policy's
+log-probs come with the tokens) -> rewards (the task's checker) -> advantages (every rank's
+rewards gathered first: a group may span ranks) -> mu policy-gradient epochs over the rollout, one
+optimizer step each -> next prompts. The math is plain functions at the top (tests import them):
+
+  advantages   A = r - mean(group); "group": / (sample std of the group + 1e-4) (GRPO, TRL's
+               default), "batch": / (sample std of the whole batch + 1e-4), "none": mean only
+               (Dr. GRPO). A reward of None (NaN) is left out of the statistics; its A is 0.
+  ratio        exp(logp - old_logp) per token against the rollout policy; importance_level
+               "sequence": exp of the sequence's mean log-ratio (GSPO), one per completion.
+  loss         per token -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
+               (+ beta * k3 to the reference), eps_high > eps_low is DAPO's clip-higher;
+               aggregated as "grpo" (token mean per sequence, mean over sequences), "dapo" (token
+               sum over the token count of the whole optimizer step, every rank and micro-batch)
+               or "dr_grpo" (token sum over sequences x max_new_tokens).
+  k3           exp(ref - logp) - (ref - logp) - 1 (Schulman), beta = 0 by default: then no
+               reference is held. With LoRA the reference is the base: lora.disabled(model).
+Every log-prob (rollout, new, reference) is of logits / temperature: the sampled distribution.
+The end-of-turn token that ends a completion is part of its completion mask: the policy learns to
+stop (as TRL; nanochat leaves it out). A completion cut at max_new_tokens keeps its tokens unless
+mask_truncated=True (DAPO's overlong filtering). dynamic_sampling=True leaves out the groups whose
+rewards are all equal (DAPO; no refill: the step learns from fewer groups; their A is 0 anyway, so
+only the normalisers change).
+
+Layouts (parallel.parallelize): DP / FSDP ranks each roll out their slice of the P x G completions
+(their sampling seed is the step's and the data-parallel rank's, so every TP rank of a group draws
+the same tokens); FSDP gathers the parameters once around the whole rollout (full_params()).
+The loss normalisers are global counts, so DP2 / FSDP2 steps equal one process on the same rollouts.
+The log splits each step's time into rollout / reward / learn.
+Importing this file runs nothing: main() does the work.
+"""
+import contextlib
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import chat
+import checkpoint
+import config
+import generate
+import hf
+import logs
+import lora
+import optim
+import parallel
+import tasks
+from model import IGNORE, ModelConfig, Transformer
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+SCALES = ("group", "batch", "none")
+
+# this stage's config keys (config.load(argv, extra=...)); batch_size counts completions per step
+DEFAULTS = dict(
+    task="arithmetic",        # tasks.get(name): prompts with answers and the reward that checks them
+    train_prompts=4096,       # task.train(n, seed): the prompts the steps cycle through
+    eval_prompts=128,         # task.test(n, seed): held-out prompts, mean reward of greedy answers
+    group_size=8,             # G samples per prompt: batch_size / G prompts per step
+    max_new_tokens=32,        # longest completion (the end-of-turn token included)
+    temperature=1.0,          # sampling; every log-prob is of logits / temperature
+    top_k=0,                  # 0: off
+    top_p=1.0,
+    grpo_epochs=1,            # mu: optimizer steps per rollout (> 1: the ratio and its clip matter)
+    loss_type="dapo",         # grpo | dapo | dr_grpo (module docstring)
+    scale_rewards="group",    # group | batch | none (Dr. GRPO)
+    clip_low=0.2,             # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high=0.2,            # 0.28: DAPO's clip-higher
+    importance_level="token",  # token | sequence (GSPO)
+    beta=0.0,                 # k3 KL to the reference (0: no reference model is held)
+    kl_ratio=True,            # the k3 term times the ratio (TRL's use_bias_correction_kl)
+    dynamic_sampling=False,   # leave out groups whose rewards are all equal (DAPO, without refill)
+    mask_truncated=False,     # completions cut at max_new_tokens count no token (DAPO's overlong filtering)
+)
+
+# ----------------------------------------------------------------------------- the math
+
+
+def nanstd(x, dim=-1):
+    """Sample standard deviation (Bessel-corrected) along dim, ignoring NaNs; NaN with fewer than two values."""
+    n = (~x.isnan()).sum(dim)
+    var = (x - x.nanmean(dim, keepdim=True)).nan_to_num(0.0).square().sum(dim) / (n - 1)
+    return var.sqrt().masked_fill(n < 2, float("nan"))
+
+
+def advantages(rewards, G, scale="group", eps=1e-4):
+    """rewards (N,) in groups of G consecutive completions (NaN: no reward) -> advantages (N,)."""
+    r = rewards.float().view(-1, G)
+    a = r - r.nanmean(dim=1, keepdim=True)
+    if scale == "group":
+        a = a / (nanstd(r)[:, None] + eps)
+    elif scale == "batch":
+        a = a / (nanstd(r.flatten()) + eps)
+    elif scale != "none":
+        raise ValueError(f"scale={scale!r} must be one of {', '.join(SCALES)}")
+    return a.nan_to_num(0.0).flatten()
+
+
+def k3(ref_logp, logp):
+    """Schulman's k3 estimate of KL(policy || reference) per token: exp(d) - d - 1, d = ref - logp (>= 0)."""
+    d = ref_logp - logp
+    return d.exp() - d - 1
+
+
+def policy_loss(logp, old_logp, adv, mask, *, loss_type="dapo", eps_low=0.2, eps_high=None, beta=0.0,
+                ref_logp=None, kl_ratio=True, level="token", n_seqs=None, n_tokens=None, max_len=None):
+    """The clipped surrogate of one micro-batch, -> (loss, sums for logging).
+
+    logp (B, N) log-probs of the completion tokens under the policy (differentiable), old_logp
+    (B, N) under the rollout policy, adv (B,), mask (B, N) tokens that count, ref_logp (B, N) when
+    beta > 0; kl_ratio: k3 times the (differentiable) ratio, the unbiased reverse-KL gradient of
+    DeepSeek-V3.2 (TRL 1.16's default use_bias_correction_kl). The normalisers default to this
+    batch's: n_seqs rows, n_tokens = mask.sum(), max_len = N; a step split over micro-batches and
+    ranks passes the step's totals (over the data-parallel world, whose gradients are averaged), so
+    the parts add up to the whole.
+    """
+    mask = mask.float()
+    eps_high = eps_low if eps_high is None else eps_high
+    log_ratio = logp - old_logp
+    if level == "sequence":  # GSPO: one ratio per completion, exp(mean token log-ratio)
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    elif level != "token":
+        raise ValueError(f"importance_level={level!r} must be token or sequence")
+    ratio = log_ratio.exp()
+    A = adv[:, None].to(ratio.dtype)
+    per_token = -torch.min(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)
+    kl = k3(ref_logp, logp) if beta else torch.zeros_like(logp)
+    if beta:
+        per_token = per_token + beta * (kl * ratio if kl_ratio else kl)
+    n_seqs = logp.shape[0] if n_seqs is None else n_seqs
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / n_seqs
+    elif loss_type == "dapo":
+        loss = (per_token * mask).sum() / (mask.sum() if n_tokens is None else n_tokens)
+    elif loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (n_seqs * (logp.shape[1] if max_len is None else max_len))
+    else:
+        raise ValueError(f"loss_type={loss_type!r} must be one of {', '.join(LOSS_TYPES)}")
+    with torch.no_grad():
+        low = ((ratio < 1 - eps_low) & (A < 0)).expand_as(mask) * mask
+        high = ((ratio > 1 + eps_high) & (A > 0)).expand_as(mask) * mask
+        sums = torch.stack([(kl * mask).sum(), low.sum(), high.sum(), mask.sum()])
+    return loss, sums
+
+
+def token_logprobs(fwd, tokens, mask, start, temperature=1.0):
+    """log p(tokens[:, t] | tokens[:, :t]) for t >= start under fwd (a Transformer, tensor-parallel
+    or not, or its FSDP wrapper) with logits / temperature -> (R, S - start); 0 where mask is False.
+    tokens, mask (R, S): left-padded prompts then completions (generate.Rollout's)."""
+    y = tokens[:, 1:].masked_fill(~mask[:, 1:], IGNORE)
+    y[:, :start - 1] = IGNORE
+    nll = fwd(tokens[:, :-1], y, reduction="none", attn_mask=mask[:, :-1], temperature=temperature)
+    return -nll[:, start - 1:]
+
+
+# ----------------------------------------------------------------------------- rollout, rewards, learning
+
+
+def rollout_seed(seed, step, grid):
+    """The sampling seed of a step on this rank: its data-parallel rank's, so every TP rank of a
+    group draws the same tokens (a global-rank seed would split them), every data rank its own."""
+    return ((seed * 1_000_003 + step) * 65_537 + grid.data_rank) % 2**62
+
+
+def rows_of(P, G, rank, world):
+    """The global completion indices (prompt-major: prompt i's samples are i*G .. i*G+G-1) this
+    data rank rolls out: a contiguous 1/world of the P x G, so a group may span ranks."""
+    per = P * G // world
+    return list(range(rank * per, (rank + 1) * per))
+
+
+@torch.no_grad()
+def rollout(model, prompts, G, rank, world, max_new_tokens, **sampling):
+    """Sample this data rank's share of the len(prompts) x G completions with generate.decode
+    (sampling: temperature, top_k, top_p, stop_tokens, pad_id, seed) -> generate.Rollout, its rows
+    in rows_of order. The prompts of a rank that holds whole groups, or equal parts of groups, are
+    prefilled once for their samples (decode's n); otherwise each row is prefilled alone."""
+    which = [c // G for c in rows_of(len(prompts), G, rank, world)]
+    counts = {i: which.count(i) for i in which}
+    if len(set(counts.values())) == 1:
+        n = next(iter(counts.values()))
+        return generate.decode(model, [prompts[i] for i in counts], max_new_tokens, n=n, **sampling)
+    return generate.decode(model, [prompts[i] for i in which], max_new_tokens, n=1, **sampling)
+
+
+def gather(x, grid):
+    """This data rank's (n,) tensor -> every data rank's, concatenated in rank order."""
+    if grid.data_world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(grid.data_world)]
+    dist.all_gather(parts, x, group=grid.data_group)
+    return torch.cat(parts)
+
+
+def all_sum(x, grid):
+    """x summed over the data ranks, in place."""
+    if grid.data_world > 1:
+        dist.all_reduce(x, group=grid.data_group)
+    return x
+
+
+@dataclass
+class Batch:
+    """This rank's share of a step's completions, ready to learn from."""
+    tokens: torch.Tensor     # (R, S) left-padded prompts, then completions (generate.Rollout's)
+    mask: torch.Tensor       # (R, S) real tokens
+    start: int               # the first completion column
+    old: torch.Tensor        # (R, N) rollout log-probs (of logits / temperature)
+    loss_mask: torch.Tensor  # (R, N) completion tokens that count, the end-of-turn token included
+    adv: torch.Tensor        # (R,)
+    n_seqs: float = 1.0      # the step's normalisers, over every rank: sequences kept
+    n_tokens: float = 1.0    #   and tokens counted
+    ref: torch.Tensor = None  # (R, N) reference log-probs when beta > 0
+
+
+def score(r, rewards, grid, cfg, stops):
+    """A Rollout and this rank's rewards (NaN: none) -> (Batch, stats). Every data rank's rewards
+    are gathered before the group statistics; dynamic_sampling leaves out groups whose rewards are
+    all equal, mask_truncated the completions that did not stop. stats: global sums (reward,
+    rewarded, groups of equal rewards, groups, truncated, completion tokens)."""
+    G, R, dev = cfg.group_size, rewards.numel(), rewards.device
+    every = gather(rewards.float(), grid)
+    adv = advantages(every, G, cfg.scale_rewards)
+    equal = ~(nanstd(every.view(-1, G)) > 0)  # all equal (or fewer than two rewards): no signal
+    keep = (~equal).repeat_interleave(G) if cfg.dynamic_sampling else torch.ones_like(every, dtype=torch.bool)
+    mine = slice(grid.data_rank * R, (grid.data_rank + 1) * R)
+    T = r.prompt_len
+    last = r.tokens.gather(1, (T + r.lengths - 1)[:, None]).squeeze(1)
+    stopped = torch.isin(last, torch.as_tensor(stops, device=dev))
+    loss_mask = r.mask[:, T:] & keep[mine, None]
+    if cfg.mask_truncated:
+        loss_mask &= stopped[:, None]
+    counts = all_sum(torch.stack([loss_mask.sum(), (~stopped).sum(), r.lengths.sum()]).float(), grid)
+    ok = ~every.isnan()
+    stats = [every[ok].sum().item(), ok.sum().item(), equal.sum().item(), equal.numel(), *counts[1:].tolist()]
+    return Batch(r.tokens, r.mask, T, r.logprobs, loss_mask, adv[mine].to(dev), keep.sum().item(),
+                 counts[0].item()), stats
+
+
+@torch.no_grad()
+def reference_logprobs(fwd, batch, cfg):
+    """(R, N) log-probs of the completions under fwd (the reference) with logits / temperature."""
+    mb = cfg.micro_batch_size
+    return torch.cat([token_logprobs(fwd, batch.tokens[i:i + mb], batch.mask[i:i + mb], batch.start, cfg.temperature)
+                      for i in range(0, batch.tokens.shape[0], mb)])
+
+
+def learn(run, batch, cfg, lr, autocast=contextlib.nullcontext()):
+    """cfg.grpo_epochs passes over this rank's batch, each one optimizer step of micro-batches of
+    cfg.micro_batch_size rows, gradients accumulated (and reduced over data ranks on the last).
+    Returns the sums (kl, clipped low, clipped high, tokens) of the last epoch and its grad norm."""
+    world, mb, R = run.grid.data_world, cfg.micro_batch_size, batch.tokens.shape[0]
+    n_seqs, n_tokens = max(batch.n_seqs, 1) / world, max(batch.n_tokens, 1) / world
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr * g.get("lr_scale", 1.0)
+    for _ in range(cfg.grpo_epochs):
+        sums = 0
+        for i in range(0, R, mb):
+            rows = slice(i, i + mb)
+            with run.model.no_sync() if i + mb < R else contextlib.nullcontext():
+                with autocast:
+                    logp = token_logprobs(run.fwd, batch.tokens[rows], batch.mask[rows], batch.start, cfg.temperature)
+                loss, s = policy_loss(
+                    logp.float(), batch.old[rows], batch.adv[rows], batch.loss_mask[rows], loss_type=cfg.loss_type,
+                    eps_low=cfg.clip_low, eps_high=cfg.clip_high, beta=cfg.beta, kl_ratio=cfg.kl_ratio,
+                    ref_logp=None if batch.ref is None else batch.ref[rows], level=cfg.importance_level,
+                    n_seqs=n_seqs, n_tokens=n_tokens, max_len=cfg.max_new_tokens)
+                loss.backward()
+            sums = sums + s
+        run.model.finish()
+        norm = run.clip_grad_norm_(cfg.grad_clip or float("inf"))
+        run.optimizer.step()
+        run.model.zero_grad(set_to_none=True)
+    return sums, norm
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def check(cfg, grid):
+    """Settings that cannot work, found before any work is spent."""
+    G = cfg.group_size
+    for bad, msg in [
+        (G < 2, f"group_size={G} must be >= 2 (advantages compare samples of one prompt)"),
+        (cfg.batch_size % G, f"batch_size={cfg.batch_size} (completions per step): a multiple of group_size={G}"),
+        (cfg.loss_type not in LOSS_TYPES, f"loss_type={cfg.loss_type!r} must be one of {', '.join(LOSS_TYPES)}"),
+        (cfg.scale_rewards not in SCALES, f"scale_rewards={cfg.scale_rewards!r} must be one of {', '.join(SCALES)}"),
+        (cfg.importance_level not in ("token", "sequence"), f"importance_level={cfg.importance_level!r}?"),
+        (not 0 <= cfg.clip_low < 1 or cfg.clip_high < 0, f"clip_low={cfg.clip_low} must be in [0, 1), clip_high >= 0"),
+        (cfg.beta < 0 or cfg.temperature <= 0, f"beta={cfg.beta} must be >= 0 and temperature={cfg.temperature} > 0"),
+        (min(cfg.max_new_tokens, cfg.grpo_epochs, cfg.train_prompts) < 1,
+         "max_new_tokens, grpo_epochs and train_prompts must be >= 1"),
+        (cfg.eval_every and cfg.eval_prompts < grid.data_world,
+         f"eval_prompts={cfg.eval_prompts} must be >= the {grid.data_world} data ranks")]:
+        if bad:
+            raise config.ConfigError(msg)
+
+
+def main(argv):
+    t_start = time.perf_counter()
+    cfg = config.load(argv, extra={**chat.CHAT_DEFAULTS, **DEFAULTS})
+    grid = parallel.init(cfg)
+    say = print if grid.is_main else (lambda *a, **k: None)
+    device, G, P = grid.device, cfg.group_size, cfg.batch_size // cfg.group_size
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
+                if parallel.amp_dtype(cfg, device) == torch.bfloat16 else contextlib.nullcontext())
+    started = hf.configure(cfg) or "no init_from: random initial weights"  # init_from's shape and tokenizer
+    tok, template = chat.setup(cfg)  # the chat template's special tokens added; vocab_size grown to fit
+    if not cfg.init_from:
+        cfg.vocab_size = tok.n_vocab
+    config.validate(cfg, grid.world)  # the model keys just changed
+    check(cfg, grid)
+    task = tasks.get(cfg.task)
+    train, test = task.train(cfg.train_prompts, cfg.seed), task.test(cfg.eval_prompts, cfg.seed)
+    train_ids, test_ids = ([chat.encode(tok, template, it["prompt"], add_generation_prompt=True)[0] for it in items]
+                           for items in (train, test))
+    longest = max(map(len, train_ids + test_ids))
+    if longest + cfg.max_new_tokens > cfg.block_size:
+        raise config.ConfigError(f"prompts of up to {longest} tokens + max_new_tokens={cfg.max_new_tokens} exceed "
+                                 f"block_size={cfg.block_size}: generate fewer tokens")
+    stops = sorted({tok.eot_id, tok.eos_id})  # a completion ends with (and learns) its end-of-turn token
+    sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p, stop_tokens=stops, pad_id=0)
+    lease = checkpoint.open_run_everywhere(cfg, grid)
+    for line in [started] + lease.notes:
+        say(line)
+    say(f"config:\n{config.show(cfg)}")
+
+    torch.manual_seed(cfg.seed)
+    raw = Transformer(ModelConfig.from_cfg(cfg)).to(device)
+    run = parallel.parallelize(raw, grid, cfg, load=hf.init_loader(cfg, grid))
+    ref = None
+    if cfg.beta and not cfg.lora_r:  # a frozen copy of the initial weights (LoRA: the base, adapters off)
+        torch.manual_seed(cfg.seed)
+        ref = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)).to(device).requires_grad_(False), grid,
+                                   cfg, load=hf.init_loader(cfg, grid), optimizer=False)
+    step = 0
+    if lease.resume_from:  # prompts and sampling seeds follow from the step: nothing else to restore
+        step = checkpoint.load(lease.resume_from, raw, run.optimizer, grid, run.model)["step"]
+        say(f"resumed from {lease.resume_from} at step {step}")
+    say(f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, tp {grid.tp}) on {device} | {task.name}: "
+        f"{P} prompts x {G} samples per step, {len(train)} train / {len(test)} held-out prompts")
+    logger = logs.Logger(cfg, grid)
+
+    def now():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def rewards_of(r, items, which):
+        """The task's reward of each completion (its text without the stop token); None -> NaN."""
+        out = []
+        for j, i in enumerate(which):
+            ids = r.tokens[j, r.prompt_len:r.prompt_len + int(r.lengths[j])].tolist()
+            v = task.reward(tok.decode(ids[:-1] if ids and ids[-1] in stops else ids), items[i])
+            out.append(float("nan") if v is None else float(v))
+        return torch.tensor(out, device=device)
+
+    def evaluate():
+        """Held-out prompts (each data rank some of them): the mean reward of group_size samples each
+        at the training temperature (fixed seed), and of the greedy answers."""
+        mine = list(range(grid.data_rank, len(test), grid.data_world))
+        with run.full_params(), autocast:
+            sampled = generate.decode(raw, [test_ids[i] for i in mine], cfg.max_new_tokens, n=G,
+                                      **{**sampling, "seed": rollout_seed(cfg.seed, -1, grid)})
+            greedy = generate.decode(raw, [test_ids[i] for i in mine], cfg.max_new_tokens,
+                                     **{**sampling, "temperature": 0})
+        got = [rewards_of(sampled, test, [i for i in mine for _ in range(G)]).nan_to_num(0.0).mean() * len(mine),
+               rewards_of(greedy, test, mine).nan_to_num(0.0).sum(), torch.tensor(float(len(mine)), device=device)]
+        s, g, n = all_sum(torch.stack(got), grid).tolist()
+        logger.log(step, {"heldout_reward": s / n, "heldout_greedy": g / n})
+        say(f"step {step} | held-out reward {s / n:.4f} sampled, {g / n:.4f} greedy ({len(test)} prompts)")
+
+    def save():
+        weights, opt_state = checkpoint.gather(raw, run.optimizer, grid, run.model)
+        checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, {}, cfg.keep_last, grid.rank, run_id=lease.run_id)
+
+    if cfg.eval_every and step == 0:
+        evaluate()
+    last = cfg.stop_at or cfg.max_steps
+    interrupt = parallel.Interrupt(grid)
+    while step < last:
+        t0 = now()
+        which = [c // G for c in rows_of(P, G, grid.data_rank, grid.data_world)]
+        items = [train[(step * P + i) % len(train)] for i in range(P)]
+        with run.full_params(), autocast:  # FSDP: parameters gathered once for the whole rollout
+            r = rollout(raw, [train_ids[(step * P + i) % len(train)] for i in range(P)], G, grid.data_rank,
+                        grid.data_world, cfg.max_new_tokens, seed=rollout_seed(cfg.seed, step, grid),
+                        **sampling)
+        t1 = now()
+        batch, stats = score(r, rewards_of(r, items, which), grid, cfg, stops)
+        t2 = now()
+        if cfg.beta:
+            with (contextlib.nullcontext() if ref else lora.disabled(raw)), run.full_params(), autocast:
+                batch.ref = reference_logprobs(ref.fwd if ref else raw, batch, cfg)
+        sums, norm = torch.zeros(4, device=device), torch.zeros(())
+        if batch.n_seqs:  # dynamic sampling may leave no group
+            sums, norm = learn(run, batch, cfg, optim.lr_at(step, cfg), autocast)
+        sums = all_sum(sums.detach().float(), grid).tolist()
+        t3 = now()
+        step += 1
+        if step == 1:
+            say(f"first step done {t3 - t_start:.1f} s after start")
+        if step % cfg.log_every == 0 or step == last:
+            n = P * G
+            m = {"reward": stats[0] / max(stats[1], 1), "frac_equal_groups": stats[2] / stats[3],
+                 "len": stats[5] / n, "truncated": stats[4] / n, "kl": sums[0] / max(sums[3], 1),
+                 "clip_low": sums[1] / max(sums[3], 1), "clip_high": sums[2] / max(sums[3], 1),
+                 "grad_norm": float(norm), "lr": optim.lr_at(step - 1, cfg), "t_rollout": t1 - t0,
+                 "t_reward": t2 - t1, "t_learn": t3 - t2, "gen_tok_s": stats[5] / (t1 - t0)}
+            logger.log(step, m)
+            say(f"step {step}/{cfg.max_steps} | " + logs.fmt(m))
+        if interrupt.requested():
+            save()
+            say(f"{interrupt.name()}: saved step {step} in {cfg.out_dir}; continue with --resume")
+            break
+        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last:
+            save()
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == last):
+            evaluate()
+    interrupt.restore()
+    logger.close()
+    parallel.shutdown()
+
+
+if __name__ == "__main__":
+    config.run(main, sys.argv[1:])
