@@ -244,12 +244,16 @@ def answer_text(doc):
 
 # ----------------------------------------------------------------------------- scoring
 
-def encode_pair(tok, context, continuation, bos=None):
+def encode_pair(tok, context, continuation, add_bos=False):
     """lm-eval's _encode_pair: trailing whitespace of the context moves to the continuation; the pair
-    is tokenised whole and split at the context's length. An empty context is BOS (else EOS)."""
-    prefix = [bos] if bos is not None else []
+    is tokenised whole and split at the context's length. An empty context is BOS (EOS without one)."""
+    bos = getattr(tok, "bos_id", None)
+    if add_bos and bos is None:
+        raise EvalError(f"add_bos=True but tokenizer {tok.name} has no BOS token: drop --add_bos")
+    prefix = [bos] if add_bos else []
     if not context:
-        return [tok.eos_id if bos is None else bos], tok.encode(continuation)
+        first, cont = tok.eos_id if bos is None else bos, tok.encode(continuation)
+        return ([first], cont) if cont[:1] != [first] else (cont[:1], cont[1:])
     n = len(context) - len(context.rstrip())
     if n:
         context, continuation = context[:-n], context[-n:] + continuation
@@ -308,7 +312,7 @@ def multiple_choice(run, tok, docs, contexts, batch_size, autocast=None, add_bos
     L = run.raw.cfg.block_size + 1
     for d, (doc, ctx) in enumerate(zip(docs, contexts)):
         for c, choice in enumerate(doc["choices"]):
-            a, b = encode_pair(tok, ctx, " " + choice, tok.bos_id if add_bos else None)
+            a, b = encode_pair(tok, ctx, " " + choice, add_bos)
             if len(b) >= L:
                 raise EvalError(f"document {d + 1}: choice {c} is {len(b)} tokens, block_size is {L - 1}")
             ids = (a + b)[-L:]
@@ -319,7 +323,7 @@ def multiple_choice(run, tok, docs, contexts, batch_size, autocast=None, add_bos
     for d, lp in zip(owner, lps):
         per_doc[d]["lls"].append(float(lp.sum()))
     for doc, r in zip(docs, per_doc):
-        norm = [ll / len(c) for ll, c in zip(r["lls"], doc["choices"])]
+        norm = [ll / len(c) if c else -math.inf for ll, c in zip(r["lls"], doc["choices"])]
         r["acc"] = float(argmax(r["lls"]) == r["gold"])
         r["acc_norm"] = float(argmax(norm) == r["gold"])
     return {**mean_and_stderr("acc", [r["acc"] for r in per_doc]),
@@ -558,6 +562,11 @@ def task_prompts(name, source, cfg):
     return docs, fewshot_contexts(docs, pool, shots, cfg.fewshot_seed, spec.exclude_self or same)
 
 
+def new_tokens(cfg, default):
+    """--max_new_tokens, else the task's default up to half the context."""
+    return cfg.max_new_tokens or min(default, cfg.block_size // 2)
+
+
 def run_task(name, source, cfg, run, tok, autocast, ks):
     """One task -> its metrics (every rank gets them)."""
     spec = TASKS[name]
@@ -572,7 +581,7 @@ def run_task(name, source, cfg, run, tok, autocast, ks):
     docs, contexts = task_prompts(name, source, cfg)
     if spec.kind == "mc":
         return multiple_choice(run, tok, docs, contexts, cfg.micro_batch_size, autocast, cfg.add_bos)[0]
-    texts = generate_texts(run, tok, contexts, cfg.max_new_tokens or 256, temperature=cfg.temperature,
+    texts = generate_texts(run, tok, contexts, new_tokens(cfg, 256), temperature=cfg.temperature,
                            top_p=cfg.top_p, seed=cfg.seed, stops=GSM8K_STOPS, batch_size=cfg.gen_batch_size,
                            autocast=autocast)
     return gsm8k_scores([t[0] for t in texts], docs)[0]

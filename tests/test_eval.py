@@ -291,6 +291,8 @@ def test_user_errors(tmp_path, folders, run, tok):
         ev.task_prompts("mc", "", cfg)
     with pytest.raises(ev.EvalError, match="neither a file, a folder nor hf:"):
         ev.task_prompts("piqa", str(tmp_path / "nope.jsonl"), cfg)
+    with pytest.raises(ev.EvalError, match="has no BOS token: drop --add_bos"):
+        ev.encode_pair(tok, "a", " b", add_bos=True)
     with pytest.raises(ev.EvalError, match="name the model"):
         ev.load_config(["--tasks=bpb"])
     with pytest.raises(ev.EvalError, match="neither an HF model folder"):
