@@ -64,7 +64,7 @@ def read_metrics(path):
     return out
 
 
-def tokens_per_step(run_dir):
+def step_tokens(run_dir):
     """batch_size x sequence length of the run's newest checkpoint config (None without one)."""
     ckpt = checkpoint.latest(run_dir)
     if ckpt is None:
@@ -74,15 +74,17 @@ def tokens_per_step(run_dir):
     return cfg["batch_size"] * (cfg.get("seq_len") or cfg["block_size"])
 
 
-def plot_runs(run_dirs, out, log="train"):
+def plot_runs(run_dirs, out, log="train", tokens_per_step=None):
     """One PNG of every panel with data, one line per run and metric; returns what was drawn,
-    read back from the figure: {panel title (x axis): {"<run> <metric>": (xs, ys)}}."""
+    read back from the figure: {panel title (x axis): {"<run> <metric>": (xs, ys)}}.
+    tokens_per_step: for metrics kept without their checkpoints (default: each run's config)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     runs = []
     for d in run_dirs:
-        runs.append((os.path.basename(os.path.normpath(d)), read_metrics(metrics_file(d, log)), tokens_per_step(d)))
+        runs.append((os.path.basename(os.path.normpath(d)), read_metrics(metrics_file(d, log)),
+                     tokens_per_step or step_tokens(d)))
     panels = [p for p in PANELS if any(m in metrics for _, metrics, tps in runs for m in p[2]
                                        if p[1] == "step" or tps)]
     if not panels:
@@ -167,6 +169,8 @@ def main(argv=None):
     p.add_argument("runs", nargs="+", help="run folders (out/<run>); with --attention: one run, checkpoint or HF folder")
     p.add_argument("--out", default="", help="PNG path (default <first run>/run.png or <run>/attention.png)")
     p.add_argument("--log", default="train", help="which <log>_metrics.jsonl (train, sft, dpo, grpo, ...)")
+    p.add_argument("--tokens_per_step", type=int, default=None,
+                   help="batch_size x seq_len, for a metrics file kept without its checkpoints")
     p.add_argument("--attention", action="store_true", help="plot an attention map instead of the curves")
     p.add_argument("--prompt", default="def add(a, b):\n    return a + b\n")
     p.add_argument("--layer", type=int, default=0)
@@ -180,7 +184,7 @@ def main(argv=None):
             plot_attention(model, tok, a.prompt, a.layer, a.head, out)
         else:
             out = a.out or os.path.join(a.runs[0], "run.png")
-            plot_runs(a.runs, out, a.log)
+            plot_runs(a.runs, out, a.log, a.tokens_per_step)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
     print(f"wrote {out}")
