@@ -77,7 +77,8 @@ def step_tokens(run_dir):
 def plot_runs(run_dirs, out, log="train", tokens_per_step=None):
     """One PNG of every panel with data, one line per run and metric; returns what was drawn,
     read back from the figure: {panel title (x axis): {"<run> <metric>": (xs, ys)}}.
-    tokens_per_step: for metrics kept without their checkpoints (default: each run's config)."""
+    tokens_per_step: for metrics kept without their checkpoints (default: each run's config).
+    out=None: nothing is rendered or written (the data only)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -110,9 +111,10 @@ def plot_runs(run_dirs, out, log="train", tokens_per_step=None):
         drawn[f"{title} ({x})"] = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.lines}
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.22 / rows, top=1 - 0.15 / rows, wspace=0.2, hspace=0.55)
+    if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        fig.savefig(out, dpi=100)
     plt.close(fig)
     return drawn
 
