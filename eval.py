@@ -29,8 +29,11 @@ Tasks (--tasks, comma separated; `name=source` reads a .jsonl/.json/.parquet fil
   fast decoder cut at Codex's stop strings, run through rewards.py's sandbox against the tests;
   pass@k by the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
 
+--micro_batch_size sets the sequences per scoring forward, --gen_batch_size the prompts per decode call.
 Output: a short table on stdout and a results JSON (--results, default out/eval/<model>.json).
-From a stage script: bits_per_byte, multiple_choice, generate_texts, pass_at_k are plain functions.
+From a stage script (a parallel.Parallel `run` and a tokenizer): bits_per_byte, multiple_choice,
+generate_texts, humaneval, pass_at_k are plain functions; pretrain.py's validation logs val_bpb
+through nll_terms / bpb_of.
 """
 import json
 import math
@@ -63,8 +66,8 @@ EVAL_DEFAULTS = dict(
     limit=0,               # at most this many examples per task (0: all)
     num_fewshot=-1,        # -1: each task's lm-eval default (0; gsm8k 5)
     fewshot_seed=1234,     # lm-eval's default fewshot_random_seed
-    add_bos=False,         # start every sequence with the tokenizer's BOS (lm-eval does where the HF tokenizer adds one)
-    bpb_data="",           # "": the run's held-out split (its data, tokenizer, val_fraction); else any corpus (as --data)
+    add_bos=False,         # start every sequence with the tokenizer's BOS (lm-eval does where HF's tokenizer adds it)
+    bpb_data="",           # "": the run's held-out split (its data, tokenizer, val_fraction); else any corpus (--data)
     bpb_tokens=1 << 20,    # tokens scored for bits per byte (0: all)
     n_samples=1,           # generations per problem (pass@k needs k <= n_samples)
     pass_k="1",            # pass@k reported, comma separated
@@ -502,7 +505,8 @@ def gsm8k_scores(completions, docs):
     per = []
     for text, doc in zip(completions, docs):
         gold = gsm8k_normalise(doc["target"])
-        per.append({k: float(gsm8k_normalise(gsm8k_extract(text, k == "strict")) == gold) for k in ("strict", "flexible")})
+        per.append({k: float(gsm8k_normalise(gsm8k_extract(text, k == "strict")) == gold)
+                    for k in ("strict", "flexible")})
     return {**mean_and_stderr("exact_match_strict", [p["strict"] for p in per]),
             **mean_and_stderr("exact_match_flexible", [p["flexible"] for p in per]), "n": len(docs)}, per
 
@@ -538,7 +542,7 @@ def load_config(argv):
     if not os.path.isdir(init):
         raise config.MissingFileError(f"model folder '{init}' not found")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    extra = dict(EVAL_DEFAULTS, micro_batch_size=8, batch_size=8 * world)
+    extra = dict(EVAL_DEFAULTS, micro_batch_size=8, batch_size=8 * world)  # micro_batch_size: rows per scoring forward
     if not hf.is_hf_folder(init):
         init = checkpoint_folder(init)
         with open(os.path.join(init, "config.json")) as f:
@@ -602,7 +606,8 @@ def run_task(name, source, cfg, run, tok, autocast, ks):
                          max_new_tokens=new_tokens(cfg, 512), timeout=cfg.code_timeout, workers=cfg.code_workers,
                          temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size,
                          autocast=autocast)
-    docs, contexts = task_prompts(name, source, cfg)
+    # rank 0 reads the data (a hub download once), every rank gets the prompts; a bad record stops all
+    docs, contexts = parallel.on_main(run.grid, lambda: task_prompts(name, source, cfg))
     if spec.kind == "mc":
         return multiple_choice(run, tok, docs, contexts, cfg.micro_batch_size, autocast, cfg.add_bos)[0]
     texts = generate_texts(run, tok, contexts, new_tokens(cfg, 256), temperature=cfg.temperature,
@@ -617,7 +622,8 @@ def table(results):
         for k, v in m.items():
             if isinstance(v, float) and not k.endswith("_stderr"):
                 se = m.get(f"{k}_stderr")
-                lines.append(f"{name:<14} {k:<22} {v:>10.4f}" + (f" ± {se:.4f}" if se == se and se is not None else ""))
+                se = f" ± {se:.4f}" if se is not None and se == se else ""
+                lines.append(f"{name:<14} {k:<22} {v:>10.4f}{se}")
         lines.append(f"{'':<14} {'n' if 'n' in m else 'tokens':<22} {m.get('n', m.get('tokens')):>10}")
     return "\n".join(lines)
 
@@ -625,7 +631,7 @@ def table(results):
 def main(argv):
     t0 = time.perf_counter()
     cfg = load_config(argv)
-    tasks, ks = parse_tasks(cfg)
+    todo, ks = parse_tasks(cfg)
     grid = parallel.init(cfg)
     say = print if grid.is_main else (lambda *a, **k: None)
     tok = data.tokenizer_for(cfg)
@@ -633,7 +639,7 @@ def main(argv):
     dtype = parallel.amp_dtype(cfg, grid.device)
     autocast = torch.autocast(grid.device.type, dtype=dtype, enabled=dtype != torch.float32)
     results, seconds = {}, {}
-    for name, source in tasks:
+    for name, source in todo:
         t = time.perf_counter()
         results[name] = run_task(name, source, cfg, run, tok, autocast, ks)
         seconds[name] = round(time.perf_counter() - t, 2)

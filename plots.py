@@ -168,7 +168,7 @@ def plot_attention(model, tok, prompt, layer, head, out):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", help="run folders (out/<run>); with --attention: one run, checkpoint or HF folder")
+    p.add_argument("runs", nargs="+", help="run folders (out/<run>); --attention: one run, checkpoint or HF folder")
     p.add_argument("--out", default="", help="PNG path (default <first run>/run.png or <run>/attention.png)")
     p.add_argument("--log", default="train", help="which <log>_metrics.jsonl (train, sft, dpo, grpo, ...)")
     p.add_argument("--tokens_per_step", type=int, default=None,

@@ -5,7 +5,8 @@ Proves:
   one MoE run with a checkpoint), the curves drawn (read back from the figure's lines) equal the
   logged values, the last record of a repeated step winning; loss against tokens is step x
   batch_size x seq_len of the run's checkpoint config (a run without a checkpoint has no tokens
-  curve unless tokens_per_step is given); MFU logged as "n/a" draws nothing, MoE panels appear when logged; the PNG is written;
+  curve unless tokens_per_step is given); MFU logged as "n/a" draws nothing, MoE panels appear when
+  logged; the PNG is written;
 - the attention map equals transformers' own attention probabilities (eager attention,
   output_attentions) of the same weights, every layer and head, for a LLaMA (RoPE, GQA) and a
   GPT-2 (learned positions) model, and its PNG is written;
@@ -77,7 +78,8 @@ def test_run_curves_equal_the_log(tmp_path):
     assert drawn["loss (tokens)"] == {"moe loss": ([x * 64 for x in last(wb, "loss")[0]], last(wb, "loss")[1]),
                                       "moe val_loss": ([x * 64 for x in s], v)}
     assert drawn["MFU (step)"] == {"moe mfu": last(wb, "mfu")}  # dense logged "n/a"
-    assert drawn["MoE: router losses (step)"] == {"moe aux_loss": last(wb, "aux_loss"), "moe z_loss": last(wb, "z_loss")}
+    assert drawn["MoE: router losses (step)"] == {"moe aux_loss": last(wb, "aux_loss"),
+                                                  "moe z_loss": last(wb, "z_loss")}
     assert drawn["MoE: busiest expert's load x n_experts (step)"] == {"moe load_max": last(wb, "load_max")}
     assert "validation bits per byte (step)" not in drawn
     kept = plots.plot_runs([str(a)], None, tokens_per_step=10)  # a metrics file kept without its checkpoints
