@@ -18,7 +18,8 @@ block_size 64 so that few-shot prompts are left-truncated):
   aggregated per problem; the CLI (tiny model, 2 problems, 2 samples each, the fast decoder) gives
   code_scores of the same completions;
 - pretrain.py's validation logs val_loss and val_bpb; the CLI on that run folder scores the same
-  held-out windows to the same loss and bits per byte, runs a multiple-choice task, writes the JSON
+  held-out windows to the same loss and bits per byte, runs a multiple-choice task and GSM8K from
+  local jsonl (its exact match = the functions' on the same greedy completions), writes the JSON
   and the table;
 - 2 processes (gloo): data parallel (ddp), TP=2 and FSDP give the one-process log-likelihoods,
   accuracies, bits per byte and greedy and sampled completions;
@@ -215,7 +216,8 @@ def test_pass_at_k():
 
 def test_pretrain_then_cli(tmp_path, folders, capsys):
     """pretrain.py (in this process) logs val_loss and val_bpb; the CLI on its run folder scores the
-    same held-out windows to the same numbers, runs a multiple-choice task and writes the JSON."""
+    same held-out windows to the same numbers, runs a multiple-choice task and GSM8K (local jsonl,
+    5-shot, greedy) and writes the JSON."""
     import pretrain
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -231,8 +233,9 @@ def test_pretrain_then_cli(tmp_path, folders, capsys):
         val = next(r for r in map(json.loads, f) if "val_loss" in r)
     out = tmp_path / "res.json"
     capsys.readouterr()
-    results = ev.main([run_dir, "--device=cpu", f"--tasks=bpb,piqa={folders / 'piqa'}", "--limit=3",
-                       f"--bpb_tokens={3 * 2 * 64}", f"--results={out}"])  # pretrain's 3 batches of 2 windows
+    results = ev.main([run_dir, "--device=cpu", f"--tasks=bpb,piqa={folders / 'piqa'},gsm8k={folders / 'gsm8k'}",
+                       "--limit=3", "--max_new_tokens=8", f"--bpb_tokens={3 * 2 * 64}",  # pretrain's 3 x 2 windows
+                       f"--results={out}"])
     printed = capsys.readouterr().out
     saved = json.loads(out.read_text())
     assert saved["results"] == json.loads(json.dumps(results)) and saved["step"] == 2
@@ -240,6 +243,11 @@ def test_pretrain_then_cli(tmp_path, folders, capsys):
     assert results["bpb"]["tokens"] == 3 * 2 * 64
     assert results["bpb"]["loss"] == pytest.approx(val["val_loss"], rel=1e-5)
     assert results["bpb"]["bpb"] == pytest.approx(val["val_bpb"], rel=1e-5)
+    cfg = ev.load_config([run_dir, "--device=cpu", "--limit=3"])  # gsm8k: 5 shots from train.jsonl, greedy
+    docs, contexts = ev.task_prompts("gsm8k", str(folders / "gsm8k"), cfg)
+    texts = ev.generate_texts(ev.load_model(cfg, parallel.init(cfg)), data.tokenizer_for(cfg), contexts, 8,
+                              stops=ev.GSM8K_STOPS)
+    assert results["gsm8k"] == ev.gsm8k_scores([t[0] for t in texts], docs)[0] and results["gsm8k"]["n"] == 3
 
 
 def test_humaneval_through_the_sandbox(tmp_path, folders, run, tok):
