@@ -22,10 +22,10 @@ today's defaults). "before" is the decoder BENCHMARKS.md measured first (whole-c
 two gate/up matmuls, the race over the whole vocabulary); the table's "vs before" column divides
 by the row of the same name with variant "before" at that point.
 
---rows run at every (shape, batch) point, batch-major; --explore rows (the settings one by one)
-only at the first point, after its --rows; the --profile rows of the first point then run once
-more, uncaptured, under torch.profiler: GPU kernels per decode step, GPU time per step and the
-kernels that take it (CPU: top-level ATen ops per step).
+--rows run at every (shape, batch) point, batch-major; then --explore rows (the settings one by
+one) at the first point; the --profile rows of the first point run once more, uncaptured, under
+torch.profiler: GPU kernels per decode step, GPU time per step and the kernels that take it
+(CPU: top-level ATen ops per step).
 
 bound: the memory-bandwidth limit of a decode step, tokens/s = B / (bytes / bandwidth), bytes =
 the weights read once per step (every parameter but the token embedding) + the KV cache read at
@@ -46,6 +46,7 @@ failing row prints its error and the table goes on.
 import argparse
 import copy
 import datetime
+import functools
 import gc
 import json
 import os
@@ -57,6 +58,8 @@ import traceback
 from types import SimpleNamespace
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
 
 # the modules live one folder up (the repository root)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -93,24 +96,24 @@ VARIANTS = {  # decode() keyword arguments; "compile": torch.compile's (compile 
     "static": dict(compile={"dynamic": False}, keep=True),  # one specialised compile per bucket
     "autotune": dict(compile={"mode": "max-autotune-no-cudagraphs"}, keep=True),  # Triton matmuls, epilogues fused
 }
-EXPLORE = ("ours-compile:before,ours-graph:before,ours-graph:all,ours-compile:bucket,ours-compile:fuse_mlp,"
-           "ours-compile:candidates,ours-compile:all,ours-compile:math,ours-compile:cudnn,ours-compile:bucket128,"
-           "ours-lora:keep,ours-lora-merged:keep,ours-compile:static,ours-compile:bucket32,ours-compile:autotune")
+EXPLORE = ("ours-compile:before,ours-lora:keep,ours-lora-merged:keep,ours-compile:math,ours-compile:cudnn,"
+           "ours-compile:bucket,ours-compile:fuse_mlp,ours-compile:candidates,ours-compile:all,ours-graph:before,"
+           "ours-graph:all,ours-compile:bucket128,ours-compile:static,ours-compile:bucket32,ours-compile:autotune")
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 p.add_argument("--device", default="cuda")
 p.add_argument("--shape", default="124m,1b", help="comma-separated: " + ", ".join(SHAPES))
 p.add_argument("--batches", default="64,256,1", help="comma-separated batch sizes, in priority order")
-p.add_argument("--rows", default="ours-compile:keep,hf-static,ours-compile:before",
+p.add_argument("--rows", default="ours-compile:keep,hf-static",
                help="comma-separated, in priority order: " + ", ".join(ROWS) + " (ours-*: optionally :variant, "
                "one of " + ", ".join(VARIANTS) + ")")
-p.add_argument("--explore", default=EXPLORE, help="rows run at the first point only (after --rows there)")
+p.add_argument("--explore", default=EXPLORE, help="rows run at the first point only, after every point's --rows")
 p.add_argument("--profile", default="ours-compile:before,ours-compile:keep",
                help="rows of the first point also profiled (kernels and GPU time per step)")
 p.add_argument("--prompt", type=int, default=0, help="prompt tokens (0: the shape's)")
 p.add_argument("--new", type=int, default=0, help="new tokens (0: the shape's)")
 p.add_argument("--top_k", type=int, default=50)
-p.add_argument("--budget_s", type=float, default=470.0, help="start no row after this many seconds (checks included)")
+p.add_argument("--budget_s", type=float, default=450.0, help="start no row after this many seconds (checks included)")
 p.add_argument("--no_checks", action="store_true")
 p.add_argument("--check_compile", action="store_true", help="checks also for compile=True (two more compilations)")
 p.add_argument("--json", default="", help="write the results here")
@@ -128,8 +131,7 @@ class SkipRow(Exception):
     pass
 
 
-def say(*a):
-    print(*a, flush=True)
+say = functools.partial(print, flush=True)
 
 
 def sync():
@@ -195,20 +197,15 @@ def lora_model(ctx, merged):
     per shape; merged: the adapters folded into the weights (lora.merge)."""
     if "lora" not in ctx:
         cfg = SimpleNamespace(**dict(config.defaults(), device=device.type, lora_r=16))
-        with torch.device(device):
-            model = copy.deepcopy(ctx["model"]).float()
+        model = copy.deepcopy(ctx["model"]).float()
         lora.apply(model, cfg, parallel.init(SimpleNamespace(device=device.type, tp=1, ep=1)))
         with torch.no_grad():
             for n, prm in model.named_parameters():
                 if "lora_B" in n:
                     prm.normal_(0, 0.01)
         ctx["lora"] = model.to(dtype).eval()
-    model = ctx["lora"]
-    if merged:
-        lora.merge(model)
-    else:
-        lora.unmerge(model)
-    return model
+    (lora.merge if merged else lora.unmerge)(ctx["lora"])
+    return ctx["lora"]
 
 
 def row_call(name, ctx, x, N, keep, profile=False):
@@ -253,25 +250,19 @@ def run_row(name, ctx, B, T, N, profile=False):
     toks = out.tokens if isinstance(out, generate.Rollout) else out
     if toks.shape != (B, T + N):
         raise RuntimeError(f"{name} returned {tuple(toks.shape)}, expected {(B, T + N)}")
-    prof = profile_row(name, ctx, x, N) if profile else None
-    return secs, prof
+    return secs, profile_row(name, ctx, x, N) if profile else None
 
 
 def profile_row(name, ctx, x, N):
     """One call with the step uncaptured under torch.profiler -> per-step statistics. GPU: every
     kernel (and memcpy/memset) of the call / N; CPU: top-level ATen ops / N. The prefill's share
     is included (about 1/N of one forward)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
     call = row_call(name, ctx, x, N, keep=None, profile=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with torch.no_grad(), profile(activities=activities) as prof:
+    with torch.no_grad(), torch.profiler.profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         call()
         sync()
-    if cuda:
-        evs = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    else:
-        evs = [e for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+    evs = [e for e in prof.events() if (e.device_type == DeviceType.CUDA if cuda else
+                                        e.cpu_parent is None and e.name.startswith("aten::"))]
     per = {}
     for e in evs:
         n, us = per.get(e.name, (0, 0.0))
@@ -347,10 +338,12 @@ def main():
     if not args.no_checks:
         res["checks"] = checks()
     shapes = args.shape.split(",")
+    points = [(int(b), shape) for b in args.batches.split(",") for shape in shapes]  # batch-major
+    plan = [(B, shape, name) for B, shape in points for name in rows]
+    plan += [(*points[0], name) for name in explore if name not in rows]  # the settings, one by one, last
     with tempfile.TemporaryDirectory() as tmp:
         ctxs = {}  # shape -> {"model", "folder", "hf", "lora"}: built once, kept (one GPU holds both shapes)
-        points = [(int(b), shape) for b in args.batches.split(",") for shape in shapes]  # batch-major
-        for i, (B, shape) in enumerate(points):
+        for B, shape, name in plan:
             if shape not in ctxs:
                 model, T, N = build(shape)
                 ctxs[shape] = {"model": model, "folder": os.path.join(tmp, shape), "T": args.prompt or T,
@@ -358,28 +351,24 @@ def main():
             ctx = ctxs[shape]
             T, N = ctx["T"], ctx["N"]
             bnd = bound(ctx["model"], B, T, N, bw)
-            for name in rows + [r for r in explore if r not in rows] if i == 0 else rows:
-                prof = i == 0 and name in profiled
-                row = {"shape": shape, "batch": B, "prompt": T, "new": N, "row": name, "bound_tok_s": bnd}
-                if time.time() - START > args.budget_s:
-                    row["skipped"] = f"time budget {args.budget_s:.0f} s spent"
-                else:
-                    try:
-                        secs, stats = run_row(name, ctx, B, T, N, profile=prof)
-                        row.update(seconds=secs, tok_s=B * N / secs, ms_per_step=1e3 * secs / N,
-                                   of_bound=B * N / secs / bnd,
-                                   peak_gb=torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None)
-                        if prof:
-                            row["profile"] = stats
-                    except SkipRow as e:
-                        row["skipped"] = str(e)
-                    except Exception as e:  # report and go on
-                        traceback.print_exc()
-                        row["error"] = f"{type(e).__name__}: {e}"
-                    free()
-                res["rows"].append(row)
-                report(row)
-                write(res)  # after every row: a run cut short keeps what it measured
+            row = {"shape": shape, "batch": B, "prompt": T, "new": N, "row": name, "bound_tok_s": bnd}
+            if time.time() - START > args.budget_s:
+                row["skipped"] = f"time budget {args.budget_s:.0f} s spent"
+            else:
+                try:
+                    secs, stats = run_row(name, ctx, B, T, N, profile=(B, shape) == points[0] and name in profiled)
+                    row.update(seconds=secs, tok_s=B * N / secs, ms_per_step=1e3 * secs / N,
+                               of_bound=B * N / secs / bnd, profile=stats,
+                               peak_gb=torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None)
+                except SkipRow as e:
+                    row["skipped"] = str(e)
+                except Exception as e:  # report and go on
+                    traceback.print_exc()
+                    row["error"] = f"{type(e).__name__}: {e}"
+                free()
+            res["rows"].append(row)
+            report(row)
+            write(res)  # after every row: a run cut short keeps what it measured
     table(res["rows"])
     if args.json:
         say(f"# wrote {args.json}")
@@ -395,7 +384,7 @@ def write(res):
 def report(r):
     what = r.get("skipped") or r.get("error") or f"{r['tok_s']:,.0f} tok/s, {r['ms_per_step']:.2f} ms/step"
     say(f"  {r['shape']:>5} B={r['batch']:<4} {r['row']:<26} {what}  (t={time.time() - START:.0f}s)")
-    if "profile" in r:
+    if r.get("profile"):
         p = r["profile"]
         say(f"      {p['ops_per_step']:.0f} {'kernels' if cuda else 'ops'}/step, {p['us_per_step']:.0f} us/step "
             f"{'GPU' if cuda else 'CPU'}; the largest:")
