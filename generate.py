@@ -309,7 +309,9 @@ class Decoder:
         self.out_lp = torch.zeros(R, N, dtype=torch.float32, device=dev)
         self.noise = torch.empty(R, width, device=dev) if temperature > 0 else None
         self.stops = None if stops is None else stops.clone()
-        self.run = torch.compile(self.step, **({} if compile is True else compile)) if compile else self.step
+        # the step as a function of the decoder (not a bound method: no reference cycle keeps a dropped
+        # decoder's cache and graphs alive until the garbage collector runs)
+        self.fn = torch.compile(Decoder.step, **({} if compile is True else compile)) if compile else Decoder.step
         self.graphs, self.pool = {}, torch.cuda.graph_pool_handle() if graph else None
 
     def start(self, prefill, n, keys, pos, stops):
@@ -352,10 +354,10 @@ class Decoder:
         """One step attending over the first `span` cache slots: run, or replayed from its graph."""
         self.cache.span = span
         if not self.graph:
-            return self.run()
+            return self.fn(self)
         if span not in self.graphs:  # the first capture warms up cuBLAS & co; later ones only compile
             state = [self.index, self.bias, self.pos, self.tok, self.done, self.lengths, self.out_tok, self.out_lp]
-            self.graphs[span] = cuda_graph(self.run, state, warmup=1 if self.graphs else 3, pool=self.pool)
+            self.graphs[span] = cuda_graph(lambda: self.fn(self), state, warmup=1 if self.graphs else 3, pool=self.pool)
         self.graphs[span]()
 
 
