@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
 
 import moe
 from model import position_ids, round_up
@@ -176,6 +177,7 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
 
 SDPA = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+ATTENTION = (*SDPA, "flex")  # decode(attention=...): one of SDPA's kernels, or flex_attend
 
 
 class StaticCache:
@@ -193,6 +195,7 @@ class StaticCache:
     def __init__(self, max_len, index):
         self.max_len, self.index, self.span = max_len, index, max_len
         self.k, self.v = [], []
+        self.attend = None  # (q, k, v, mask) -> attention output; None: model.Attention's SDPA
 
     length = property(lambda self: 0, lambda self, value: None)
 
@@ -214,6 +217,16 @@ class StaticCache:
                 continue
             for dst, src in zip(mine, theirs):
                 dst.view(src.shape[0], n, *src.shape[1:]).copy_(src[:, None])
+
+
+def flex_attend(q, k, v, mask):
+    """Attention of q (R, H, T, D) over the cache's k, v (R, KV, L, D) with torch's flex_attention,
+    the float key bias mask (R, 1, 1, L) added as its score_mod. Under torch.compile it is a Triton
+    kernel that splits the keys of one-token queries over many blocks (flex decoding), where SDPA's
+    kernels tile queries, of which a decode step has one per head."""
+    bias = mask[:, 0, 0]
+    return flex_attention(q, k, v, score_mod=lambda score, b, h, i, j: score + bias[b, j],
+                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def pick(logits, temperature=1.0, top_k=None, top_p=None, noise=None):
@@ -375,7 +388,7 @@ class Rollout:
 def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, top_p=None,
            stop_tokens=None, pad_id=0, attention_mask=None, seed=None, generator=None,
            check_every=16, graph=None, compile=False, bucket=64, fuse_mlp=True, candidates=True,
-           sdpa=None, keep=None):
+           attention=None, keep=None):
     """Sample max_new_tokens (fewer when every row stopped) for each prompt, n times each.
 
     prompts: a list of 1-D token sequences (any lengths; left-padded here), or (B, T) ids with
@@ -393,7 +406,8 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         (one graph per bucket; with keep the cache is rounded up too); 0: the whole cache each step.
       fuse_mlp: one [gate | up] matmul per gated MLP (model.MLP.split off) instead of two.
       candidates: with top_k, race only the top_k candidates (pick()) instead of the vocabulary.
-      sdpa: force one attention kernel for the steps: "math", "efficient", "flash" or "cudnn".
+      attention: the steps' attention kernel: SDPA's "math", "efficient", "flash" or "cudnn" (None:
+        SDPA picks), or "flex" (flex_attend; compile it).
       keep: a dict owned by the caller, in which the decoder state (cache, buffers, captured
         graphs) stays for the next call with the same shapes and settings (GRPO's rollouts: no
         recapture, no recompile); it holds the cache's memory until cleared, one entry at a time.
@@ -419,7 +433,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         (N < 1 or n < 1 or check_every < 1, f"max_new_tokens={N}, n={n}, check_every={check_every} must be >= 1"),
         (temperature < 0, f"temperature={temperature} must be >= 0 (0 = greedy)"),
         (bucket < 0, f"bucket={bucket} must be >= 0 (0: attend over the whole cache)"),
-        (sdpa is not None and sdpa not in SDPA, f"sdpa={sdpa!r}: choose one of {', '.join(SDPA)} or None"),
+        (attention not in (None, *ATTENTION), f"attention={attention!r}: choose one of {', '.join(ATTENTION)} or None"),
         (not bool(mask.any(1).all()), "decode: every prompt needs at least one real token (attention_mask row of zeros)"),
         (graph and dev.type != "cuda", "graph=True needs the model on a CUDA device: pass graph=False"),
         (graph and bool(moes), "graph=True: MoE layers sync with the host per layer (dropless block sizes), "
@@ -453,7 +467,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
 
         V = logits.shape[-1]
         width = min(top_k, V) if candidates and top_k and temperature > 0 else V
-        key = (R, S, N, width, prefill.k[0].dtype, temperature, top_k, top_p, pad_id, fuse_mlp, sdpa,
+        key = (R, S, N, width, prefill.k[0].dtype, temperature, top_k, top_p, pad_id, fuse_mlp, attention,
                None if stops is None else stops.numel(), graph, repr(compile),
                tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers())))
         dec = keep.get(key) if keep is not None else None
@@ -469,7 +483,8 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         if dec.noise is not None:
             dec.noise.exponential_(generator=generator)
         dec.emit(logits, torch.zeros(1, dtype=torch.long, device=dev))
-        with sdpa_kernel(SDPA[sdpa]) if sdpa else contextlib.nullcontext():
+        dec.cache.attend = flex_attend if attention == "flex" else None
+        with sdpa_kernel(SDPA[attention]) if attention in SDPA else contextlib.nullcontext():
             for s in range(1, N):
                 if (stops is not None or group is not None) and s % check_every == 0 and stopped(dec.done, group):
                     break

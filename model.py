@@ -262,6 +262,8 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
             if cache is not None:
                 k, v = cache.update(layer, k, v)  # (B, KV, S, D): everything cached so far + new
+                if getattr(cache, "attend", None):  # the cache's own kernel (generate.decode's flex_attention)
+                    return self.proj(cache.attend(q, k, v, mask).transpose(1, 2).reshape(B, T, H * D))
             gqa = KV != H
             if gqa and T == 1 and not is_causal:
                 # one new token (decoding): a kv head's H/KV query heads become H/KV query rows of one

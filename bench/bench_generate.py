@@ -90,13 +90,16 @@ VARIANTS = {  # decode() keyword arguments; "compile": torch.compile's (compile 
     "keep": dict(keep=True),                        # + the warm-up call's graphs replayed (GRPO's steady state)
     "bucket32": dict(bucket=32, keep=True),
     "bucket128": dict(bucket=128, keep=True),
-    "math": dict(sdpa="math", keep=True),           # attention as matmuls + softmax (compile fuses them)
-    "cudnn": dict(sdpa="cudnn", keep=True),
-    "efficient": dict(sdpa="efficient", keep=True),
+    "math": dict(attention="math", keep=True),      # SDPA as matmuls + softmax (compile fuses them)
+    "cudnn": dict(attention="cudnn", keep=True),
+    "efficient": dict(attention="efficient", keep=True),
+    "flex": dict(attention="flex", keep=True),      # flex_attention: split-KV decoding kernel (Triton)
+    "flex-static": dict(attention="flex", compile={"dynamic": False}, keep=True),
     "static": dict(compile={"dynamic": False}, keep=True),  # one specialised compile per bucket
     "autotune": dict(compile={"mode": "max-autotune-no-cudagraphs"}, keep=True),  # Triton matmuls, epilogues fused
 }
-EXPLORE = ("ours-compile:before,ours-lora:keep,ours-lora-merged:keep,ours-compile:math,ours-compile:cudnn,"
+EXPLORE = ("ours-compile:before,ours-lora:keep,ours-lora-merged:keep,ours-compile:flex,ours-compile:math,"
+           "ours-compile:cudnn,ours-compile:flex-static,"
            "ours-compile:bucket,ours-compile:fuse_mlp,ours-compile:candidates,ours-compile:all,ours-graph:before,"
            "ours-graph:all,ours-compile:bucket128,ours-compile:static,ours-compile:bucket32,ours-compile:autotune")
 
