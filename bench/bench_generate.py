@@ -1,7 +1,7 @@
 """Generation throughput: our decoders vs transformers' generate, same weights, one run (issue 16).
 
     python bench/bench_generate.py --json=bench/results/generate/generate_h200.json   # one GPU, < 9 min
-    python bench/bench_generate.py --device=cpu --shape=tiny --explore= --profile=    # smoke test, seconds
+    python bench/bench_generate.py --device=cpu --points=tiny:3 --profile=             # smoke test, seconds
 
 Every row generates --new tokens (256) after --prompt random tokens (64) for B prompts, sampling
 with temperature 1 and top-k 50, no stop tokens, bf16 weights (fp32 on CPU), random init (the
@@ -22,26 +22,24 @@ today's defaults). "before" is the decoder BENCHMARKS.md measured first (whole-c
 two gate/up matmuls, the race over the whole vocabulary); the table's "vs before" column divides
 by the row of the same name with variant "before" at that point.
 
---rows run at every (shape, batch) point, batch-major; then --explore rows (the settings one by
-one) at the first point; the --profile rows of the first point run once more, uncaptured, under
-torch.profiler: GPU kernels per decode step, GPU time per step and the kernels that take it
-(CPU: top-level ATen ops per step).
+--rows run at every --points entry (shape:batch, in priority order); the --explore rows (the
+settings one by one) at the first point, where the list says "explore"; the --profile rows of the
+first point run once more, uncaptured, under torch.profiler: GPU kernels per decode step, GPU time
+per step and the kernels that take it (CPU: top-level ATen ops per step).
 
 bound: the memory-bandwidth limit of a decode step, tokens/s = B / (bytes / bandwidth), bytes =
 the weights read once per step (every parameter but the token embedding) + the KV cache read at
 the mean context (prompt + new/2 keys per row); bandwidth = a measured 1 GiB device copy (read +
 write bytes / seconds). `of_bound` = tokens/s / bound.
 
-checks (before the rows, fp32 and bf16 on the 124m shape, prompts of different lengths): greedy
-decode (graph; compile too with --check_compile) vs the eager path: token agreement rate and
-tokens per row before the first difference (fp32: all identical; bf16: near-ties flip, and
-after a flip the rows continue differently); max |log-prob - teacher-forced log_softmax| over
-the tokens sampled with top-k (the log-probs' error in this dtype); fp32 only: sampled tokens of
-the captured step equal the uncaptured step's (same seed), and a call replaying graphs kept from
-an earlier call (keep=) equals a fresh one.
+checks (first; fp32 and bf16, 124m, prompts of different lengths): greedy decode (graph; compile
+too with --check_compile) vs the eager path: token agreement rate, tokens per row before the first
+difference (fp32: all identical; bf16: near-ties flip, then the rows go apart); max |log-prob -
+teacher-forced log_softmax| of tokens sampled with top-k; fp32: sampled tokens of the captured
+step = the uncaptured step's (same seed), a call replaying kept graphs (keep=) = a fresh one.
 
-Rows run in priority order until --budget_s has passed; later rows are listed as skipped. A
-failing row prints its error and the table goes on.
+Rows run in priority order until --budget_s has passed; later ones are listed as skipped. A failing
+row prints its error and the table goes on.
 """
 import argparse
 import copy
@@ -92,21 +90,21 @@ VARIANTS = {  # decode() keyword arguments; "compile": torch.compile's (compile 
     "bucket128": dict(bucket=128, keep=True),
     "math": dict(attention="math", keep=True),      # SDPA as matmuls + softmax (compile fuses them)
     "cudnn": dict(attention="cudnn", keep=True),
-    "efficient": dict(attention="efficient", keep=True),
     "flex": dict(attention="flex", keep=True),      # flex_attention: split-KV decoding kernel (Triton)
     "flex-static": dict(attention="flex", compile={"dynamic": False}, keep=True),
     "static": dict(compile={"dynamic": False}, keep=True),  # one specialised compile per bucket
     "autotune": dict(compile={"mode": "max-autotune-no-cudagraphs"}, keep=True),  # Triton matmuls, epilogues fused
 }
 EXPLORE = ("ours-compile:before,ours-lora:keep,ours-lora-merged:keep,ours-compile:flex,ours-compile:math,"
-           "ours-compile:cudnn,ours-compile:flex-static,"
-           "ours-compile:bucket,ours-compile:fuse_mlp,ours-compile:candidates,ours-compile:all,ours-graph:before,"
-           "ours-graph:all,ours-compile:bucket128,ours-compile:static,ours-compile:bucket32,ours-compile:autotune")
+           "ours-compile:cudnn,ours-compile:bucket,ours-compile:fuse_mlp,ours-compile:candidates,ours-compile:all,"
+           "ours-compile:flex-static,ours-graph:before,ours-graph:all,ours-compile:bucket128,ours-compile:static,"
+           "ours-compile:bucket32")
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 p.add_argument("--device", default="cuda")
-p.add_argument("--shape", default="124m,1b", help="comma-separated: " + ", ".join(SHAPES))
-p.add_argument("--batches", default="64,256,1", help="comma-separated batch sizes, in priority order")
+p.add_argument("--points", default="124m:64,1b:64,124m:256,124m:1,explore,1b:256,1b:1",
+               help="shape:batch in priority order (shapes: " + ", ".join(SHAPES) + "); 'explore': the --explore rows "
+               "(at the first point) run there")
 p.add_argument("--rows", default="ours-compile:keep,hf-static",
                help="comma-separated, in priority order: " + ", ".join(ROWS) + " (ours-*: optionally :variant, "
                "one of " + ", ".join(VARIANTS) + ")")
@@ -116,7 +114,7 @@ p.add_argument("--profile", default="ours-compile:before,ours-compile:keep",
 p.add_argument("--prompt", type=int, default=0, help="prompt tokens (0: the shape's)")
 p.add_argument("--new", type=int, default=0, help="new tokens (0: the shape's)")
 p.add_argument("--top_k", type=int, default=50)
-p.add_argument("--budget_s", type=float, default=450.0, help="start no row after this many seconds (checks included)")
+p.add_argument("--budget_s", type=float, default=480.0, help="start no row after this many seconds (checks included)")
 p.add_argument("--no_checks", action="store_true")
 p.add_argument("--check_compile", action="store_true", help="checks also for compile=True (two more compilations)")
 p.add_argument("--json", default="", help="write the results here")
@@ -338,12 +336,17 @@ def main():
         if kind not in ROWS or (variant and (variant not in VARIANTS or not kind.startswith("ours-"))):
             raise SystemExit(f"unknown row {r!r}: choose from {', '.join(ROWS)}, ours-* optionally with "
                              f":variant, one of {', '.join(VARIANTS)}")
+    points, plan = [], []  # (batch, shape); (batch, shape, row)
+    for pt in args.points.split(","):
+        if pt == "explore" and points:
+            plan += [(*points[0], name) for name in explore if name not in rows]
+        elif pt.partition(":")[0] in SHAPES and pt.partition(":")[2].isdigit():
+            points.append((int(pt.partition(":")[2]), pt.partition(":")[0]))
+            plan += [(*points[-1], name) for name in rows]
+        else:
+            raise SystemExit(f"--points: {pt!r} is not shape:batch ({', '.join(SHAPES)}) nor 'explore' after one")
     if not args.no_checks:
         res["checks"] = checks()
-    shapes = args.shape.split(",")
-    points = [(int(b), shape) for b in args.batches.split(",") for shape in shapes]  # batch-major
-    plan = [(B, shape, name) for B, shape in points for name in rows]
-    plan += [(*points[0], name) for name in explore if name not in rows]  # the settings, one by one, last
     with tempfile.TemporaryDirectory() as tmp:
         ctxs = {}  # shape -> {"model", "folder", "hf", "lora"}: built once, kept (one GPU holds both shapes)
         for B, shape, name in plan:

@@ -396,7 +396,7 @@ def test_bench_smoke(tmp_path):
     """bench/bench_generate.py on CPU: the checks pass, every CPU row is measured (a settings variant,
     LoRA on the fly and merged, a profile), CUDA rows say so."""
     out = tmp_path / "gen.json"
-    res = subprocess.run([sys.executable, "bench/bench_generate.py", "--device=cpu", "--shape=tiny", "--batches=3",
+    res = subprocess.run([sys.executable, "bench/bench_generate.py", "--device=cpu", "--points=tiny:3,explore",
                           "--rows=ours-eager,ours-static,ours-static:before,ours-graph",
                           "--explore=ours-lora:keep,ours-lora-merged", "--profile=ours-static", f"--json={out}"],
                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
