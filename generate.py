@@ -16,21 +16,22 @@ Transformer.hidden_states with a KVCache whose Python-int length grows; shapes c
 step, so nothing can be captured.
 
 decode(): the fast path (issue 16). A StaticCache preallocated to longest prompt + new tokens,
-per-layer buffers written in place at a device-tensor slot; the prefill
-runs once on the B prompts and its cache rows are copied to each prompt's n sample rows; then a
-one-token decode step whose shapes never change: token, per-row position, cache slot and key
-mask (a float bias, added to the scores) are device tensors the step reads and advances itself,
-so on CUDA it is captured as a CUDA graph (by hand, torch.cuda.graph; compile=True first fuses it
-with torch.compile) and replayed, one launch per token. A step attends only over the cache slots
-filled so far, rounded up to a multiple of `bucket` (64): one graph per bucket, sharing one
+per-layer buffers written in place at a device-tensor slot; the prefill runs once on the B
+prompts and its cache rows are copied to each prompt's n sample rows; then a one-token decode
+step whose shapes never change: token, per-row position, cache slot and key mask (a float bias,
+added to the scores) are device tensors the step reads and advances itself, so on CUDA it is
+captured as a CUDA graph (by hand, torch.cuda.graph; compile=True first fuses it with
+torch.compile) and replayed, one launch per token. A step attends only over the cache slots
+filled so far, rounded up to a multiple of `bucket` (64): one graph per bucket, all sharing one
 memory pool. The MLP's gate and up projections run as one matmul. The step samples inside the
 graph (temperature, top-k, top-p, stop mask); the random numbers come from one exponential_ fill
 per step outside it (a captured graph cannot take a torch.Generator), and "is every row done?" is
 read every check_every steps, not per step (a host sync). Sampling is the exponential race
 (argmax of log p - log E, E ~ Exp(1) per token: token i wins with probability p_i), with top-k
 among the k candidates only, so its seeded draws differ from generate()'s torch.multinomial;
-greedy is identical. A caller that decodes the same shapes again (GRPO) passes keep={} and the
-second call replays the graphs captured by the first.
+greedy is identical. A caller that decodes the same shapes again (GRPO) passes keep={}: the
+second call replays the graphs the first one captured. attention="flex" swaps SDPA for
+flex_attention, whose compiled kernel splits the keys of one-token queries over many blocks.
 
 Log-probs (GRPO's old policy): log_softmax(logits / t)[token] in fp32, t = temperature (t = 1 when
 greedy), before top-k / top-p: the distribution a teacher-forced forward over the same tokens
@@ -45,12 +46,12 @@ per-layer host sync makes the step uncapturable, so MoE models decode uncaptured
 expert parallelism (ranks hold different prompts, every step exchanges tokens) the ranks stop
 together, when all of them have.
 
-Not done (measured by nobody yet, bench/bench_generate.py can): several steps per graph (the CPU
-is far ahead of a GPU-bound step, so fewer launches should change little), a split-KV
-(flash-decoding) attention kernel.
+Not done: several steps per captured graph (the CPU launches a replay in microseconds and is far
+ahead of a step the GPU needs most of a millisecond for, so fewer launches should change little).
 
 Why a file of its own: model.py holds the training model and is near its line budget; the forward
-takes any cache with `length` and `update(layer, k, v)`.
+takes any cache with `length` and `update(layer, k, v)` (and, to pick the attention kernel,
+`attend(q, k, v, mask)`).
 """
 import contextlib
 import itertools

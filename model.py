@@ -7,8 +7,9 @@ One decoder-only model covers both families; ModelConfig picks the pieces:
 
 Read top to bottom: config, norms, RoPE, attention, MLP, block, the model (forward,
 init, parameter/FLOP counts). The KV cache, sampling and generate() live in generate.py; the
-forward takes any cache with `length` and `update(layer, k, v)`. Mixture-of-experts layers are
-moe.py's (imported here, handed this file's MLP class and activation function).
+forward takes any cache with `length` and `update(layer, k, v)` (optionally `attend`).
+Mixture-of-experts layers are moe.py's (imported here, handed this file's MLP class and
+activation function).
 Shapes use B (batch), T (time), C (n_embd), H (query heads), KV (key/value heads),
 D (head_dim), V (vocab_size), S (key length, = cached + new tokens).
 """
