@@ -4,22 +4,34 @@
     r = generate.decode(model, prompts, 256, n=8, temperature=1.0, top_p=0.95, stop_tokens=[eos], seed=0)
     r.tokens, r.mask, r.logprobs, r.lengths   # (B*n, T+N) ids, real-token mask, (B*n, N) log-probs, (B*n,)
 
-generate(): the readable reference and CPU fallback. A prefill of every prompt at once, then one
-token per step through Transformer.hidden_states with a KVCache whose Python-int length grows;
-shapes change every step, so nothing can be captured.
+Which is used when: decode() everywhere text is generated (sample.py, pretrain.py's final sample,
+the later stages), on every device: on CUDA its step is captured as a CUDA graph, on CPU (and
+under tensor parallelism or MoE) the same step runs uncaptured, so one code path is tested
+everywhere. generate() is the readable reference the tests hold decode() to, and the fallback to
+read or edit: a plain loop over a growing cache that any change to the model's forward keeps
+working with.
+
+generate(): a prefill of every prompt at once, then one token per step through
+Transformer.hidden_states with a KVCache whose Python-int length grows; shapes change every
+step, so nothing can be captured.
 
 decode(): the fast path (issue 16). A StaticCache preallocated to longest prompt + new tokens,
-per-layer buffers written in place at a device-tensor slot; the prefill runs once on the B prompts
-and its cache rows are copied to each prompt's n sample rows; then a one-token decode step whose
-shapes never change: token, per-row position, cache slot and key mask are device tensors the step
-reads and advances itself, so on CUDA it is captured once as a CUDA graph (by hand,
-torch.cuda.graph; compile=True first fuses it with torch.compile) and replayed, one launch per
-token. The step samples inside the graph (temperature, top-k, top-p, stop mask); the random
-numbers come from one exponential_ fill per step outside it (a captured graph cannot take a
-torch.Generator), and "is every row done?" is read every check_every steps, not per step (a
-host sync). On CPU the same step runs eagerly. Sampling is the exponential race (argmax of
-log p - log E, E ~ Exp(1) per token: token i wins with probability p_i), so its seeded draws differ
-from generate()'s torch.multinomial; greedy is identical.
+per-layer buffers written in place at a device-tensor slot; the prefill runs once on the B
+prompts and its cache rows are copied to each prompt's n sample rows; then a one-token decode
+step whose shapes never change: token, per-row position, cache slot and key mask (a float bias,
+added to the scores) are device tensors the step reads and advances itself, so on CUDA it is
+captured as a CUDA graph (by hand, torch.cuda.graph; compile=True first fuses it with
+torch.compile) and replayed, one launch per token. A step attends only over the cache slots
+filled so far, rounded up to a multiple of `bucket` (64): one graph per bucket, all sharing one
+memory pool. The MLP's gate and up projections run as one matmul. The step samples inside the
+graph (temperature, top-k, top-p, stop mask); the random numbers come from one exponential_ fill
+per step outside it (a captured graph cannot take a torch.Generator), and "is every row done?" is
+read every check_every steps, not per step (a host sync). Sampling is the exponential race
+(argmax of log p - log E, E ~ Exp(1) per token: token i wins with probability p_i), with top-k
+among the k candidates only, so its seeded draws differ from generate()'s torch.multinomial;
+greedy is identical. A caller that decodes the same shapes again (GRPO) passes keep={}: the
+second call replays the graphs the first one captured. attention="flex" swaps SDPA for
+flex_attention, whose compiled kernel splits the keys of one-token queries over many blocks.
 
 Log-probs (GRPO's old policy): log_softmax(logits / t)[token] in fp32, t = temperature (t = 1 when
 greedy), before top-k / top-p: the distribution a teacher-forced forward over the same tokens
@@ -27,24 +39,32 @@ gives with its logits divided by the same t. 0 after a row's stop token.
 
 Layouts: tensor parallelism works as the eager path does (each rank its heads; the vocab-parallel
 head gathers the logits, so every rank samples the same token from the same seed); under FSDP
-call it inside parallel.Parallel.full_params() (parameters gathered once for the whole rollout);
-LoRA adapters run on the fly (lora.merge() first is the faster choice, same tokens); MoE layers
-run dropless during decoding (capacity_factor set to 0, restored after); their per-layer host sync
-makes the step uncapturable, so MoE models decode eagerly.
+call it inside parallel.Parallel.full_params() (parameters gathered once for the whole rollout,
+freed after); LoRA adapters run on the fly (lora.merge() first is the faster choice, same tokens);
+MoE layers run dropless during decoding (capacity_factor set to 0, restored after); their
+per-layer host sync makes the step uncapturable, so MoE models decode uncaptured, and under
+expert parallelism (ranks hold different prompts, every step exchanges tokens) the ranks stop
+together, when all of them have.
 
-Not done yet (issue 16's prototype did them): attending over KV-length buckets rather than the
-whole preallocated cache every step (masked slots are read too), fused gate/up matmuls.
+Not done: several steps per captured graph (the CPU launches a replay in microseconds and is far
+ahead of a step the GPU needs most of a millisecond for, so fewer launches should change little).
 
 Why a file of its own: model.py holds the training model and is near its line budget; the forward
-takes any cache with `length` and `update(layer, k, v)`.
+takes any cache with `length` and `update(layer, k, v)` (and, to pick the attention kernel,
+`attend(q, k, v, mask)`).
 """
+import contextlib
+import itertools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
 
 import moe
-from model import position_ids
+from model import position_ids, round_up
 
 
 class KVCache:
@@ -156,20 +176,27 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
 
 # ----------------------------------------------------------------------------- the fast decoder
 
+SDPA = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+ATTENTION = (*SDPA, "flex")  # decode(attention=...): one of SDPA's kernels, or flex_attend
+
+
 class StaticCache:
     """Keys and values of every layer, (R, KV, max_len, D), allocated once, written in place.
 
     Each layer has tensors of its own (views of one big buffer made a compiled step 5x slower,
     issue 16). update() writes the new keys at the slots in `index` (a device tensor: 0..T-1 for
     the prefill, then the one slot a decode step advances itself) with index_copy_ and returns the
-    whole buffers; the caller's attention mask says which slots hold real keys. `length` reads 0
-    and ignores writes: positions and masks always come from the caller, so no Python number
+    first `span` slots: a KV-length bucket, so a step reads the slots filled so far rounded up, not
+    the whole cache; the caller's attention mask says which of them hold real keys. `length` reads
+    0 and ignores writes: positions and masks always come from the caller, so no Python number
     changes between steps (Transformer.hidden_states would otherwise offset by it).
     """
 
     def __init__(self, max_len, index):
-        self.max_len, self.index = max_len, index
+        self.max_len, self.index, self.span = max_len, index, max_len
         self.k, self.v = [], []
+        self.attend = None  # (q, k, v, mask) -> attention output; None: model.Attention's SDPA
 
     length = property(lambda self: 0, lambda self, value: None)
 
@@ -180,26 +207,49 @@ class StaticCache:
             self.v.append(v.new_zeros(B, KV, self.max_len, D))
         self.k[layer].index_copy_(2, self.index, k)
         self.v[layer].index_copy_(2, self.index, v)
-        return self.k[layer], self.v[layer]
+        return self.k[layer][:, :, :self.span], self.v[layer][:, :, :self.span]
 
-    def repeat_rows(self, n):
-        """Row b becomes rows b*n .. b*n+n-1 (n samples of one prompt share its prefill)."""
-        if n > 1:
-            self.k = [t.repeat_interleave(n, dim=0) for t in self.k]
-            self.v = [t.repeat_interleave(n, dim=0) for t in self.v]
+    def load(self, prefill, n):
+        """Row b of the prefill's cache becomes rows b*n .. b*n+n-1 (n samples share a prefill),
+        into this cache's buffers when it has them (their addresses are captured), else new ones."""
+        for mine, theirs in ((self.k, prefill.k), (self.v, prefill.v)):
+            if not mine:
+                mine.extend(t if n == 1 else t.repeat_interleave(n, dim=0) for t in theirs)
+                continue
+            for dst, src in zip(mine, theirs):
+                dst.view(src.shape[0], n, *src.shape[1:]).copy_(src[:, None])
+
+
+def flex_attend(q, k, v, mask):
+    """Attention of q (R, H, T, D) over the cache's k, v (R, KV, L, D) with torch's flex_attention,
+    the float key bias mask (R, 1, 1, L) added as its score_mod. Under torch.compile it is a Triton
+    kernel that splits the keys of one-token queries over many blocks (flex decoding), where SDPA's
+    kernels tile queries, of which a decode step has one per head."""
+    bias = mask[:, 0, 0]
+    return flex_attention(q, k, v, score_mod=lambda score, b, h, i, j: score + bias[b, j],
+                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def pick(logits, temperature=1.0, top_k=None, top_p=None, noise=None):
     """(R, V) logits -> (tokens (R,), log-probs (R,) of those tokens under log_softmax(logits / t)),
-    t = temperature (1 when greedy), taken before the filters. Sampling: argmax over the filtered
-    logits / t minus log(noise), noise ~ Exp(1) i.i.d. (R, V): token i wins with probability
-    softmax_i (the exponential race, Gumbel-max's twin). noise None or temperature 0: greedy.
-    Fixed shapes, no host sync: it runs inside the captured step."""
-    z = logits.float() / (temperature or 1.0)
-    logp = z.log_softmax(dim=-1)
+    t = temperature (1 when greedy), taken before the filters. Sampling is the exponential race:
+    argmax over the filtered logits / t minus log(noise), noise ~ Exp(1) i.i.d.; token i wins with
+    probability softmax_i (Gumbel-max's twin). noise (R, V) races every token; with top_k, noise
+    (R, min(top_k, V)) races only the candidates torch.topk returns: the same distribution without
+    a pass over the vocabulary after topk (a tie at the k-th logit keeps k tokens, not every tied
+    one). noise None or temperature 0: greedy. Fixed shapes, no host sync: it runs in the graph."""
+    t = temperature or 1.0
+    logp = (logits.float() / t).log_softmax(dim=-1)
     if temperature == 0 or noise is None:
         tok = logits.argmax(dim=-1)
+    elif top_k and noise.shape[-1] < logits.shape[-1]:
+        vals, ids = logits.topk(noise.shape[-1], dim=-1)  # candidates, most likely first
+        z = vals.float() / t
+        if top_p is not None and top_p < 1.0:
+            z = top_p_filter(z, top_p)
+        tok = ids.gather(-1, (z - noise.log()).argmax(dim=-1, keepdim=True)).squeeze(-1)
     else:
+        z = logits.float() / t
         if top_k:
             z = top_k_filter(z, top_k)
         if top_p is not None and top_p < 1.0:
@@ -221,10 +271,11 @@ def pad_prompts(prompts, pad_id=0, device=None):
     return idx.to(device), mask.to(device)
 
 
-def cuda_graph(fn, state, warmup=3):
+def cuda_graph(fn, state, warmup=3, pool=None):
     """Capture fn() (it reads and writes only tensors it closes over) as one CUDA graph; return
     its replay. The warm-up runs torch.cuda.graph needs (on a side stream; compilation happens
-    here) advance the state: `state` tensors are restored after them."""
+    here) advance the state: `state` tensors are restored after them. Graphs that share a pool
+    (torch.cuda.graph_pool_handle()) share their temporaries' memory: replay them one at a time."""
     saved = [t.clone() for t in state]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -233,11 +284,95 @@ def cuda_graph(fn, state, warmup=3):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         fn()  # recorded, not run
     for t, s in zip(state, saved):
         t.copy_(s)
     return graph.replay
+
+
+def stopped(done, group=None):
+    """Has every row stopped? One host sync. group: the ranks whose steps exchange tokens (expert
+    parallelism; they hold different prompts): all must run the same number of steps, so each
+    goes on until every rank's rows have stopped."""
+    left = (~done).sum()
+    if group is not None:
+        dist.all_reduce(left, group=group)
+    return int(left) == 0
+
+
+class Decoder:
+    """The decode loop's state: the R-row cache and every tensor the step reads or writes, at fixed
+    addresses, and the step captured once per KV-length bucket. decode() builds one per call, or
+    keeps it (keep=) for the next call of the same shapes and settings: the graphs are replayed
+    again, nothing is captured (or compiled) twice."""
+
+    def __init__(self, model, R, S, N, width, dtype, *, temperature, top_k, top_p, pad_id, stops, graph, compile):
+        dev = next(model.parameters()).device
+        self.model, self.pad_id, self.graph = model, pad_id, graph
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.index = torch.zeros(1, dtype=torch.long, device=dev)  # the slot the next token's keys go to
+        self.first = torch.zeros(1, dtype=torch.long, device=dev)  # slot - first = output column
+        self.cache = StaticCache(S, self.index)
+        self.bias = torch.zeros(R, S, dtype=dtype, device=dev)  # added to the scores: 0 real key, -inf not
+        self.pos = torch.zeros(R, dtype=torch.long, device=dev)  # the next token's position in its row
+        self.tok = torch.zeros(R, dtype=torch.long, device=dev)
+        self.done = torch.zeros(R, dtype=torch.bool, device=dev)
+        self.lengths = torch.zeros(R, dtype=torch.long, device=dev)
+        self.out_tok = torch.full((R, N), pad_id, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros(R, N, dtype=torch.float32, device=dev)
+        self.noise = torch.empty(R, width, device=dev) if temperature > 0 else None
+        self.stops = None if stops is None else stops.clone()
+        # the step as a function of the decoder (not a bound method: no reference cycle keeps a dropped
+        # decoder's cache and graphs alive until the garbage collector runs)
+        self.fn = torch.compile(Decoder.step, **({} if compile is True else compile)) if compile else Decoder.step
+        self.graphs, self.pool = {}, torch.cuda.graph_pool_handle() if graph else None
+
+    def start(self, prefill, n, keys, pos, stops):
+        """A new batch of B prompts, n rows each: the prefill's cache, keys (B, S) which slots hold
+        real keys, pos (B,) the next positions, the stop tokens, copied in (the addresses stay)."""
+        T = prefill.span
+        self.cache.load(prefill, n)
+        self.index.fill_(T)
+        self.first.fill_(T - 1)
+        B, S = keys.shape
+        self.bias.view(B, n, S).copy_(keys.new_zeros(B, 1, S, dtype=self.bias.dtype).masked_fill_(~keys[:, None], float("-inf")))
+        self.pos.view(B, n).copy_(pos[:, None])
+        self.done.zero_()
+        self.lengths.zero_()
+        self.out_tok.fill_(self.pad_id)
+        self.out_lp.zero_()
+        if stops is not None:
+            self.stops.copy_(stops)
+
+    def emit(self, logits, col):
+        nxt, lp = pick(logits, noise=self.noise, **self.sampling)
+        nxt, lp = nxt.masked_fill(self.done, self.pad_id), lp.masked_fill(self.done, 0.0)
+        self.lengths.add_((~self.done).long())
+        if self.stops is not None:
+            self.done.logical_or_((nxt[:, None] == self.stops).any(-1))
+        self.out_tok.index_copy_(1, col, nxt[:, None])
+        self.out_lp.index_copy_(1, col, lp[:, None])
+        self.tok.copy_(nxt)
+
+    def step(self):
+        """One token per row; fixed shapes, no host sync: capturable."""
+        self.bias.index_fill_(1, self.index, 0.0)
+        h = self.model.hidden_states(self.tok[:, None], cache=self.cache, pos=self.pos[:, None],
+                                     attn_mask=self.bias[:, None, :self.cache.span])
+        self.emit(self.model.logits(h[:, 0]), self.index - self.first)
+        self.pos.add_(1)
+        self.index.add_(1)
+
+    def advance(self, span):
+        """One step attending over the first `span` cache slots: run, or replayed from its graph."""
+        self.cache.span = span
+        if not self.graph:
+            return self.fn(self)
+        if span not in self.graphs:  # the first capture warms up cuBLAS & co; later ones only compile
+            state = [self.index, self.bias, self.pos, self.tok, self.done, self.lengths, self.out_tok, self.out_lp]
+            self.graphs[span] = cuda_graph(lambda: self.fn(self), state, warmup=1 if self.graphs else 3, pool=self.pool)
+        self.graphs[span]()
 
 
 @dataclass
@@ -253,7 +388,8 @@ class Rollout:
 @torch.no_grad()
 def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, top_p=None,
            stop_tokens=None, pad_id=0, attention_mask=None, seed=None, generator=None,
-           check_every=16, graph=None, compile=False):
+           check_every=16, graph=None, compile=False, bucket=64, fuse_mlp=True, candidates=True,
+           attention=None, keep=None):
     """Sample max_new_tokens (fewer when every row stopped) for each prompt, n times each.
 
     prompts: a list of 1-D token sequences (any lengths; left-padded here), or (B, T) ids with
@@ -266,6 +402,16 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
     graph: capture the decode step as a CUDA graph (default: on CUDA, not for MoE, not under TP);
       compile: torch.compile the step first (CUDA: fused kernels inside the graph); True, or a dict
       of torch.compile's keyword arguments (tests trace it with fullgraph=True: no graph break).
+    Speed settings (each exact; bench/bench_generate.py measures them one by one):
+      bucket: a step attends over the cache slots filled so far rounded up to a multiple of bucket
+        (one graph per bucket; with keep the cache is rounded up too); 0: the whole cache each step.
+      fuse_mlp: one [gate | up] matmul per gated MLP (model.MLP.split off) instead of two.
+      candidates: with top_k, race only the top_k candidates (pick()) instead of the vocabulary.
+      attention: the steps' attention kernel: SDPA's "math", "efficient", "flash" or "cudnn" (None:
+        SDPA picks), or "flex" (flex_attend; compile it).
+      keep: a dict owned by the caller, in which the decoder state (cache, buffers, captured
+        graphs) stays for the next call with the same shapes and settings (GRPO's rollouts: no
+        recapture, no recompile); it holds the cache's memory until cleared, one entry at a time.
     Returns a Rollout. Runs in eval mode and restores the mode.
     """
     dev = next(model.parameters()).device
@@ -276,7 +422,9 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         idx, mask = pad_prompts(prompts, pad_id, dev)
     B, T = idx.shape
     N, R = max_new_tokens, B * n
+    S = round_up(T + N, bucket) if bucket and keep is not None else T + N  # kept: other T, same cache
     moes = list(moe.layers(model))
+    mlps = [m for m in model.modules() if getattr(m, "split", False)]
     tensor_parallel = not isinstance(model.head, torch.nn.Linear)
     if graph is None:
         graph = dev.type == "cuda" and not moes and not tensor_parallel
@@ -285,80 +433,73 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
          f"{model.cfg.block_size}: shorten the prompts or generate fewer tokens"),
         (N < 1 or n < 1 or check_every < 1, f"max_new_tokens={N}, n={n}, check_every={check_every} must be >= 1"),
         (temperature < 0, f"temperature={temperature} must be >= 0 (0 = greedy)"),
+        (bucket < 0, f"bucket={bucket} must be >= 0 (0: attend over the whole cache)"),
+        (attention not in (None, *ATTENTION), f"attention={attention!r}: choose one of {', '.join(ATTENTION)} or None"),
         (not bool(mask.any(1).all()), "decode: every prompt needs at least one real token (attention_mask row of zeros)"),
         (graph and dev.type != "cuda", "graph=True needs the model on a CUDA device: pass graph=False"),
         (graph and bool(moes), "graph=True: MoE layers sync with the host per layer (dropless block sizes), "
-         "so their step cannot be captured: pass graph=False")]:
+         "so their step cannot be captured: pass graph=False"),
+        (graph and keep is not None and torch.is_autocast_enabled(dev.type), "keep= under autocast: the captured "
+         "steps would read autocast's cached weight casts, freed when the autocast context exits; convert the "
+         "model instead (model.to(torch.bfloat16)) or pass keep=None")]:
         if bad:
             raise ValueError(msg)
     if generator is None and seed is not None:
         generator = torch.Generator(dev).manual_seed(seed)
     stops = None if stop_tokens is None else torch.as_tensor(stop_tokens, device=dev).flatten()
     stops = stops if stops is not None and stops.numel() else None
+    group = moes[0].data_group if moes and dist.is_initialized() else None
+    group = group if group is not None and dist.get_world_size(group) > 1 else None
 
     was_training, capacity = model.training, [m.capacity_factor for m in moes]
     model.eval()
     for m in moes:
         m.capacity_factor = 0.0  # dropless at inference: no token's expert output is dropped
+    for m in mlps:
+        m.split = not fuse_mlp
     try:
-        # prefill, B prompts: query i sees real keys j <= i (and itself, so padding rows are no NaN)
-        S = T + N
-        keys = F.pad(mask, (0, N))  # (B, S): which cache slots hold real tokens
-        q, k = torch.arange(T, device=dev)[:, None], torch.arange(S, device=dev)[None, :]
-        index = torch.arange(T, device=dev)
-        cache = StaticCache(S, index)
-        h = model.hidden_states(idx, cache=cache, pos=position_ids(mask),
-                                attn_mask=((k <= q) & keys[:, None, :]) | (k == q))
+        # prefill, B prompts over their T slots: query i sees real keys j <= i (and itself: no NaN rows)
+        prefill = StaticCache(S, torch.arange(T, device=dev))
+        prefill.span = T
+        q, k = torch.arange(T, device=dev)[:, None], torch.arange(T, device=dev)[None, :]
+        h = model.hidden_states(idx, cache=prefill, pos=position_ids(mask),
+                                attn_mask=((k <= q) & mask[:, None, :]) | (k == q))
         logits = model.logits(h[:, -1]).repeat_interleave(n, dim=0)
-        cache.repeat_rows(n)
 
-        # the decode state: every tensor the step reads or writes, at fixed addresses
-        cache.index = index = torch.tensor([T], device=dev)  # the slot the next token's keys go to
-        kmask = keys.repeat_interleave(n, dim=0)
-        pos = mask.sum(1).repeat_interleave(n)  # the next token's position in its row
-        tok = torch.zeros(R, dtype=torch.long, device=dev)
-        done = torch.zeros(R, dtype=torch.bool, device=dev)
-        lengths = torch.zeros(R, dtype=torch.long, device=dev)
-        out_tok = torch.full((R, N), pad_id, dtype=torch.long, device=dev)
-        out_lp = torch.zeros(R, N, dtype=torch.float32, device=dev)
-        sampling = temperature > 0
-        noise = torch.empty(R, logits.shape[-1], device=dev) if sampling else None
+        V = logits.shape[-1]
+        width = min(top_k, V) if candidates and top_k and temperature > 0 else V
+        key = (R, S, N, width, prefill.k[0].dtype, temperature, top_k, top_p, pad_id, fuse_mlp, attention,
+               None if stops is None else stops.numel(), graph, repr(compile),
+               tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers())))
+        dec = keep.get(key) if keep is not None else None
+        if dec is None:
+            dec = Decoder(model, R, S, N, width, prefill.k[0].dtype, temperature=temperature, top_k=top_k, top_p=top_p,
+                          pad_id=pad_id, stops=stops, graph=graph, compile=compile)
+            if keep is not None:
+                keep.clear()  # one shape at a time: a new one frees the old cache and graphs
+                keep[key] = dec
+        dec.start(prefill, n, F.pad(mask, (0, S - T)), mask.sum(1), stops)
+        del prefill, h
 
-        def emit(logits, col):
-            nxt, lp = pick(logits, temperature, top_k, top_p, noise)
-            nxt, lp = nxt.masked_fill(done, pad_id), lp.masked_fill(done, 0.0)
-            lengths.add_((~done).long())
-            if stops is not None:
-                done.logical_or_((nxt[:, None] == stops).any(-1))
-            out_tok.index_copy_(1, col, nxt[:, None])
-            out_lp.index_copy_(1, col, lp[:, None])
-            tok.copy_(nxt)
-
-        def step():  # one token per row; fixed shapes, no host sync: capturable
-            kmask.index_fill_(1, index, True)
-            h = model.hidden_states(tok[:, None], cache=cache, pos=pos[:, None], attn_mask=kmask[:, None, :])
-            emit(model.logits(h[:, 0]), index - (T - 1))
-            pos.add_(1)
-            index.add_(1)
-
-        if sampling:
-            noise.exponential_(generator=generator)
-        emit(logits, torch.zeros(1, dtype=torch.long, device=dev))
-        run = torch.compile(step, **({} if compile is True else compile)) if compile else step
-        if graph and N > 1:
-            run = cuda_graph(run, [index, kmask, pos, tok, done, lengths, out_tok, out_lp])
-        for s in range(1, N):
-            if stops is not None and s % check_every == 0 and bool(done.all()):
-                break
-            if sampling:
-                noise.exponential_(generator=generator)
-            run()
+        if dec.noise is not None:
+            dec.noise.exponential_(generator=generator)
+        dec.emit(logits, torch.zeros(1, dtype=torch.long, device=dev))
+        dec.cache.attend = flex_attend if attention == "flex" else None
+        with sdpa_kernel(SDPA[attention]) if attention in SDPA else contextlib.nullcontext():
+            for s in range(1, N):
+                if (stops is not None or group is not None) and s % check_every == 0 and stopped(dec.done, group):
+                    break
+                if dec.noise is not None:
+                    dec.noise.exponential_(generator=generator)
+                dec.advance(min(S, round_up(T + s, bucket)) if bucket else S)  # step s fills slot T+s-1
     finally:
         model.train(was_training)
         for m, c in zip(moes, capacity):
             m.capacity_factor = c
-    width = int(lengths.max())
+        for m in mlps:
+            m.split = True
+    width = int(dec.lengths.max())
     prompt_mask = mask.repeat_interleave(n, dim=0)
-    gen_mask = torch.arange(width, device=dev)[None, :] < lengths[:, None]
-    return Rollout(torch.cat([idx.repeat_interleave(n, dim=0), out_tok[:, :width]], 1),
-                   torch.cat([prompt_mask, gen_mask], 1), out_lp[:, :width], lengths, T)
+    gen_mask = torch.arange(width, device=dev)[None, :] < dec.lengths[:, None]
+    return Rollout(torch.cat([idx.repeat_interleave(n, dim=0), dec.out_tok[:, :width]], 1),
+                   torch.cat([prompt_mask, gen_mask], 1), dec.out_lp[:, :width].clone(), dec.lengths.clone(), T)

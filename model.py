@@ -7,8 +7,9 @@ One decoder-only model covers both families; ModelConfig picks the pieces:
 
 Read top to bottom: config, norms, RoPE, attention, MLP, block, the model (forward,
 init, parameter/FLOP counts). The KV cache, sampling and generate() live in generate.py; the
-forward takes any cache with `length` and `update(layer, k, v)`. Mixture-of-experts layers are
-moe.py's (imported here, handed this file's MLP class and activation function).
+forward takes any cache with `length` and `update(layer, k, v)` (optionally `attend`).
+Mixture-of-experts layers are moe.py's (imported here, handed this file's MLP class and
+activation function).
 Shapes use B (batch), T (time), C (n_embd), H (query heads), KV (key/value heads),
 D (head_dim), V (vocab_size), S (key length, = cached + new tokens).
 """
@@ -262,6 +263,8 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
             if cache is not None:
                 k, v = cache.update(layer, k, v)  # (B, KV, S, D): everything cached so far + new
+                if getattr(cache, "attend", None):  # the cache's own kernel (generate.decode's flex_attention)
+                    return self.proj(cache.attend(q, k, v, mask).transpose(1, 2).reshape(B, T, H * D))
             gqa = KV != H
             if gqa and T == 1 and not is_causal:
                 # one new token (decoding): a kv head's H/KV query heads become H/KV query rows of one
@@ -302,9 +305,10 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.n_embd, 2 * cfg.hidden if cfg.gated else cfg.hidden, bias=cfg.bias)
         self.proj = nn.Linear(cfg.hidden, cfg.n_embd, bias=cfg.bias)
         self.act = activation_fn(cfg.activation)
+        self.split = cfg.gated  # the two-matmul path below; generate.decode turns it off (one launch)
 
     def forward(self, x):
-        if self.gated and type(self.fc) is nn.Linear and not (self.fc._forward_hooks or self.fc._forward_pre_hooks):
+        if self.split and type(self.fc) is nn.Linear and not (self.fc._forward_hooks or self.fc._forward_pre_hooks):
             # two matmuls over the weight's [gate | up] halves rather than one and a split: the
             # backward's elementwise kernel then writes d_gate and d_up as two tensors, reading
             # each input once (measured 2x faster kernel, +1-2% per step at the 124M shape).
@@ -428,7 +432,8 @@ class Transformer(nn.Module):
           values and expert loads stay on the layers for logging (moe.metrics(model)).
         pos: (B, T) position ids; default: cache.length + 0..T-1, or derived from a 2-D attn_mask.
         attn_mask: (B, S) 0/1 or bool, True = real token (S = cached + new tokens), combined with
-          causality; or a ready (B, [1,] T, S) boolean mask (True = attend) used as is.
+          causality; or a ready (B, [1,] T, S) boolean mask (True = attend) used as is, or a float
+          one added to the scores (0 / -inf; generate.decode's steps: no per-layer conversion).
         Padded vocabulary rows are sliced off, so they are never sampled nor part of the loss.
         """
         x = self.hidden_states(idx, cache=cache, pos=pos, attn_mask=attn_mask)
@@ -522,7 +527,7 @@ class Transformer(nn.Module):
                                  f"(cached {start} + new {T}): pass the mask of all tokens so far")
             key = attn_mask.bool()
         else:
-            mask = attn_mask.bool()
+            mask = attn_mask if attn_mask.is_floating_point() else attn_mask.bool()
             return (mask.unsqueeze(1) if mask.dim() == 3 else mask), False
         q_pos = torch.arange(start, S, device=device)[:, None]
         k_pos = torch.arange(S, device=device)[None, :]

@@ -205,9 +205,9 @@ def main(argv):
         raw.eval()
         prompt = torch.tensor([prompt], device=device)
         with run.full_params(), autocast:
-            out = generate.generate(raw, prompt, min(cfg.sample_tokens, cfg.block_size - prompt.shape[1]),
-                                    temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
-                                    stop_tokens=[tok.eos_id], seed=cfg.seed)
+            out = generate.decode(raw, prompt, min(cfg.sample_tokens, cfg.block_size - prompt.shape[1]),
+                                  temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
+                                  stop_tokens=[tok.eos_id], seed=cfg.seed).tokens
         say(f"--- sample after {step} steps ---\n{tok.decode(out[0].tolist())}\n---")
     logger.close()
     parallel.shutdown()

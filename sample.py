@@ -121,13 +121,11 @@ def main(argv=None):
         stops += list(fim.sentinels(tok))
     else:
         ids = tok.encode(a.prompt) or [tok.eos_id]
-    x = torch.tensor([ids] * a.n, device=a.device)
-    new = min(a.tokens, cfg.block_size - x.shape[1])
+    new = min(a.tokens, cfg.block_size - len(ids))
     if new <= 0:
-        p.error(f"the prompt has {x.shape[1]} tokens, block_size is {cfg.block_size}: shorten it")
-    torch.manual_seed(a.seed)
-    out = generate.generate(model, x, new, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                            stop_tokens=stops)
+        p.error(f"the prompt has {len(ids)} tokens, block_size is {cfg.block_size}: shorten it")
+    out = generate.decode(model, [ids], new, n=a.n, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                          stop_tokens=stops, seed=a.seed).tokens  # the fast decoder (generate.py)
     for i, row in enumerate(out.tolist()):
         gen = row[len(ids):]
         stop = next((j for j, t in enumerate(gen) if t in stops), None)

@@ -1,7 +1,7 @@
 """Generation throughput: our decoders vs transformers' generate, same weights, one run (issue 16).
 
-    python bench/bench_generate.py --json=bench/results/generate_h200.json     # one GPU, < 8 min
-    python bench/bench_generate.py --device=cpu --shape=tiny                   # smoke test, seconds
+    python bench/bench_generate.py --json=bench/results/generate/generate_h200.json   # one GPU, < 9 min
+    python bench/bench_generate.py --device=cpu --points=tiny:3 --profile=             # smoke test, seconds
 
 Every row generates --new tokens (256) after --prompt random tokens (64) for B prompts, sampling
 with temperature 1 and top-k 50, no stop tokens, bf16 weights (fp32 on CPU), random init (the
@@ -9,29 +9,42 @@ with temperature 1 and top-k 50, no stop tokens, bf16 weights (fp32 on CPU), ran
 one whole call (prefill, capture and compilation guards included), timed after one untimed
 warm-up call of the same shape (compilation happens there).
 
-rows  ours-eager     generate.generate: the eager KV-cache loop (the reference path)
-      ours-static    generate.decode(graph=False): static cache, the step run eagerly
-      ours-graph     generate.decode: the step captured as a CUDA graph by hand and replayed
-      ours-compile   generate.decode(compile=True): torch.compile'd step, then captured
-      hf-dynamic     transformers generate, its default dynamic cache (SDPA)
-      hf-static      transformers generate, cache_implementation="static" (its own auto-compile)
+rows  ours-eager        generate.generate: the eager KV-cache loop (the reference path)
+      ours-static       generate.decode(graph=False): static cache, the step run uncaptured
+      ours-graph        generate.decode: the step captured as a CUDA graph by hand and replayed
+      ours-compile      generate.decode(compile=True): torch.compile'd step, then captured
+      ours-lora         ours-compile on the model with LoRA adapters (r=16, every linear) applied on the fly
+      ours-lora-merged  the same adapters merged into the weights first (lora.merge)
+      hf-dynamic        transformers generate, its default dynamic cache (SDPA)
+      hf-static         transformers generate, cache_implementation="static" (its own auto-compile)
+A row "name:variant" runs the ours-* row with decode() settings VARIANTS[variant] (bare: "all",
+today's defaults). "before" is the decoder BENCHMARKS.md measured first (whole-cache attention,
+two gate/up matmuls, the race over the whole vocabulary); the table's "vs before" column divides
+by the row of the same name with variant "before" at that point.
+
+--rows run at every --points entry (shape:batch, in priority order); the --explore rows (the
+settings one by one) at the first point, where the list says "explore"; the --profile rows of the
+first point run once more, uncaptured, under torch.profiler: GPU kernels per decode step, GPU time
+per step and the kernels that take it (CPU: top-level ATen ops per step).
 
 bound: the memory-bandwidth limit of a decode step, tokens/s = B / (bytes / bandwidth), bytes =
 the weights read once per step (every parameter but the token embedding) + the KV cache read at
 the mean context (prompt + new/2 keys per row); bandwidth = a measured 1 GiB device copy (read +
 write bytes / seconds). `of_bound` = tokens/s / bound.
 
-checks (before the rows, fp32 and bf16 on the 124m shape, prompts of different lengths): greedy
-decode (graph; compile too with --check_compile) vs the eager path: token agreement rate and
-tokens per row before the first difference (fp32: all identical; bf16: near-ties flip, and
-after a flip the rows continue differently); max |log-prob - teacher-forced log_softmax| over
-the tokens sampled with top-k (the log-probs' error in this dtype).
+checks (first; fp32 and bf16, 124m, prompts of different lengths): greedy decode (graph; compile
+too with --check_compile) vs the eager path: token agreement rate, tokens per row before the first
+difference (fp32: all identical; bf16: near-ties flip, then the rows go apart); max |log-prob -
+teacher-forced log_softmax| of tokens sampled with top-k; fp32: sampled tokens of the captured
+step = the uncaptured step's (same seed), a call replaying kept graphs (keep=) = a fresh one.
 
-Rows run in priority order until --budget_s has passed; later rows are listed as skipped. A
-failing row prints its error and the table goes on.
+Rows run in priority order until --budget_s has passed; later ones are listed as skipped. A failing
+row prints its error and the table goes on.
 """
 import argparse
+import copy
 import datetime
+import functools
 import gc
 import json
 import os
@@ -40,14 +53,20 @@ import sys
 import tempfile
 import time
 import traceback
+from types import SimpleNamespace
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
 
 # the modules live one folder up (the repository root)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import config  # noqa: E402
 import generate  # noqa: E402
 import hf  # noqa: E402
+import lora  # noqa: E402
+import parallel  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
 LLAMA = dict(vocab_size=50304, pos_emb="rope", norm="rmsnorm", activation="swiglu", bias=False,
@@ -57,18 +76,45 @@ SHAPES = {  # name -> (model config, prompt length, new tokens)
     "1b": (dict(LLAMA, block_size=2048, n_layer=16, n_embd=2048, n_head=16, n_kv_head=8, ffn_hidden=8192), 64, 256),
     "tiny": (dict(LLAMA, vocab_size=512, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64), 8, 16),
 }
-ROWS = ("ours-eager", "ours-static", "ours-graph", "ours-compile", "hf-dynamic", "hf-static")
+ROWS = ("ours-eager", "ours-static", "ours-graph", "ours-compile", "ours-lora", "ours-lora-merged", "hf-dynamic",
+        "hf-static")
+BEFORE = dict(bucket=0, fuse_mlp=False, candidates=False)
+VARIANTS = {  # decode() keyword arguments; "compile": torch.compile's (compile rows only); "keep": keep={}
+    "before": BEFORE,                               # the first measured decoder
+    "bucket": dict(BEFORE, bucket=64),              # + attention over KV-length buckets of 64 slots
+    "fuse_mlp": dict(BEFORE, fuse_mlp=True),        # + one gate|up matmul
+    "candidates": dict(BEFORE, candidates=True),    # + the sampling race among the top-k only
+    "all": {},                                      # today's defaults: all three
+    "keep": dict(keep=True),                        # + the warm-up call's graphs replayed (GRPO's steady state)
+    "bucket32": dict(bucket=32, keep=True),
+    "bucket128": dict(bucket=128, keep=True),
+    "math": dict(attention="math", keep=True),      # SDPA as matmuls + softmax (compile fuses them)
+    "cudnn": dict(attention="cudnn", keep=True),
+    "flex": dict(attention="flex", keep=True),      # flex_attention: split-KV decoding kernel (Triton)
+    "flex-static": dict(attention="flex", compile={"dynamic": False}, keep=True),
+    "static": dict(compile={"dynamic": False}, keep=True),  # one specialised compile per bucket
+    "autotune": dict(compile={"mode": "max-autotune-no-cudagraphs"}, keep=True),  # Triton matmuls, epilogues fused
+}
+EXPLORE = ("ours-compile:before,ours-lora:keep,ours-lora-merged:keep,ours-compile:flex,ours-compile:math,"
+           "ours-compile:cudnn,ours-compile:bucket,ours-compile:fuse_mlp,ours-compile:candidates,ours-compile:all,"
+           "ours-compile:flex-static,ours-graph:before,ours-graph:all,ours-compile:bucket128,ours-compile:static,"
+           "ours-compile:bucket32")
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 p.add_argument("--device", default="cuda")
-p.add_argument("--shape", default="124m,1b", help="comma-separated: " + ", ".join(SHAPES))
-p.add_argument("--batches", default="64,256,1", help="comma-separated batch sizes, in priority order")
-p.add_argument("--rows", default="ours-graph,hf-static,ours-compile,hf-dynamic,ours-eager,ours-static",
-               help="comma-separated, in priority order: " + ", ".join(ROWS))
+p.add_argument("--points", default="124m:64,1b:64,124m:256,124m:1,explore,1b:256,1b:1",
+               help="shape:batch in priority order (shapes: " + ", ".join(SHAPES) + "); 'explore': the --explore rows "
+               "(at the first point) run there")
+p.add_argument("--rows", default="ours-compile:keep,hf-static",
+               help="comma-separated, in priority order: " + ", ".join(ROWS) + " (ours-*: optionally :variant, "
+               "one of " + ", ".join(VARIANTS) + ")")
+p.add_argument("--explore", default=EXPLORE, help="rows run at the first point only, after every point's --rows")
+p.add_argument("--profile", default="ours-compile:before,ours-compile:keep",
+               help="rows of the first point also profiled (kernels and GPU time per step)")
 p.add_argument("--prompt", type=int, default=0, help="prompt tokens (0: the shape's)")
 p.add_argument("--new", type=int, default=0, help="new tokens (0: the shape's)")
 p.add_argument("--top_k", type=int, default=50)
-p.add_argument("--budget_s", type=float, default=400.0, help="start no row after this many seconds (checks included)")
+p.add_argument("--budget_s", type=float, default=480.0, help="start no row after this many seconds (checks included)")
 p.add_argument("--no_checks", action="store_true")
 p.add_argument("--check_compile", action="store_true", help="checks also for compile=True (two more compilations)")
 p.add_argument("--json", default="", help="write the results here")
@@ -86,8 +132,7 @@ class SkipRow(Exception):
     pass
 
 
-def say(*a):
-    print(*a, flush=True)
+say = functools.partial(print, flush=True)
 
 
 def sync():
@@ -148,25 +193,54 @@ def bound(model, B, T, N, bw):
     return B * bw / (weights + kv)
 
 
-def run_row(name, ctx, B, T, N):
-    model = ctx["model"]
-    g = torch.Generator(device).manual_seed(0)
-    x = torch.randint(0, model.cfg.vocab_size, (B, T), device=device, generator=g)
+def lora_model(ctx, merged):
+    """The shape's model with LoRA adapters (r=16 on every linear, B random: a real delta), once
+    per shape; merged: the adapters folded into the weights (lora.merge)."""
+    if "lora" not in ctx:
+        cfg = SimpleNamespace(**dict(config.defaults(), device=device.type, lora_r=16))
+        model = copy.deepcopy(ctx["model"]).float()
+        lora.apply(model, cfg, parallel.init(SimpleNamespace(device=device.type, tp=1, ep=1)))
+        with torch.no_grad():
+            for n, prm in model.named_parameters():
+                if "lora_B" in n:
+                    prm.normal_(0, 0.01)
+        ctx["lora"] = model.to(dtype).eval()
+    (lora.merge if merged else lora.unmerge)(ctx["lora"])
+    return ctx["lora"]
+
+
+def row_call(name, ctx, x, N, keep, profile=False):
+    """The row's generate call, (kind, variant) from "kind[:variant]"; profile: the step uncaptured
+    (graph=False keeps the compiled code: every kernel visible to the profiler), nothing kept."""
+    kind, _, variant = name.partition(":")
     kw = dict(temperature=1.0, top_k=args.top_k)
-    if name in ("ours-graph", "ours-compile") and not cuda:
+    if kind == "ours-eager":
+        return lambda: generate.generate(ctx["model"], x, N, seed=0, **kw)
+    if kind.startswith("ours-"):
+        opts = dict(VARIANTS[variant or "all"])
+        comp = opts.pop("compile", True)
+        if opts.pop("keep", False) and not profile:
+            opts["keep"] = keep
+        captured = cuda and kind != "ours-static"
+        opts.update(graph=captured and not profile, compile=comp if captured and kind != "ours-graph" else False)
+        model = lora_model(ctx, kind == "ours-lora-merged") if kind.startswith("ours-lora") else ctx["model"]
+        return lambda: generate.decode(model, x, N, seed=0, **kw, **opts)
+    ref = hf_model(ctx)
+    extra = {"cache_implementation": "static"} if kind == "hf-static" else {}
+    mask = torch.ones_like(x)
+    return lambda: ref.generate(x, attention_mask=mask, max_new_tokens=N, min_new_tokens=N, do_sample=True,
+                                pad_token_id=0, **kw, **extra)
+
+
+def run_row(name, ctx, B, T, N, profile=False):
+    """Seconds of one timed call after a warm-up call; with profile, a profile of one more call
+    whose step runs uncaptured (same compiled code): per step, kernels and their GPU time."""
+    kind = name.partition(":")[0]
+    if kind in ("ours-graph", "ours-compile") and not cuda:
         raise SkipRow("CUDA only")
-    if name == "ours-eager":
-        call = lambda: generate.generate(model, x, N, seed=0, **kw)
-    elif name.startswith("ours-"):
-        opts = {"ours-static": dict(graph=False), "ours-graph": dict(graph=True),
-                "ours-compile": dict(graph=True, compile=True)}[name]
-        call = lambda: generate.decode(model, x, N, seed=0, **kw, **opts)
-    else:
-        ref = hf_model(ctx)
-        extra = {"cache_implementation": "static"} if name == "hf-static" else {}
-        mask = torch.ones_like(x)
-        call = lambda: ref.generate(x, attention_mask=mask, max_new_tokens=N, min_new_tokens=N, do_sample=True,
-                                    pad_token_id=0, **kw, **extra)
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randint(0, ctx["model"].cfg.vocab_size, (B, T), device=device, generator=g)
+    call = row_call(name, ctx, x, N, keep={})
     with torch.no_grad():
         call()  # warm-up: compilation, cuBLAS handles, autotuning
         sync()
@@ -177,11 +251,31 @@ def run_row(name, ctx, B, T, N):
     toks = out.tokens if isinstance(out, generate.Rollout) else out
     if toks.shape != (B, T + N):
         raise RuntimeError(f"{name} returned {tuple(toks.shape)}, expected {(B, T + N)}")
-    return secs
+    return secs, profile_row(name, ctx, x, N) if profile else None
+
+
+def profile_row(name, ctx, x, N):
+    """One call with the step uncaptured under torch.profiler -> per-step statistics. GPU: every
+    kernel (and memcpy/memset) of the call / N; CPU: top-level ATen ops / N. The prefill's share
+    is included (about 1/N of one forward)."""
+    call = row_call(name, ctx, x, N, keep=None, profile=True)
+    with torch.no_grad(), torch.profiler.profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        call()
+        sync()
+    evs = [e for e in prof.events() if (e.device_type == DeviceType.CUDA if cuda else
+                                        e.cpu_parent is None and e.name.startswith("aten::"))]
+    per = {}
+    for e in evs:
+        n, us = per.get(e.name, (0, 0.0))
+        per[e.name] = (n + 1, us + e.time_range.elapsed_us())
+    top = sorted(per.items(), key=lambda kv: -kv[1][1])[:12]
+    return {"ops_per_step": len(evs) / N, "us_per_step": sum(us for _, us in per.values()) / N,
+            "top": [{"name": k[:90], "per_step": n / N, "us_per_step": us / N} for k, (n, us) in top]}
 
 
 def checks():
-    """Greedy agreement with the eager path and log-prob error, fp32 and bf16 (124m; tiny on CPU)."""
+    """Greedy agreement with the eager path and log-prob error, fp32 and bf16 (124m; tiny on CPU);
+    fp32: captured = uncaptured sampled tokens, kept graphs = a fresh call."""
     shape = "124m" if cuda else "tiny"
     out = {}
     for dt in ((torch.float32, torch.bfloat16) if cuda else (torch.float32,)):
@@ -205,6 +299,16 @@ def checks():
                         "tokens_before_first_difference": first_diff.tolist(),
                         "greedy_identical": bool(torch.equal(r.tokens[:, T:], ref)),
                         "logprob_max_abs_err": (sampled.logprobs - tf).abs().max().item()}
+            if dt == torch.float32 and name != "compile":
+                kw = dict(temperature=1.0, top_k=args.top_k, seed=0, bucket=16)
+                plain = generate.decode(model, prompts, N, graph=False, keep={}, **kw)
+                fresh = generate.decode(model, prompts, N, keep={}, **kw)
+                keep = {}
+                for i in range(2):  # the second call replays the graphs the first one captured
+                    kept = generate.decode(model, prompts if i else prompts[::-1], N, keep=keep, **kw)
+                out[key]["captured_equals_uncaptured"] = bool(torch.equal(fresh.tokens, plain.tokens))
+                out[key]["kept_equals_fresh"] = bool(torch.equal(kept.tokens, fresh.tokens)
+                                                     and torch.equal(kept.logprobs, fresh.logprobs))
             say(f"  check {key}: {out[key]}")
         del model
         free()
@@ -226,42 +330,51 @@ def main():
         res["meta"]["transformers"] = transformers.__version__
     except ImportError:
         pass
+    rows, explore, profiled = ([r for r in a.split(",") if r] for a in (args.rows, args.explore, args.profile))
+    for r in rows + explore + profiled:
+        kind, _, variant = r.partition(":")
+        if kind not in ROWS or (variant and (variant not in VARIANTS or not kind.startswith("ours-"))):
+            raise SystemExit(f"unknown row {r!r}: choose from {', '.join(ROWS)}, ours-* optionally with "
+                             f":variant, one of {', '.join(VARIANTS)}")
+    points, plan = [], []  # (batch, shape); (batch, shape, row)
+    for pt in args.points.split(","):
+        if pt == "explore" and points:
+            plan += [(*points[0], name) for name in explore if name not in rows]
+        elif pt.partition(":")[0] in SHAPES and pt.partition(":")[2].isdigit():
+            points.append((int(pt.partition(":")[2]), pt.partition(":")[0]))
+            plan += [(*points[-1], name) for name in rows]
+        else:
+            raise SystemExit(f"--points: {pt!r} is not shape:batch ({', '.join(SHAPES)}) nor 'explore' after one")
     if not args.no_checks:
         res["checks"] = checks()
-    rows = [r for r in args.rows.split(",") if r]
-    for bad in set(rows) - set(ROWS):
-        raise SystemExit(f"unknown row {bad!r}: choose from {', '.join(ROWS)}")
-    shapes = args.shape.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        ctxs = {}  # shape -> {"model", "folder", "hf"}: built once, kept (one GPU holds both shapes)
-        for B in (int(b) for b in args.batches.split(",")):  # batch-major: every shape's B=64 first
-            for shape in shapes:
-                if shape not in ctxs:
-                    model, T, N = build(shape)
-                    ctxs[shape] = {"model": model, "folder": os.path.join(tmp, shape), "T": args.prompt or T,
-                                   "N": args.new or N}
-                ctx = ctxs[shape]
-                T, N = ctx["T"], ctx["N"]
-                bnd = bound(ctx["model"], B, T, N, bw)
-                for name in rows:
-                    row = {"shape": shape, "batch": B, "prompt": T, "new": N, "row": name, "bound_tok_s": bnd}
-                    if time.time() - START > args.budget_s:
-                        row["skipped"] = f"time budget {args.budget_s:.0f} s spent"
-                    else:
-                        try:
-                            secs = run_row(name, ctx, B, T, N)
-                            row.update(seconds=secs, tok_s=B * N / secs, ms_per_step=1e3 * secs / N,
-                                       of_bound=B * N / secs / bnd,
-                                       peak_gb=torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None)
-                        except SkipRow as e:
-                            row["skipped"] = str(e)
-                        except Exception as e:  # report and go on
-                            traceback.print_exc()
-                            row["error"] = f"{type(e).__name__}: {e}"
-                        free()
-                    res["rows"].append(row)
-                    report(row)
-                    write(res)  # after every row: a run cut short keeps what it measured
+        ctxs = {}  # shape -> {"model", "folder", "hf", "lora"}: built once, kept (one GPU holds both shapes)
+        for B, shape, name in plan:
+            if shape not in ctxs:
+                model, T, N = build(shape)
+                ctxs[shape] = {"model": model, "folder": os.path.join(tmp, shape), "T": args.prompt or T,
+                               "N": args.new or N}
+            ctx = ctxs[shape]
+            T, N = ctx["T"], ctx["N"]
+            bnd = bound(ctx["model"], B, T, N, bw)
+            row = {"shape": shape, "batch": B, "prompt": T, "new": N, "row": name, "bound_tok_s": bnd}
+            if time.time() - START > args.budget_s:
+                row["skipped"] = f"time budget {args.budget_s:.0f} s spent"
+            else:
+                try:
+                    secs, stats = run_row(name, ctx, B, T, N, profile=(B, shape) == points[0] and name in profiled)
+                    row.update(seconds=secs, tok_s=B * N / secs, ms_per_step=1e3 * secs / N,
+                               of_bound=B * N / secs / bnd, profile=stats,
+                               peak_gb=torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None)
+                except SkipRow as e:
+                    row["skipped"] = str(e)
+                except Exception as e:  # report and go on
+                    traceback.print_exc()
+                    row["error"] = f"{type(e).__name__}: {e}"
+                free()
+            res["rows"].append(row)
+            report(row)
+            write(res)  # after every row: a run cut short keeps what it measured
     table(res["rows"])
     if args.json:
         say(f"# wrote {args.json}")
@@ -276,23 +389,31 @@ def write(res):
 
 def report(r):
     what = r.get("skipped") or r.get("error") or f"{r['tok_s']:,.0f} tok/s, {r['ms_per_step']:.2f} ms/step"
-    say(f"  {r['shape']:>5} B={r['batch']:<4} {r['row']:<13} {what}  (t={time.time() - START:.0f}s)")
+    say(f"  {r['shape']:>5} B={r['batch']:<4} {r['row']:<26} {what}  (t={time.time() - START:.0f}s)")
+    if r.get("profile"):
+        p = r["profile"]
+        say(f"      {p['ops_per_step']:.0f} {'kernels' if cuda else 'ops'}/step, {p['us_per_step']:.0f} us/step "
+            f"{'GPU' if cuda else 'CPU'}; the largest:")
+        for k in p["top"]:
+            say(f"      {k['us_per_step']:8.1f} us {k['per_step']:5.1f}x  {k['name']}")
 
 
 def table(rows):
-    say("\n| shape | B | row | new tok/s | ms/step | vs hf-static | of bound | bound tok/s | peak GB |")
-    say("|---|---:|---|---:|---:|---:|---:|---:|---:|")
-    ref = {(r["shape"], r["batch"]): r.get("tok_s") for r in rows if r["row"] == "hf-static"}
+    say("\n| shape | B | row | new tok/s | ms/step | vs hf-static | vs before | of bound | bound tok/s | peak GB |")
+    say("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    at = {(r["shape"], r["batch"], r["row"]): r.get("tok_s") for r in rows}
     for r in rows:
         if "tok_s" not in r:
-            say(f"| {r['shape']} | {r['batch']} | {r['row']} | {r.get('skipped') or r.get('error')} | | | | | |")
+            say(f"| {r['shape']} | {r['batch']} | {r['row']} | {r.get('skipped') or r.get('error')} | | | | | | |")
             continue
-        vs = ref.get((r["shape"], r["batch"]))
+        hf_ = at.get((r["shape"], r["batch"], "hf-static"))
+        kind = r["row"].partition(":")[0]
+        kind = "ours-compile" if kind.startswith("ours-lora") else kind  # LoRA: vs the plain model's decoder
+        before = at.get((r["shape"], r["batch"], kind + ":before"))
+        ratio = lambda ref: f"{r['tok_s'] / ref:.2f}x" if ref else ""
         peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else ""
-        say(f"| {r['shape']} | {r['batch']} | {r['row']} | {r['tok_s']:,.0f} | {r['ms_per_step']:.2f} | "
-            f"{r['tok_s'] / vs:.2f}x | {r['of_bound']:.2f} | {r['bound_tok_s']:,.0f} | {peak} |"
-            if vs else f"| {r['shape']} | {r['batch']} | {r['row']} | {r['tok_s']:,.0f} | {r['ms_per_step']:.2f} | "
-            f" | {r['of_bound']:.2f} | {r['bound_tok_s']:,.0f} | {peak} |")
+        say(f"| {r['shape']} | {r['batch']} | {r['row']} | {r['tok_s']:,.0f} | {r['ms_per_step']:.2f} | {ratio(hf_)} | "
+            f"{ratio(before)} | {r['of_bound']:.2f} | {r['bound_tok_s']:,.0f} | {peak} |")
 
 
 if __name__ == "__main__":

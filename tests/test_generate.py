@@ -4,12 +4,19 @@ Proves, on CPU in fp32 with tiny models:
 - greedy decode of left-padded prompts of different lengths equals the eager generate() and each
   prompt run alone by a naive re-run-everything argmax loop, token for token (RoPE + GQA, learned
   positions + MHA), and transformers' greedy generate on the same weights (tiny HF LLaMA);
+- the speed settings are exact: KV-length buckets (dividing the cache or not, off), one gate|up
+  matmul, the SDPA math kernel, flex_attention give the eager path's greedy tokens and, with a seed, the same
+  sampled tokens and log-probs (<= 1e-5); the top-k candidate race and the full-vocabulary race
+  both give teacher-forced log-probs;
+- keep={}: a later call of the same shapes reuses the first call's decoder (its buffers, its
+  graphs) and equals a fresh decoder's rollout bit for bit; a new shape replaces it;
 - the log-prob of every generated token equals log_softmax(logits / temperature) of a
   teacher-forced forward over the returned tokens (max abs diff <= 1e-5), with top-k / top-p
   filtering (which the log-probs ignore), n samples per prompt and stop tokens; greedy uses t = 1;
   log-probs are 0 after a stop;
 - the sampler draws from the filtered distribution (frequencies of 40,000 draws within 0.01 of
-  the hand-computed probabilities, for plain, top-k and top-p);
+  the hand-computed probabilities, for plain, top-k and top-p, racing the vocabulary or only the
+  top-k candidates);
 - a fixed seed reproduces tokens and log-probs, seed and generator agree, another seed differs,
   top_k=1 equals greedy;
 - stop tokens: each row is the free run up to and with its first stop token, then pad_id; mask and
@@ -17,15 +24,18 @@ Proves, on CPU in fp32 with tiny models:
   (counted model calls);
 - n samples per prompt: one prefill of the B prompts (counted rows); greedy rows of a prompt are
   identical and equal the n = 1 rollout; sampled rows of one prompt differ;
-- the decode step traces as one graph (torch.compile fullgraph=True, eager backend): no .item(),
-  no data-dependent Python branch, so it can be captured;
+- the decode step traces as one graph (torch.compile fullgraph=True, eager backend), also across
+  buckets: no .item(), no data-dependent Python branch, so it can be captured;
 - LoRA adapters applied on the fly give the merged model's tokens; MoE layers decode dropless
   (equal to the eager path with capacity_factor 0; the setting is restored);
-- tensor parallelism (2 gloo ranks): greedy and seeded sampling equal one process, every rank the
-  same tokens; FSDP (2 ranks, inside Parallel.full_params()): greedy equals one process;
+- layouts (2 gloo ranks, one spawn) equal one process: tensor parallelism (greedy, seeded sampling,
+  every rank the same tokens), LoRA under TP on the fly and merged, FSDP inside
+  Parallel.full_params() (parameters freed after), expert parallelism with different prompts per
+  rank whose rows stop at different steps (the ranks stop together);
 - bad arguments raise errors naming the fix; bench/bench_generate.py's CPU smoke test runs and its
   checks pass.
-Not testable here: CUDA graph capture and compile + capture (bench/bench_generate.py on a GPU).
+Not testable here: CUDA graph capture and compile + capture (bench/bench_generate.py's checks on a
+GPU: captured = uncaptured, kept graphs = fresh, fp32 greedy = eager).
 """
 import json
 import os
@@ -113,7 +123,8 @@ def test_greedy_equals_transformers(tmp_path):
     idx, mask = generate.pad_prompts(ps)
     with torch.no_grad():
         theirs = ref.generate(idx, attention_mask=mask.long(), max_new_tokens=14, do_sample=False, pad_token_id=0)
-    assert torch.equal(generate.decode(ours, ps, 14, temperature=0).tokens[:, 7:], theirs[:, 7:])
+    for bucket in (64, 4):  # one bucket, five
+        assert torch.equal(generate.decode(ours, ps, 14, temperature=0, bucket=bucket).tokens[:, 7:], theirs[:, 7:])
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 5, 0.9), (0, None, None), (1.3, None, 0.8)])
@@ -130,6 +141,52 @@ def test_logprobs_equal_teacher_forced(temperature, top_k, top_p):
     assert (r.logprobs[~gen] == 0).all() and (r.logprobs[gen] < 0).all()
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the unfused reference: exact
+def test_speed_settings_are_exact():
+    """KV-length buckets (aligned, not dividing the cache, off), one gate|up matmul, the SDPA math
+    kernel, the full-vocabulary race: greedy equals the eager path token for token; with a seed
+    the sampled tokens do not depend on them (the candidate race aside) and every log-prob equals
+    the teacher-forced one."""
+    model = build(**LLAMA)
+    ps = prompts()
+    idx, mask = generate.pad_prompts(ps)
+    eager = generate.generate(model, idx, 14, temperature=0, attention_mask=mask)
+    kw = dict(n=2, temperature=0.9, top_k=6, top_p=0.95, seed=4, stop_tokens=[7], check_every=3)
+    ref = generate.decode(model, ps, 14, bucket=0, **kw)
+    for opts in [dict(bucket=4), dict(bucket=7, fuse_mlp=False), dict(bucket=64, attention="math"),
+                 dict(bucket=0, fuse_mlp=False), dict(bucket=4, attention="flex")]:
+        assert torch.equal(generate.decode(model, ps, 14, temperature=0, **opts).tokens, eager), opts
+        r = generate.decode(model, ps, 14, **opts, **kw)
+        assert torch.equal(r.tokens, ref.tokens) and torch.equal(r.lengths, ref.lengths), opts
+        assert (r.logprobs - ref.logprobs).abs().max() <= 1e-5
+    assert ref.lengths.min() < 14  # the stop token ends some rows
+    for r in (ref, generate.decode(model, ps, 14, bucket=5, candidates=False, **kw)):
+        assert (r.logprobs - teacher_forced(model, r, 0.9))[r.mask[:, 6:]].abs().max() <= 1e-5
+    gpt2 = build(**GPT2)  # learned positions, LayerNorm, GELU MLP
+    want = generate.generate(gpt2, idx, 14, temperature=0, attention_mask=mask)
+    assert torch.equal(generate.decode(gpt2, ps, 14, temperature=0, bucket=3).tokens, want)
+
+
+def test_keep_reuses_the_state():
+    """keep={}: a second call of the same shapes (prompts of other lengths, same cache after
+    rounding) runs on the first call's decoder and equals a fresh one's decode, bit for bit; a new
+    shape replaces it; returned tensors are the caller's (a later call does not change them)."""
+    model = build(**LLAMA)
+    keep = {}
+    kw = dict(n=2, temperature=1.0, top_k=5, seed=1, stop_tokens=[7], bucket=8)
+    a = generate.decode(model, prompts(), 12, keep=keep, **kw)
+    (dec,) = keep.values()
+    other = prompts((2, 5, 4, 3), seed=9)  # T = 5 instead of 6: the same 24-slot cache
+    b = generate.decode(model, other, 12, keep=keep, **kw)
+    assert list(keep.values()) == [dec]
+    fresh_a, fresh_b = (generate.decode(model, p, 12, keep={}, **kw) for p in (prompts(), other))
+    for got, want in ((a, fresh_a), (b, fresh_b)):
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.mask, want.mask)
+        assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.lengths, want.lengths)
+    generate.decode(model, prompts(), 12, keep=keep, **dict(kw, n=3))
+    assert len(keep) == 1 and list(keep.values()) != [dec]
+
+
 def test_sampler_draws_the_filtered_distribution():
     p = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
     R = 40000
@@ -144,6 +201,14 @@ def test_sampler_draws_the_filtered_distribution():
     tok, _ = generate.pick(logits, 0.5, noise=torch.empty(R, 5).exponential_(generator=g))
     sharp = p ** 2 / (p ** 2).sum()  # temperature 0.5 squares the probabilities
     assert (torch.bincount(tok, minlength=5).float() / R - sharp).abs().max() < 0.01
+    # the race among the top_k candidates only (noise (R, k)): the same filtered distributions
+    shuffled = torch.tensor([3, 0, 4, 1, 2])  # candidates come out of topk in another order than the ids
+    for kw, k, want in [({"top_k": 2}, 2, torch.tensor([4 / 7, 3 / 7, 0, 0, 0])),
+                        ({"top_k": 4, "top_p": 0.8}, 4, torch.tensor([0.4, 0.3, 0.15, 0, 0]) / 0.85)]:
+        tok, lp = generate.pick(logits[:, shuffled], 1.0, noise=torch.empty(R, k).exponential_(generator=g), **kw)
+        freq = torch.bincount(shuffled[tok], minlength=5).float() / R
+        assert (freq - want).abs().max() < 0.01, (kw, freq)
+        assert torch.allclose(lp, p.log()[shuffled[tok]])
 
 
 def test_seed_reproducible():
@@ -205,19 +270,30 @@ def test_step_traces_as_one_graph():
     got = generate.decode(model, ps, 6, temperature=1.0, top_k=7, seed=1, stop_tokens=[3],
                           compile={"backend": "eager", "fullgraph": True})
     assert torch.equal(got.tokens, want.tokens) and torch.allclose(got.logprobs, want.logprobs, atol=1e-6)
+    got = generate.decode(model, ps, 6, temperature=1.0, top_k=7, seed=1, stop_tokens=[3], bucket=4,
+                          compile={"backend": "eager", "fullgraph": True})  # 3 buckets: spans 8, 12
+    assert torch.equal(got.tokens, want.tokens) and torch.allclose(got.logprobs, want.logprobs, atol=1e-6)
     torch._dynamo.reset()
 
 
-def test_lora_on_the_fly_equals_merged():
+def lora_model(grid=None, adapters=None):
+    """The tiny LLaMA (seed 0) with LoRA adapters whose B factors are random (not zero); with a
+    grid: cut for tensor parallelism, the full `adapters` (one process's) loaded into its slices."""
     cfg = train_cfg(dict(LLAMA, lora_r=4, lora_alpha=8.0))
-    model = Transformer(ModelConfig.from_cfg(cfg))
-    lora.apply(model, cfg, parallel.init(cfg))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-    model.eval()
+    grid = grid or parallel.init(cfg)
+    torch.manual_seed(0)
+    model = tp.tensor_parallel(Transformer(ModelConfig.from_cfg(cfg)), grid)
+    lora.apply(model, cfg, grid)
+    if adapters is None:
+        g = torch.Generator().manual_seed(0)
+        adapters = {n: 0.5 * torch.randn(p.shape, generator=g) if "lora_B" in n else p.detach()
+                    for n, p in model.named_parameters() if lora.is_adapter(n)}
+    lora.load(model, grid, adapters)
+    return model.eval()
+
+
+def test_lora_on_the_fly_equals_merged():
+    model = lora_model()
     ps = prompts()
     r = generate.decode(model, ps, 10, temperature=0.8, seed=0)
     base = generate.decode(model, ps, 10, temperature=0)
@@ -245,33 +321,60 @@ def test_moe_decodes_dropless():
     assert torch.equal(r.tokens, dropless) and not torch.equal(dropped, dropless)  # the setting matters here
 
 
-def _tp_decode(rank, out_dir):
+MOE = dict(LLAMA, n_experts=4, moe_top_k=2)
+
+
+def _layouts(rank, out_dir):
     grid = parallel.init(SimpleNamespace(device="cpu", tp=2, ep=1))
     torch.manual_seed(0)
     model = tp.tensor_parallel(Transformer(ModelConfig(**LLAMA)), grid).eval()
     ps = prompts()
     res = {"greedy": generate.decode(model, ps, 10, temperature=0).tokens,
            "sampled": generate.decode(model, ps, 10, n=2, temperature=1.0, top_p=0.9, seed=7, stop_tokens=[5])}
-    # FSDP over the same two ranks: parameters gathered once around the whole rollout
+    # LoRA under TP: one process's adapters in this rank's slices, applied on the fly, then merged
+    lm = lora_model(grid, torch.load(os.path.join(out_dir, "adapters.pt")))
+    res["lora"] = generate.decode(lm, ps, 10, temperature=0.8, seed=0)
+    lora.merge(lm)
+    res["lora_merged"] = generate.decode(lm, ps, 10, temperature=0.8, seed=0)
+    # FSDP over the same two ranks: parameters gathered once around the whole rollout, freed after
     cfg = train_cfg(dict(LLAMA, data_parallel="fsdp"))
     torch.manual_seed(0)
     run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), parallel.init(cfg), cfg)
     with run.full_params():
         res["fsdp"] = generate.decode(run.raw, ps, 10, temperature=0).tokens
-    torch.save(res, os.path.join(out_dir, f"tp_{rank}.pt"))
+    res["fsdp_freed"] = all(p.numel() == 0 for p in run.raw.parameters())
+    # expert parallelism: each rank its own prompts; rank 0's rows all stop on their first token,
+    # rank 1's never: rank 0 keeps stepping (its MoE layers exchange tokens with rank 1's) until both are done
+    cfg = train_cfg(MOE, ep=2)
+    torch.manual_seed(0)
+    run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), parallel.init(cfg), cfg)
+    res["ep"] = generate.decode(run.raw, prompts(seed=10 + rank), 10, temperature=0, check_every=1,
+                                stop_tokens=list(range(V)) if rank == 0 else None)
+    torch.save(res, os.path.join(out_dir, f"rank_{rank}.pt"))
 
 
-def test_tensor_parallel_and_fsdp_equal_one_process(tmp_path):
-    spawn(_tp_decode, 2, str(tmp_path))
+def test_layouts_equal_one_process(tmp_path):
+    """Tensor parallelism (greedy, seeded sampling with n and a stop token), LoRA under TP (on the
+    fly and merged), FSDP (inside full_params, parameters freed after) and expert parallelism
+    (ranks with different prompts stopping at different steps), 2 gloo ranks: each rank's rollout
+    equals one process's."""
+    one = lora_model()
+    torch.save({n: p.detach() for n, p in one.named_parameters() if lora.is_adapter(n)}, tmp_path / "adapters.pt")
+    spawn(_layouts, 2, str(tmp_path))
     model = build(**LLAMA)
     ps = prompts()
     greedy = generate.decode(model, ps, 10, temperature=0).tokens
     sampled = generate.decode(model, ps, 10, n=2, temperature=1.0, top_p=0.9, seed=7, stop_tokens=[5])
+    with_lora = generate.decode(one, ps, 10, temperature=0.8, seed=0)
+    moe_model = build(**MOE)
     for rank in (0, 1):
-        res = torch.load(tmp_path / f"tp_{rank}.pt", weights_only=False)
-        assert torch.equal(res["greedy"], greedy) and torch.equal(res["fsdp"], greedy)
-        assert torch.equal(res["sampled"].tokens, sampled.tokens)
-        assert (res["sampled"].logprobs - sampled.logprobs).abs().max() <= 1e-5
+        res = torch.load(tmp_path / f"rank_{rank}.pt", weights_only=False)
+        assert torch.equal(res["greedy"], greedy) and torch.equal(res["fsdp"], greedy) and res["fsdp_freed"]
+        for got, want in ((res["sampled"], sampled), (res["lora"], with_lora), (res["lora_merged"], with_lora)):
+            assert torch.equal(got.tokens, want.tokens) and (got.logprobs - want.logprobs).abs().max() <= 1e-5
+        want = generate.decode(moe_model, prompts(seed=10 + rank), 10, temperature=0, check_every=1,
+                               stop_tokens=list(range(V)) if rank == 0 else None)
+        assert torch.equal(res["ep"].tokens, want.tokens) and res["ep"].lengths.tolist() == [1 if rank == 0 else 10] * 4
 
 
 def test_bad_arguments():
@@ -284,18 +387,28 @@ def test_bad_arguments():
         generate.decode(model, [[1, 2], []], 4)
     with pytest.raises(ValueError, match="temperature"):
         generate.decode(model, prompts(), 4, temperature=-1)
+    with pytest.raises(ValueError, match="bucket=-1 must be >= 0"):
+        generate.decode(model, prompts(), 4, bucket=-1)
+    with pytest.raises(ValueError, match="attention='fast': choose one of math, efficient, flash, cudnn, flex"):
+        generate.decode(model, prompts(), 4, attention="fast")
 
 
 def test_bench_smoke(tmp_path):
-    """bench/bench_generate.py on CPU: the checks pass and every CPU row is measured."""
+    """bench/bench_generate.py on CPU: the checks pass, every CPU row is measured (a settings variant,
+    LoRA on the fly and merged, a profile), CUDA rows say so."""
     out = tmp_path / "gen.json"
-    res = subprocess.run([sys.executable, "bench/bench_generate.py", "--device=cpu", "--shape=tiny", "--batches=3",
-                          "--rows=ours-eager,ours-static,ours-graph", f"--json={out}"], cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "bench/bench_generate.py", "--device=cpu", "--points=tiny:3,explore",
+                          "--rows=ours-eager,ours-static,ours-static:before,ours-graph",
+                          "--explore=ours-lora:keep,ours-lora-merged", "--profile=ours-static", f"--json={out}"],
+                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rep = json.loads(out.read_text())
     check = rep["checks"]["float32-static"]
     assert check["greedy_identical"] and check["logprob_max_abs_err"] <= 1e-5
+    assert check["kept_equals_fresh"] and check["captured_equals_uncaptured"]
     rows = {r["row"]: r for r in rep["rows"]}
-    assert rows["ours-eager"]["tok_s"] > 0 and rows["ours-static"]["tok_s"] > 0
-    assert rows["ours-graph"]["skipped"] == "CUDA only" and rows["ours-static"]["bound_tok_s"] > 0
+    for name in ("ours-eager", "ours-static", "ours-static:before", "ours-lora:keep", "ours-lora-merged"):
+        assert rows[name]["tok_s"] > 0 and rows[name]["bound_tok_s"] > 0, name
+    assert rows["ours-graph"]["skipped"] == "CUDA only"
+    assert rows["ours-static"]["profile"]["ops_per_step"] > 10 and rows["ours-static"]["profile"]["top"]
+    assert "| tiny | 3 | ours-static |" in res.stdout  # the table, with its "vs before" column
