@@ -42,10 +42,15 @@ def make(a):
     import hf
     from model import ModelConfig, Transformer
     tok = data.get_tokenizer("cl100k_base", VOCAB[a.shape])
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=tok.n_vocab, **SHAPES[a.shape]))
     os.makedirs(a.out, exist_ok=True)
-    hf.export_hf(model, a.out, tokenizer=tok)
+    if a.model_from:  # the same weights, other data: link the model files of an earlier `make`
+        for f in os.listdir(a.model_from):
+            if not f.endswith(".jsonl"):
+                os.symlink(os.path.join(os.path.abspath(a.model_from), f), os.path.join(a.out, f))
+    else:
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(vocab_size=tok.n_vocab, **SHAPES[a.shape]))
+        hf.export_hf(model, a.out, tokenizer=tok)
     # windows of exactly n tokens cut from the standard library's files, decoded to text; a window is
     # kept only when its text encodes back to the same n tokens (so both sides see n tokens)
     def windows(n):
@@ -68,7 +73,7 @@ def make(a):
     with open(os.path.join(a.out, "grpo.jsonl"), "w") as f:
         for _ in range(a.n):
             f.write(json.dumps({"prompt": next(pieces)}) + "\n")
-    print(f"wrote {a.out}: {model.num_params() / 1e6:.1f}M parameters, {a.n} examples of {P} + {C} tokens")
+    print(f"wrote {a.out}: {a.n} examples of {P} + {C} tokens")
 
 
 class Clock:
@@ -187,6 +192,9 @@ def grpo(a):
                                    generation_kwargs={"min_new_tokens": a.new_tokens}),
                      )
     cfg.per_device_train_batch_size = rows // world
+    # bf16 weights: transformers' static cache is allocated in the weights' dtype and refuses the bf16
+    # keys/values of an fp32 model under autocast
+    cfg.model_init_kwargs = dict(cfg.model_init_kwargs or {}, dtype=torch.bfloat16)
     trainer = GRPOTrainer(model=a.model, args=cfg, train_dataset=ds, processing_class=tok, reward_funcs=reward_len,
                            callbacks=[clock])
     trainer.train()
@@ -200,6 +208,7 @@ def main():
     p.add_argument("cmd", choices=["make", "sft", "dpo", "grpo"])
     p.add_argument("--out", default="/tmp/b1b")
     p.add_argument("--shape", choices=list(SHAPES), default="1b")
+    p.add_argument("--model_from", default="", help="make: link this folder's model instead of a new one")
     p.add_argument("--n", type=int, default=256, help="examples per jsonl file")
     p.add_argument("--prompt_tokens", type=int, default=512)
     p.add_argument("--completion_tokens", type=int, default=1535)
