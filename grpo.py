@@ -326,8 +326,8 @@ def main(argv):
                                  f"block_size={cfg.block_size}: generate fewer tokens")
     stops = sorted({tok.eot_id, tok.eos_id})  # a completion ends with (and learns) its end-of-turn token
     sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p, stop_tokens=stops, pad_id=0)
-    if device.type == "cuda":  # the compiled, captured decode step, kept between rollouts (no recapture)
-        sampling.update(compile=cfg.compile, keep={})
+    if device.type == "cuda":  # the decode step compiled, then captured
+        sampling.update(compile=cfg.compile)
     lease = checkpoint.open_run_everywhere(cfg, grid)
     for line in [started] + lease.notes:
         say(line)

@@ -186,12 +186,12 @@ def grpo(a):
     clock = Clock(a.warmup)
     world = int(os.environ.get("WORLD_SIZE", 1))
     rows = a.prompts * a.G  # completions per optimizer step over all ranks
+    a.batch = rows // world  # one generation per optimizer step (steps_per_generation = 1)
     cfg = GRPOConfig(**common_args(a, num_generations=a.G, max_completion_length=a.new_tokens, temperature=1.0,
                                    top_k=50, beta=0.0, loss_type="dapo", num_iterations=1,
                                    generation_batch_size=rows // world, cache_implementation=a.cache,
                                    generation_kwargs={"min_new_tokens": a.new_tokens}),
                      )
-    cfg.per_device_train_batch_size = rows // world
     # bf16 weights: transformers' static cache is allocated in the weights' dtype and refuses the bf16
     # keys/values of an fp32 model under autocast
     cfg.model_init_kwargs = dict(cfg.model_init_kwargs or {}, dtype=torch.bfloat16)
