@@ -275,17 +275,20 @@ def cuda_graph(fn, state, warmup=3, pool=None):
     """Capture fn() (it reads and writes only tensors it closes over) as one CUDA graph; return
     its replay. The warm-up runs torch.cuda.graph needs (on a side stream; compilation happens
     here) advance the state: `state` tensors are restored after them. Graphs that share a pool
-    (torch.cuda.graph_pool_handle()) share their temporaries' memory: replay them one at a time."""
+    (torch.cuda.graph_pool_handle()) share their temporaries' memory: replay them one at a time.
+    Under autocast the graph casts the weights itself: autocast's cached casts are freed when its
+    context exits, and the graph may be replayed after that (decode's keep=)."""
     saved = [t.clone() for t in state]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        fn()  # recorded, not run
+    with torch.autocast("cuda", torch.get_autocast_dtype("cuda"), torch.is_autocast_enabled("cuda"), cache_enabled=False):
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph, pool=pool):
+            fn()  # recorded, not run
     for t, s in zip(state, saved):
         t.copy_(s)
     return graph.replay
@@ -412,6 +415,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
       keep: a dict owned by the caller, in which the decoder state (cache, buffers, captured
         graphs) stays for the next call with the same shapes and settings (GRPO's rollouts: no
         recapture, no recompile); it holds the cache's memory until cleared, one entry at a time.
+        Under autocast captured steps cast the weights every step: a model in bf16 reads less.
     Returns a Rollout. Runs in eval mode and restores the mode.
     """
     dev = next(model.parameters()).device
@@ -438,10 +442,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         (not bool(mask.any(1).all()), "decode: every prompt needs at least one real token (attention_mask row of zeros)"),
         (graph and dev.type != "cuda", "graph=True needs the model on a CUDA device: pass graph=False"),
         (graph and bool(moes), "graph=True: MoE layers sync with the host per layer (dropless block sizes), "
-         "so their step cannot be captured: pass graph=False"),
-        (graph and keep is not None and torch.is_autocast_enabled(dev.type), "keep= under autocast: the captured "
-         "steps would read autocast's cached weight casts, freed when the autocast context exits; convert the "
-         "model instead (model.to(torch.bfloat16)) or pass keep=None")]:
+         "so their step cannot be captured: pass graph=False")]:
         if bad:
             raise ValueError(msg)
     if generator is None and seed is not None:

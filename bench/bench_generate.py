@@ -36,7 +36,8 @@ checks (first; fp32 and bf16, 124m, prompts of different lengths): greedy decode
 too with --check_compile) vs the eager path: token agreement rate, tokens per row before the first
 difference (fp32: all identical; bf16: near-ties flip, then the rows go apart); max |log-prob -
 teacher-forced log_softmax| of tokens sampled with top-k; fp32: sampled tokens of the captured
-step = the uncaptured step's (same seed), a call replaying kept graphs (keep=) = a fresh one.
+step = the uncaptured step's (same seed), a call replaying kept graphs (keep=) = a fresh one, also
+under bf16 autocast (greedy; the graphs replayed after the autocast context that captured them).
 
 Rows run in priority order until --budget_s has passed; later ones are listed as skipped. A failing
 row prints its error and the table goes on.
@@ -309,6 +310,11 @@ def checks():
                 out[key]["captured_equals_uncaptured"] = bool(torch.equal(fresh.tokens, plain.tokens))
                 out[key]["kept_equals_fresh"] = bool(torch.equal(kept.tokens, fresh.tokens)
                                                      and torch.equal(kept.logprobs, fresh.logprobs))
+                keep, got = {}, []  # bf16 autocast: graphs kept past the autocast context that captured them
+                for kw_ in (dict(graph=False, keep={}), dict(keep=keep), dict(keep=keep)):
+                    with torch.autocast(device.type, torch.bfloat16):
+                        got.append(generate.decode(model, prompts, N, temperature=0, **kw_).tokens)
+                out[key]["autocast_kept_equals_uncaptured"] = bool(torch.equal(got[2], got[0]))
             say(f"  check {key}: {out[key]}")
         del model
         free()

@@ -405,7 +405,7 @@ def test_bench_smoke(tmp_path):
     rep = json.loads(out.read_text())
     check = rep["checks"]["float32-static"]
     assert check["greedy_identical"] and check["logprob_max_abs_err"] <= 1e-5
-    assert check["kept_equals_fresh"] and check["captured_equals_uncaptured"]
+    assert check["kept_equals_fresh"] and check["captured_equals_uncaptured"] and check["autocast_kept_equals_uncaptured"]
     rows = {r["row"]: r for r in rep["rows"]}
     for name in ("ours-eager", "ours-static", "ours-static:before", "ours-lora:keep", "ours-lora-merged"):
         assert rows[name]["tok_s"] > 0 and rows[name]["bound_tok_s"] > 0, name
