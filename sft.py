@@ -71,6 +71,7 @@ SFT_DEFAULTS = dict(
     ckpt_every=0,       # steps between checkpoints (0: only at the end)
     sample_tokens=0,    # (pretraining's end-of-run sample; SFT prints answers to held-out prompts)
 )
+EXTRA = {**chat.CHAT_DEFAULTS, **SFT_DEFAULTS}  # this script's keys beyond config.py's (config.load(extra=...))
 RESUME_FREE = ("n_eval", "eval_every", "eval_tokens", "eval_batch", "merge", "export_hf")  # a resume may change them
 
 
@@ -163,7 +164,7 @@ def train_step(run, micro, autocast, router=False):
 def main(argv):
     # ------------------------------------------------------------------------ setup
     t_start = time.perf_counter()
-    cfg = config.load(argv, extra={**chat.CHAT_DEFAULTS, **SFT_DEFAULTS})
+    cfg = config.load(argv, extra=EXTRA)
     grid = parallel.init(cfg)
     say = print if grid.is_main else (lambda *a, **k: None)
     device = grid.device

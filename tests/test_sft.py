@@ -57,7 +57,7 @@ LAYOUTS = {"dp2": ["--tp=1"], "fsdp2": ["--data_parallel=fsdp"], "tp2": ["--tp=2
 
 def run_cfg(**kw):
     """A flat SFT config as sft.main builds it (defaults + chat + SFT keys), on CPU."""
-    return SimpleNamespace(**{**config.defaults({**chat.CHAT_DEFAULTS, **sft.SFT_DEFAULTS}), "device": "cpu", **kw})
+    return SimpleNamespace(**{**config.defaults(sft.EXTRA), "device": "cpu", **kw})
 
 
 @pytest.fixture(scope="module")
