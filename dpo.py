@@ -1,7 +1,6 @@
 """Preference optimisation (DPO and its variants), top to bottom: the math, then main().
 
     python dpo.py configs/dpo_tiny.py                             # after sft_tiny: init_from=out/sft_tiny
-    torchrun --nproc_per_node=2 dpo.py configs/dpo_tiny.py --reference=precomputed
     torchrun --nproc_per_node=2 dpo.py configs/dpo_tiny.py --lora_r=8 --lr=1e-3   # reference: adapters off
 
 A sequence log-prob is the SUM of log pi(y_t | prompt, y_<t) over an answer's tokens (content and end
@@ -284,7 +283,8 @@ def check(cfg):
     need(cfg.chat_data or (cfg.task and cfg.n_pairs), "no pairs: set chat_data (file, folder, hf:) or task, n_pairs > 0")
     need(cfg.reference != "adapters" or cfg.lora_r > 0,
          "reference='adapters' is the policy with its LoRA adapters off: set lora_r > 0, or reference='copy'")
-    return "none" if cfg.loss_type == "simpo" else {"auto": "adapters" if cfg.lora_r else "copy"}.get(cfg.reference, cfg.reference)
+    auto = "adapters" if cfg.lora_r else "copy"
+    return "none" if cfg.loss_type == "simpo" else auto if cfg.reference == "auto" else cfg.reference
 
 
 def main(argv):
