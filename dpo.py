@@ -1,7 +1,6 @@
 """Preference optimisation (DPO and its variants), top to bottom: the math, then main().
 
     python dpo.py configs/dpo_tiny.py                             # after sft_tiny: init_from=out/sft_tiny
-    torchrun --nproc_per_node=2 dpo.py configs/dpo_tiny.py --reference=precomputed
     torchrun --nproc_per_node=2 dpo.py configs/dpo_tiny.py --lora_r=8 --lr=1e-3   # reference: adapters off
 
 A sequence log-prob is the SUM of log pi(y_t | prompt, y_<t) over an answer's tokens (content and end
@@ -67,6 +66,7 @@ DPO_DEFAULTS = dict(
     rpo_alpha=0.0,           # weight of the chosen answers' NLL (RPO); 0: none
     reference="auto",        # auto | copy | adapters | precomputed
 )
+EXTRA = {**chat.CHAT_DEFAULTS, **DPO_DEFAULTS}  # this script's keys beyond config.py's (config.load(extra=...))
 STATS = ("pairs", "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
          "logps/chosen", "logps/rejected", "policy/accuracy", "nll", "tokens")
 
@@ -283,13 +283,13 @@ def check(cfg):
     need(cfg.chat_data or (cfg.task and cfg.n_pairs), "no pairs: set chat_data (file, folder, hf:) or task, n_pairs > 0")
     need(cfg.reference != "adapters" or cfg.lora_r > 0,
          "reference='adapters' is the policy with its LoRA adapters off: set lora_r > 0, or reference='copy'")
-    return "none" if cfg.loss_type == "simpo" else cfg.reference if cfg.reference != "auto" else (
-        "adapters" if cfg.lora_r else "copy")
+    auto = "adapters" if cfg.lora_r else "copy"
+    return "none" if cfg.loss_type == "simpo" else auto if cfg.reference == "auto" else cfg.reference
 
 
 def main(argv):
     # ------------------------------------------------------------------------ setup
-    cfg = config.load(argv, extra={**chat.CHAT_DEFAULTS, **DPO_DEFAULTS})
+    cfg = config.load(argv, extra=EXTRA)
     kind = check(cfg)
     grid = parallel.init(cfg)
     say = print if grid.is_main else (lambda *a, **k: None)

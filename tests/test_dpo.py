@@ -17,8 +17,14 @@ Proves:
   sigmoid + RPO), FSDP2 (precomputed, ipo), TP2 (copy, robust: vocab-parallel log-probs) and LoRA
   under DP2 (adapters off) equal one process: weights (adapters) after 3 steps, and every step's
   metrics reduced over ranks and gradient norm (relative error <= 1e-5);
+- resume (main() end to end, one process): 2 steps + resume to 4 equals 4 uninterrupted steps for
+  the frozen copy and for LoRA's adapters off (bitwise) and for precomputed log-probs (read back from
+  out_dir/ref_logps.pt), with the same logged metrics; held-out rewards/accuracies 0 and loss ln 2 at
+  step 0; a resume whose reference is not the one DPO started with is refused;
 - data: truncation keeps the prompt and cuts answers (counted), skips a prompt with no room, an
-  empty answer and answers identical after the cut (counted); bad settings raise one clear error.
+  empty answer and answers identical after the cut (counted); chat_data's bad records (chosen ==
+  rejected, text vs messages, an empty answer) stop the run naming file:line, or are skipped and
+  counted; bad settings raise one clear error.
 """
 import contextlib
 import json
@@ -44,7 +50,7 @@ from model import IGNORE, ModelConfig, Transformer
 V, N = 97, 24
 SMALL = dict(vocab_size=V, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=32,
              batch_size=8, micro_batch_size=2, lr=1e-2, weight_decay=0.1, grad_clip=0.5, eps=1e-6, warmup_steps=0,
-             schedule="constant", seed=0, **chat.CHAT_DEFAULTS, **dpo.DPO_DEFAULTS)
+             schedule="constant", seed=0, **dpo.EXTRA)
 
 
 def small_cfg(**kw):
