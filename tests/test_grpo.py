@@ -196,7 +196,8 @@ def test_all_logprobs_use_the_temperature():
     run = parallel.parallelize(build(), parallel.init(cfg), cfg)
     model = run.raw
     prompts = [torch.randint(0, V, (6,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    r = grpo.rollout(model, prompts, G, 0, 1, 8, temperature=T, seed=3)  # no stop token: every row 8 long
+    r, which = grpo.rollout(model, prompts, G, 0, 1, 8, temperature=T, seed=3)  # no stop token: every row 8 long
+    assert which == [0] * G + [1] * G
     want = plain_logprobs(model, r.tokens, r.prompt_len, T)
     at_one = plain_logprobs(model, r.tokens, r.prompt_len, 1.0)
     assert (want - at_one).abs().max() > 0.05  # T matters here
@@ -328,7 +329,7 @@ def _layouts(rank, out_dir):
         grid = parallel.init(cfg)
         model = build()
         r, rewards = synthetic(model)
-        rows = grpo.rows_of(P, G, grid.data_rank, grid.data_world)
+        rows = list(range(grid.data_rank * P * G // 2, (grid.data_rank + 1) * P * G // 2))
         mine = part(r, rows)
         res[dp] = one_step(cfg, grid, mine, rewards[rows])
         # the rollout under TP2 x DP2 (FSDP: parameters gathered once around it), seeded by the data rank
@@ -338,7 +339,7 @@ def _layouts(rank, out_dir):
         with run.full_params():
             res[dp + "_rollout"] = grpo.rollout(run.raw, prompts, G, grid.data_rank, grid.data_world, N,
                                                 temperature=1.0, stop_tokens=[STOP],
-                                                seed=grpo.rollout_seed(0, 7, grid)).tokens
+                                                seed=grpo.rollout_seed(0, 7, grid))[0].tokens
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -359,8 +360,10 @@ def test_layouts_equal_one_process(tmp_path):
             assert_close(res[k][dp], want, f"rank {k} {dp}")
     prompts = [r.tokens[i * G, :r.prompt_len][r.mask[i * G, :r.prompt_len]] for i in range(P)]
     for d in range(2):  # ranks 2d, 2d+1: data rank d's TP pair; both equal one process with d's seed
-        one = grpo.rollout(model, prompts, G, d, 2, N, temperature=1.0, stop_tokens=[STOP],
-                           seed=grpo.rollout_seed(0, 7, SimpleNamespace(data_rank=d))).tokens
+        one, which = grpo.rollout(model, prompts, G, d, 2, N, temperature=1.0, stop_tokens=[STOP],
+                                  seed=grpo.rollout_seed(0, 7, SimpleNamespace(data_rank=d)))
+        assert which == [c // G for c in range(6 * d, 6 * d + 6)]  # prompts 0, 0, 0, 0, 1, 1 | 1, 1, 2, 2, 2, 2
+        one = one.tokens
         for k in (2 * d, 2 * d + 1):
             assert torch.equal(res[k]["ddp_rollout"], one) and torch.equal(res[k]["fsdp_rollout"], one), k
 
