@@ -355,6 +355,7 @@ def main(argv):
     if cfg.eval_every and step == 0:
         evaluate()
     last, interrupt = cfg.stop_at or cfg.max_steps, parallel.Interrupt(grid)  # SIGTERM / SIGINT: save, stop
+    acc = [0.0] * 14  # what the log line reports, summed over its steps
     while step < last:
         t0 = now()
         idx = [(step * P + i) % len(train) for i in range(P)]
@@ -372,18 +373,19 @@ def main(argv):
             sums, norm = learn(run, batch, cfg, optim.lr_at(step, cfg), autocast)
         sums = all_sum(sums.detach().float(), grid).tolist()
         t3 = now()
+        acc = [a + b for a, b in zip(acc, stats + sums + [t1 - t0, t2 - t1, t3 - t2, 1])]
         step += 1
         if step == 1:
             say(f"first step done {t3 - t_start:.1f} s after start")
-        if step % cfg.log_every == 0 or step == last:
-            tokens = max(sums[3], 1)
-            m = {"reward": stats[0] / max(stats[1], 1), "frac_equal_groups": stats[2] / stats[3],
-                 "len": stats[5] / (P * G), "truncated": stats[4] / (P * G), "kl": sums[0] / tokens,
-                 "clip_low": sums[1] / tokens, "clip_high": sums[2] / tokens, "grad_norm": float(norm),
-                 "lr": optim.lr_at(step - 1, cfg), "t_rollout": t1 - t0, "t_reward": t2 - t1, "t_learn": t3 - t2,
-                 "gen_tok_s": stats[5] / (t1 - t0)}
+        if step % cfg.log_every == 0 or step == last:  # means over the steps since the last log line
+            rs, rn, eq, groups, cut, gen, kl, low, high, tokens, tr, tw, tl, k = acc
+            m = {"reward": rs / max(rn, 1), "frac_equal_groups": eq / groups, "len": gen / (k * P * G),
+                 "truncated": cut / (k * P * G), "kl": kl / max(tokens, 1), "clip_low": low / max(tokens, 1),
+                 "clip_high": high / max(tokens, 1), "grad_norm": float(norm), "lr": optim.lr_at(step - 1, cfg),
+                 "t_rollout": tr / k, "t_reward": tw / k, "t_learn": tl / k, "gen_tok_s": gen / tr}
             logger.log(step, m)
             say(f"step {step}/{cfg.max_steps} | " + logs.fmt(m))
+            acc = [0.0] * len(acc)
         if interrupt.requested():
             save()
             say(f"{interrupt.name()}: saved step {step} in {cfg.out_dir}; continue with --resume")
