@@ -25,11 +25,12 @@ Proves:
   completions that did not stop, the end-of-turn token is in the completion mask;
 - layouts (one 4-process gloo spawn): under TP2 x DP2 and TP2 x FSDP2 (inside full_params) every
   rank of a TP group samples the same tokens as one process with its data rank's seed
-  (rollout_seed(seed, step, grid)); a GRPO step (3 prompts x 4 samples, a group spanning the two
-  data ranks, 3 micro-batches per rank, 2 epochs, clip-higher, KL to a reference, dynamic sampling
-  and overlong filtering) under TP2 x DP2 and TP2 x FSDP2 gives the one-process weights, gradient
+  (rollout_seed(seed, step, grid)); a GRPO step (3 prompts x 4 samples, groups spanning data
+  ranks, micro-batches, 2 epochs, clip-higher, KL to a reference, dynamic sampling and overlong
+  filtering) under TP2 x DP2, TP2 x FSDP2, DP4 and FSDP4 gives the one-process weights, gradient
   norm and logged sums (relative error <= 1e-5) on the same rollouts: rewards are gathered across
-  ranks before the advantages, the normalisers are the step's.
+  ranks before the advantages, the normalisers are the step's. (DP4 / FSDP4 stand in for the
+  issue's DP2 / FSDP2: the same code with more ranks, in the one spawn.)
 """
 import os
 from types import SimpleNamespace
@@ -324,22 +325,22 @@ LAYOUT_CFG = dict(lr=1e-2, beta=0.04, grpo_epochs=2, clip_high=0.28, dynamic_sam
 def _layouts(rank, out_dir):
     import parallel
     res = {}
-    for dp in ("ddp", "fsdp"):
-        cfg = grpo_cfg(tp=2, data_parallel=dp, **LAYOUT_CFG)
+    for tp_size, dp in [(2, "ddp"), (2, "fsdp"), (1, "ddp"), (1, "fsdp")]:  # TP2 x DP2 / FSDP2, DP4, FSDP4
+        cfg = grpo_cfg(tp=tp_size, data_parallel=dp, **LAYOUT_CFG)
         grid = parallel.init(cfg)
         model = build()
         r, rewards = synthetic(model)
-        rows = list(range(grid.data_rank * P * G // 2, (grid.data_rank + 1) * P * G // 2))
-        mine = part(r, rows)
-        res[dp] = one_step(cfg, grid, mine, rewards[rows])
-        # the rollout under TP2 x DP2 (FSDP: parameters gathered once around it), seeded by the data rank
-        torch.manual_seed(0)
-        run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg)
-        prompts = [r.tokens[i * G, :r.prompt_len][r.mask[i * G, :r.prompt_len]] for i in range(P)]
-        with run.full_params():
-            res[dp + "_rollout"] = grpo.rollout(run.raw, prompts, G, grid.data_rank, grid.data_world, N,
-                                                temperature=1.0, stop_tokens=[STOP],
-                                                seed=grpo.rollout_seed(0, 7, grid))[0].tokens
+        per = P * G // grid.data_world
+        rows = list(range(grid.data_rank * per, (grid.data_rank + 1) * per))
+        res[f"tp{tp_size} {dp}"] = one_step(cfg, grid, part(r, rows), rewards[rows])
+        if tp_size == 2:  # the rollout (FSDP: parameters gathered once around it), seeded by the data rank
+            torch.manual_seed(0)
+            run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg)
+            prompts = [r.tokens[i * G, :r.prompt_len][r.mask[i * G, :r.prompt_len]] for i in range(P)]
+            with run.full_params():
+                res[dp + "_rollout"] = grpo.rollout(run.raw, prompts, G, grid.data_rank, grid.data_world, N,
+                                                    temperature=1.0, stop_tokens=[STOP],
+                                                    seed=grpo.rollout_seed(0, 7, grid))[0].tokens
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -356,8 +357,8 @@ def test_layouts_equal_one_process(tmp_path):
     assert want["sums"][1:3].sum() > 0  # some tokens were clipped in the second epoch
     res = [torch.load(tmp_path / f"rank{k}.pt", weights_only=False) for k in range(4)]
     for k in range(4):
-        for dp in ("ddp", "fsdp"):  # weights, gradient norm and logged sums of the step
-            assert_close(res[k][dp], want, f"rank {k} {dp}")
+        for layout in ("tp2 ddp", "tp2 fsdp", "tp1 ddp", "tp1 fsdp"):  # weights, gradient norm, logged sums
+            assert_close(res[k][layout], want, f"rank {k} {layout}")
     prompts = [r.tokens[i * G, :r.prompt_len][r.mask[i * G, :r.prompt_len]] for i in range(P)]
     for d in range(2):  # ranks 2d, 2d+1: data rank d's TP pair; both equal one process with d's seed
         one, which = grpo.rollout(model, prompts, G, d, 2, N, temperature=1.0, stop_tokens=[STOP],
