@@ -3,36 +3,28 @@
     python grpo.py configs/grpo_tiny.py                                  # the arithmetic task on CPU
     torchrun --nproc_per_node=2 grpo.py configs/grpo_tiny.py --data_parallel=fsdp --init_from=out/sft_tiny
 
-One step: P prompts -> G samples each with the fast decoder (generate.decode; the rollout policy's
-log-probs come with the tokens) -> rewards (the task's checker) -> advantages (every rank's
-rewards gathered first: a group may span ranks) -> mu policy-gradient epochs over the rollout, one
-optimizer step each -> next prompts. The math is plain functions at the top (tests import them):
+A step: P prompts -> G samples each from the fast decoder (generate.decode; the rollout policy's
+log-probs come with the tokens) -> the task's rewards -> advantages -> grpo_epochs optimizer steps
+on the rollout. The math, plain functions at the top (tests compare them with TRL's GRPOTrainer):
 
-  advantages   A = r - mean(group); "group": / (sample std of the group + 1e-4) (GRPO, TRL's
-               default), "batch": / (sample std of the whole batch + 1e-4), "none": mean only
-               (Dr. GRPO). A reward of None (NaN) is left out of the statistics; its A is 0.
-  ratio        exp(logp - old_logp) per token against the rollout policy; importance_level
-               "sequence": exp of the sequence's mean log-ratio (GSPO), one per completion.
-  loss         per token -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
-               (+ beta * k3 to the reference), eps_high > eps_low is DAPO's clip-higher;
-               aggregated as "grpo" (token mean per sequence, mean over sequences), "dapo" (token
-               sum over the token count of the whole optimizer step, every rank and micro-batch)
-               or "dr_grpo" (token sum over sequences x max_new_tokens).
-  k3           exp(ref - logp) - (ref - logp) - 1 (Schulman), beta = 0 by default: then no
-               reference is held. With LoRA the reference is the base: lora.disabled(model).
-Every log-prob (rollout, new, reference) is of logits / temperature: the sampled distribution.
-The end-of-turn token that ends a completion is part of its completion mask: the policy learns to
-stop (as TRL; nanochat leaves it out). A completion cut at max_new_tokens keeps its tokens unless
-mask_truncated=True (DAPO's overlong filtering). dynamic_sampling=True leaves out the groups whose
-rewards are all equal (DAPO; no refill: the step learns from fewer groups; their A is 0 anyway, so
-only the normalisers change).
+  advantages  A = r - group mean, / (sample std + 1e-4) of the group ("group") or batch ("batch"),
+              or not ("none": Dr. GRPO); a None reward is left out, its A = 0
+  loss        per token -min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A) + beta k3, the
+              ratio to the rollout policy per token or per completion (GSPO); "grpo": token mean
+              per completion, then mean; "dapo": sum / the step's tokens; "dr_grpo": sum /
+              (completions x max_new_tokens). clip_high > clip_low: DAPO's clip-higher
+  k3          exp(ref - logp) - (ref - logp) - 1 to a frozen initial copy (LoRA: lora.disabled's
+              base); with beta = 0 (the default) no reference is held
+Every log-prob (rollout, policy, reference) is of logits / temperature. The end-of-turn token that
+ends a completion is in its completion mask: the policy learns to stop (as TRL; nanochat leaves it
+out). mask_truncated drops completions cut at max_new_tokens, dynamic_sampling the groups of equal
+rewards (DAPO, no refill: their A is 0 anyway, only the normalisers change).
 
-Layouts (parallel.parallelize): DP / FSDP ranks each roll out their slice of the P x G completions
-(their sampling seed is the step's and the data-parallel rank's, so every TP rank of a group draws
-the same tokens); FSDP gathers the parameters once around the whole rollout (full_params()).
-The loss normalisers are global counts, so DP2 / FSDP2 steps equal one process on the same rollouts.
-The log splits each step's time into rollout / reward / learn.
-Importing this file runs nothing: main() does the work.
+Layouts: each data rank rolls out a contiguous slice of the P x G (a group may span ranks: rewards
+are gathered before the advantages), seeded by the step and its data rank, so the TP ranks of a
+group draw the same tokens; FSDP gathers the parameters once around the rollout. Normalisers are
+the step's global counts: DP / FSDP steps equal one process. The log splits each step's time into
+rollout / reward / learn. Importing this file runs nothing: main() does the work.
 """
 import contextlib
 import sys
@@ -61,12 +53,11 @@ SCALES = ("group", "batch", "none")
 DEFAULTS = dict(
     task="arithmetic",        # tasks.get(name): prompts with answers and the reward that checks them
     train_prompts=4096,       # task.train(n, seed): the prompts the steps cycle through
-    eval_prompts=128,         # task.test(n, seed): held-out prompts, mean reward of greedy answers
+    eval_prompts=128,         # task.test(n, seed): held-out prompts (mean reward: sampled and greedy)
     group_size=8,             # G samples per prompt: batch_size / G prompts per step
     max_new_tokens=32,        # longest completion (the end-of-turn token included)
     temperature=1.0,          # sampling; every log-prob is of logits / temperature
-    top_k=0,                  # 0: off
-    top_p=1.0,
+    top_k=0, top_p=1.0,       # sampling filters (0 / 1.0: off; the log-probs are of the unfiltered logits)
     grpo_epochs=1,            # mu: optimizer steps per rollout (> 1: the ratio and its clip matter)
     loss_type="dapo",         # grpo | dapo | dr_grpo (module docstring)
     scale_rewards="group",    # group | batch | none (Dr. GRPO)
@@ -112,14 +103,12 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type="dapo", eps_low=0.2, eps
                 ref_logp=None, kl_ratio=True, level="token", n_seqs=None, n_tokens=None, max_len=None):
     """The clipped surrogate of one micro-batch, -> (loss, sums for logging).
 
-    logp (B, N) log-probs of the completion tokens under the policy (differentiable), old_logp
-    (B, N) under the rollout policy, adv (B,), mask (B, N) tokens that count, ref_logp (B, N) when
-    beta > 0; kl_ratio: k3 times the (differentiable) ratio, the unbiased reverse-KL gradient of
-    DeepSeek-V3.2 (TRL 1.16's default use_bias_correction_kl). The normalisers default to this
-    batch's: n_seqs rows, n_tokens = mask.sum(), max_len = N; a step split over micro-batches and
-    ranks passes the step's totals (over the data-parallel world, whose gradients are averaged), so
-    the parts add up to the whole.
-    """
+    logp, old_logp, ref_logp, mask (B, N): the completion tokens' log-probs under the policy
+    (differentiable), the rollout policy and the reference, and which count; adv (B,). kl_ratio: k3
+    times the ratio, the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl).
+    Normalisers default to this batch's (n_seqs rows, n_tokens = mask.sum(), max_len = N); a step
+    split over micro-batches and ranks passes its totals / the data-parallel world (which averages
+    gradients), so the parts add up to the whole."""
     mask = mask.float()
     eps_high = eps_low if eps_high is None else eps_high
     log_ratio = logp - old_logp
@@ -131,8 +120,7 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type="dapo", eps_low=0.2, eps
     A = adv[:, None].to(ratio.dtype)
     per_token = -torch.min(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)
     kl = k3(ref_logp, logp) if beta else torch.zeros_like(logp)
-    if beta:
-        per_token = per_token + beta * (kl * ratio if kl_ratio else kl)
+    per_token = per_token + beta * (kl * ratio if kl_ratio else kl)
     n_seqs = logp.shape[0] if n_seqs is None else n_seqs
     if loss_type == "grpo":
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / n_seqs
@@ -142,10 +130,9 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type="dapo", eps_low=0.2, eps
         loss = (per_token * mask).sum() / (n_seqs * (logp.shape[1] if max_len is None else max_len))
     else:
         raise ValueError(f"loss_type={loss_type!r} must be one of {', '.join(LOSS_TYPES)}")
-    with torch.no_grad():
-        low = ((ratio < 1 - eps_low) & (A < 0)).expand_as(mask) * mask
-        high = ((ratio > 1 + eps_high) & (A > 0)).expand_as(mask) * mask
-        sums = torch.stack([(kl * mask).sum(), low.sum(), high.sum(), mask.sum()])
+    with torch.no_grad():  # logged: KL, tokens clipped below / above (where the clip binds), tokens
+        clipped = [((ratio < 1 - eps_low) & (A < 0)), ((ratio > 1 + eps_high) & (A > 0))]
+        sums = torch.stack([(kl * mask).sum()] + [(c.expand_as(mask) * mask).sum() for c in clipped] + [mask.sum()])
     return loss, sums
 
 
@@ -168,34 +155,21 @@ def rollout_seed(seed, step, grid):
     return ((seed * 1_000_003 + step) * 65_537 + grid.data_rank) % 2**62
 
 
-def rows_of(P, G, rank, world):
-    """The global completion indices (prompt-major: prompt i's samples are i*G .. i*G+G-1) this
-    data rank rolls out: a contiguous 1/world of the P x G, so a group may span ranks."""
-    per = P * G // world
-    return list(range(rank * per, (rank + 1) * per))
-
-
 @torch.no_grad()
 def rollout(model, prompts, G, rank, world, max_new_tokens, **sampling):
-    """Sample this data rank's share of the len(prompts) x G completions with generate.decode
-    (sampling: temperature, top_k, top_p, stop_tokens, pad_id, seed) -> generate.Rollout, its rows
-    in rows_of order. The prompts of a rank that holds whole groups, or equal parts of groups, are
-    prefilled once for their samples (decode's n); otherwise each row is prefilled alone."""
-    which = [c // G for c in rows_of(len(prompts), G, rank, world)]
+    """Sample this data rank's share of the len(prompts) x G completions (prompt-major: prompt i's
+    are i*G .. i*G+G-1; each rank a contiguous 1/world of them, so a group may span ranks) with
+    generate.decode (sampling: temperature, top_k, top_p, stop_tokens, pad_id, seed) -> (Rollout,
+    the prompt of each row). A prompt whose samples here are as many as every other's is prefilled
+    once for them (decode's n); otherwise each row is prefilled alone."""
+    per = len(prompts) * G // world
+    which = [c // G for c in range(rank * per, (rank + 1) * per)]
     counts = {i: which.count(i) for i in which}
     if len(set(counts.values())) == 1:
-        n = next(iter(counts.values()))
-        return generate.decode(model, [prompts[i] for i in counts], max_new_tokens, n=n, **sampling)
-    return generate.decode(model, [prompts[i] for i in which], max_new_tokens, n=1, **sampling)
-
-
-def gather(x, grid):
-    """This data rank's (n,) tensor -> every data rank's, concatenated in rank order."""
-    if grid.data_world == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(grid.data_world)]
-    dist.all_gather(parts, x, group=grid.data_group)
-    return torch.cat(parts)
+        r = generate.decode(model, [prompts[i] for i in counts], max_new_tokens, n=which.count(which[0]), **sampling)
+    else:
+        r = generate.decode(model, [prompts[i] for i in which], max_new_tokens, n=1, **sampling)
+    return r, which
 
 
 def all_sum(x, grid):
@@ -214,7 +188,7 @@ class Batch:
     old: torch.Tensor        # (R, N) rollout log-probs (of logits / temperature)
     loss_mask: torch.Tensor  # (R, N) completion tokens that count, the end-of-turn token included
     adv: torch.Tensor        # (R,)
-    n_seqs: float = 1.0      # the step's normalisers, over every rank: sequences kept
+    n_seqs: float = 1.0      # the step's normalisers, over every rank: completions kept
     n_tokens: float = 1.0    #   and tokens counted
     ref: torch.Tensor = None  # (R, N) reference log-probs when beta > 0
 
@@ -225,11 +199,13 @@ def score(r, rewards, grid, cfg, stops):
     all equal, mask_truncated the completions that did not stop. stats: global sums (reward,
     rewarded, groups of equal rewards, groups, truncated, completion tokens)."""
     G, R, dev = cfg.group_size, rewards.numel(), rewards.device
-    every = gather(rewards.float(), grid)
+    mine = slice(grid.data_rank * R, (grid.data_rank + 1) * R)
+    every = torch.zeros(R * grid.data_world, device=dev)
+    every[mine] = rewards  # each data rank fills its slot; the sum gathers them (NaN stays NaN)
+    every = all_sum(every, grid)
     adv = advantages(every, G, cfg.scale_rewards)
     equal = ~(nanstd(every.view(-1, G)) > 0)  # all equal (or fewer than two rewards): no signal
     keep = (~equal).repeat_interleave(G) if cfg.dynamic_sampling else torch.ones_like(every, dtype=torch.bool)
-    mine = slice(grid.data_rank * R, (grid.data_rank + 1) * R)
     T = r.prompt_len
     last = r.tokens.gather(1, (T + r.lengths - 1)[:, None]).squeeze(1)
     stopped = torch.isin(last, torch.as_tensor(stops, device=dev))
@@ -291,7 +267,8 @@ def check(cfg, grid):
         (cfg.batch_size % G, f"batch_size={cfg.batch_size} (completions per step): a multiple of group_size={G}"),
         (cfg.loss_type not in LOSS_TYPES, f"loss_type={cfg.loss_type!r} must be one of {', '.join(LOSS_TYPES)}"),
         (cfg.scale_rewards not in SCALES, f"scale_rewards={cfg.scale_rewards!r} must be one of {', '.join(SCALES)}"),
-        (cfg.importance_level not in ("token", "sequence"), f"importance_level={cfg.importance_level!r}?"),
+        (cfg.importance_level not in ("token", "sequence"),
+         f"importance_level={cfg.importance_level!r} must be token or sequence"),
         (not 0 <= cfg.clip_low < 1 or cfg.clip_high < 0, f"clip_low={cfg.clip_low} must be in [0, 1), clip_high >= 0"),
         (cfg.beta < 0 or cfg.temperature <= 0, f"beta={cfg.beta} must be >= 0 and temperature={cfg.temperature} > 0"),
         (min(cfg.max_new_tokens, cfg.grpo_epochs, cfg.train_prompts) < 1,
@@ -329,9 +306,7 @@ def main(argv):
     if device.type == "cuda":  # the decode step compiled, then captured
         sampling.update(compile=cfg.compile)
     lease = checkpoint.open_run_everywhere(cfg, grid)
-    for line in [started] + lease.notes:
-        say(line)
-    say(f"config:\n{config.show(cfg)}")
+    say("\n".join([started] + lease.notes + ["config:", config.show(cfg)]))
 
     torch.manual_seed(cfg.seed)
     raw = Transformer(ModelConfig.from_cfg(cfg)).to(device)
@@ -356,12 +331,9 @@ def main(argv):
 
     def rewards_of(r, items, which):
         """The task's reward of each completion (its text without the stop token); None -> NaN."""
-        out = []
-        for j, i in enumerate(which):
-            ids = r.tokens[j, r.prompt_len:r.prompt_len + int(r.lengths[j])].tolist()
-            v = task.reward(tok.decode(ids[:-1] if ids and ids[-1] in stops else ids), items[i])
-            out.append(float("nan") if v is None else float(v))
-        return torch.tensor(out, device=device)
+        ids = [r.tokens[j, r.prompt_len:r.prompt_len + n].tolist() for j, n in enumerate(r.lengths.tolist())]
+        got = [task.reward(tok.decode(t[:-1] if t and t[-1] in stops else t), items[i]) for t, i in zip(ids, which)]
+        return torch.tensor([float("nan") if v is None else float(v) for v in got], device=device)
 
     def evaluate():
         """Held-out prompts (each data rank some of them): the mean reward of group_size samples each
@@ -384,18 +356,16 @@ def main(argv):
 
     if cfg.eval_every and step == 0:
         evaluate()
-    last = cfg.stop_at or cfg.max_steps
-    interrupt = parallel.Interrupt(grid)
+    last, interrupt = cfg.stop_at or cfg.max_steps, parallel.Interrupt(grid)  # SIGTERM / SIGINT: save, stop
+    acc = [0.0] * 14  # what the log line reports, summed over its steps
     while step < last:
         t0 = now()
-        which = [c // G for c in rows_of(P, G, grid.data_rank, grid.data_world)]
-        items = [train[(step * P + i) % len(train)] for i in range(P)]
+        idx = [(step * P + i) % len(train) for i in range(P)]
         with run.full_params(), autocast:  # FSDP: parameters gathered once for the whole rollout
-            r = rollout(raw, [train_ids[(step * P + i) % len(train)] for i in range(P)], G, grid.data_rank,
-                        grid.data_world, cfg.max_new_tokens, seed=rollout_seed(cfg.seed, step, grid),
-                        **sampling)
+            r, which = rollout(raw, [train_ids[i] for i in idx], G, grid.data_rank, grid.data_world,
+                               cfg.max_new_tokens, seed=rollout_seed(cfg.seed, step, grid), **sampling)
         t1 = now()
-        batch, stats = score(r, rewards_of(r, items, which), grid, cfg, stops)
+        batch, stats = score(r, rewards_of(r, [train[i] for i in idx], which), grid, cfg, stops)
         t2 = now()
         if cfg.beta:
             with (contextlib.nullcontext() if ref else lora.disabled(raw)), run.full_params(), autocast:
@@ -405,18 +375,19 @@ def main(argv):
             sums, norm = learn(run, batch, cfg, optim.lr_at(step, cfg), autocast)
         sums = all_sum(sums.detach().float(), grid).tolist()
         t3 = now()
+        acc = [a + b for a, b in zip(acc, stats + sums + [t1 - t0, t2 - t1, t3 - t2, 1])]
         step += 1
         if step == 1:
             say(f"first step done {t3 - t_start:.1f} s after start")
-        if step % cfg.log_every == 0 or step == last:
-            n = P * G
-            m = {"reward": stats[0] / max(stats[1], 1), "frac_equal_groups": stats[2] / stats[3],
-                 "len": stats[5] / n, "truncated": stats[4] / n, "kl": sums[0] / max(sums[3], 1),
-                 "clip_low": sums[1] / max(sums[3], 1), "clip_high": sums[2] / max(sums[3], 1),
-                 "grad_norm": float(norm), "lr": optim.lr_at(step - 1, cfg), "t_rollout": t1 - t0,
-                 "t_reward": t2 - t1, "t_learn": t3 - t2, "gen_tok_s": stats[5] / (t1 - t0)}
+        if step % cfg.log_every == 0 or step == last:  # means over the steps since the last log line
+            rs, rn, eq, groups, cut, gen, kl, low, high, tokens, tr, tw, tl, k = acc
+            m = {"reward": rs / max(rn, 1), "frac_equal_groups": eq / groups, "len": gen / (k * P * G),
+                 "truncated": cut / (k * P * G), "kl": kl / max(tokens, 1), "clip_low": low / max(tokens, 1),
+                 "clip_high": high / max(tokens, 1), "grad_norm": float(norm), "lr": optim.lr_at(step - 1, cfg),
+                 "t_rollout": tr / k, "t_reward": tw / k, "t_learn": tl / k, "gen_tok_s": gen / tr}
             logger.log(step, m)
             say(f"step {step}/{cfg.max_steps} | " + logs.fmt(m))
+            acc = [0.0] * len(acc)
         if interrupt.requested():
             save()
             say(f"{interrupt.name()}: saved step {step} in {cfg.out_dir}; continue with --resume")

@@ -11,6 +11,9 @@ Proves:
   whose ratio is outside the clip range gets zero gradient (1.3 with A > 0, 0.7 with A < 0), and
   with clip_high 0.28 the bound is 1.28 (1.27 still learns); a step split into micro-batches with
   the step's normalisers adds up to the whole batch's loss;
+- the policy gradient: on one-token completions with an exactly computable expected reward, the
+  loss's gradient over 4 x 256 samples is minus the exact gradient of the expected reward (cosine
+  > 0.97, norm within 10%): signs, advantages, temperature and normalisers agree end to end;
 - TRL parity: GRPOTrainer._compute_loss (TRL 1.16, tiny local LLaMA, no hub, generation skipped) on
   a hand-built batch (left-padded prompts, ragged completions, old and reference log-probs away from
   the policy's) equals ours on the same weights (hf.load_hf), for grpo / dapo / dr_grpo, beta 0 and
@@ -25,11 +28,12 @@ Proves:
   completions that did not stop, the end-of-turn token is in the completion mask;
 - layouts (one 4-process gloo spawn): under TP2 x DP2 and TP2 x FSDP2 (inside full_params) every
   rank of a TP group samples the same tokens as one process with its data rank's seed
-  (rollout_seed(seed, step, grid)); a GRPO step (3 prompts x 4 samples, a group spanning the two
-  data ranks, 3 micro-batches per rank, 2 epochs, clip-higher, KL to a reference, dynamic sampling
-  and overlong filtering) under TP2 x DP2 and TP2 x FSDP2 gives the one-process weights, gradient
+  (rollout_seed(seed, step, grid)); a GRPO step (3 prompts x 4 samples, groups spanning data
+  ranks, micro-batches, 2 epochs, clip-higher, KL to a reference, dynamic sampling and overlong
+  filtering) under TP2 x DP2, TP2 x FSDP2, DP4 and FSDP4 gives the one-process weights, gradient
   norm and logged sums (relative error <= 1e-5) on the same rollouts: rewards are gathered across
-  ranks before the advantages, the normalisers are the step's.
+  ranks before the advantages, the normalisers are the step's. (DP4 / FSDP4 stand in for the
+  issue's DP2 / FSDP2: the same code with more ranks, in the one spawn.)
 """
 import os
 from types import SimpleNamespace
@@ -117,6 +121,27 @@ def test_micro_batches_add_up(loss_type):
     assert abs(whole.item() - parts.item()) < 1e-6
 
 
+def test_gradient_estimates_the_expected_reward_gradient():
+    """One-token completions of a tiny model, reward 1 when the token is in the lower half of the
+    vocabulary: the expected reward is exact (softmax(logits / T) summed over that half). The
+    gradient of the loss on 4 x 256 sampled completions (rollout, score, token_logprobs,
+    policy_loss; Dr. GRPO advantages) is minus the exact gradient: cosine > 0.97, norm within 10%."""
+    import parallel
+    model, T, G = build(), 0.7, 256
+    cfg = grpo_cfg(group_size=G, scale_rewards="none", temperature=T)
+    prompts = [torch.randint(0, V, (5,), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    r, _ = grpo.rollout(model, prompts, G, 0, 1, 1, temperature=T, seed=1)
+    batch, _ = grpo.score(r, (r.tokens[:, -1] < V // 2).float(), parallel.init(cfg), cfg, [])
+    logp = grpo.token_logprobs(model, batch.tokens, batch.mask, batch.start, T)
+    params = list(model.parameters())
+    estimate = torch.autograd.grad(grpo.policy_loss(logp, batch.old, batch.adv, batch.loss_mask)[0], params)
+    exact = torch.autograd.grad((model(torch.stack(prompts))[:, -1] / T).softmax(-1)[:, :V // 2].sum(-1).mean(),
+                                params)
+    dot = sum((-a * b).sum() for a, b in zip(estimate, exact))
+    norms = [sum(g.square().sum() for g in gs).sqrt() for gs in (estimate, exact)]
+    assert dot / (norms[0] * norms[1]) > 0.97 and 0.9 < norms[0] / norms[1] < 1.1
+
+
 # ----------------------------------------------------------------------------- TRL parity
 
 def test_trl_parity(tmp_path):
@@ -196,7 +221,8 @@ def test_all_logprobs_use_the_temperature():
     run = parallel.parallelize(build(), parallel.init(cfg), cfg)
     model = run.raw
     prompts = [torch.randint(0, V, (6,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    r = grpo.rollout(model, prompts, G, 0, 1, 8, temperature=T, seed=3)  # no stop token: every row 8 long
+    r, which = grpo.rollout(model, prompts, G, 0, 1, 8, temperature=T, seed=3)  # no stop token: every row 8 long
+    assert which == [0] * G + [1] * G
     want = plain_logprobs(model, r.tokens, r.prompt_len, T)
     at_one = plain_logprobs(model, r.tokens, r.prompt_len, 1.0)
     assert (want - at_one).abs().max() > 0.05  # T matters here
@@ -323,22 +349,22 @@ LAYOUT_CFG = dict(lr=1e-2, beta=0.04, grpo_epochs=2, clip_high=0.28, dynamic_sam
 def _layouts(rank, out_dir):
     import parallel
     res = {}
-    for dp in ("ddp", "fsdp"):
-        cfg = grpo_cfg(tp=2, data_parallel=dp, **LAYOUT_CFG)
+    for tp_size, dp in [(2, "ddp"), (2, "fsdp"), (1, "ddp"), (1, "fsdp")]:  # TP2 x DP2 / FSDP2, DP4, FSDP4
+        cfg = grpo_cfg(tp=tp_size, data_parallel=dp, **LAYOUT_CFG)
         grid = parallel.init(cfg)
         model = build()
         r, rewards = synthetic(model)
-        rows = grpo.rows_of(P, G, grid.data_rank, grid.data_world)
-        mine = part(r, rows)
-        res[dp] = one_step(cfg, grid, mine, rewards[rows])
-        # the rollout under TP2 x DP2 (FSDP: parameters gathered once around it), seeded by the data rank
-        torch.manual_seed(0)
-        run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg)
-        prompts = [r.tokens[i * G, :r.prompt_len][r.mask[i * G, :r.prompt_len]] for i in range(P)]
-        with run.full_params():
-            res[dp + "_rollout"] = grpo.rollout(run.raw, prompts, G, grid.data_rank, grid.data_world, N,
-                                                temperature=1.0, stop_tokens=[STOP],
-                                                seed=grpo.rollout_seed(0, 7, grid)).tokens
+        per = P * G // grid.data_world
+        rows = list(range(grid.data_rank * per, (grid.data_rank + 1) * per))
+        res[f"tp{tp_size} {dp}"] = one_step(cfg, grid, part(r, rows), rewards[rows])
+        if tp_size == 2:  # the rollout (FSDP: parameters gathered once around it), seeded by the data rank
+            torch.manual_seed(0)
+            run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg)
+            prompts = [r.tokens[i * G, :r.prompt_len][r.mask[i * G, :r.prompt_len]] for i in range(P)]
+            with run.full_params():
+                res[dp + "_rollout"] = grpo.rollout(run.raw, prompts, G, grid.data_rank, grid.data_world, N,
+                                                    temperature=1.0, stop_tokens=[STOP],
+                                                    seed=grpo.rollout_seed(0, 7, grid))[0].tokens
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -355,12 +381,14 @@ def test_layouts_equal_one_process(tmp_path):
     assert want["sums"][1:3].sum() > 0  # some tokens were clipped in the second epoch
     res = [torch.load(tmp_path / f"rank{k}.pt", weights_only=False) for k in range(4)]
     for k in range(4):
-        for dp in ("ddp", "fsdp"):  # weights, gradient norm and logged sums of the step
-            assert_close(res[k][dp], want, f"rank {k} {dp}")
+        for layout in ("tp2 ddp", "tp2 fsdp", "tp1 ddp", "tp1 fsdp"):  # weights, gradient norm, logged sums
+            assert_close(res[k][layout], want, f"rank {k} {layout}")
     prompts = [r.tokens[i * G, :r.prompt_len][r.mask[i * G, :r.prompt_len]] for i in range(P)]
     for d in range(2):  # ranks 2d, 2d+1: data rank d's TP pair; both equal one process with d's seed
-        one = grpo.rollout(model, prompts, G, d, 2, N, temperature=1.0, stop_tokens=[STOP],
-                           seed=grpo.rollout_seed(0, 7, SimpleNamespace(data_rank=d))).tokens
+        one, which = grpo.rollout(model, prompts, G, d, 2, N, temperature=1.0, stop_tokens=[STOP],
+                                  seed=grpo.rollout_seed(0, 7, SimpleNamespace(data_rank=d)))
+        assert which == [c // G for c in range(6 * d, 6 * d + 6)]  # prompts 0, 0, 0, 0, 1, 1 | 1, 1, 2, 2, 2, 2
+        one = one.tokens
         for k in (2 * d, 2 * d + 1):
             assert torch.equal(res[k]["ddp_rollout"], one) and torch.equal(res[k]["fsdp_rollout"], one), k
 
