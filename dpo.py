@@ -383,14 +383,8 @@ def main(argv):
                 raise FloatingPointError(f"loss is {m['loss']} at step {step}: lower lr or check the data")
             say(f"step {step}/{cfg.max_steps} | " + logs.fmt(m))
             sums, t0, t_steps = sums.zero_(), time.perf_counter(), 0
-        if interrupt.requested():  # every rank agrees, after the same step
-            save()
-            say(f"{interrupt.name()}: saved step {step} in {cfg.out_dir}; continue with --resume")
+        if parallel.end_of_step(step, last, cfg, interrupt, save, evaluate, say):  # signal: saved, stop
             break
-        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last:
-            save()
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == last):
-            evaluate()
     interrupt.restore()
     logger.close()
     parallel.shutdown()

@@ -69,6 +69,7 @@ DEFAULTS = dict(
     dynamic_sampling=False,   # leave out groups whose rewards are all equal (DAPO, without refill)
     mask_truncated=False,     # completions cut at max_new_tokens count no token (DAPO's overlong filtering)
 )
+EXTRA = {**chat.CHAT_DEFAULTS, **DEFAULTS}  # this script's keys beyond config.py's (config.load(extra=...))
 
 # ----------------------------------------------------------------------------- the math
 
@@ -281,7 +282,7 @@ def check(cfg, grid):
 
 def main(argv):
     t_start = time.perf_counter()
-    cfg = config.load(argv, extra={**chat.CHAT_DEFAULTS, **DEFAULTS})
+    cfg = config.load(argv, extra=EXTRA)
     grid = parallel.init(cfg)
     say = print if grid.is_main else (lambda *a, **k: None)
     device, G, P = grid.device, cfg.group_size, cfg.batch_size // cfg.group_size
@@ -388,14 +389,8 @@ def main(argv):
             logger.log(step, m)
             say(f"step {step}/{cfg.max_steps} | " + logs.fmt(m))
             acc = [0.0] * len(acc)
-        if interrupt.requested():
-            save()
-            say(f"{interrupt.name()}: saved step {step} in {cfg.out_dir}; continue with --resume")
+        if parallel.end_of_step(step, last, cfg, interrupt, save, evaluate, say):  # signal: saved, stop
             break
-        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last:
-            save()
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == last):
-            evaluate()
     interrupt.restore()
     logger.close()
     parallel.shutdown()

@@ -202,6 +202,22 @@ class Interrupt:
             signal.signal(s, h)
 
 
+def end_of_step(step, last, cfg, interrupt, save, evaluate=None, say=print):
+    """A stage script's work after optimizer step `step` (of `last`), in this order: a signal
+    (every rank agrees) saves and stops; the checkpoint cadence (cfg.ckpt_every, and the last step);
+    the evaluation (cfg.eval_every, and the last step) after the checkpoint, so that an evaluation
+    that fails never costs the steps before it. Returns True when the run must stop."""
+    if interrupt.requested():
+        save()
+        say(f"{interrupt.name()}: saved step {step} in {cfg.out_dir}; continue with --resume")
+        return True
+    if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last:
+        save()
+    if evaluate is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == last):
+        evaluate()
+    return False
+
+
 class DataParallel(nn.Module):
     """Replicated model; gradients averaged over the data-parallel ranks during backward.
 
