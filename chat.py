@@ -20,7 +20,8 @@ A message is {"role": "system" | "user" | "assistant", "content": str}. The rule
   transformers' sanitize_control_tokens); after rendering the markers are removed and those places
   stay ordinary text. The text is cut at the template-written special tokens; every piece between
   them is encoded as ordinary text by the tokenizer, every special token as its id. A user typing
-  '<|im_start|>' gets the ids of those characters, never the control token.
+  '<|im_start|>' gets the ids of those characters, never the control token. (The four marker
+  characters U+E000..U+E003 are removed from messages, as transformers removes its own.)
 - Loss spans (ChatTemplate.spans): a template with {% generation %} blocks trains what they enclose
   (what transformers' return_assistant_tokens_mask and TRL's assistant_only_loss train). Otherwise,
   for each assistant message i, from the end of render(messages[:i], add_generation_prompt=True)
@@ -39,6 +40,7 @@ import collections
 import datetime
 import json
 import os
+import pathlib
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -63,6 +65,7 @@ SUFFIXES = (".json", ".jsonl", ".parquet")
 EOT_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")  # end-of-turn tokens known by name
 PROTECT, UNPROTECT, GEN, END_GEN = "\ue000", "\ue001", "\ue002", "\ue003"  # private-use markers
 MARKERS = PROTECT + UNPROTECT + GEN + END_GEN
+MARKER_RE = re.compile(f"[{MARKERS}]")
 
 CHAT_DEFAULTS = dict(
     chat_data="",            # a .json/.jsonl/.parquet file or folder, or hf:<name>[:<config>][@<split>]
@@ -101,8 +104,8 @@ def _files(path):
         if not path.endswith(SUFFIXES):
             raise ChatDataError(f"chat data {path!r}: unsupported file type (accepted: {' '.join(SUFFIXES)})")
         return [path]
-    files = sorted(os.path.join(d, n) for d, dirs, names in os.walk(path) for n in names
-                   if n.endswith(SUFFIXES) and not n.startswith(".") and "/." not in d)
+    files = sorted(str(p) for p in pathlib.Path(path).rglob("*") if p.name.endswith(SUFFIXES) and p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(path).parts))  # hidden: not data
     if not files:
         raise ChatDataError(f"chat data folder {path!r} holds no {'/'.join(SUFFIXES)} file")
     return files
@@ -175,7 +178,8 @@ def _messages(items, what):
     out = []
     for i, m in enumerate(items, 1):
         _bad(isinstance(m, dict), "not_messages", f"{what} message {i} is a {type(m).__name__}, not an object")
-        role_key, content_key = ("role", "content") if "role" in m or "content" in m else ("from", "value")
+        role_key, content_key = ("from", "value") if m.get("role") is None and m.get("content") is None \
+            else ("role", "content")  # (a parquet column of both shapes holds nulls for the other's keys)
         role, content = m.get(role_key), m.get(content_key)
         _bad(role in ROLES, "unknown_role", f"{what} message {i}: unknown role {role!r} "
              f"(known: {', '.join(ROLES)}; a message is {{'role': ..., 'content': ...}} or {{'from': ..., 'value': ...}})")
@@ -370,23 +374,19 @@ def _protect(value, pattern):
 
 
 def _unmark(raw):
-    """Rendered text with markers -> (text, index map raw -> text (len(raw)+1), protected ranges,
-    generation spans), the ranges in text coordinates. Lone markers are dropped."""
-    text, where, protected, spans, opened = [], [], [], [], {}
-    n = 0
-    for ch in raw:
-        where.append(n)
-        if ch in MARKERS:
-            if ch in (PROTECT, GEN):
-                opened[ch] = n
-            elif opened.get(PROTECT if ch == UNPROTECT else GEN) is not None:
-                start = opened.pop(PROTECT if ch == UNPROTECT else GEN)
-                (protected if ch == UNPROTECT else spans).append((start, n))
-            continue
-        text.append(ch)
-        n += 1
-    where.append(n)
-    return "".join(text), where, protected, [s for s in spans if s[1] > s[0]]
+    """Rendered text with markers -> (text, protected ranges, generation spans), the ranges in text
+    coordinates. Lone markers are dropped."""
+    text, protected, spans, opened, n, pos = [], [], [], {}, 0, 0
+    for m in MARKER_RE.finditer(raw):
+        text.append(raw[pos:m.start()])
+        n, pos, ch = n + m.start() - pos, m.end(), m.group(0)
+        if ch in (PROTECT, GEN):
+            opened[ch] = n
+        elif opened.get(PROTECT if ch == UNPROTECT else GEN) is not None:
+            start = opened.pop(PROTECT if ch == UNPROTECT else GEN)
+            (protected if ch == UNPROTECT else spans).append((start, n))
+    text.append(raw[pos:])
+    return "".join(text), protected, [s for s in spans if s[1] > s[0]]
 
 
 class ChatTemplate:
@@ -415,31 +415,40 @@ class ChatTemplate:
                                 f"user message begins {first!r}. Fix the data or the template (chat_template)") \
                 from None
 
-    def parts(self, messages, add_generation_prompt=False, spans=True):
+    def parts(self, messages, add_generation_prompt=False, spans=True, train_from=0):
         """(text, protected ranges, loss spans): the rendered text, the ranges of it that are a
         message's literal special-token text (ordinary text, never ids), and the spans to train on
-        (see the module docstring; none when spans=False)."""
+        (see the module docstring; none when spans=False). train_from > 0: only what follows the
+        first train_from messages rendered with add_generation_prompt=True (DPO: the answer after its
+        prompt, as TRL cuts it)."""
         marked = _protect([dict(m) for m in messages], self.pattern)
-        raw = self._raw(marked, add_generation_prompt)
-        text, where, protected, generated = _unmark(raw)
-        if not spans or self.generation:
-            return text, protected, generated if spans else []
-        out = []
-        for i, m in enumerate(marked):
+        text, protected, generated = _unmark(self._raw(marked, add_generation_prompt))
+        if not spans:
+            return text, protected, []
+        out = generated if self.generation else []
+        for i, m in enumerate(marked if not self.generation else ()):
             if m.get("role") != "assistant":
                 continue
-            prefix = _unmark(self._raw(marked[:i], True))[0]
-            if not text.startswith(prefix):
-                raise ChatDataError(
-                    f"{self.name}: the conversation before assistant message {i + 1}, rendered with "
-                    "add_generation_prompt=True, is not the start of the whole conversation's text, so where the "
-                    "answer starts is unknown: put {% generation %}...{% endgeneration %} around the assistant's "
-                    "output in the template")
+            start = self.answer_start(marked, i, text)
             upto = _unmark(self._raw(marked[:i + 1], False))[0]
-            limit = len(upto) if text.startswith(upto) and len(upto) > len(prefix) else len(text)
-            end = self.eot_end(text, protected, len(prefix), limit)
-            out.append((len(prefix), end if end is not None else len(text[:limit].rstrip())))
+            limit = len(upto) if text.startswith(upto) and len(upto) > start else len(text)
+            end = self.eot_end(text, protected, start, limit)
+            out.append((start, end if end is not None else len(text[:limit].rstrip())))
+        if train_from:
+            start = self.answer_start(marked, train_from, text)
+            out = [(max(a, start), b) for a, b in out if b > start]
         return text, protected, out
+
+    def answer_start(self, marked, i, text):
+        """Where the answer after messages[:i] starts in text: the end of their rendering with
+        add_generation_prompt=True, which must be a prefix of text."""
+        prefix = _unmark(self._raw(marked[:i], True))[0]
+        if not text.startswith(prefix):
+            raise ChatDataError(
+                f"{self.name}: the conversation before message {i + 1}, rendered with add_generation_prompt=True, "
+                "is not the start of the whole conversation's text, so where the answer starts is unknown: put "
+                "{% generation %}...{% endgeneration %} around the assistant's output in the template")
+        return len(prefix)
 
     def eot_end(self, text, protected, start, limit):
         """The end of the first end-of-turn token the template wrote in text[start:limit], or None."""
@@ -486,8 +495,9 @@ def default_template():
 def template_specials(source, tok):
     """The special tokens a template writes: tok's special tokens that occur in its literal text,
     <|name|> literals tok lacks (they are added to it), and bos/eos when it reads bos_token /
-    eos_token; in order of first occurrence. (A token the template assembles from pieces, like
-    '<|' + role + '|>', is not found: transformers misses it too.)"""
+    eos_token; in order of first occurrence. A token the template only assembles from pieces, like
+    '<|' + role + '|>', is not found (nor by transformers' sanitize_control_tokens): it stays text
+    unless another literal names it; list such tokens yourself: ChatTemplate(source, special_tokens, eos)."""
     ast = compile_template(source).environment.parse(source)
     literal = "\0".join([n.data for n in ast.find_all(jinja2.nodes.TemplateData)] +
                         [n.value for n in ast.find_all(jinja2.nodes.Const) if isinstance(n.value, str)])
@@ -523,14 +533,15 @@ def template_for(tok, init_from="", name=""):
 # -----------------------------------------------------------------------------
 # Token ids and the loss mask
 
-def encode(tok, template, messages, *, add_generation_prompt=False):
+def encode(tok, template, messages, *, add_generation_prompt=False, train_from=0):
     """(ids, mask) of a conversation: the rendered text tokenised once, special tokens as single ids
     where the template wrote them; mask[i] True when token i is trained on (its characters overlap
     a loss span). add_generation_prompt=True: the prompt's ids (ending in the assistant header) and an
-    all-False mask."""
+    all-False mask. train_from=len(prompt): only the answer after the prompt is trained (a DPO pair's
+    prompt + chosen: earlier assistant turns of the prompt are not)."""
     if getattr(tok, "nfc", False):  # a normalising tokenizer: normalise the messages, not the rendered text
         messages = [{**m, "content": unicodedata.normalize("NFC", m["content"])} for m in messages]
-    text, protected, spans = template.parts(messages, add_generation_prompt, spans=not add_generation_prompt)
+    text, protected, spans = template.parts(messages, add_generation_prompt, not add_generation_prompt, train_from)
     ids, starts, ends = [], [], []
     for a, b, special in template.pieces(text, protected):
         if special is not None:
@@ -625,13 +636,14 @@ def batch(rows, device="cpu"):
     """Rows -> (x, y, pos, attn_mask): x (B, T) ids; y (B, T) next ids, IGNORE where not trained, across
     example borders and on padding; pos (B, T) positions restarting per example; attn_mask (B, T, T)
     bool, causal within the same example (padding sees padding: no empty row)."""
-    ids, mask, seg, pos = (torch.from_numpy(np.stack([getattr(r, k) for r in rows])) for k in ("ids", "mask", "seg", "pos"))
+    ids, mask, seg, pos = (torch.from_numpy(np.stack([getattr(r, k) for r in rows])).to(device)
+                           for k in ("ids", "mask", "seg", "pos"))  # the (B, T, T) mask is built on the device
     same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] >= 0)
     y = torch.where(mask[:, 1:] & same, ids[:, 1:], IGNORE)
     s = seg[:, :-1]
     T = s.shape[1]
-    attn = (s[:, :, None] == s[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
-    return tuple(t.to(device) for t in (ids[:, :-1], y, pos[:, :-1], attn))
+    attn = (s[:, :, None] == s[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=s.device).tril()
+    return ids[:, :-1], y, pos[:, :-1], attn
 
 
 class ChatLoader(data.Loader):
@@ -657,12 +669,14 @@ class ChatLoader(data.Loader):
 def setup(cfg):
     """(tokenizer, template) of a chat stage: the run's tokenizer (data.tokenizer_for(cfg): after
     hf.configure an HF folder's) with the template's special tokens added where missing (new ids past
-    the vocabulary), cfg.vocab_size raised to cover them. cfg.chat_template picks the template."""
+    the vocabulary) and the template as its chat_template, cfg.vocab_size raised to cover them.
+    cfg.chat_template picks the template."""
     fmt = getattr(cfg, "chat_format", "auto")
     if fmt != "auto" and fmt not in FORMATS:
         raise ChatDataError(f"chat_format={fmt!r} is not one of auto, {', '.join(FORMATS)}")
     tok = data.tokenizer_for(cfg)
     template = template_for(tok, getattr(cfg, "init_from", ""), getattr(cfg, "chat_template", ""))
     tok = tok.with_chat(template.special_tokens, template.eos)
+    tok.chat_template = template.source  # what hf.save_tokenizer (export) writes as the model's template
     cfg.vocab_size = max(cfg.vocab_size, tok.n_vocab)
     return tok, template

@@ -165,7 +165,7 @@ class Tokenizer:
         self.n_vocab = self.enc.n_vocab
         self.eos_id = self.enc.eot_token
         self.special_tokens = {t: self.enc.encode_single_token(t) for t in sorted(self.enc.special_tokens_set)}
-        self.eos_token, self.bos_token = ENDOFTEXT, None
+        self.eos_token, self.bos_token, self.chat_template = ENDOFTEXT, None, None
         self.special_ids = {t: self.special_tokens[t] for t in chat}
         self.eot_id = self.special_tokens[eot] if eot else self.eos_id
 

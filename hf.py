@@ -685,13 +685,26 @@ def load_hf_tokenizer(path):
 
 
 def save_tokenizer(tok, out_dir):
-    """An HFTokenizer's own files are copied; a tiktoken tokenizer (data.Tokenizer) is written as a
-    byte-level BPE tokenizer.json (merges recovered from the ranks as transformers' TikTokenConverter
-    does: every split of a token into two tokens, ordered by the token's rank) + tokenizer_config.json."""
+    """An HFTokenizer's own files are copied (chat tokens it gained and a chat template it was given
+    go into tokenizer_config.json: added_tokens_decoder, chat_template); a tiktoken tokenizer
+    (data.Tokenizer) is written as a byte-level BPE tokenizer.json (merges recovered from the ranks as
+    transformers' TikTokenConverter does: every split of a token into two tokens, ordered by the
+    token's rank) + tokenizer_config.json."""
     files = getattr(tok, "files", [])
     if any(os.path.basename(p) in ("tokenizer.json", "vocab.json") for p in files):
         for p in files:
             shutil.copy(p, os.path.join(out_dir, os.path.basename(p)))
+        added = {t: i for t, i in tok.special_tokens.items() if t not in tok.args["special_tokens"]}
+        if added or tok.chat_template != tok.args["chat_template"]:
+            path = os.path.join(out_dir, "tokenizer_config.json")
+            config = _json(path, {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token})
+            config.setdefault("added_tokens_decoder", {}).update({str(i): {
+                "content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
+                "single_word": False} for t, i in added.items()})
+            config["chat_template"] = tok.chat_template
+            _write_json(path, config)
+            if os.path.isfile(os.path.join(out_dir, "chat_template.jinja")):  # it would win over the config's
+                os.remove(os.path.join(out_dir, "chat_template.jinja"))
         return
     enc, b2u = tok.enc, bytes_to_unicode()
     # Oniguruma (tokenizers) reads "x{1,3}+" as "(x{1,3})+", not possessive; a repetition that ends

@@ -11,6 +11,7 @@ Proves, against independent references:
   return_assistant_tokens_mask on the {% generation %} templates; on the plain templates our mask
   (found from prefixes) equals transformers' mask on TRL's generation-tagged variant of the same
   template, except Qwen2.5's variant, which also trains the newline before and after each answer;
+  train_from (DPO) trains only the answer after the prompt's ids as TRL cuts them;
 - a literal '<|im_start|>' in a message stays text (equal to transformers' sanitize_control_tokens);
   our own tokenizers get the ChatML tokens past the vocabulary; a BPE merge across the prompt/answer
   border changes neither the ids (one tokenization) nor the mask (tiktoken's own offsets);
@@ -63,8 +64,8 @@ def test_formats_to_messages(tmp_path):
                    [[u("Add.\n\n2 3"), a("5")], [s, u("Hi"), a("Hello")]]),
         "sharegpt": ([{"conversations": [{"from": "system", "value": "Be kind."}, {"from": "human", "value": "Hi"},
                                          {"from": "gpt", "value": "Hello"}, {"from": "user", "value": "Bye"},
-                                         {"from": "assistant", "value": "Ciao"}]}],
-                     [[s, u("Hi"), a("Hello"), u("Bye"), a("Ciao")]]),
+                                         {"from": "assistant", "value": "Ciao", "role": None, "content": None}]}],
+                     [[s, u("Hi"), a("Hello"), u("Bye"), a("Ciao")]]),  # (nulls: a parquet column's other keys)
         "messages": ([{"messages": [s, u("1+1?"), a("2"), u("2+2?"), a("4")], "id": 7}],
                      [[s, u("1+1?"), a("2"), u("2+2?"), a("4")]]),
         "prompt_completion": ([{"prompt": "Capital of France?", "completion": " Paris."},
@@ -80,6 +81,8 @@ def test_formats_to_messages(tmp_path):
     folder.mkdir()
     write(folder / "a.jsonl", cases["alpaca"][0])
     write(folder / "b.json", cases["alpaca"][0][:1])
+    (folder / ".hidden.jsonl").write_text("not read\n")  # hidden files and folders are not data
+    (folder / "notes.txt").write_text("not read")
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
     rows = [{"system": None, **r} for r in cases["alpaca"][0]]  # a parquet column holds null where a key is absent
@@ -215,6 +218,9 @@ def test_templates_equal_transformers(hf_pair, tmp_path):
                                                         return_dict=False) and not any(none), name
             if generation:
                 assert mask == [bool(m) for m in ref["assistant_masks"]], name
+            # DPO's cut (TRL): only what follows the prompt rendered with the generation prompt
+            _, last = chat.encode(tok, template, conv, train_from=len(conv) - 1)
+            assert ids[:len(prompt)] == prompt and last == [m and i >= len(prompt) for i, m in enumerate(mask)], name
             masks[name, k] = (ids, mask)
             trained = tok.decode([i for i, m in zip(ids, mask) if m])
             assert all(m["content"].strip() in trained for m in conv if m["role"] == "assistant"), name
@@ -310,8 +316,11 @@ def test_template_errors(hf_pair, tmp_path):
 
 # ----------------------------------------------------------------------------- setup
 
-def test_setup(hf_pair, tmp_path):
-    _, _, folder = hf_pair
+def test_setup_and_export(hf_pair, tmp_path):
+    """setup() builds the run's tokenizer and template; hf.save_tokenizer writes both so that
+    transformers reads the same ids (added chat tokens included) and renders the same template."""
+    _, theirs, folder = hf_pair
+    transformers = pytest.importorskip("transformers")
     cfg = SimpleNamespace(tokenizer="cl100k_base", tokenizer_vocab=300, fim_rate=0.0, init_from="", chat_template="",
                           chat_format="auto", vocab_size=300)
     tok, template = chat.setup(cfg)
@@ -319,15 +328,26 @@ def test_setup(hf_pair, tmp_path):
     assert tok.special_ids == {"<|im_start|>": 300, "<|im_end|>": 301} and tok.eot_id == 301
     cfg = SimpleNamespace(tokenizer=folder, tokenizer_vocab=0, fim_rate=0.0, init_from=folder, chat_template="",
                           chat_format="auto", vocab_size=512)
-    tok, template = chat.setup(cfg)  # the folder's template; its tokens exist: nothing added
-    assert template.source == CHATML and cfg.vocab_size == 512 and tok.eot_id == tok.special_tokens["<|im_end|>"]
-    (tmp_path / "phi.jinja").write_text("{% for m in messages %}{{ '<|' + m.role + '|>' }}{{ m.content }}"
-                                        "{{ '<|end|>' }}{% endfor %}{{ eos_token }}")
+    hf_tok, template = chat.setup(cfg)  # the folder's template; its tokens exist: nothing added
+    assert template.source == CHATML and cfg.vocab_size == 512 and hf_tok.eot_id == hf_tok.special_tokens["<|im_end|>"]
+    # Phi-3 style: role tokens assembled from pieces ('<|user|>' is found in no literal: text), new tokens
+    (tmp_path / "phi.jinja").write_text("{% for m in messages %}{{ '<|' + m.role + '|>\n' + m.content + '<|end|>\n' }}"
+                                        "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}"
+                                        "{{ eos_token }}{% endif %}")
     cfg.chat_template = str(tmp_path / "phi.jinja")
     base = hf.load_hf_tokenizer(folder)
-    tok, template = chat.setup(cfg)
-    assert template.special_tokens == ["<|end|>", "<|im_end|>"] and template.eos == "<|end|>"
-    assert tok.special_tokens["<|end|>"] == base.n_vocab == tok.n_vocab - 1 and tok.eot_id == base.n_vocab
+    phi_tok, phi = chat.setup(cfg)
+    assert phi.special_tokens == ["<|end|>", "<|assistant|>", "<|im_end|>"] and phi.eos == "<|end|>"
+    assert phi_tok.special_ids == {"<|end|>": base.n_vocab, "<|assistant|>": base.n_vocab + 1,
+                                   "<|im_end|>": base.eos_id}
+    assert phi_tok.n_vocab == base.n_vocab + 2 and phi_tok.eot_id == base.n_vocab
+    for k, (ours, template) in enumerate([(tok, chat.default_template()), (phi_tok, phi)]):
+        out = tmp_path / f"export{k}"
+        out.mkdir()
+        hf.save_tokenizer(ours, str(out))
+        exported = transformers.AutoTokenizer.from_pretrained(str(out))
+        for conv in CONVERSATIONS:
+            assert chat.encode(ours, template, conv)[0] == exported.apply_chat_template(conv, return_dict=False)
     cfg.chat_format = "csv"
     with pytest.raises(chat.ChatDataError, match="chat_format='csv'"):
         chat.setup(cfg)
