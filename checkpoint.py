@@ -164,8 +164,7 @@ def save(out_dir, step, weights, optim_state, cfg, loader_state=None, keep_last=
     distributed (RNG states are gathered); rank 0 writes. run_id: open_run(cfg).run_id, recorded
     in the checkpoint; pruning keeps the newest keep_last of this run id's checkpoints and never
     touches another run's. Temporary folders are removed only when they are this process's or
-    their writer is verifiably gone. extra(folder): writes more files into the checkpoint (a LoRA
-    run's PEFT adapter), listed and hashed in its manifest like the rest."""
+    their writer is verifiably gone. extra(folder) writes more files into it (a PEFT adapter), hashed too."""
     rngs = _gather_rng()
     if rank != 0:
         return None
@@ -400,13 +399,14 @@ class Run:
     notes: list = field(default_factory=list)  # lines to print once: skipped checkpoints, moved files, changes
 
 
-def open_run(cfg):
+def open_run(cfg, free=()):
     """Rank 0, once cfg is final (vocab_size set): lock cfg.out_dir, pick the checkpoint to resume
     (find_resume), check changed settings (check_resume), and make sure out_dir holds only this
     run's history. What stands in the way (an earlier run's files for a fresh run; checkpoints newer
     than the resumed one or of another run) refuses with RunDirNotEmpty unless cfg.overwrite, which
     moves it into out_dir/old_<time>/; broken checkpoints resume skipped are moved there anyway.
-    Raises a UserError before any work is spent (broadcast its message to the other ranks)."""
+    Raises a UserError before any work is spent (broadcast its message to the other ranks). free:
+    a stage's own keys a resumed run may change (with config.RESUME_FREE)."""
     out = cfg.out_dir
     lock = claim(out)
     try:
@@ -420,7 +420,7 @@ def open_run(cfg):
             why = (f"out_dir '{out}' holds an earlier run ({listed}): "
                    f"continue it with --resume, choose another --out_dir, or start over with --overwrite=True")
         else:
-            notes += check_resume(path, cfg)
+            notes += check_resume(path, cfg, free)
             man = _manifest(path)
             run_id = man["run_id"]
             if os.path.realpath(os.path.dirname(os.path.abspath(path))) != os.path.realpath(out):
@@ -444,14 +444,14 @@ def open_run(cfg):
     return Run(lock, path, run_id, notes)
 
 
-def open_run_everywhere(cfg, grid):
+def open_run_everywhere(cfg, grid, free=()):
     """open_run() on rank 0, its decision (checkpoint to resume, run id, notes) on every rank; a
     refusal raises the same UserError on all of them. Only rank 0's Run holds the lock: keep the
     returned Run referenced while the run lasts."""
     held = []
 
     def first():
-        held.append(open_run(cfg))
+        held.append(open_run(cfg, free))
         return held[0].resume_from, held[0].run_id, held[0].notes
     resume_from, run_id, notes = parallel.on_main(grid, first)
     return held[0] if held else Run(None, resume_from, run_id, notes)
@@ -491,9 +491,9 @@ def find_resume(cfg):
     return None, []
 
 
-def resume_changes(saved, cfg):
+def resume_changes(saved, cfg, free=()):
     """(refused, info): the settings that differ between a checkpoint's config (a dict) and this
-    run's (a namespace or dict), as 'key: old -> new'. Keys in config.RESUME_FREE are info; every
+    run's (a namespace or dict), as 'key: old -> new'. Keys in config.RESUME_FREE (or free) are info; every
     other changed key breaks exactness and is refused; keys only one side knows are info."""
     now = cfg if isinstance(cfg, dict) else vars(cfg)
     refused, info = [], []
@@ -504,11 +504,11 @@ def resume_changes(saved, cfg):
             info.append(f"{k}: {saved[k]!r} in the checkpoint, not a setting now" if k in saved
                         else f"{k}: {now[k]!r} (the checkpoint does not record it)")
         elif saved[k] != now[k]:
-            (info if k in config.RESUME_FREE else refused).append(f"{k}: {saved[k]!r} -> {now[k]!r}")
+            (info if k in config.RESUME_FREE or k in free else refused).append(f"{k}: {saved[k]!r} -> {now[k]!r}")
     return refused, info
 
 
-def check_resume(path, cfg):
+def check_resume(path, cfg, free=()):
     """Compare the checkpoint's config with cfg: notes listing the harmless changes; ResumeMismatch
     for changes that break exactness, unless cfg.force_resume (then they are listed as forced)."""
     try:
@@ -516,7 +516,7 @@ def check_resume(path, cfg):
             saved = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"'{path}': cannot read config.json ({e})") from e
-    refused, info = resume_changes(saved, cfg)
+    refused, info = resume_changes(saved, cfg, free)
     if refused and not getattr(cfg, "force_resume", False):
         raise ResumeMismatch(f"resuming '{path}' with changed settings; the run would differ from an "
                              f"uninterrupted one:\n  " + "\n  ".join(refused) +
@@ -527,8 +527,7 @@ def check_resume(path, cfg):
 
 def read_weights(path, cfg):
     """model.safetensors -> full state dict with every name of model config `cfg` (tied names
-    filled in), plus the LoRA adapters a LoRA run saved (lora.is_adapter names); a mismatch with
-    the config names the offending keys."""
+    filled in; a LoRA run's adapters too); a mismatch with the config names the offending keys."""
     file = os.path.join(path, "model.safetensors")
     if not os.path.isfile(file):
         raise config.MissingFileError(f"no model.safetensors in '{path}': is it a checkpoint folder "
@@ -569,12 +568,31 @@ def read_weights(path, cfg):
     return saved
 
 
+def grow_vocab(t, n_old, n_new):
+    """Rows n_old..n_new-1 (tokens just added) = the mean of the n_old real rows: an average token, not noise."""
+    t = t.clone()
+    t[n_old:n_new] = t[:n_old].float().mean(0).to(t.dtype)
+    return t
+
+
+def fit_weights(weights, saved, mcfg):
+    """A checkpoint's full weights (`saved`: its config dict) -> model config mcfg's: LoRA adapters
+    merged into their base, vocabulary grown (grow_vocab)."""
+    if any(lora.is_adapter(k) for k in weights):
+        weights = lora.merge_weights(weights, SimpleNamespace(**saved))
+    out, n = dict(weights), saved["vocab_size"]
+    for k in ("tok_emb.weight", "head.weight") if n < mcfg.vocab_size else ():
+        grown = torch.cat([out[k][:n], out[k].new_zeros(mcfg.padded_vocab - n, mcfg.n_embd)])
+        out[k] = grow_vocab(grown, n, mcfg.vocab_size)
+    return out
+
+
 def load_model(path, model):
     """Load a checkpoint's weights into a plain (unsharded) model (a LoRA run's: adapters merged)."""
     sd = read_weights(path, model.cfg)
     if any(lora.is_adapter(k) for k in sd):
         with open(os.path.join(path, "config.json")) as f:
-            sd = lora.merge_weights(sd, SimpleNamespace(**json.load(f)))
+            sd = fit_weights(sd, json.load(f), model.cfg)
     with torch.no_grad():
         for k, t in model.state_dict().items():
             t.copy_(sd[k])
@@ -601,9 +619,8 @@ def load(path, model, optimizer, grid, wrapper=None):
         raise CheckpointError(f"'{path}' is not a complete checkpoint: {reason}")
     weights = read_weights(path, model.cfg)
     have, got = ({k for k in sd if lora.is_adapter(k)} for sd in (model.state_dict(), weights))
-    if have != got:
-        raise CheckpointError(f"'{path}' holds LoRA adapters {sorted(got)[:3]}, this model {sorted(have)[:3]}: resume "
-                              f"with the checkpoint's lora_r / lora_targets")
+    if have != got:  # (resume's config check refuses changed lora_* settings first)
+        raise CheckpointError(f"'{path}' holds LoRA adapters {sorted(got)[:2]}, this model {sorted(have)[:2]}")
     opt_state = None
     if optimizer is not None:
         opt_file = os.path.join(path, "optimizer.pt")

@@ -42,7 +42,6 @@ from safetensors.torch import save_file
 
 import checkpoint
 import config
-import lora
 import tp
 from model import LLAMA3_ROPE_KEYS, ModelConfig, Transformer
 
@@ -332,13 +331,12 @@ def load_hf(path, device="cpu", dtype=torch.float32, shard_fn=None, block_size=N
 
 
 def init_checkpoint(path):
-    """One of our checkpoint folders, or a run folder (its newest checkpoint) -> (path, config dict)."""
+    """init_from: one of our checkpoint folders, or a run folder (its newest) -> (its path, its config dict)."""
     ckpt = path if os.path.isfile(os.path.join(path, "model.safetensors")) else checkpoint.latest(path)
-    if ckpt is None or not os.path.isfile(os.path.join(ckpt, "config.json")):
-        raise config.MissingFileError(
-            f"init_from={path}: " + ("not a checkpoint folder (out/<run>/step_N), a run folder holding one, or an HF "
-                                     "model folder (config.json with a model_type)" if os.path.isdir(path) else
-                                     "no such folder (name a checkpoint, a run folder or a local HF model folder)"))
+    if ckpt is None:
+        what = "no checkpoint in it" if os.path.isdir(path) else "no such folder"
+        raise config.MissingFileError(f"init_from={path}: {what} (name a checkpoint, a run folder or a local HF model "
+                                      "folder)")
     with open(os.path.join(ckpt, "config.json")) as f:
         return ckpt, json.load(f)
 
@@ -348,7 +346,7 @@ def configure(cfg):
     saying so ("" without init_from). An HF folder: its config.json's model keys, its tokenizer. Our
     checkpoint or run folder (init_from then names its newest checkpoint): its model keys, tokenizer,
     tokenizer_vocab (and fim_rate where a truncated vocabulary's ids depend on it). block_size is capped
-    at the model's. Then build the tokenizer and the model; init_loader(cfg, grid) loads the weights."""
+    at the model's (learned positions: the model's). init_loader(cfg, grid) then loads the weights."""
     if not cfg.init_from:
         return ""
     if is_hf_folder(cfg.init_from):
@@ -361,7 +359,8 @@ def configure(cfg):
     else:
         cfg.init_from, m = init_checkpoint(cfg.init_from)
         keys = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "grad_checkpoint", "fp32_residual")]
-        m = dict(m, block_size=min(cfg.block_size, m["block_size"]))
+        if m["pos_emb"] == "rope":  # (a learned position table keeps its rows)
+            m = dict(m, block_size=min(cfg.block_size, m["block_size"]))
         tok = {k: m[k] for k in ("tokenizer", "tokenizer_vocab")}
         if m["tokenizer_vocab"] and (m.get("fim_rate", 0) > 0) != (getattr(cfg, "fim_rate", 0) > 0):
             tok["fim_rate"] = m.get("fim_rate", 0)
@@ -372,49 +371,29 @@ def configure(cfg):
     return f"model and tokenizer of {'the HF folder' if keys is MODEL_KEYS else 'checkpoint'} {cfg.init_from}"
 
 
-def grow_vocab(t, n_old, n_new):
-    """Rows n_old..n_new-1 (tokens just added) = the mean of the n_old real rows: an average token, not noise."""
-    t = t.clone()
-    t[n_old:n_new] = t[:n_old].float().mean(0).to(t.dtype)
-    return t
-
-
-def fit_weights(weights, saved, mcfg):
-    """A checkpoint's full weights (`saved`: its config dict) -> model config mcfg's: LoRA adapters
-    merged into their base, vocabulary grown (grow_vocab), learned position rows cut to block_size."""
-    if any(lora.is_adapter(k) for k in weights):
-        weights = lora.merge_weights(weights, SimpleNamespace(**saved))
-    out, n = dict(weights), saved["vocab_size"]
-    for k in ("tok_emb.weight", "head.weight"):
-        if n < mcfg.vocab_size:
-            out[k] = grow_vocab(torch.cat([out[k][:n], out[k].new_zeros(mcfg.padded_vocab - n, mcfg.n_embd)]),
-                                n, mcfg.vocab_size)
-    if "pos_emb.weight" in out:
-        out["pos_emb.weight"] = out["pos_emb.weight"][:mcfg.block_size]
-    return out
-
-
 def init_loader(cfg, grid):
     """parallelize's `load` callback for cfg.init_from (None without one): an HF folder (each TP rank
     reads its rows / columns) or our checkpoint (full tensors cut to this TP rank; a LoRA run's merged).
-    A vocabulary smaller than cfg.vocab_size (chat specials just added) grows (grow_vocab), said once."""
+    A smaller vocabulary (chat specials just added) grows (checkpoint.grow_vocab), said once."""
     if not cfg.init_from:
         return None
     src, is_hf = cfg.init_from, is_hf_folder(cfg.init_from)
     old = read_config(src)["vocab_size"] if is_hf else init_checkpoint(src)[1]["vocab_size"]
     if old < cfg.vocab_size and grid.is_main:
-        print(f"init_from: vocabulary grown from {old} to {cfg.vocab_size} tokens (the new embedding and head rows "
-              f"are the mean of the old ones)")
+        print(f"init_from: vocabulary grown from {old} to {cfg.vocab_size} tokens (new rows: the mean of the old)")
 
     def load(model):
         if is_hf:
             params, base = dict(model.named_parameters()), tp.hf_shard_fn(model, grid)
-            grow = {"tok_emb.weight", "head.weight"} if old < cfg.vocab_size else set()
-            return load_weights(src, model, lambda name, part: tp.local_tensor(  # vocabulary: read whole, grown, cut
-                params[name], grow_vocab(part[:], old, cfg.vocab_size), grid) if name in grow else base(name, part))
+
+            def shard_fn(name, part):  # vocabulary rows: read whole, grown, then cut like the rest
+                if name in ("tok_emb.weight", "head.weight") and old < cfg.vocab_size:
+                    return tp.local_tensor(params[name], checkpoint.grow_vocab(part[:], old, cfg.vocab_size), grid)
+                return base(name, part)
+            return load_weights(src, model, shard_fn)
         saved = init_checkpoint(src)[1]
         weights = checkpoint.read_weights(src, ModelConfig.from_cfg(SimpleNamespace(**saved)))
-        checkpoint.load_full_state_dict(model, grid, fit_weights(weights, saved, model.cfg))
+        checkpoint.load_full_state_dict(model, grid, checkpoint.fit_weights(weights, saved, model.cfg))
     return load
 
 

@@ -13,11 +13,12 @@ new rows = the mean of the old ones).
 
 Data: the conversations a task generates (tasks.py; the offline default is Arithmetic) or a local
 file / folder / hf: dataset in a standard format (chat.read_conversations: a malformed record names
-its file and line, or is skipped and counted with skip_bad_records). Each conversation is rendered with the
-template and tokenised once; the loss mask covers every assistant message and its end-of-turn token
-(chat.encode). pack=True puts whole conversations side by side in a row (positions restart,
-attention never crosses between them: a block-diagonal mask); pack=False gives each its own
-padded row (chat.pack). A conversation longer than seq_len + 1 tokens is dropped and counted, never cut.
+its file and line, or is skipped and counted with skip_bad_records). Each conversation is rendered
+with the template and tokenised once; the loss mask covers every assistant message and its
+end-of-turn token (chat.encode). pack=True puts whole conversations side by side in a row
+(positions restart, attention never crosses between them: a block-diagonal mask); pack=False
+gives each its own padded row (chat.pack). A conversation longer than seq_len + 1 tokens is
+dropped and counted, never cut.
 
 Loss: the mean negative log-likelihood over the assistant tokens of the whole global batch, every
 token weighted the same. Each micro-step's summed NLL is divided by the global batch's count of
@@ -70,6 +71,8 @@ SFT_DEFAULTS = dict(
     ckpt_every=0,       # steps between checkpoints (0: only at the end)
     sample_tokens=0,    # (pretraining's end-of-run sample; SFT prints answers to held-out prompts)
 )
+EXTRA = {**chat.CHAT_DEFAULTS, **SFT_DEFAULTS}  # this script's keys beyond config.py's (config.load(extra=...))
+RESUME_FREE = ("n_eval", "eval_every", "eval_tokens", "eval_batch", "merge", "export_hf")  # a resume may change them
 
 
 def check(cfg, grid):
@@ -94,9 +97,8 @@ def check(cfg, grid):
             raise config.ConfigError(f"LoRA: {e}") from e
 
 
-def load_data(cfg, tok, template, T):
+def load_data(cfg, task, tok, template, T):
     """-> (rows, counts, conversations): the training rows (chat.pack) and what was skipped / dropped."""
-    task = tasks.get(cfg.task) if cfg.task else None
     if cfg.chat_data:
         convs, counts = chat.read_conversations(cfg.chat_data, cfg.chat_format, skip_bad=cfg.skip_bad_records,
                                                 limit=cfg.chat_limit)
@@ -162,7 +164,7 @@ def train_step(run, micro, autocast, router=False):
 def main(argv):
     # ------------------------------------------------------------------------ setup
     t_start = time.perf_counter()
-    cfg = config.load(argv, extra={**chat.CHAT_DEFAULTS, **SFT_DEFAULTS})
+    cfg = config.load(argv, extra=EXTRA)
     grid = parallel.init(cfg)
     say = print if grid.is_main else (lambda *a, **k: None)
     device = grid.device
@@ -179,25 +181,26 @@ def main(argv):
     config.validate(cfg, grid.world)  # the model keys just changed
     check(cfg, grid)
     T = cfg.seq_len or cfg.block_size
-    rows, counts, convs = load_data(cfg, tok, template, T)
     task = tasks.get(cfg.task) if cfg.task else None
+    rows, counts, convs = load_data(cfg, task, tok, template, T)
     held_out = task.test(cfg.n_eval, cfg.seed) if task and cfg.n_eval else []
     accum = cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
     if len(rows) < cfg.batch_size:
         raise config.ConfigError(f"{len(rows)} training rows (from {len(convs)} conversations) cannot fill one global "
                                  f"batch of {cfg.batch_size}: more data, or a smaller batch_size")
     # out_dir belongs to this run: its lock, the checkpoint to resume, changed settings checked
-    lease = checkpoint.open_run_everywhere(cfg, grid)
+    lease = checkpoint.open_run_everywhere(cfg, grid, free=RESUME_FREE)
     for line in [started] + lease.notes:
         say(line)
     loader = chat.ChatLoader(rows, cfg.micro_batch_size, grid.data_rank, grid.data_world, cfg.seed, device)
     n_loss = sum(int(r.mask[1:].sum()) for r in rows)
     n_real = sum(int((r.seg >= 0).sum()) for r in rows)
     say(f"config:\n{config.show(cfg)}")
-    say(f"data: {len(convs):,} conversations -> {len(rows):,} rows of {T + 1} tokens ({'packed' if cfg.pack else 'padded'}"
-        f", {n_real / (len(rows) * (T + 1)):.0%} filled), {n_loss:,} assistant tokens trained on"
-        + "".join(f"; {n:,} {why}" for why, n in sorted(counts.items())) +
-        f" | {cfg.max_steps} steps read {cfg.max_steps * cfg.batch_size / len(rows):.2f} epochs")
+    left_out = "".join(f"; {n:,} {why}" for why, n in sorted(counts.items()))  # skipped records, dropped examples
+    say(f"data: {len(convs):,} conversations -> {len(rows):,} rows of {T + 1} tokens ("
+        f"{'packed' if cfg.pack else 'padded'}, {n_real / (len(rows) * (T + 1)):.0%} filled), {n_loss:,} assistant "
+        f"tokens trained on{left_out} | "
+        f"{cfg.max_steps} steps read {cfg.max_steps * cfg.batch_size / len(rows):.2f} epochs")
     say(f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {device} | {dtype} | "
         f"global batch {cfg.batch_size} rows = {cfg.micro_batch_size} x {grid.data_world} ranks x {accum} micro-steps"
         + (f" | LoRA r={cfg.lora_r} on {cfg.lora_targets}" if cfg.lora_r else " | full fine-tuning"))
@@ -220,10 +223,10 @@ def main(argv):
     def score(when):
         if not held_out:
             return None
-        acc, (q, a) = accuracy(run, tok, template, task, held_out, cfg, autocast)
+        acc, example = accuracy(run, tok, template, task, held_out, cfg, autocast)
         logger.log(step, {"accuracy": acc})
         say(f"held-out accuracy {when} (step {step}): {acc:.1%} of {len(held_out)} {cfg.task} items | e.g. "
-            f"{q!r} -> {a!r}")
+            + " -> ".join(map(repr, example or ())))  # rank 0 always has an example
         return acc
 
     def save():  # every rank helps gather full tensors; rank 0 writes (a LoRA run: its PEFT adapter too)
@@ -294,19 +297,17 @@ def main(argv):
 
 
 def export(cfg, grid, weights, tok, template, step, say):
-    """Rank 0: merge=<folder> -> the LoRA-merged model as one of our checkpoints (init_from and
-    sample.py read it); export_hf=<folder> -> the final model (merged) as an HF folder with the
-    tokenizer and the chat template."""
-    if grid.rank != 0:
-        return
+    """merge=<folder>: the LoRA-merged model as one of our checkpoints (init_from and sample.py read
+    it; checkpoint.save is collective, rank 0 writes); export_hf=<folder>: the final model (merged)
+    as an HF folder with the tokenizer and the chat template (rank 0)."""
     plain = SimpleNamespace(**{**vars(cfg), "lora_r": 0, "init_from": cfg.out_dir})
     full = lora.merge_weights(weights, cfg) if cfg.lora_r else weights
     if cfg.merge:
-        path = checkpoint.save(cfg.merge, step, full, None, plain, run_id=checkpoint.new_run_id())
+        path = checkpoint.save(cfg.merge, step, full, None, plain, rank=grid.rank, run_id=checkpoint.new_run_id())
         say(f"merged model (adapters folded in) saved to {path}")
-    if cfg.export_hf:
+    if cfg.export_hf and grid.is_main:
         model = Transformer(ModelConfig.from_cfg(plain))
-        model.load_state_dict({k: v for k, v in full.items()}, strict=True)
+        model.load_state_dict(full)
         tok.chat_template = template.source  # hf.save_tokenizer writes it into tokenizer_config.json
         hf.export_hf(model, cfg.export_hf, tokenizer=tok)
         say(f"HF folder written to {cfg.export_hf} (transformers' AutoModelForCausalLM and chat template read it)")

@@ -2,6 +2,7 @@
 likely to make (typo, wrong type, impossible batch split, bad model shape, bad value) fails
 early with a message that names the key and says what to change."""
 import glob
+import importlib
 import os
 
 import pytest
@@ -23,9 +24,18 @@ def test_file_then_overrides(tmp_path):
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float)
 
 
+def stage_keys(path):
+    """configs/<stage>_x.py configures <stage>.py (sft_tiny.py: sft.py): that script's own keys, its
+    EXTRA dict (what it passes to config.load); None for pretraining's configs."""
+    stage = os.path.basename(path).split("_")[0]
+    if not os.path.isfile(os.path.join(ROOT, f"{stage}.py")):
+        return None
+    return importlib.import_module(stage).EXTRA
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))))
 def test_shipped_configs_load(path):
-    cfg = config.load([path], world=2)
+    cfg = config.load([path], extra=stage_keys(path), world=2)
     assert cfg.batch_size % (cfg.micro_batch_size * 2) == 0
 
 
