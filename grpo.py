@@ -274,6 +274,7 @@ def check(cfg, grid):
         (cfg.beta < 0 or cfg.temperature <= 0, f"beta={cfg.beta} must be >= 0 and temperature={cfg.temperature} > 0"),
         (min(cfg.max_new_tokens, cfg.grpo_epochs, cfg.train_prompts) < 1,
          "max_new_tokens, grpo_epochs and train_prompts must be >= 1"),
+        (cfg.ep > 1, f"ep={cfg.ep}: expert-parallel ranks would stop decoding at different steps; use ep=1"),
         (cfg.eval_every and cfg.eval_prompts < grid.data_world,
          f"eval_prompts={cfg.eval_prompts} must be >= the {grid.data_world} data ranks")]:
         if bad:
