@@ -6,9 +6,15 @@
   not chosen are plain encode(doc) + EOS.
 - On 10,000 documents the observed FIM and SPM rates are within 0.02 of fim_rate / fim_spm_rate
   (two settings), and the cut points are uniform (sorted pair: means 1/3, 2/3).
-- EOS and loss: one EOS per document, after the middle; one of each sentinel per FIM document;
-  validation stays plain; the Loader's targets include the sentinels and EOS (no mask: every
-  token is trained on).
+- EOS and loss: one EOS per document (per fragment), after the middle; one of each sentinel per FIM
+  sequence; validation stays plain; the Loader's targets include the sentinels and EOS (no mask:
+  every token is trained on).
+- Fragments (fim_fragment): a long FIM document is cut as a greedy line packer written here cuts it
+  (a line longer than the rest of a half-full fragment is split at the limit), each fragment laid
+  out with its own BLAKE2b cut points and an EOS after it, PSM/SPM decided once per document.
+- The infilling prompt is token for token what precedes a PSM middle in train.bin (the previous
+  document's EOS, <PRE> prefix <SUF> suffix <MID>), and what follows it there is middle + EOS;
+  max_len trims the far prefix / suffix ids, never the EOS or a sentinel.
 - Determinism: a document's transform depends only on (fim_seed, its index), as the documented
   BLAKE2b formula computed here; the same settings give identical files, another seed others.
 - Sentinels: cl100k_base's ids 100258-100260; a truncated vocab with fim keeps them at vocab-4..-2
@@ -18,11 +24,13 @@
 - clean=True / dedup in prepare: planted exact / near duplicates, an auto-generated file and a
   binary-ish file are removed and counted in meta.json, the kept documents tokenized exactly.
 - End to end on CPU: pretrain.py (tiny config, shrunk) trains with fim_rate=1 on a tiny corpus,
-  then sample.py --prefix/--suffix infills and stops at EOS; a model trained without FIM is refused.
+  then sample.py --prefix/--suffix infills and stops at EOS; a checkpoint whose config says it was
+  trained without FIM is refused.
 """
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -351,10 +359,14 @@ def test_pretrain_with_fim_then_infill(tmp_path):
     assert head.startswith("--- sample 0: middle of") and "stopped at EOS" in head, s.stdout  # learned to stop
     assert text.startswith("def add(a, b):\n    return") and text.endswith(" + b\n\n")  # prefix middle suffix
     print(s.stdout)  # the quality of the middle is the GPU run's question, not this test's
-    plain = str(tmp_path / "plain")
-    r = _run(common + ["--max_steps=1", f"--out_dir={plain}", f"--data_dir={tmp_path}/d2"])
-    assert r.returncode == 0, r.stderr[-2000:]
-    s = _run([plain, "--prefix=x", "--suffix=y", "--device=cpu"], "sample.py")
+    plain = tmp_path / "plain"  # the same checkpoint, its config (and manifest) saying it was trained without FIM
+    shutil.copytree(os.path.join(out, "step_000150"), plain)
+    conf, manifest = plain / "config.json", plain / "complete.json"
+    conf.write_text(json.dumps({**json.loads(conf.read_text()), "fim_rate": 0.0}))
+    man = json.loads(manifest.read_text())
+    man["files"]["config.json"] = dict(size=conf.stat().st_size, sha256=hashlib.sha256(conf.read_bytes()).hexdigest())
+    manifest.write_text(json.dumps(man))
+    s = _run([str(plain), "--prefix=x", "--suffix=y", "--device=cpu"], "sample.py")
     assert s.returncode == 2 and "trained without fill-in-the-middle" in s.stderr
     r = _run(common + ["--tokenizer=o200k_base", "--fim_rate=0.5", f"--out_dir={tmp_path}/o"])
     assert r.returncode == 2 and "o200k_base has no fill-in-the-middle sentinels" in r.stderr
