@@ -72,6 +72,8 @@ TRAIN_DEFAULTS = dict(
     fim_rate=0.0,            # share of training documents in FIM layout (fim.py; 0.5 as Bavarian et al. 2022)
     fim_spm_rate=0.5,        # share of those in SPM order (the rest PSM)
     fim_seed=0,              # FIM draws are BLAKE2b(fim_seed, document index): fixed data across training seeds
+    fim_fragment=0,          # >0: FIM per fragment of at most this many characters (fim.py), so that a FIM
+                             # sequence fits a training window (small.py: 2000 ~ 600 of 1024 tokens); 0: whole documents
     # batch: batch_size sequences per optimizer step, split over data-parallel ranks and
     # gradient-accumulation micro-steps of micro_batch_size sequences each
     batch_size=32,
@@ -267,6 +269,8 @@ def validate(cfg, world=1):
     need(0 <= cfg.fim_rate <= 1 and 0 <= cfg.fim_spm_rate <= 1,
          f"fim_rate={cfg.fim_rate} and fim_spm_rate={cfg.fim_spm_rate} must be in [0, 1]")
     need(cfg.fim_seed >= 0, f"fim_seed={cfg.fim_seed} must be >= 0")
+    need(isinstance(cfg.fim_fragment, int) and cfg.fim_fragment >= 0,
+         f"fim_fragment={cfg.fim_fragment} must be an integer >= 0 (characters per FIM fragment; 0: whole documents)")
     need(cfg.device in ("auto", "cpu", "cuda"), f"device='{cfg.device}' must be auto, cpu or cuda")
     need(cfg.dtype in ("auto", "float32", "bfloat16"), f"dtype='{cfg.dtype}' must be auto, float32 or bfloat16")
     need(cfg.tp >= 1, f"tp={cfg.tp} must be >= 1")

@@ -8,10 +8,10 @@
 Fill-in-the-Middle (fim.py) is baked into train.bin at prepare time, per document, before the
 documents are concatenated and cut into windows: the transform needs the document's text (the
 cuts are at characters, each part is encoded on its own), which only exists here; the Loader, its
-state and resume stay exactly as without FIM; and the settings (fim_rate, fim_spm_rate, fim_seed)
-are in meta.json and in default_data_dir's name, so changing them prepares other files. Every
-document is tokenized plain into one stream and, when FIM picks it, also in FIM layout into a
-second; val_split chooses validation on the plain lengths, validation is written plain (its loss
+state and resume stay exactly as without FIM; and the settings (fim_rate, fim_spm_rate, fim_seed,
+fim_fragment) are in meta.json and in default_data_dir's name, so changing them prepares other
+files. Every document is tokenized plain into one stream and, when FIM picks it, also in FIM
+layout into a second; val_split chooses validation on the plain lengths, validation is written plain (its loss
 stays comparable with a run without FIM: the paper's "FIM for free" check) and the training
 documents from the FIM stream. The FIM index of a document is its position in the stream that
 reaches tokenization (after cleaning and max_docs).
@@ -228,7 +228,7 @@ VAL_TOKENS = 1 << 20        # prepare()'s default floor of validation tokens (up
 
 
 # prepare()'s settings that change the tokens (besides source and tokenizer), with their defaults
-VARIANT_DEFAULTS = dict(fim_rate=0.0, fim_spm_rate=0.5, fim_seed=0, clean=False, dedup="none")
+VARIANT_DEFAULTS = dict(fim_rate=0.0, fim_spm_rate=0.5, fim_seed=0, fim_fragment=0, clean=False, dedup="none")
 
 
 def data_settings(cfg):
@@ -389,14 +389,14 @@ def _need(ok, message):
 
 def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", max_docs=0, num_proc=None,
             verbose=True, val_tokens=VAL_TOKENS, max_val_share=0.1, fim_rate=0.0, fim_spm_rate=0.5, fim_seed=0,
-            clean=False, dedup="none"):
+            fim_fragment=0, clean=False, dedup="none"):
     """Tokenize `source` into out_dir/train.bin, val.bin (each document's tokens then EOS, in corpus
     order; validation chosen by val_split) and meta.json. Reuses a finished matching preparation.
     num_proc: tokenizer threads (default: all cores). clean / dedup: clean.py between intake and
     tokenization (_cleaned; max_docs counts the documents that pass). fim_rate > 0: the training
-    documents in FIM layout (fim.py), see the module docstring. Returns the meta dict, which holds
-    n_docs, n_train / n_val tokens, n_train_docs / n_val_docs (a document cut by a "tokens" split
-    counts in both), val_split (the mode), intake (Intake.counts(): files read, skipped, repaired),
+    documents in FIM layout (fim.py; fim_fragment > 0: per fragment of that many characters), see the
+    module docstring. Returns the meta dict, which holds n_docs, n_train / n_val tokens, n_train_docs /
+    n_val_docs (a document cut by a "tokens" split counts in both), val_split (the mode), intake (Intake.counts(): files read, skipped, repaired),
     cleaned (clean.Stats: documents in, kept, removed per reason) and fim_docs (train documents
     per FIM mode)."""
     _need(0 <= val_fraction < 1, f"val_fraction={val_fraction} must be in [0, 1)")
@@ -404,13 +404,14 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
     _need(isinstance(val_tokens, int) and val_tokens >= 0, f"val_tokens={val_tokens} must be an integer >= 0")
     _need(0 <= max_val_share < 1, f"max_val_share={max_val_share} must be in [0, 1)")
     _need(dedup in ("none", "exact", "near"), f"dedup={dedup!r} must be 'none', 'exact' or 'near'")
-    transform = fim_mod.Transform(tokenizer, fim_rate, fim_spm_rate, fim_seed) if fim_rate > 0 else None
+    transform = fim_mod.Transform(tokenizer, fim_rate, fim_spm_rate, fim_seed, fim_fragment) if fim_rate > 0 else None
     dtype = np.dtype(np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32)
     meta = dict(format=FORMAT, source=corpus.source_key(source), text_field=text_field, tokenizer=tokenizer.name,
                 vocab=tokenizer.vocab, n_vocab=tokenizer.n_vocab, eos_id=tokenizer.eos_id, dtype=dtype.name,
                 val_fraction=val_fraction, val_tokens=val_tokens, max_val_share=max_val_share,
                 max_docs=max_docs, fingerprint=corpus.source_fingerprint(source, FORMAT),
-                fim_rate=fim_rate, fim_spm_rate=fim_spm_rate, fim_seed=fim_seed, clean=clean, dedup=dedup)
+                fim_rate=fim_rate, fim_spm_rate=fim_spm_rate, fim_seed=fim_seed, fim_fragment=fim_fragment,
+                clean=clean, dedup=dedup)
     old = _read_meta(out_dir)
     bins = {s: os.path.join(out_dir, f"{s}.bin") for s in ("train", "val")}
     if old is not None and all(old.get(k, VARIANT_DEFAULTS.get(k)) == v for k, v in meta.items()) and all(
@@ -461,7 +462,8 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
         for line in report.summary() + (stats.report().splitlines() if clean or dedup != "none" else []):
             print(f"data: {line}")
         if transform:
-            print(f"data: FIM (rate {fim_rate}, SPM {fim_spm_rate} of them) on {sum(fim_docs.values()):,} of "
+            frag = f", in fragments of <= {fim_fragment} characters" if fim_fragment else ""
+            print(f"data: FIM (rate {fim_rate}, SPM {fim_spm_rate} of them{frag}) on {sum(fim_docs.values()):,} of "
                   f"{n_train_docs:,} train documents: {fim_docs}; validation stays plain")
         print(f"data: {out_dir}: {meta['n_docs']:,} documents -> {meta['n_train']:,} train / {n_val:,} "
               f"val tokens (split by {mode}), {dtype.name}")

@@ -12,14 +12,28 @@ SPM is the paper's appendix variant, the one SantaCoder/StarCoder train on ("SPM
 after <MID> the prefix and the middle follow each other, so the middle continues the prefix exactly
 as in ordinary left-to-right text (the paper's main-text SPM, <SUF> suffix <PRE> prefix <MID>
 middle, is not implemented). Every token is trained on, sentinels included (the data path has no
-loss mask); the document's EOS comes after the middle, which teaches the model to stop when the
-middle is done: infilling generates after <MID> until EOS. Other documents stay plain text.
+loss mask); the EOS comes after the middle, which teaches the model to stop when the middle is
+done: infilling generates after <MID> until EOS. Every FIM sequence follows an EOS (the previous
+document's), so the prompt starts with one too: EOS <PRE> prefix <SUF> suffix <MID>.
 
-Deterministic per (seed, document index): the draws come from BLAKE2b(seed, index), so any one
-document's transform is known without the others, on any machine, numpy version or process count.
-The sentinels are the tokenizer's own: <|fim_prefix|>, <|fim_middle|>, <|fim_suffix|> (tiktoken's
-cl100k_base, Qwen2.5-Coder) or <fim_prefix>, <fim_middle>, <fim_suffix> (SantaCoder/StarCoder); a
-tokenizer without them (o200k_base) is refused. data.py applies this at tokenization (prepare).
+Fragments (`fragment` > 0 characters): a longer FIM document is first cut into fragments of at most
+that many characters at line ends, and each fragment gets its own cuts and layout, the fragments
+separated by EOS, as if each were a document. Without them a document much longer than the
+training window (Python files average ~4k tokens against a 1k window) is laid out across several
+windows: a window holding <MID> and the start of a PSM middle rarely also holds the end of the
+prefix or the start of the suffix, so the tokens that make infilling learnable are seldom seen
+together, while SPM's <MID> is always followed by the start of a file (BENCHMARKS.md: a model that
+writes a file header after <MID>). Megatron-LM's FIM dataset (bigcode's, which trained
+SantaCoder/StarCoder) avoids it by applying FIM to each document piece of an already-cut context;
+fragments give the same short, complete FIM sequences before the documents are packed. FIM and
+PSM/SPM are decided per document, the cuts per fragment.
+
+Deterministic per (seed, document index): the draws come from BLAKE2b(seed, index[, fragment]), so
+any one document's transform is known without the others, on any machine, numpy version or process
+count. The sentinels are the tokenizer's own: <|fim_prefix|>, <|fim_middle|>, <|fim_suffix|>
+(tiktoken's cl100k_base, Qwen2.5-Coder) or <fim_prefix>, <fim_middle>, <fim_suffix>
+(SantaCoder/StarCoder); a tokenizer without them (o200k_base) is refused. data.py applies this at
+tokenization (prepare).
 """
 import hashlib
 
@@ -45,36 +59,68 @@ def sentinels(tok):
                     "set fim_rate=0, or use a tokenizer that defines them (cl100k_base does, o200k_base does not)")
 
 
-def draws(seed, index):
-    """Four uniforms in [0, 1) for document `index`: FIM?, SPM?, and the two cut points."""
-    digest = hashlib.blake2b(f"fim:{seed}:{index}".encode(), digest_size=32).digest()
+def draws(seed, index, fragment=0):
+    """Four uniforms in [0, 1) for document `index` (its fragment `fragment`): FIM?, SPM?, and the two
+    cut points. Fragment 0 is keyed as a whole document always was; only its first two draws decide
+    the document's FIM and SPM."""
+    key = f"fim:{seed}:{index}" + (f":{fragment}" if fragment else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=32).digest()
     return np.frombuffer(digest, dtype="<u8") / 2.0 ** 64
 
 
-def plan(text, index, rate, spm_rate, seed=0):
-    """None (the document stays plain) or (mode, prefix, middle, suffix) with mode "psm" or "spm"
-    and prefix + middle + suffix == text."""
+def fragments(text, size):
+    """text cut into consecutive pieces of at most `size` characters, each ending at a line end where
+    one lies in its last half (else cut at `size`); [text] when size is 0 or the text fits."""
+    if not size or len(text) <= size:
+        return [text]
+    out, start = [], 0
+    while len(text) - start > size:
+        end = text.rfind("\n", start + size // 2, start + size) + 1 or start + size
+        out.append(text[start:end])
+        start = end
+    return out + [text[start:]]
+
+
+def cut(text, u_a, u_b):
+    """(prefix, middle, suffix) of text at two character positions uniform over 0..len(text)."""
+    a, b = sorted(int(u * (len(text) + 1)) for u in (u_a, u_b))
+    return text[:a], text[a:b], text[b:]
+
+
+def plan(text, index, rate, spm_rate, seed=0, fragment=0):
+    """None (the document stays plain) or (mode, [(prefix, middle, suffix) per fragment]) with mode
+    "psm" or "spm" for the whole document and the fragments' prefix + middle + suffix, concatenated
+    in order, == text. fragment: at most that many characters per fragment (0: the whole document)."""
     u_fim, u_spm, u_a, u_b = draws(seed, index)
     if u_fim >= rate:
         return None
-    a, b = sorted(int(u * (len(text) + 1)) for u in (u_a, u_b))  # uniform over 0..len(text)
-    return ("spm" if u_spm < spm_rate else "psm"), text[:a], text[a:b], text[b:]
+    pieces = fragments(text, fragment)
+    cuts = [cut(piece, *(draws(seed, index, k)[2:] if k else (u_a, u_b))) for k, piece in enumerate(pieces)]
+    return ("spm" if u_spm < spm_rate else "psm"), cuts
 
 
 def layout(mode, prefix, middle, suffix, ids):
-    """The training sequence before its EOS, as a list of text parts (str, encoded each on its own)
-    and sentinel ids (int); ids = sentinels(tok)."""
+    """One fragment's training sequence before its EOS, as a list of text parts (str, encoded each on
+    its own) and sentinel ids (int); ids = sentinels(tok)."""
     pre, mid, suf = ids
     if mode == "spm":
         return [pre, suf, suffix, mid, prefix, middle]
     return [pre, prefix, suf, suffix, mid, middle]
 
 
-def prompt(tok, prefix, suffix):
-    """Token ids of a PSM infilling prompt: <PRE> prefix <SUF> suffix <MID>; the model then writes
-    the middle and EOS."""
+def prompt(tok, prefix, suffix, max_len=0):
+    """Token ids of a PSM infilling prompt, EOS <PRE> prefix <SUF> suffix <MID>, exactly the context
+    a training middle has (every FIM sequence follows an EOS); the model then writes the middle and
+    EOS. max_len > 0: at most that many ids, by dropping prefix ids from the left and suffix ids from
+    the right (each keeps at least half of what is left for both), never a sentinel."""
     pre, mid, suf = sentinels(tok)
-    return [pre, *tok.encode(prefix), suf, *tok.encode(suffix), mid]
+    p, s = tok.encode(prefix), tok.encode(suffix)
+    room = max_len - 4 if max_len else len(p) + len(s)
+    if room < 0:
+        raise DataError(f"an infilling prompt needs 4 tokens (EOS and 3 sentinels); max_len={max_len}")
+    keep_s = min(len(s), max(room // 2, room - len(p)))
+    keep_p = min(len(p), room - keep_s)
+    return [tok.eos_id, pre, *p[len(p) - keep_p:], suf, *s[:keep_s], mid]
 
 
 MODES = ("plain", "psm", "spm")
@@ -82,14 +128,23 @@ MODES = ("plain", "psm", "spm")
 
 class Transform:
     """The document transform prepare() applies: apply(text, index) -> (mode, parts), mode an index
-    into MODES, parts a list of str (text) and int (sentinel id) parts, [text] when plain."""
+    into MODES, parts a list of str (text) and int (token id) parts, [text] when plain. A fragmented
+    document's fragments follow each other with an EOS between them (prepare adds the last EOS)."""
 
-    def __init__(self, tok, rate, spm_rate, seed=0):
+    def __init__(self, tok, rate, spm_rate, seed=0, fragment=0):
         if not (0 <= rate <= 1 and 0 <= spm_rate <= 1):
             raise DataError(f"fim_rate={rate} and fim_spm_rate={spm_rate} must be in [0, 1]")
-        self.ids = sentinels(tok)
-        self.rate, self.spm_rate, self.seed = rate, spm_rate, seed
+        if not (isinstance(fragment, int) and fragment >= 0):
+            raise DataError(f"fim_fragment={fragment} must be an integer >= 0 (characters; 0: whole documents)")
+        self.ids, self.eos = sentinels(tok), tok.eos_id
+        self.rate, self.spm_rate, self.seed, self.fragment = rate, spm_rate, seed, fragment
 
     def apply(self, text, index):
-        p = plan(text, index, self.rate, self.spm_rate, self.seed)
-        return (0, [text]) if p is None else (MODES.index(p[0]), layout(*p, self.ids))
+        p = plan(text, index, self.rate, self.spm_rate, self.seed, self.fragment)
+        if p is None:
+            return 0, [text]
+        mode, cuts = p
+        parts = []
+        for k, (prefix, middle, suffix) in enumerate(cuts):
+            parts += ([self.eos] if k else []) + layout(mode, prefix, middle, suffix, self.ids)
+        return MODES.index(mode), parts

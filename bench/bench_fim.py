@@ -3,20 +3,26 @@
     python bench/bench_fim.py out/small --files='*.py' --n=200 --json=bench/results/fim.json
 
 Held out: this repository's own .py files, which no embedded corpus reads (corpus.python_roots
-takes the standard library and site-packages only). For each of --n cases a random file and a
-random non-blank line are drawn (fixed seed); the line is the middle, up to --context characters
-before and after it the prefix and suffix. The model generates greedily in PSM order (fim.prompt)
-until EOS or a sentinel, at most --tokens tokens. Reported: exact match of the generated middle
-with the line (whitespace at the ends ignored), and the mean character-level similarity
-(difflib's ratio); next to them, the same model continuing the prefix alone left to right (the
-suffix unseen) to the end of the line: the gap between the two is what the suffix is worth.
+takes the standard library and site-packages only), or any --files glob. For each of --n cases a
+random file and a random non-blank line (one matching --match, if given) are drawn (fixed seed);
+the line is the middle, the whole lines within --context characters before and after it the
+prefix and suffix. The model generates greedily after the PSM prompt (fim.prompt: EOS <PRE> prefix
+<SUF> suffix <MID>, cut to block_size - --tokens by dropping far prefix and suffix tokens) until
+EOS or a sentinel, at most --tokens tokens (--batch prompts at a time, left-padded). Reported:
+exact match of the generated middle with the line (whitespace at the ends ignored), the mean
+character-level similarity (difflib's ratio), and the bits per character the model gives the true
+line after the prompt (teacher-forced: graded where greedy output is all wrong); next to them, the
+same model continuing the prefix alone left to right (the suffix unseen) to the end of the line:
+the gap between the two is what the suffix is worth.
 """
 import argparse
 import difflib
 import glob
 import json
+import math
 import os
 import random
+import re
 import sys
 import time
 
@@ -30,21 +36,26 @@ import generate  # noqa: E402
 import sample  # noqa: E402
 
 
-def cases(files, n, context, seed):
+def cases(files, n, context, seed, match=""):
+    """(file name, prefix, middle line, suffix) for n random lines (non-blank, matching `match`)."""
     rng = random.Random(seed)
     texts = [open(f, encoding="utf-8").read() for f in files]
+    pattern = re.compile(match)
+    if not any(line.strip() and pattern.search(line) for t in texts for line in t.splitlines()):
+        raise SystemExit(f"no non-blank line matching {match!r} in {len(files)} files")
     out = []
     while len(out) < n:
         i = rng.randrange(len(texts))
         lines = texts[i].splitlines(keepends=True)
         j = rng.randrange(len(lines))
-        if not lines[j].strip():
+        if not lines[j].strip() or not pattern.search(lines[j]):
             continue
         start = sum(len(x) for x in lines[:j])
-        end = start + len(lines[j]) - 1  # the newline stays in the suffix
+        end = start + len(lines[j].rstrip("\n"))  # the newline stays in the suffix
         text = texts[i]
-        out.append((os.path.basename(files[i]), text[max(0, start - context):start], text[start:end],
-                    text[end:end + context]))
+        first = text.find("\n", max(0, start - context) - 1, start) + 1 if start > context else 0  # whole lines
+        last = text.rfind("\n", end, end + context) if len(text) - end > context else len(text)
+        out.append((os.path.basename(files[i]), text[first:start], text[start:end], text[end:max(last, end)]))
     return out
 
 
@@ -56,35 +67,57 @@ def main():
     p.add_argument("--context", type=int, default=1500, help="characters of prefix and of suffix")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--match", default="", help="only lines matching this regular expression")
+    p.add_argument("--batch", type=int, default=16, help="prompts generated together (left-padded)")
     p.add_argument("--json", default="")
     a = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tok, cfg = sample.load(a.path, device)
     stops = [tok.eos_id] + list(fim.sentinels(tok))
-    files = sorted(glob.glob(os.path.join(ROOT, a.files)))
-    rows, t0 = [], time.perf_counter()
-    def fill(ids):
-        ids = (ids or [tok.eos_id])[-(cfg.block_size - a.tokens):]  # a file's first line: no prefix
-        x = torch.tensor([ids], dtype=torch.long, device=device)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            out = generate.generate(model, x, a.tokens, temperature=0, stop_tokens=stops)
-        got = tok.decode([t for t in out[0, len(ids):].tolist() if t not in stops])
-        return got.lstrip("\n").split("\n")[0]  # one line asked for
+    files = sorted(glob.glob(os.path.join(ROOT, a.files)))  # an absolute --files stays as it is
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
+    t0 = time.perf_counter()
+
+    def fill(prompts):  # greedy, a batch of left-padded prompts; each middle up to its first stop, one line
+        x, mask = generate.pad_prompts(prompts, tok.eos_id, device)
+        with autocast:
+            out = generate.generate(model, x, a.tokens, temperature=0, stop_tokens=stops, attention_mask=mask)
+        rows = out[:, x.shape[1]:].tolist()
+        cut = [next((j for j, t in enumerate(r) if t in stops), len(r)) for r in rows]
+        return [tok.decode(r[:j]).lstrip("\n").split("\n")[0] for r, j in zip(rows, cut)]
+
+    @torch.no_grad()
+    def bits(prompt, middle):  # bits per character of the true middle after the prompt (teacher-forced)
+        ids = tok.encode(middle)[:a.tokens]
+        x = torch.tensor([prompt + ids[:-1]], device=device)
+        y = torch.tensor([prompt[1:] + ids], device=device)
+        with autocast:
+            nll = model(x, y, reduction="none")[0, len(prompt) - 1:].float().sum().item()
+        return nll / math.log(2) / max(1, len(tok.decode(ids)))
 
     def score(got, want):
         return got.strip() == want.strip(), difflib.SequenceMatcher(None, got.strip(), want.strip()).ratio()
-    for name, pre, mid, suf in cases(files, a.n, a.context, a.seed):
-        got, left = fill(fim.prompt(tok, pre, suf)), fill(tok.encode(pre))
-        (exact, sim), (l_exact, l_sim) = score(got, mid), score(left, mid)
-        rows.append(dict(file=name, want=mid, got=got, left=left, exact=exact, sim=sim, l_exact=l_exact, l_sim=l_sim))
+    room = cfg.block_size - a.tokens
+    todo = cases(files, a.n, a.context, a.seed, a.match)
+    rows = []
+    for i in range(0, len(todo), a.batch):
+        batch = todo[i:i + a.batch]
+        fims = [fim.prompt(tok, pre, suf, room) for _, pre, _, suf in batch]
+        lefts = [tok.encode(pre)[-room:] or [tok.eos_id] for _, pre, _, _ in batch]  # a first line: EOS alone
+        for (name, _, mid, _), f, l, got, left in zip(batch, fims, lefts, fill(fims), fill(lefts)):
+            (exact, sim), (l_exact, l_sim) = score(got, mid), score(left, mid)
+            rows.append(dict(file=name, want=mid, got=got, left=left, exact=exact, sim=sim, l_exact=l_exact,
+                             l_sim=l_sim, bits=bits(f, mid), l_bits=bits(l, mid)))
     n = len(rows)
     mean = lambda k: sum(r[k] for r in rows) / n  # noqa: E731
-    res = dict(path=a.path, n=n, seconds=round(time.perf_counter() - t0, 1), exact=mean("exact"),
-               similarity=mean("sim"), left_to_right_exact=mean("l_exact"), left_to_right_similarity=mean("l_sim"),
-               examples=rows[:12])
-    print("| cases | FIM exact | FIM char similarity | prefix-only exact | prefix-only similarity |")
-    print(f"| {n} | {res['exact']:.3f} | {res['similarity']:.3f} | {res['left_to_right_exact']:.3f} | "
-          f"{res['left_to_right_similarity']:.3f} |")
+    res = dict(path=a.path, n=n, context=a.context, seconds=round(time.perf_counter() - t0, 1), exact=mean("exact"),
+               similarity=mean("sim"), bits_per_char=mean("bits"), left_to_right_exact=mean("l_exact"),
+               left_to_right_similarity=mean("l_sim"), left_to_right_bits_per_char=mean("l_bits"), examples=rows[:12])
+    print("| cases | FIM exact | FIM similarity | FIM bits/char | prefix-only exact | prefix-only similarity | "
+          "prefix-only bits/char |")
+    print(f"| {n} | {res['exact']:.3f} | {res['similarity']:.3f} | {res['bits_per_char']:.3f} | "
+          f"{res['left_to_right_exact']:.3f} | {res['left_to_right_similarity']:.3f} | "
+          f"{res['left_to_right_bits_per_char']:.3f} |")
     for r in rows[:6]:
         print(f"{r['file']}: want {r['want'].strip()!r} | FIM {r['got'].strip()!r} | prefix-only {r['left'].strip()!r}")
     if a.json:

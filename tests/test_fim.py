@@ -6,9 +6,15 @@
   not chosen are plain encode(doc) + EOS.
 - On 10,000 documents the observed FIM and SPM rates are within 0.02 of fim_rate / fim_spm_rate
   (two settings), and the cut points are uniform (sorted pair: means 1/3, 2/3).
-- EOS and loss: one EOS per document, after the middle; one of each sentinel per FIM document;
-  validation stays plain; the Loader's targets include the sentinels and EOS (no mask: every
-  token is trained on).
+- EOS and loss: one EOS per document (per fragment), after the middle; one of each sentinel per FIM
+  sequence; validation stays plain; the Loader's targets include the sentinels and EOS (no mask:
+  every token is trained on).
+- Fragments (fim_fragment): a long FIM document is cut as a greedy line packer written here cuts it
+  (a line longer than the rest of a half-full fragment is split at the limit), each fragment laid
+  out with its own BLAKE2b cut points and an EOS after it, PSM/SPM decided once per document.
+- The infilling prompt is token for token what precedes a PSM middle in train.bin (the previous
+  document's EOS, <PRE> prefix <SUF> suffix <MID>), and what follows it there is middle + EOS;
+  max_len trims the far prefix / suffix ids, never the EOS or a sentinel.
 - Determinism: a document's transform depends only on (fim_seed, its index), as the documented
   BLAKE2b formula computed here; the same settings give identical files, another seed others.
 - Sentinels: cl100k_base's ids 100258-100260; a truncated vocab with fim keeps them at vocab-4..-2
@@ -18,11 +24,13 @@
 - clean=True / dedup in prepare: planted exact / near duplicates, an auto-generated file and a
   binary-ish file are removed and counted in meta.json, the kept documents tokenized exactly.
 - End to end on CPU: pretrain.py (tiny config, shrunk) trains with fim_rate=1 on a tiny corpus,
-  then sample.py --prefix/--suffix infills and stops at EOS; a model trained without FIM is refused.
+  then sample.py --prefix/--suffix infills and stops at EOS; a checkpoint whose config says it was
+  trained without FIM is refused.
 """
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -71,14 +79,43 @@ def _decode(seq, tok):
     return "psm", tok.decode(body[1:s]) + tok.decode(body[m + 1:]) + tok.decode(body[s + 1:m])
 
 
+def _uniforms(key):
+    # fim.py's documented draws: BLAKE2b(key, 32 bytes) as 4 little-endian u64 / 2^64
+    h = hashlib.blake2b(key.encode(), digest_size=32).digest()
+    return [int.from_bytes(h[8 * k: 8 * k + 8], "little") / 2 ** 64 for k in range(4)]
+
+
 def _reference_plan(text, index, rate, spm_rate, seed):
-    # fim.py's documented draws: BLAKE2b("fim:{seed}:{index}", 32 bytes) as 4 little-endian u64 / 2^64
-    h = hashlib.blake2b(f"fim:{seed}:{index}".encode(), digest_size=32).digest()
-    u = [int.from_bytes(h[8 * k: 8 * k + 8], "little") / 2 ** 64 for k in range(4)]
+    u = _uniforms(f"fim:{seed}:{index}")
     if u[0] >= rate:
         return None
     a, b = sorted(int(x * (len(text) + 1)) for x in u[2:])
     return ("spm" if u[1] < spm_rate else "psm"), a, b
+
+
+def _reference_fragments(text, n):
+    # greedy line packing: whole lines while they fit in n characters; a fragment holding n/2 or
+    # fewer characters when the next line does not fit is filled up to n with part of that line
+    out, cur = [], ""
+    for line in text.splitlines(keepends=True):
+        while len(cur) + len(line) > n:
+            if len(cur) > n // 2:
+                out.append(cur)
+                cur = ""
+            else:
+                take = n - len(cur)
+                out.append(cur + line[:take])
+                cur, line = "", line[take:]
+        cur += line
+    return out + [cur] if cur else out
+
+
+def _layout_ids(tok, mode, text, a, b):
+    pre, mid, suf = fim.sentinels(tok)
+    parts = [[pre], tok.encode(text[:a]), [suf], tok.encode(text[b:]), [mid], tok.encode(text[a:b])]
+    if mode == "spm":
+        parts = [[pre, suf], tok.encode(text[b:]), [mid], tok.encode(text[:a]), tok.encode(text[a:b])]
+    return sum(parts, []) + [tok.eos_id]  # each part encoded on its own
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +148,7 @@ def test_every_fim_document_decodes_to_the_original(tmp_path, tok):
             assert seq.tolist() == tok.encode(doc) + [tok.eos_id]
             continue
         _, a, b = ref
-        pre, mid, suf = fim.sentinels(tok)
-        parts = [[pre], tok.encode(doc[:a]), [suf], tok.encode(doc[b:]), [mid], tok.encode(doc[a:b])]
-        if mode == "spm":
-            parts = [[pre, suf], tok.encode(doc[b:]), [mid], tok.encode(doc[:a]), tok.encode(doc[a:b])]
-        assert seq.tolist() == sum(parts, []) + [tok.eos_id]  # each part encoded on its own
+        assert seq.tolist() == _layout_ids(tok, mode, doc, a, b)
         separately += tok.encode(doc[:a]) + tok.encode(doc[a:b]) + tok.encode(doc[b:]) != tok.encode(doc)
     assert modes["psm"] > 20 and modes["spm"] > 20 and modes["plain"] > 20, modes
     assert meta["fim_docs"] == {"psm": modes["psm"], "spm": modes["spm"]}
@@ -136,7 +169,7 @@ def test_rates_on_10000_documents(tmp_path, tok, rate, spm_rate):
     assert abs(n_fim / 10_000 - rate) < 0.02
     assert abs(modes.count("spm") / n_fim - spm_rate) < 0.02
     assert meta["fim_docs"] == {"psm": modes.count("psm"), "spm": modes.count("spm")}
-    cuts = [p[1:] for i, d in enumerate(docs) if (p := fim.plan(d, i, 1.0, 0.5)) is not None]
+    cuts = [p[1][0] for i, d in enumerate(docs) if (p := fim.plan(d, i, 1.0, 0.5)) is not None]
     lo = np.mean([len(p[0]) / (len(docs[i]) + 1) for i, p in enumerate(cuts)])
     hi = np.mean([(len(p[0]) + len(p[1])) / (len(docs[i]) + 1) for i, p in enumerate(cuts)])
     assert abs(lo - 1 / 3) < 0.02 and abs(hi - 2 / 3) < 0.02  # two sorted uniform cuts
@@ -185,6 +218,53 @@ def test_deterministic_per_seed_and_document(tmp_path, tok):
         assert fim.MODES[mode] == (ref[0] if ref else "plain")
         ids = sum(([p] if isinstance(p, int) else tok.encode(p) for p in parts), [])
         assert ids + [tok.eos_id] == _split_docs(a, tok.eos_id)[i].tolist()
+
+
+def test_long_documents_fim_in_fragments(tmp_path, tok):
+    body = "".join(f"    value_{i} = compute({i}, 'x' * {i % 7})\n" for i in range(60))
+    docs = ["def f():\n" + body, "short\n", "y" * 700 + "\n" + body[:300], "def g():\n" + body.replace("value", "v")]
+    N = 400
+    meta, train, _, _ = _prepare(tmp_path, docs, tok, fim_rate=1.0, fim_spm_rate=0.5, fim_fragment=N)
+    seqs, pos, n_frag = _split_docs(train, tok.eos_id), 0, 0
+    for i, doc in enumerate(docs):
+        frags = _reference_fragments(doc, N)
+        assert "".join(frags) == doc and all(len(f) <= N for f in frags)
+        mode, _, _ = _reference_plan(doc, i, 1.0, 0.5, 0)  # the document's draws decide FIM and PSM/SPM
+        for k, frag in enumerate(frags):
+            u = _uniforms(f"fim:0:{i}" + (f":{k}" if k else ""))  # fragment k > 0: its own cut points
+            a, b = sorted(int(x * (len(frag) + 1)) for x in u[2:])
+            assert seqs[pos].tolist() == _layout_ids(tok, mode, frag, a, b), (i, k)  # EOS after every fragment
+            pos += 1
+        n_frag += len(frags)
+    assert pos == len(seqs) and n_frag == 6 + 1 + 3 + 5  # the 700 'y' line is cut at 400 characters
+    assert meta["fim_fragment"] == N and sum(meta["fim_docs"].values()) == len(docs)
+    folder = lambda f: data.default_data_dir("stdlib", "cl100k_base", 4096, fim_rate=0.5, fim_fragment=f)  # noqa: E731
+    assert folder(N) != folder(0)  # another fragment size, another prepared folder
+    with pytest.raises(corpus.DataError, match="fim_fragment=-1 must be an integer >= 0"):
+        fim.Transform(tok, 0.5, 0.5, fragment=-1)
+
+
+def test_prompt_is_the_training_context(tmp_path, tok):
+    docs = [f"def f{i}(a):\n    b = a * {i}\n    return b + {i * 3}\n" for i in range(30)]
+    _, train, _, _ = _prepare(tmp_path, docs, tok, fim_rate=1.0, fim_spm_rate=0.0)
+    pre, mid, suf = fim.sentinels(tok)
+    seqs = _split_docs(train, tok.eos_id)
+    for i in range(1, len(docs)):
+        _, a, b = _reference_plan(docs[i], i, 1.0, 0.0, 0)
+        context = [tok.eos_id] + seqs[i].tolist()  # the previous document's EOS, then this PSM document
+        m = context.index(mid)
+        assert fim.prompt(tok, docs[i][:a], docs[i][b:]) == context[:m + 1]  # token for token
+        assert context[m + 1:] == tok.encode(docs[i][a:b]) + [tok.eos_id]  # what the model is to write
+    P, S = tok.encode("x = 1\n" * 40), tok.encode("y = 2\n" * 40)
+    full = fim.prompt(tok, "x = 1\n" * 40, "y = 2\n" * 40)
+    assert full == [tok.eos_id, pre, *P, suf, *S, mid]
+    for max_len, want_p, want_s in [(len(full), len(P), len(S)), (40, 18, 18), (41, 19, 18), (4, 0, 0)]:
+        got = fim.prompt(tok, "x = 1\n" * 40, "y = 2\n" * 40, max_len=max_len)
+        assert got == [tok.eos_id, pre, *P[len(P) - want_p:], suf, *S[:want_s], mid]  # prefix tail, suffix head
+    got = fim.prompt(tok, "z\n", "y = 2\n" * 40, max_len=30)  # a short prefix leaves its room to the suffix
+    assert got == [tok.eos_id, pre, *tok.encode("z\n"), suf, *S[:30 - 4 - len(tok.encode("z\n"))], mid]
+    with pytest.raises(corpus.DataError, match="needs 4 tokens"):
+        fim.prompt(tok, "a", "b", max_len=3)
 
 
 def test_sentinels_and_refusals(tmp_path):
@@ -279,10 +359,14 @@ def test_pretrain_with_fim_then_infill(tmp_path):
     assert head.startswith("--- sample 0: middle of") and "stopped at EOS" in head, s.stdout  # learned to stop
     assert text.startswith("def add(a, b):\n    return") and text.endswith(" + b\n\n")  # prefix middle suffix
     print(s.stdout)  # the quality of the middle is the GPU run's question, not this test's
-    plain = str(tmp_path / "plain")
-    r = _run(common + ["--max_steps=1", f"--out_dir={plain}", f"--data_dir={tmp_path}/d2"])
-    assert r.returncode == 0, r.stderr[-2000:]
-    s = _run([plain, "--prefix=x", "--suffix=y", "--device=cpu"], "sample.py")
+    plain = tmp_path / "plain"  # the same checkpoint, its config (and manifest) saying it was trained without FIM
+    shutil.copytree(os.path.join(out, "step_000150"), plain)
+    conf, manifest = plain / "config.json", plain / "complete.json"
+    conf.write_text(json.dumps({**json.loads(conf.read_text()), "fim_rate": 0.0}))
+    man = json.loads(manifest.read_text())
+    man["files"]["config.json"] = dict(size=conf.stat().st_size, sha256=hashlib.sha256(conf.read_bytes()).hexdigest())
+    manifest.write_text(json.dumps(man))
+    s = _run([str(plain), "--prefix=x", "--suffix=y", "--device=cpu"], "sample.py")
     assert s.returncode == 2 and "trained without fill-in-the-middle" in s.stderr
     r = _run(common + ["--tokenizer=o200k_base", "--fim_rate=0.5", f"--out_dir={tmp_path}/o"])
     assert r.returncode == 2 and "o200k_base has no fill-in-the-middle sentinels" in r.stderr
