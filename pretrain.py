@@ -47,7 +47,7 @@ def main(argv):
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights
 
     # ------------------------------------------------------------------------ data
-    # init_from = a Hugging Face model folder: its config.json sets the model keys, its tokenizer the vocabulary
+    # init_from = an HF model folder or one of our checkpoints: its config sets the model keys, its tokenizer the vocabulary
     from_hf = hf.configure(cfg)
     tok = data.tokenizer_for(cfg)  # with FIM sentinels when fim_rate > 0
     if not from_hf:
