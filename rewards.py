@@ -344,11 +344,12 @@ def clean_env(work):
 
 
 def processes_of(uid):
-    """Host pids whose real user id is uid (from /proc; empty where there is none)."""
+    """Host pids of live processes (zombies are dead) whose real user id is uid (from /proc)."""
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
-        with contextlib.suppress(OSError, StopIteration), open(f"/proc/{pid}/status") as f:
-            if int(next(x for x in f if x.startswith("Uid:")).split()[1]) == uid:
+        with contextlib.suppress(OSError, KeyError, IndexError, ValueError), open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(status["Uid"].split()[0]) == uid and not status["State"].split()[0] == "Z":
                 pids.append(int(pid))
     return pids
 
@@ -357,7 +358,7 @@ def kill_all(proc, uid):
     """SIGKILL the sandbox's session, then (as root) every process left with its user id."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    for _ in range(5 if uid >= 0 else 0):
+    for _ in range(100 if uid >= 0 else 0):  # up to ~1 s: a loaded machine tears processes down slowly
         pids = processes_of(uid)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
