@@ -70,6 +70,7 @@ DEFAULTS = dict(
     mask_truncated=False,     # completions cut at max_new_tokens count no token (DAPO's overlong filtering)
 )
 EXTRA = {**chat.CHAT_DEFAULTS, **DEFAULTS}  # this script's keys beyond config.py's (config.load(extra=...))
+RESUME_FREE = ("eval_prompts",)  # a resumed run may change it (with config.RESUME_FREE)
 
 # ----------------------------------------------------------------------------- the math
 
@@ -214,8 +215,8 @@ def score(r, rewards, grid, cfg, stops):
     if cfg.mask_truncated:
         loss_mask &= stopped[:, None]
     counts = all_sum(torch.stack([loss_mask.sum(), (~stopped).sum(), r.lengths.sum()]).float(), grid)
-    ok = ~every.isnan()
-    stats = [every[ok].sum().item(), ok.sum().item(), equal.sum().item(), equal.numel(), *counts[1:].tolist()]
+    stats = [every.nansum().item(), (~every.isnan()).sum().item(), equal.sum().item(), equal.numel()]
+    stats += counts[1:].tolist()
     return Batch(r.tokens, r.mask, T, r.logprobs, loss_mask, adv[mine].to(dev), keep.sum().item(),
                  counts[0].item()), stats
 
@@ -307,7 +308,7 @@ def main(argv):
     sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p, stop_tokens=stops, pad_id=0)
     if device.type == "cuda":  # the decode step compiled, then captured
         sampling.update(compile=cfg.compile)
-    lease = checkpoint.open_run_everywhere(cfg, grid)
+    lease = checkpoint.open_run_everywhere(cfg, grid, free=RESUME_FREE)
     say("\n".join([started] + lease.notes + ["config:", config.show(cfg)]))
 
     torch.manual_seed(cfg.seed)
@@ -331,10 +332,14 @@ def main(argv):
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
+    reward_fn = task.reward_fn()  # f(prompts, completions, **columns), batched (code: sandboxes in parallel)
+
     def rewards_of(r, items, which):
-        """The task's reward of each completion (its text without the stop token); None -> NaN."""
-        ids = [r.tokens[j, r.prompt_len:r.prompt_len + n].tolist() for j, n in enumerate(r.lengths.tolist())]
-        got = [task.reward(tok.decode(t[:-1] if t and t[-1] in stops else t), items[i]) for t, i in zip(ids, which)]
+        """The task's rewards of the completions (their text without the stop token); None -> NaN."""
+        rows, gen = [items[i] for i in which], zip(r.tokens[:, r.prompt_len:].tolist(), r.lengths.tolist())
+        texts = [tok.decode(t[:n - (t[n - 1] in stops)]) for t, n in gen]  # n - 1 tokens when it stopped
+        columns = {k: [it[k] for it in rows] for k in rows[0] if k != "prompt"}  # "answer", "tests", ...
+        got = reward_fn([it["prompt"] for it in rows], texts, **columns)
         return torch.tensor([float("nan") if v is None else float(v) for v in got], device=device)
 
     def evaluate():
