@@ -14,7 +14,8 @@ as in ordinary left-to-right text (the paper's main-text SPM, <SUF> suffix <PRE>
 middle, is not implemented). Every token is trained on, sentinels included (the data path has no
 loss mask); the EOS comes after the middle, which teaches the model to stop when the middle is
 done: infilling generates after <MID> until EOS. Every FIM sequence follows an EOS (the previous
-document's), so the prompt starts with one too: EOS <PRE> prefix <SUF> suffix <MID>.
+document's), so the prompt starts with one too: EOS <PRE> prefix <SUF> suffix <MID> (PSM) or
+EOS <PRE> <SUF> suffix <MID> prefix (SPM; a model trained on both can be asked either way).
 
 Fragments (`fragment` > 0 characters): a longer FIM document is first cut into fragments of at most
 that many characters at line ends, and each fragment gets its own cuts and layout, the fragments
@@ -108,19 +109,20 @@ def layout(mode, prefix, middle, suffix, ids):
     return [pre, prefix, suf, suffix, mid, middle]
 
 
-def prompt(tok, prefix, suffix, max_len=0):
-    """Token ids of a PSM infilling prompt, EOS <PRE> prefix <SUF> suffix <MID>, exactly the context
-    a training middle has (every FIM sequence follows an EOS); the model then writes the middle and
-    EOS. max_len > 0: at most that many ids, by dropping prefix ids from the left and suffix ids from
-    the right (each keeps at least half of what is left for both), never a sentinel."""
+def prompt(tok, prefix, suffix, max_len=0, spm=False):
+    """Token ids of an infilling prompt, exactly the context a training middle has (every FIM sequence
+    follows an EOS): PSM  EOS <PRE> prefix <SUF> suffix <MID>,  or with spm=True  EOS <PRE> <SUF>
+    suffix <MID> prefix; the model then writes the middle and EOS. max_len > 0: at most that many
+    ids, by dropping prefix ids from the left and suffix ids from the right (each keeps at least half
+    of what is left for both), never a sentinel."""
     pre, mid, suf = sentinels(tok)
     p, s = tok.encode(prefix), tok.encode(suffix)
     room = max_len - 4 if max_len else len(p) + len(s)
     if room < 0:
         raise DataError(f"an infilling prompt needs 4 tokens (EOS and 3 sentinels); max_len={max_len}")
     keep_s = min(len(s), max(room // 2, room - len(p)))
-    keep_p = min(len(p), room - keep_s)
-    return [tok.eos_id, pre, *p[len(p) - keep_p:], suf, *s[:keep_s], mid]
+    p, s = p[len(p) - min(len(p), room - keep_s):], s[:keep_s]
+    return [tok.eos_id, pre, suf, *s, mid, *p] if spm else [tok.eos_id, pre, *p, suf, *s, mid]
 
 
 MODES = ("plain", "psm", "spm")

@@ -6,14 +6,15 @@ Held out: this repository's own .py files, which no embedded corpus reads (corpu
 takes the standard library and site-packages only), or any --files glob. For each of --n cases a
 random file and a random non-blank line (one matching --match, if given) are drawn (fixed seed);
 the line is the middle, the whole lines within --context characters before and after it the
-prefix and suffix. The model generates greedily after the PSM prompt (fim.prompt: EOS <PRE> prefix
-<SUF> suffix <MID>, cut to block_size - --tokens by dropping far prefix and suffix tokens) until
-EOS or a sentinel, at most --tokens tokens (--batch prompts at a time, left-padded). Reported:
-exact match of the generated middle with the line (whitespace at the ends ignored), the mean
-character-level similarity (difflib's ratio), and the bits per character the model gives the true
-line after the prompt (teacher-forced: graded where greedy output is all wrong); next to them, the
-same model continuing the prefix alone left to right (the suffix unseen) to the end of the line:
-the gap between the two is what the suffix is worth.
+prefix and suffix. The model generates greedily after the PSM prompt and after the SPM prompt
+(fim.prompt: EOS <PRE> prefix <SUF> suffix <MID>, or EOS <PRE> <SUF> suffix <MID> prefix; cut to
+block_size - --tokens by dropping far prefix and suffix tokens) until EOS or a sentinel, at most
+--tokens tokens (--batch prompts at a time, left-padded). Reported: exact match of the generated
+middle with the line (whitespace at the ends ignored), the mean character-level similarity
+(difflib's ratio), and the bits per character the model gives the true line after the prompt
+(teacher-forced: graded where greedy output is all wrong); next to them, the same model continuing
+the prefix alone left to right (the suffix unseen) to the end of the line: the gap is what the
+suffix is worth.
 """
 import argparse
 import difflib
@@ -98,28 +99,29 @@ def main():
     def score(got, want):
         return got.strip() == want.strip(), difflib.SequenceMatcher(None, got.strip(), want.strip()).ratio()
     room = cfg.block_size - a.tokens
+    prompts = {"FIM, PSM order": lambda pre, suf: fim.prompt(tok, pre, suf, room),
+               "FIM, SPM order": lambda pre, suf: fim.prompt(tok, pre, suf, room, spm=True),
+               "the prefix alone": lambda pre, suf: tok.encode(pre)[-room:] or [tok.eos_id]}  # a first line: EOS
     todo = cases(files, a.n, a.context, a.seed, a.match)
-    rows = []
+    rows = [dict(file=name, want=mid) for name, _, mid, _ in todo]
     for i in range(0, len(todo), a.batch):
-        batch = todo[i:i + a.batch]
-        fims = [fim.prompt(tok, pre, suf, room) for _, pre, _, suf in batch]
-        lefts = [tok.encode(pre)[-room:] or [tok.eos_id] for _, pre, _, _ in batch]  # a first line: EOS alone
-        for (name, _, mid, _), f, l, got, left in zip(batch, fims, lefts, fill(fims), fill(lefts)):
-            (exact, sim), (l_exact, l_sim) = score(got, mid), score(left, mid)
-            rows.append(dict(file=name, want=mid, got=got, left=left, exact=exact, sim=sim, l_exact=l_exact,
-                             l_sim=l_sim, bits=bits(f, mid), l_bits=bits(l, mid)))
+        batch, out = todo[i:i + a.batch], rows[i:i + a.batch]
+        for kind, build in prompts.items():
+            ids = [build(pre, suf) for _, pre, _, suf in batch]
+            for r, x, got in zip(out, ids, fill(ids)):
+                exact, sim = score(got, r["want"])
+                r[kind] = dict(got=got, exact=exact, similarity=sim, bits_per_char=bits(x, r["want"]))
     n = len(rows)
-    mean = lambda k: sum(r[k] for r in rows) / n  # noqa: E731
-    res = dict(path=a.path, n=n, context=a.context, seconds=round(time.perf_counter() - t0, 1), exact=mean("exact"),
-               similarity=mean("sim"), bits_per_char=mean("bits"), left_to_right_exact=mean("l_exact"),
-               left_to_right_similarity=mean("l_sim"), left_to_right_bits_per_char=mean("l_bits"), examples=rows[:12])
-    print("| cases | FIM exact | FIM similarity | FIM bits/char | prefix-only exact | prefix-only similarity | "
-          "prefix-only bits/char |")
-    print(f"| {n} | {res['exact']:.3f} | {res['similarity']:.3f} | {res['bits_per_char']:.3f} | "
-          f"{res['left_to_right_exact']:.3f} | {res['left_to_right_similarity']:.3f} | "
-          f"{res['left_to_right_bits_per_char']:.3f} |")
+    res = dict(path=a.path, n=n, context=a.context, seconds=round(time.perf_counter() - t0, 1),
+               **{kind: {k: sum(r[kind][k] for r in rows) / n for k in ("exact", "similarity", "bits_per_char")}
+                  for kind in prompts}, examples=rows[:12])
+    print(f"{n} cases, {a.context} characters of context each side\n\n| prompt | exact match | character "
+          "similarity | bits/char of the true line |\n|---|---:|---:|---:|")
+    for kind in prompts:
+        print(f"| {kind} | {res[kind]['exact']:.3f} | {res[kind]['similarity']:.3f} | {res[kind]['bits_per_char']:.3f} |")
     for r in rows[:6]:
-        print(f"{r['file']}: want {r['want'].strip()!r} | FIM {r['got'].strip()!r} | prefix-only {r['left'].strip()!r}")
+        print(f"{r['file']}: want {r['want'].strip()!r} | " + " | ".join(f"{k.split(',')[-1].strip()} "
+                                                                      f"{r[k]['got'].strip()!r}" for k in prompts))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -12,9 +12,10 @@
 - Fragments (fim_fragment): a long FIM document is cut as a greedy line packer written here cuts it
   (a line longer than the rest of a half-full fragment is split at the limit), each fragment laid
   out with its own BLAKE2b cut points and an EOS after it, PSM/SPM decided once per document.
-- The infilling prompt is token for token what precedes a PSM middle in train.bin (the previous
-  document's EOS, <PRE> prefix <SUF> suffix <MID>), and what follows it there is middle + EOS;
-  max_len trims the far prefix / suffix ids, never the EOS or a sentinel.
+- The infilling prompt (PSM and SPM) is token for token what precedes a middle in train.bin (the
+  previous document's EOS, then <PRE> prefix <SUF> suffix <MID> / <PRE> <SUF> suffix <MID> prefix),
+  and what follows it there is middle + EOS; max_len trims the far prefix / suffix ids, never the
+  EOS or a sentinel.
 - Determinism: a document's transform depends only on (fim_seed, its index), as the documented
   BLAKE2b formula computed here; the same settings give identical files, another seed others.
 - Sentinels: cl100k_base's ids 100258-100260; a truncated vocab with fim keeps them at vocab-4..-2
@@ -246,15 +247,16 @@ def test_long_documents_fim_in_fragments(tmp_path, tok):
 
 def test_prompt_is_the_training_context(tmp_path, tok):
     docs = [f"def f{i}(a):\n    b = a * {i}\n    return b + {i * 3}\n" for i in range(30)]
-    _, train, _, _ = _prepare(tmp_path, docs, tok, fim_rate=1.0, fim_spm_rate=0.0)
     pre, mid, suf = fim.sentinels(tok)
-    seqs = _split_docs(train, tok.eos_id)
-    for i in range(1, len(docs)):
-        _, a, b = _reference_plan(docs[i], i, 1.0, 0.0, 0)
-        context = [tok.eos_id] + seqs[i].tolist()  # the previous document's EOS, then this PSM document
-        m = context.index(mid)
-        assert fim.prompt(tok, docs[i][:a], docs[i][b:]) == context[:m + 1]  # token for token
-        assert context[m + 1:] == tok.encode(docs[i][a:b]) + [tok.eos_id]  # what the model is to write
+    for spm in (False, True):
+        _, train, _, _ = _prepare(tmp_path, docs, tok, f"spm{spm}", fim_rate=1.0, fim_spm_rate=float(spm))
+        seqs = _split_docs(train, tok.eos_id)
+        for i in range(1, len(docs)):
+            _, a, b = _reference_plan(docs[i], i, 1.0, float(spm), 0)
+            context = [tok.eos_id] + seqs[i].tolist()  # the previous document's EOS, then this FIM document
+            m = context.index(mid) + (len(tok.encode(docs[i][:a])) if spm else 0)  # SPM: the prefix is given
+            assert fim.prompt(tok, docs[i][:a], docs[i][b:], spm=spm) == context[:m + 1]  # token for token
+            assert context[m + 1:] == tok.encode(docs[i][a:b]) + [tok.eos_id]  # what the model is to write
     P, S = tok.encode("x = 1\n" * 40), tok.encode("y = 2\n" * 40)
     full = fim.prompt(tok, "x = 1\n" * 40, "y = 2\n" * 40)
     assert full == [tok.eos_id, pre, *P, suf, *S, mid]
@@ -263,6 +265,8 @@ def test_prompt_is_the_training_context(tmp_path, tok):
         assert got == [tok.eos_id, pre, *P[len(P) - want_p:], suf, *S[:want_s], mid]  # prefix tail, suffix head
     got = fim.prompt(tok, "z\n", "y = 2\n" * 40, max_len=30)  # a short prefix leaves its room to the suffix
     assert got == [tok.eos_id, pre, *tok.encode("z\n"), suf, *S[:30 - 4 - len(tok.encode("z\n"))], mid]
+    assert fim.prompt(tok, "x = 1\n" * 40, "y = 2\n" * 40, max_len=40, spm=True) == \
+        [tok.eos_id, pre, suf, *S[:18], mid, *P[-18:]]
     with pytest.raises(corpus.DataError, match="needs 4 tokens"):
         fim.prompt(tok, "a", "b", max_len=3)
 
