@@ -178,7 +178,7 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
 
 SDPA = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-ATTENTION = (*SDPA, "flex")  # decode(attention=...): one of SDPA's kernels, or flex_attend
+ATTENTION = (*SDPA, "flex", "reduce")  # decode(attention=...): one of SDPA's kernels, flex_attend or reduce_attend
 
 
 class StaticCache:
@@ -228,6 +228,23 @@ def flex_attend(q, k, v, mask):
     bias = mask[:, 0, 0]
     return flex_attention(q, k, v, score_mod=lambda score, b, h, i, j: score + bias[b, j],
                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+def reduce_attend(q, k, v, mask):
+    """Attention of one-token queries q (R, H, 1, D) over the cache's k, v (R, KV, L, D), the float key
+    bias mask (R, 1, 1, L) added to the scores, written as products summed over D (scores) and over L
+    (output) instead of matmuls. A decode step's attention is a matrix-vector product per head: the
+    SDPA kernels tile 64-128 queries and run with one, and cuBLAS' batched matmuls with M = 1 are no
+    better (issue 16's profile: attention was a third of the step). Compiled, each sum becomes one
+    Triton reduction that reads K (then V) once, in fp32 accumulation. Eager it materialises R*H*L*D
+    products: for compile=True, or tests."""
+    R, H, T, D = q.shape
+    KV = k.shape[1]
+    q = q.float().view(R, KV, H // KV, T, 1, D)  # a kv head's query heads side by side (GQA)
+    s = (q * k[:, :, None, None].float()).sum(-1) * D ** -0.5 + mask.view(R, 1, 1, -1, mask.shape[-1])
+    p = s.softmax(-1)  # (R, KV, H/KV, T, L)
+    y = (p[..., None] * v[:, :, None, None].float()).sum(-2)  # (R, KV, H/KV, T, D)
+    return y.view(R, H, T, D).to(v.dtype)
 
 
 def pick(logits, temperature=1.0, top_k=None, top_p=None, noise=None):
@@ -411,7 +428,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
       fuse_mlp: one [gate | up] matmul per gated MLP (model.MLP.split off) instead of two.
       candidates: with top_k, race only the top_k candidates (pick()) instead of the vocabulary.
       attention: the steps' attention kernel: SDPA's "math", "efficient", "flash" or "cudnn" (None:
-        SDPA picks), or "flex" (flex_attend; compile it).
+        SDPA picks), "flex" (flex_attend) or "reduce" (reduce_attend): compile those two.
       keep: a dict owned by the caller, in which the decoder state (cache, buffers, captured
         graphs) stays for the next call with the same shapes and settings (GRPO's rollouts: no
         recapture, no recompile); it holds the cache's memory until cleared, one entry at a time.
@@ -485,7 +502,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         if dec.noise is not None:
             dec.noise.exponential_(generator=generator)
         dec.emit(logits, torch.zeros(1, dtype=torch.long, device=dev))
-        dec.cache.attend = flex_attend if attention == "flex" else None
+        dec.cache.attend = {"flex": flex_attend, "reduce": reduce_attend}.get(attention)
         with sdpa_kernel(SDPA[attention]) if attention in SDPA else contextlib.nullcontext():
             for s in range(1, N):
                 if (stops is not None or group is not None) and s % check_every == 0 and stopped(dec.done, group):
