@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
 
+import fused
 import moe
 from model import position_ids, round_up
 
@@ -178,7 +179,7 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
 
 SDPA = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-ATTENTION = (*SDPA, "flex", "reduce")  # decode(attention=...): one of SDPA's kernels, flex_attend or reduce_attend
+ATTENTION = (*SDPA, "flex", "reduce", "fused")  # decode(attention=...): SDPA's kernels, flex_attend, reduce_attend, fused.py's
 
 
 class StaticCache:
@@ -428,7 +429,8 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
       fuse_mlp: one [gate | up] matmul per gated MLP (model.MLP.split off) instead of two.
       candidates: with top_k, race only the top_k candidates (pick()) instead of the vocabulary.
       attention: the steps' attention kernel: SDPA's "math", "efficient", "flash" or "cudnn" (None:
-        SDPA picks), "flex" (flex_attend) or "reduce" (reduce_attend): compile those two.
+        SDPA picks), "flex" (flex_attend) or "reduce" (reduce_attend): compile those two; "fused":
+        fused.decode_attention, a Triton kernel for one-token queries (CUDA).
       keep: a dict owned by the caller, in which the decoder state (cache, buffers, captured
         graphs) stays for the next call with the same shapes and settings (GRPO's rollouts: no
         recapture, no recompile); it holds the cache's memory until cleared, one entry at a time.
@@ -457,6 +459,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         (bucket < 0, f"bucket={bucket} must be >= 0 (0: attend over the whole cache)"),
         (attention not in (None, *ATTENTION), f"attention={attention!r}: choose one of {', '.join(ATTENTION)} or None"),
         (not bool(mask.any(1).all()), "decode: every prompt needs at least one real token (attention_mask row of zeros)"),
+        (attention == "fused" and dev.type != "cuda", "attention='fused' is a Triton kernel: it needs CUDA"),
         (graph and dev.type != "cuda", "graph=True needs the model on a CUDA device: pass graph=False"),
         (graph and bool(moes), "graph=True: MoE layers sync with the host per layer (dropless block sizes), "
          "so their step cannot be captured: pass graph=False")]:
@@ -502,7 +505,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         if dec.noise is not None:
             dec.noise.exponential_(generator=generator)
         dec.emit(logits, torch.zeros(1, dtype=torch.long, device=dev))
-        dec.cache.attend = {"flex": flex_attend, "reduce": reduce_attend}.get(attention)
+        dec.cache.attend = {"flex": flex_attend, "reduce": reduce_attend, "fused": fused.decode_attention}.get(attention)
         with sdpa_kernel(SDPA[attention]) if attention in SDPA else contextlib.nullcontext():
             for s in range(1, N):
                 if (stops is not None or group is not None) and s % check_every == 0 and stopped(dec.done, group):

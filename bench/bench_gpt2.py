@@ -54,6 +54,7 @@ B, T = args.batch, GPT2["block_size"]
 def nanogpt():
     spec = importlib.util.spec_from_file_location("nanogpt_model", args.nanogpt)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["nanogpt_model"] = mod  # dynamo re-imports the module of the code it traces
     spec.loader.exec_module(mod)
     cfg = mod.GPTConfig(block_size=T, vocab_size=GPT2["vocab_size"], n_layer=12, n_head=12, n_embd=768,
                         dropout=0.0, bias=True)

@@ -390,7 +390,7 @@ def test_bad_arguments():
         generate.decode(model, prompts(), 4, temperature=-1)
     with pytest.raises(ValueError, match="bucket=-1 must be >= 0"):
         generate.decode(model, prompts(), 4, bucket=-1)
-    with pytest.raises(ValueError, match="attention='fast': choose one of math, efficient, flash, cudnn, flex, reduce"):
+    with pytest.raises(ValueError, match="attention='fast': choose one of math, efficient, flash, cudnn, flex, reduce, fused"):
         generate.decode(model, prompts(), 4, attention="fast")
 
 
