@@ -88,13 +88,14 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(q, k, v, bias, out, L, sq_r, sq_h, sk_r, sk_h, sk_l, sv_r, sv_h, sv_l, sb_r, so_r,
-                                 scale, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+                                 SCALE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                                 BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)  # the kv head; its query heads are h*G .. h*G+G-1
         g, d = tl.arange(0, GP), tl.arange(0, D)
         heads = (h * G + g)[:, None]
         real = (g < G)[:, None]  # GP: G rounded up to a power of two
-        qv = tl.load(q + r * sq_r + heads * sq_h + d[None, :], mask=real, other=0.0).to(tl.float32) * scale
+        qv = tl.load(q + r * sq_r + heads * sq_h + d[None, :], mask=real, other=0.0).to(tl.float32) * SCALE
         m = tl.full([GP], -1e30, tl.float32)  # running max, finite: a block of only -inf keys gives p = 0, not nan
         s = tl.zeros([GP], tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([GP, D], tl.float32)
@@ -123,8 +124,8 @@ if triton is not None:
         out = torch.empty(R, H, 1, D, device=q.device, dtype=v.dtype)
         wrap_triton(_decode_attention_kernel)[(R, KV)](
             q, k, v, bias, out, L, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), bias.stride(0), out.stride(0), D ** -0.5,
-            G=G, GP=GP, D=D, BLOCK=max(16, min(64, 4096 // (GP * D))), num_warps=4)
+            v.stride(0), v.stride(1), v.stride(2), bias.stride(0), out.stride(0),
+            SCALE=D ** -0.5, G=G, GP=GP, D=D, BLOCK=max(16, min(64, 4096 // (GP * D))), num_warps=4)
         return out
 
     # custom ops, so torch.compile traces them as opaque calls into the cross-entropy kernels

@@ -93,6 +93,7 @@ def test_decode_attention_matches_sdpa(dtype, H, KV, D):
     want = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(H // KV, 1),
                                           v.float().repeat_interleave(H // KV, 1), attn_mask=mask.float())
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for got in (fused.decode_attention(q, k, v, mask), torch.compile(fused.decode_attention)(q, k, v, mask)):
+    compiled = [torch.compile(fused.decode_attention)(q, k, v, mask)] if H == 16 else []  # one compile: slow
+    for got in [fused.decode_attention(q, k, v, mask)] + compiled:
         assert got.shape == want.shape and got.dtype == dtype
         assert (got.float() - want).abs().max() <= tol
