@@ -1,4 +1,4 @@
-"""Triton kernels for the GPU: fused cross-entropy (training) and one-token attention (decoding).
+"""Fused cross-entropy for the GPU: one Triton pass over the logits forward, one backward.
 
 Why: at the 124M shape the loss is a pure memory problem. Its logits (tokens x 50k: 3.3 GB of
 bf16 at batch 32) are read by the loss and its gradient written, and torch.compile's kernels for
@@ -15,13 +15,6 @@ says whether it can run; model.py falls back to F.cross_entropy otherwise. Targe
 The kernels launch on the current CUDA device, so the logits must live there
 (torch.cuda.set_device, as parallel.init does for every rank).
 tests/test_fused.py compares it with F.cross_entropy (values and gradients) on a GPU.
-
-decode_attention(q, k, v, bias): a decode step's attention, one query token per row over the
-cached keys, the float key bias (0 or -inf) added to the scores. SDPA's kernels tile 64-128
-queries and run with one here (a third of generate.decode's step at 124M, B = 64, issue 16); this
-kernel gives each (row, kv head) one program that streams the keys and values once, in blocks, with
-an online softmax in fp32, the kv head's query heads (GQA) side by side. Inference only (no
-backward). `decode_available(q)` says whether it can run.
 """
 import torch
 
@@ -37,15 +30,6 @@ FWD_BLOCK, BWD_BLOCK = 4096, 4096  # columns per step; forward 4 warps (1.71 vs 
 
 def available(logits):
     return triton is not None and logits.is_cuda
-
-
-def decode_available(q):
-    return triton is not None and q.is_cuda and q.shape[-1] in (16, 32, 64, 128, 256)
-
-
-def decode_attention(q, k, v, bias):
-    """q (R, H, 1, D), k and v (R, KV, L, D) with unit stride in D, bias (R, 1, 1, L) -> (R, H, 1, D)."""
-    return torch.ops.ingot.decode_attention(q, k, v, bias)
 
 
 def cross_entropy(logits, targets, ignore_index=-100):
@@ -86,49 +70,7 @@ if triton is not None:
         d = tl.where(t == ignore_index, 0.0, d)  # not d * 0: an ignored row's d may be nan
         tl.store(grad + row * V + cols, d.to(grad.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def _decode_attention_kernel(q, k, v, bias, out, L, sq_r, sq_h, sk_r, sk_h, sk_l, sv_r, sv_h, sv_l, sb_r, so_r,
-                                 SCALE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                                 BLOCK: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)  # the kv head; its query heads are h*G .. h*G+G-1
-        g, d = tl.arange(0, GP), tl.arange(0, D)
-        heads = (h * G + g)[:, None]
-        real = (g < G)[:, None]  # GP: G rounded up to a power of two
-        qv = tl.load(q + r * sq_r + heads * sq_h + d[None, :], mask=real, other=0.0).to(tl.float32) * SCALE
-        m = tl.full([GP], -1e30, tl.float32)  # running max, finite: a block of only -inf keys gives p = 0, not nan
-        s = tl.zeros([GP], tl.float32)  # running sum of exp(score - m)
-        acc = tl.zeros([GP, D], tl.float32)
-        for start in range(0, L, BLOCK):
-            j = start + tl.arange(0, BLOCK)
-            ok = (j < L)[:, None]
-            kb = tl.load(k + r * sk_r + h * sk_h + j[:, None] * sk_l + d[None, :], mask=ok, other=0.0).to(tl.float32)
-            x = tl.sum(qv[:, None, :] * kb[None, :, :], 2)  # (GP, BLOCK) scores
-            x += tl.load(bias + r * sb_r + j, mask=j < L, other=float("-inf")).to(tl.float32)[None, :]
-            m_new = tl.maximum(m, tl.max(x, 1))
-            p = tl.exp(x - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            vb = tl.load(v + r * sv_r + h * sv_h + j[:, None] * sv_l + d[None, :], mask=ok, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vb[None, :, :], 1)
-            s = s * alpha + tl.sum(p, 1)
-            m = m_new
-        tl.store(out + r * so_r + heads * D + d[None, :], (acc / s[:, None]).to(out.dtype.element_ty), mask=real)
-
-    @triton_op("ingot::decode_attention", mutates_args=())
-    def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        R, H, T, D = q.shape
-        KV, L = k.shape[1], k.shape[2]
-        assert T == 1 and k.stride(-1) == v.stride(-1) == q.stride(-1) == bias.stride(-1) == 1 and H % KV == 0
-        G = H // KV
-        GP = triton.next_power_of_2(G)
-        out = torch.empty(R, H, 1, D, device=q.device, dtype=v.dtype)
-        wrap_triton(_decode_attention_kernel)[(R, KV)](
-            q, k, v, bias, out, L, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), bias.stride(0), out.stride(0),
-            SCALE=D ** -0.5, G=G, GP=GP, D=D, BLOCK=max(16, min(64, 4096 // (GP * D))), num_warps=4)
-        return out
-
-    # custom ops, so torch.compile traces them as opaque calls into the cross-entropy kernels
+    # custom ops, so torch.compile traces them as opaque calls into the two kernels
     @triton_op("ingot::cross_entropy", mutates_args=())
     def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         N, V = logits.shape

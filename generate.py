@@ -63,7 +63,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
 
-import fused
 import moe
 from model import position_ids, round_up
 
@@ -179,7 +178,7 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
 
 SDPA = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-ATTENTION = (*SDPA, "flex", "reduce", "fused")  # decode(attention=...): SDPA's kernels, flex_attend, reduce_attend, fused.py's
+ATTENTION = (*SDPA, "flex")  # decode(attention=...): one of SDPA's kernels, or flex_attend
 
 
 class StaticCache:
@@ -229,23 +228,6 @@ def flex_attend(q, k, v, mask):
     bias = mask[:, 0, 0]
     return flex_attention(q, k, v, score_mod=lambda score, b, h, i, j: score + bias[b, j],
                           enable_gqa=q.shape[1] != k.shape[1])
-
-
-def reduce_attend(q, k, v, mask):
-    """Attention of one-token queries q (R, H, 1, D) over the cache's k, v (R, KV, L, D), the float key
-    bias mask (R, 1, 1, L) added to the scores, written as products summed over D (scores) and over L
-    (output) instead of matmuls. A decode step's attention is a matrix-vector product per head: the
-    SDPA kernels tile 64-128 queries and run with one, and cuBLAS' batched matmuls with M = 1 are no
-    better (issue 16's profile: attention was a third of the step). Compiled, each sum becomes one
-    Triton reduction that reads K (then V) once, in fp32 accumulation. Eager it materialises R*H*L*D
-    products: for compile=True, or tests."""
-    R, H, T, D = q.shape
-    KV = k.shape[1]
-    q = q.float().view(R, KV, H // KV, T, 1, D)  # a kv head's query heads side by side (GQA)
-    s = (q * k[:, :, None, None].float()).sum(-1) * D ** -0.5 + mask.view(R, 1, 1, -1, mask.shape[-1])
-    p = s.softmax(-1)  # (R, KV, H/KV, T, L)
-    y = (p[..., None] * v[:, :, None, None].float()).sum(-2)  # (R, KV, H/KV, T, D)
-    return y.view(R, H, T, D).to(v.dtype)
 
 
 def pick(logits, temperature=1.0, top_k=None, top_p=None, noise=None):
@@ -429,8 +411,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
       fuse_mlp: one [gate | up] matmul per gated MLP (model.MLP.split off) instead of two.
       candidates: with top_k, race only the top_k candidates (pick()) instead of the vocabulary.
       attention: the steps' attention kernel: SDPA's "math", "efficient", "flash" or "cudnn" (None:
-        SDPA picks), "flex" (flex_attend) or "reduce" (reduce_attend): compile those two; "fused":
-        fused.decode_attention, a Triton kernel for one-token queries (CUDA).
+        SDPA picks), or "flex" (flex_attend; compile it).
       keep: a dict owned by the caller, in which the decoder state (cache, buffers, captured
         graphs) stays for the next call with the same shapes and settings (GRPO's rollouts: no
         recapture, no recompile); it holds the cache's memory until cleared, one entry at a time.
@@ -459,7 +440,6 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         (bucket < 0, f"bucket={bucket} must be >= 0 (0: attend over the whole cache)"),
         (attention not in (None, *ATTENTION), f"attention={attention!r}: choose one of {', '.join(ATTENTION)} or None"),
         (not bool(mask.any(1).all()), "decode: every prompt needs at least one real token (attention_mask row of zeros)"),
-        (attention == "fused" and dev.type != "cuda", "attention='fused' is a Triton kernel: it needs CUDA"),
         (graph and dev.type != "cuda", "graph=True needs the model on a CUDA device: pass graph=False"),
         (graph and bool(moes), "graph=True: MoE layers sync with the host per layer (dropless block sizes), "
          "so their step cannot be captured: pass graph=False")]:
@@ -505,7 +485,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         if dec.noise is not None:
             dec.noise.exponential_(generator=generator)
         dec.emit(logits, torch.zeros(1, dtype=torch.long, device=dev))
-        dec.cache.attend = {"flex": flex_attend, "reduce": reduce_attend, "fused": fused.decode_attention}.get(attention)
+        dec.cache.attend = flex_attend if attention == "flex" else None
         with sdpa_kernel(SDPA[attention]) if attention in SDPA else contextlib.nullcontext():
             for s in range(1, N):
                 if (stops is not None or group is not None) and s % check_every == 0 and stopped(dec.done, group):

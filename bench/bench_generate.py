@@ -92,8 +92,6 @@ VARIANTS = {  # decode() keyword arguments; "compile": torch.compile's (compile 
     "math": dict(attention="math", keep=True),      # SDPA as matmuls + softmax (compile fuses them)
     "cudnn": dict(attention="cudnn", keep=True),
     "flex": dict(attention="flex", keep=True),      # flex_attention: split-KV decoding kernel (Triton)
-    "reduce": dict(attention="reduce", keep=True),  # attention as products summed (reduce_attend)
-    "fused": dict(attention="fused", keep=True),    # fused.decode_attention: a Triton kernel for one-token queries
     "flex-static": dict(attention="flex", compile={"dynamic": False}, keep=True),
     "static": dict(compile={"dynamic": False}, keep=True),  # one specialised compile per bucket
     "autotune": dict(compile={"mode": "max-autotune-no-cudagraphs"}, keep=True),  # Triton matmuls, epilogues fused

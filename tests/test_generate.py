@@ -5,7 +5,7 @@ Proves, on CPU in fp32 with tiny models:
   prompt run alone by a naive re-run-everything argmax loop, token for token (RoPE + GQA, learned
   positions + MHA), and transformers' greedy generate on the same weights (tiny HF LLaMA);
 - the speed settings are exact: KV-length buckets (dividing the cache or not, off), one gate|up
-  matmul, the SDPA math kernel, flex_attention, attention as sums (reduce_attend) give the eager path's greedy tokens and, with a seed, the same
+  matmul, the SDPA math kernel, flex_attention give the eager path's greedy tokens and, with a seed, the same
   sampled tokens and log-probs (<= 1e-5); the top-k candidate race and the full-vocabulary race
   both give teacher-forced log-probs;
 - keep={}: a later call of the same shapes reuses the first call's decoder (its buffers, its
@@ -154,8 +154,7 @@ def test_speed_settings_are_exact():
     kw = dict(n=2, temperature=0.9, top_k=6, top_p=0.95, seed=4, stop_tokens=[7], check_every=3)
     ref = generate.decode(model, ps, 14, bucket=0, **kw)
     for opts in [dict(bucket=4), dict(bucket=7, fuse_mlp=False), dict(bucket=64, attention="math"),
-                 dict(bucket=0, fuse_mlp=False), dict(bucket=4, attention="flex"),
-                 dict(bucket=4, attention="reduce")]:
+                 dict(bucket=0, fuse_mlp=False), dict(bucket=4, attention="flex")]:
         assert torch.equal(generate.decode(model, ps, 14, temperature=0, **opts).tokens, eager), opts
         r = generate.decode(model, ps, 14, **opts, **kw)
         assert torch.equal(r.tokens, ref.tokens) and torch.equal(r.lengths, ref.lengths), opts
@@ -390,7 +389,7 @@ def test_bad_arguments():
         generate.decode(model, prompts(), 4, temperature=-1)
     with pytest.raises(ValueError, match="bucket=-1 must be >= 0"):
         generate.decode(model, prompts(), 4, bucket=-1)
-    with pytest.raises(ValueError, match="attention='fast': choose one of math, efficient, flash, cudnn, flex, reduce, fused"):
+    with pytest.raises(ValueError, match="attention='fast': choose one of math, efficient, flash, cudnn, flex"):
         generate.decode(model, prompts(), 4, attention="fast")
 
 
