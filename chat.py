@@ -677,6 +677,6 @@ def setup(cfg):
     tok = data.tokenizer_for(cfg)
     template = template_for(tok, getattr(cfg, "init_from", ""), getattr(cfg, "chat_template", ""))
     tok = tok.with_chat(template.special_tokens, template.eos)
-    tok.chat_template = template.source  # what hf.save_tokenizer (export) writes as the model's template
+    tok.chat_template = template.source  # what hf_tokenizer.save_tokenizer (export) writes as the model's template
     cfg.vocab_size = max(cfg.vocab_size, tok.n_vocab)
     return tok, template

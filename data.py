@@ -44,6 +44,7 @@ import torch
 import clean as clean_mod
 import corpus
 import fim as fim_mod
+import hf_tokenizer
 import parallel
 
 
@@ -202,12 +203,11 @@ def get_tokenizer(name="cl100k_base", vocab=0, fim=False, chat=False):
     ranks, then <|fim_prefix|>, <|fim_middle|>, <|fim_suffix|> at vocab-4..vocab-2 and EOS at vocab-1
     (without fim the ids of a truncated tokenizer are the same as before FIM existed).
     chat=True adds the default chat template's CHAT_TOKENS past the vocabulary (see Tokenizer).
-    A folder is a Hugging Face model's: its tokenizer files are read by hf.py."""
+    A folder is a Hugging Face model's: its tokenizer files are read by hf_tokenizer.py."""
     if os.path.isdir(name):
         if vocab:
             raise corpus.DataError(f"tokenizer_vocab={vocab} cannot truncate the tokenizer of model folder {name!r}")
-        import hf  # lazily: the HF formats are hf.py's concern
-        tok = hf.load_hf_tokenizer(name)
+        tok = hf_tokenizer.load_hf_tokenizer(name)
     else:
         tok = Tokenizer(name, vocab, fim)
     if fim:

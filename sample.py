@@ -30,6 +30,7 @@ import data
 import fim
 import generate
 import hf
+import hf_tokenizer
 from corpus import DataError
 from model import ModelConfig, Transformer
 
@@ -38,7 +39,7 @@ def load(path, device="cpu"):
     """A run folder, a checkpoint folder or an HF model folder -> (model in eval mode, tokenizer, cfg)."""
     if hf.is_hf_folder(path):
         model = hf.load_hf(path, device)
-        return model, hf.load_hf_tokenizer(path), model.cfg
+        return model, hf_tokenizer.load_hf_tokenizer(path), model.cfg
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         found = checkpoint.latest(path)
         if found is None:

@@ -308,7 +308,7 @@ def export(cfg, grid, weights, tok, template, step, say):
     if cfg.export_hf and grid.is_main:
         model = Transformer(ModelConfig.from_cfg(plain))
         model.load_state_dict(full)
-        tok.chat_template = template.source  # hf.save_tokenizer writes it into tokenizer_config.json
+        tok.chat_template = template.source  # hf_tokenizer.save_tokenizer writes it into tokenizer_config.json
         hf.export_hf(model, cfg.export_hf, tokenizer=tok)
         say(f"HF folder written to {cfg.export_hf} (transformers' AutoModelForCausalLM and chat template read it)")
 

@@ -29,7 +29,7 @@ import torch
 
 import chat
 import data
-import hf
+import hf_tokenizer
 from model import IGNORE, ModelConfig, Transformer
 
 TRL_TEMPLATES = ("qwen2_5", "qwen2_5_training", "llama3", "llama3_training", "llama3_2")
@@ -168,12 +168,12 @@ def test_bad_records(tmp_path):
 
 @pytest.fixture(scope="module")
 def hf_pair(tmp_path_factory):
-    """(ours, theirs): one byte-level BPE (Llama-3 split regex) built with `tokenizers`, read by hf.py
+    """(ours, theirs): one byte-level BPE (Llama-3 split regex) built with `tokenizers`, read by hf_tokenizer.py
     and by transformers, with ChatML and Llama-3 special tokens."""
     transformers = pytest.importorskip("transformers")
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE(ignore_merges=True))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(hf.LLAMA3_PAT), behavior="isolated"),
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(hf_tokenizer.LLAMA3_PAT), behavior="isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     text = ("You are a helpful assistant. Hello! How are you? What is 2+2? The answer is 4. Bonjour, ça va? "
@@ -187,7 +187,7 @@ def hf_pair(tmp_path_factory):
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": "<|begin_of_text|>",
          "chat_template": CHATML}))
-    return hf.load_hf_tokenizer(str(folder)), transformers.AutoTokenizer.from_pretrained(str(folder)), str(folder)
+    return hf_tokenizer.load_hf_tokenizer(str(folder)), transformers.AutoTokenizer.from_pretrained(str(folder)), str(folder)
 
 
 def trl_template(name):
@@ -317,7 +317,7 @@ def test_template_errors(hf_pair, tmp_path):
 # ----------------------------------------------------------------------------- setup
 
 def test_setup_and_export(hf_pair, tmp_path):
-    """setup() builds the run's tokenizer and template; hf.save_tokenizer writes both so that
+    """setup() builds the run's tokenizer and template; hf_tokenizer.save_tokenizer writes both so that
     transformers reads the same ids (added chat tokens included) and renders the same template."""
     _, theirs, folder = hf_pair
     transformers = pytest.importorskip("transformers")
@@ -335,7 +335,7 @@ def test_setup_and_export(hf_pair, tmp_path):
                                         "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}"
                                         "{{ eos_token }}{% endif %}")
     cfg.chat_template = str(tmp_path / "phi.jinja")
-    base = hf.load_hf_tokenizer(folder)
+    base = hf_tokenizer.load_hf_tokenizer(folder)
     phi_tok, phi = chat.setup(cfg)
     assert phi.special_tokens == ["<|end|>", "<|assistant|>", "<|im_end|>"] and phi.eos == "<|end|>"
     assert phi_tok.special_ids == {"<|end|>": base.n_vocab, "<|assistant|>": base.n_vocab + 1,
@@ -344,7 +344,7 @@ def test_setup_and_export(hf_pair, tmp_path):
     for k, (ours, template) in enumerate([(tok, chat.default_template()), (phi_tok, phi)]):
         out = tmp_path / f"export{k}"
         out.mkdir()
-        hf.save_tokenizer(ours, str(out))
+        hf_tokenizer.save_tokenizer(ours, str(out))
         exported = transformers.AutoTokenizer.from_pretrained(str(out))
         for conv in CONVERSATIONS:
             assert chat.encode(ours, template, conv)[0] == exported.apply_chat_template(conv, return_dict=False)
