@@ -265,6 +265,50 @@ def test_lora_reference_is_the_base():
             pass
 
 
+# ----------------------------------------------------------------------------- the rollout copy
+
+def test_rollout_copy_refreshed_and_same_tokens():
+    """generate.cast_copy / refresh (grpo's rollout_copy): after a GRPO step the refreshed copy holds
+    the trained weights cast to bf16 (nn.Linear weights, the tied head too) and fp32 elsewhere, at
+    unchanged addresses; in fp32 its rollout gives the trained model's tokens and log-probs, also
+    through a decoder kept across calls (keep=); in bf16 under CPU bf16 autocast it samples exactly
+    what the fp32 model under that autocast samples (autocast's casts are the copy's)."""
+    import parallel
+    cfg = grpo_cfg(lr=1e-2, warmup_steps=0)
+    run = parallel.parallelize(build(tie_embeddings=True), parallel.init(cfg), cfg)
+    raw = run.raw
+    copy = generate.cast_copy(raw, torch.bfloat16)
+    assert copy.head.weight.dtype == torch.bfloat16 and copy.tok_emb.weight.dtype == torch.float32
+    assert copy.blocks[0].attn.qkv.weight.dtype == torch.bfloat16 and copy.norm_f.weight.dtype == torch.float32
+    ptrs = [t.data_ptr() for t in copy.parameters()]
+    r, rewards = synthetic(raw)
+    batch, _ = grpo.score(r, rewards, run.grid, cfg, [STOP])
+    grpo.learn(run, batch, cfg, cfg.lr)
+
+    def cast(name, t):
+        return dict(raw.named_parameters(remove_duplicate=False))[name].detach().to(t.dtype)
+    assert not all(torch.equal(t, cast(n, t)) for n, t in copy.named_parameters())  # the step moved the weights
+    assert generate.refresh(copy, raw) is copy and [t.data_ptr() for t in copy.parameters()] == ptrs
+    for name, t in copy.named_parameters():
+        assert torch.equal(t, cast(name, t)), name
+    assert torch.equal(copy.head.weight, raw.tok_emb.weight.detach().bfloat16())  # tied in raw, refreshed too
+
+    prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 6)]
+    sampling = dict(temperature=0.8, stop_tokens=[STOP], seed=4)
+    want, _ = grpo.rollout(raw, prompts, G, 0, 1, N, **sampling)
+    fp32, keep = generate.cast_copy(raw, torch.float32), {}
+    got, _ = grpo.rollout(fp32, prompts, G, 0, 1, N, **sampling)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
+    for seed in (4, 5, 4):  # kept across calls (its cache rounded up to 64 slots), each call's own tokens
+        got, _ = grpo.rollout(fp32, prompts, G, 0, 1, N, keep=keep, **{**sampling, "seed": seed})
+        assert torch.equal(got.tokens, want.tokens) == (seed == 4) and len(keep) == 1
+    assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5) and torch.equal(got.mask, want.mask)
+    with torch.autocast("cpu", torch.bfloat16):
+        want, _ = grpo.rollout(raw, prompts, G, 0, 1, N, **sampling)
+        got, _ = grpo.rollout(copy, prompts, G, 0, 1, N, **sampling)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
+
+
 # ----------------------------------------------------------------------------- rewards to a batch
 
 STOP, P, G, N = 5, 3, 4, 6
