@@ -504,3 +504,27 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
     gen_mask = torch.arange(width, device=dev)[None, :] < dec.lengths[:, None]
     return Rollout(torch.cat([idx.repeat_interleave(n, dim=0), dec.out_tok[:, :width]], 1),
                    torch.cat([prompt_mask, gen_mask], 1), dec.out_lp[:, :width].clone(), dec.lengths.clone(), T)
+
+
+def cast_copy(model, dtype):
+    """A copy of a plain model.Transformer (not tensor-parallel, no LoRA, no MoE) for decode() to
+    read: its nn.Linear weights (the head too, untied from the embedding) in dtype, the rest as
+    model's. Under autocast to dtype it computes exactly what model does (autocast casts those
+    weights, and only those), without a cast of every weight in every step (a captured step has
+    one). refresh(copy, model) copies new weights in, in place: the addresses stay, so decode(keep=)
+    replays its graphs (GRPO: the rollouts between optimizer steps)."""
+    with torch.random.fork_rng(devices=[]):  # its random init is overwritten: the global RNG stays as it was
+        copy = type(model)(model.cfg)
+    for m in copy.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.weight = torch.nn.Parameter(m.weight.detach().to(dtype))
+    return refresh(copy.to(next(model.parameters()).device).requires_grad_(False), model)
+
+
+@torch.no_grad()
+def refresh(copy, model):
+    """copy's parameters = model's (cast to copy's dtypes), in place -> copy; nothing when copy is model."""
+    for mine, theirs in zip(copy.modules(), model.modules()) if copy is not model else ():
+        for a, b in zip(mine.parameters(recurse=False), theirs.parameters(recurse=False)):
+            a.copy_(b)
+    return copy

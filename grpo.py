@@ -15,16 +15,15 @@ on the rollout. The math, plain functions at the top (tests compare them with TR
               (completions x max_new_tokens). clip_high > clip_low: DAPO's clip-higher
   k3          exp(ref - logp) - (ref - logp) - 1 to a frozen initial copy (LoRA: lora.disabled's
               base); with beta = 0 (the default) no reference is held
-Every log-prob (rollout, policy, reference) is of logits / temperature. The end-of-turn token that
-ends a completion is in its completion mask: the policy learns to stop (as TRL; nanochat leaves it
-out). mask_truncated drops completions cut at max_new_tokens, dynamic_sampling the groups of equal
-rewards (DAPO, no refill: their A is 0 anyway, only the normalisers change).
+Every log-prob (rollout, policy, reference) is of logits / temperature. A completion's end-of-turn
+token is in its mask: the policy learns to stop (as TRL). mask_truncated drops completions cut at
+max_new_tokens, dynamic_sampling the groups of equal rewards (DAPO, no refill: only normalisers change).
 
-Layouts: each data rank rolls out a contiguous slice of the P x G (a group may span ranks: rewards
-are gathered before the advantages), seeded by the step and its data rank, so the TP ranks of a
-group draw the same tokens; FSDP gathers the parameters once around the rollout. Normalisers are
-the step's global counts: DP / FSDP steps equal one process. The log splits each step's time into
-rollout / reward / learn. Importing this file runs nothing: main() does the work.
+Layouts: each data rank rolls out a contiguous slice of the P x G (a group may span ranks: rewards are
+gathered before the advantages), seeded by the step and its data rank, so the TP ranks of a group draw
+the same tokens; FSDP gathers the parameters once around the rollout. Normalisers are the step's global
+counts: DP / FSDP steps equal one process. The log splits each step's time into rollout / reward /
+learn. Importing this file runs nothing: main() does the work.
 """
 import contextlib
 import sys
@@ -68,12 +67,12 @@ DEFAULTS = dict(
     kl_ratio=True,            # the k3 term times the ratio (TRL's use_bias_correction_kl)
     dynamic_sampling=False,   # leave out groups whose rewards are all equal (DAPO, without refill)
     mask_truncated=False,     # completions cut at max_new_tokens count no token (DAPO's overlong filtering)
+    rollout_copy=True,        # rollouts read a copy in the compute dtype (main; False: the trained weights)
 )
 EXTRA = {**chat.CHAT_DEFAULTS, **DEFAULTS}  # this script's keys beyond config.py's (config.load(extra=...))
 RESUME_FREE = ("eval_prompts",)  # a resumed run may change it (with config.RESUME_FREE)
 
 # ----------------------------------------------------------------------------- the math
-
 
 def nanstd(x, dim=-1):
     """Sample standard deviation (Bessel-corrected) along dim, ignoring NaNs; NaN with fewer than two values."""
@@ -103,14 +102,12 @@ def k3(ref_logp, logp):
 
 def policy_loss(logp, old_logp, adv, mask, *, loss_type="dapo", eps_low=0.2, eps_high=None, beta=0.0,
                 ref_logp=None, kl_ratio=True, level="token", n_seqs=None, n_tokens=None, max_len=None):
-    """The clipped surrogate of one micro-batch, -> (loss, sums for logging).
-
-    logp, old_logp, ref_logp, mask (B, N): the completion tokens' log-probs under the policy
-    (differentiable), the rollout policy and the reference, and which count; adv (B,). kl_ratio: k3
-    times the ratio, the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl).
-    Normalisers default to this batch's (n_seqs rows, n_tokens = mask.sum(), max_len = N); a step
-    split over micro-batches and ranks passes its totals / the data-parallel world (which averages
-    gradients), so the parts add up to the whole."""
+    """The clipped surrogate of one micro-batch -> (loss, sums for logging). logp, old_logp, ref_logp,
+    mask (B, N): the completion tokens' log-probs under the policy (differentiable), the rollout policy
+    and the reference, and which count; adv (B,). kl_ratio: k3 times the ratio, the unbiased reverse-KL
+    gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl). Normalisers default to this batch's (n_seqs
+    rows, n_tokens = mask.sum(), max_len = N); a step split over micro-batches and ranks passes its
+    totals / the data-parallel world (which averages gradients): the parts add up to the whole."""
     mask = mask.float()
     eps_high = eps_low if eps_high is None else eps_high
     log_ratio = logp - old_logp
@@ -139,9 +136,8 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type="dapo", eps_low=0.2, eps
 
 
 def token_logprobs(fwd, tokens, mask, start, temperature=1.0):
-    """log p(tokens[:, t] | tokens[:, :t]) for t >= start under fwd (a Transformer, tensor-parallel
-    or not, or its FSDP wrapper) with logits / temperature -> (R, S - start); 0 where mask is False.
-    tokens, mask (R, S): left-padded prompts then completions (generate.Rollout's)."""
+    """log p(tokens[:, t] | tokens[:, :t]) for t >= start under fwd (a Transformer, TP or not, or its FSDP
+    wrapper) with logits / temperature -> (R, S - start), 0 where mask (R, S) is False (Rollout's)."""
     y = tokens[:, 1:].masked_fill(~mask[:, 1:], IGNORE)
     y[:, :start - 1] = IGNORE
     nll = fwd(tokens[:, :-1], y, reduction="none", attn_mask=mask[:, :-1], temperature=temperature)
@@ -150,20 +146,17 @@ def token_logprobs(fwd, tokens, mask, start, temperature=1.0):
 
 # ----------------------------------------------------------------------------- rollout, rewards, learning
 
-
 def rollout_seed(seed, step, grid):
-    """The sampling seed of a step on this rank: its data-parallel rank's, so every TP rank of a
-    group draws the same tokens (a global-rank seed would split them), every data rank its own."""
+    """A step's sampling seed on this rank: its data rank's (not the global rank's: a group's TP ranks agree)."""
     return ((seed * 1_000_003 + step) * 65_537 + grid.data_rank) % 2**62
 
 
 @torch.no_grad()
 def rollout(model, prompts, G, rank, world, max_new_tokens, **sampling):
-    """Sample this data rank's share of the len(prompts) x G completions (prompt-major: prompt i's
-    are i*G .. i*G+G-1; each rank a contiguous 1/world of them, so a group may span ranks) with
-    generate.decode (sampling: temperature, top_k, top_p, stop_tokens, pad_id, seed) -> (Rollout,
-    the prompt of each row). A prompt whose samples here are as many as every other's is prefilled
-    once for them (decode's n); otherwise each row is prefilled alone."""
+    """Sample this data rank's share of the len(prompts) x G completions (prompt-major: prompt i's are
+    i*G .. i*G+G-1; each rank a contiguous 1/world of them, so a group may span ranks) with generate.decode
+    (sampling: its keywords) -> (Rollout, the prompt of each row). A prompt whose samples here are as many
+    as every other's is prefilled once for them (decode's n); otherwise each row is prefilled alone."""
     per = len(prompts) * G // world
     which = [c // G for c in range(rank * per, (rank + 1) * per)]
     counts = {i: which.count(i) for i in which}
@@ -196,10 +189,9 @@ class Batch:
 
 
 def score(r, rewards, grid, cfg, stops):
-    """A Rollout and this rank's rewards (NaN: none) -> (Batch, stats). Every data rank's rewards
-    are gathered before the group statistics; dynamic_sampling leaves out groups whose rewards are
-    all equal, mask_truncated the completions that did not stop. stats: global sums (reward,
-    rewarded, groups of equal rewards, groups, truncated, completion tokens)."""
+    """A Rollout and this rank's rewards (NaN: none) -> (Batch, stats). Every data rank's rewards are gathered
+    before the group statistics; dynamic_sampling leaves out groups of equal rewards, mask_truncated completions
+    that did not stop. stats: global sums (reward, rewarded, equal groups, groups, truncated, completion tokens)."""
     G, R, dev = cfg.group_size, rewards.numel(), rewards.device
     mine = slice(grid.data_rank * R, (grid.data_rank + 1) * R)
     every = torch.zeros(R * grid.data_world, device=dev)
@@ -215,8 +207,8 @@ def score(r, rewards, grid, cfg, stops):
     if cfg.mask_truncated:
         loss_mask &= stopped[:, None]
     counts = all_sum(torch.stack([loss_mask.sum(), (~stopped).sum(), r.lengths.sum()]).float(), grid)
-    stats = [every.nansum().item(), (~every.isnan()).sum().item(), equal.sum().item(), equal.numel()]
-    stats += counts[1:].tolist()
+    stats = [every.nansum().item(), (~every.isnan()).sum().item(), equal.sum().item(), equal.numel(),
+             *counts[1:].tolist()]
     return Batch(r.tokens, r.mask, T, r.logprobs, loss_mask, adv[mine].to(dev), keep.sum().item(),
                  counts[0].item()), stats
 
@@ -230,9 +222,8 @@ def reference_logprobs(fwd, batch, cfg):
 
 
 def learn(run, batch, cfg, lr, autocast=contextlib.nullcontext()):
-    """cfg.grpo_epochs passes over this rank's batch, each one optimizer step of micro-batches of
-    cfg.micro_batch_size rows, gradients accumulated (and reduced over data ranks on the last).
-    Returns the sums (kl, clipped low, clipped high, tokens) of the last epoch and its grad norm."""
+    """cfg.grpo_epochs optimizer steps on this rank's batch, each over micro-batches (gradients accumulated,
+    reduced over data ranks on the last) -> the sums (kl, clipped low / high, tokens) of the last, its grad norm."""
     world, mb, R = run.grid.data_world, cfg.micro_batch_size, batch.tokens.shape[0]
     n_seqs, n_tokens = max(batch.n_seqs, 1) / world, max(batch.n_tokens, 1) / world
     for g in run.optimizer.param_groups:
@@ -259,7 +250,6 @@ def learn(run, batch, cfg, lr, autocast=contextlib.nullcontext()):
 
 
 # ----------------------------------------------------------------------------- the stage
-
 
 def check(cfg, grid):
     """Settings that cannot work, found before any work is spent."""
@@ -319,6 +309,10 @@ def main(argv):
         torch.manual_seed(cfg.seed)
         ref = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)).to(device).requires_grad_(False), grid,
                                    cfg, load=hf.init_loader(cfg, grid), optimizer=False)
+    # rollouts and evals read a bf16 copy (generate.cast_copy; graphs kept: captured once), refreshed before use;
+    # raw under TP (cut weights), LoRA (unmerged adapters), MoE (no nn.Linear experts), FSDP (a full copy per rank)
+    plain = cfg.rollout_copy and grid.tp == 1 and not (cfg.lora_r or cfg.n_experts or cfg.data_parallel == "fsdp")
+    policy, keep = (generate.cast_copy(raw, parallel.amp_dtype(cfg, device)) if plain else raw), {}
     step = 0
     if lease.resume_from:  # prompts and sampling seeds follow from the step: nothing else to restore
         step = checkpoint.load(lease.resume_from, raw, run.optimizer, grid, run.model)["step"]
@@ -343,14 +337,13 @@ def main(argv):
         return torch.tensor([float("nan") if v is None else float(v) for v in got], device=device)
 
     def evaluate():
-        """Held-out prompts (each data rank some of them): the mean reward of group_size samples each
-        at the training temperature (fixed seed), and of the greedy answers."""
+        """Held-out prompts (split over data ranks): mean reward of G samples each (fixed seed), and greedy."""
         mine = list(range(grid.data_rank, len(test), grid.data_world))
         with run.full_params(), autocast:
-            sampled = generate.decode(raw, [test_ids[i] for i in mine], cfg.max_new_tokens, n=G,
+            model, prompts = generate.refresh(policy, raw), [test_ids[i] for i in mine]
+            sampled = generate.decode(model, prompts, cfg.max_new_tokens, n=G,
                                       **{**sampling, "seed": rollout_seed(cfg.seed, -1, grid)})
-            greedy = generate.decode(raw, [test_ids[i] for i in mine], cfg.max_new_tokens,
-                                     **{**sampling, "temperature": 0})
+            greedy = generate.decode(model, prompts, cfg.max_new_tokens, **{**sampling, "temperature": 0})
         got = [rewards_of(sampled, test, [i for i in mine for _ in range(G)]).nan_to_num(0.0).mean() * len(mine),
                rewards_of(greedy, test, mine).nan_to_num(0.0).sum(), torch.tensor(float(len(mine)), device=device)]
         s, g, n = all_sum(torch.stack(got), grid).tolist()
@@ -369,8 +362,9 @@ def main(argv):
         t0 = now()
         idx = [(step * P + i) % len(train) for i in range(P)]
         with run.full_params(), autocast:  # FSDP: parameters gathered once for the whole rollout
-            r, which = rollout(raw, [train_ids[i] for i in idx], G, grid.data_rank, grid.data_world,
-                               cfg.max_new_tokens, seed=rollout_seed(cfg.seed, step, grid), **sampling)
+            r, which = rollout(generate.refresh(policy, raw), [train_ids[i] for i in idx], G, grid.data_rank,
+                               grid.data_world, cfg.max_new_tokens, seed=rollout_seed(cfg.seed, step, grid), keep=keep,
+                               **sampling)
         t1 = now()
         batch, stats = score(r, rewards_of(r, [train[i] for i in idx], which), grid, cfg, stops)
         t2 = now()

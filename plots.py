@@ -8,9 +8,10 @@
 Curves come from logs.py's JSONL (<run>/<log>_metrics.jsonl, one record per log step): train and
 validation loss against steps and against tokens (step x batch_size x sequence length, from the run's
 newest checkpoint config), learning rate, gradient norm, tokens/s, MFU, validation bits per byte
-when logged, and for MoE models the busiest expert's load, the router losses and dropped slots. A
-resumed run appends to its file, repeating the steps after its checkpoint: the last record of a
-step wins (what the surviving lineage logged). Panels with nothing logged are left out.
+when logged, for MoE models the busiest expert's load, the router losses and dropped slots, for GRPO
+runs the reward (training samples, held-out sampled and greedy) and the step's rollout / reward /
+learn seconds. A resumed run appends to its file, repeating the steps after its checkpoint: the
+last record of a step wins (what the surviving lineage logged). Panels with nothing logged are left out.
 
 The attention map: one layer's softmax(q k^T / sqrt(D)) with the causal mask, recomputed from the
 layer's own input, projections, q/k norms and RoPE (SDPA never materialises the weights), for a
@@ -34,7 +35,9 @@ PANELS = [("loss", "step", ("loss", "val_loss")), ("loss", "tokens", ("loss", "v
           ("tokens/s", "step", ("tok_s",)), ("MFU", "step", ("mfu",)),
           ("validation bits per byte", "step", ("val_bpb",)),
           ("MoE: busiest expert's load x n_experts", "step", ("load_max",)),
-          ("MoE: router losses", "step", ("aux_loss", "z_loss")), ("MoE: dropped share", "step", ("dropped",))]
+          ("MoE: router losses", "step", ("aux_loss", "z_loss")), ("MoE: dropped share", "step", ("dropped",)),
+          ("reward (GRPO)", "step", ("reward", "heldout_reward", "heldout_greedy")),
+          ("GRPO step time, s", "step", ("t_rollout", "t_reward", "t_learn"))]
 
 
 def metrics_file(run_dir, log="train"):
@@ -101,7 +104,7 @@ def plot_runs(run_dirs, out, log="train", tokens_per_step=None):
                     continue
                 steps = sorted(metrics[m])
                 xs = [s * tps for s in steps] if x == "tokens" else steps
-                style = dict(marker="o", markersize=3) if m.startswith("val_") else {}
+                style = dict(marker="o", markersize=3) if m.startswith(("val_", "heldout_")) else {}
                 ax.plot(xs, [metrics[m][s] for s in steps], label=f"{run} {m}", **style)
         if title in ("gradient norm", "loss"):
             ax.set_yscale("log")

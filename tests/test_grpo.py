@@ -26,6 +26,11 @@ Proves:
 - rewards to a batch (score): rewards gathered before the group statistics, dynamic sampling
   drops groups of equal rewards from the loss mask and the normaliser, mask_truncated drops
   completions that did not stop, the end-of-turn token is in the completion mask;
+- the rollout copy (generate.cast_copy / refresh): after a step the refreshed copy holds the trained
+  weights cast to bf16 at unchanged addresses; in fp32 it samples the trained model's tokens and
+  log-probs (also through a decoder kept across calls); in bf16 under CPU bf16 autocast exactly the
+  fp32 model's under that autocast; grpo.main logs the same with and without it (a stale copy does
+  not), and plots.py draws the reward and step-time panels from its log;
 - layouts (one 4-process gloo spawn): under TP2 x DP2 and TP2 x FSDP2 (inside full_params) every
   rank of a TP group samples the same tokens as one process with its data rank's seed
   (rollout_seed(seed, step, grid)); a GRPO step (3 prompts x 4 samples, groups spanning data
@@ -265,6 +270,50 @@ def test_lora_reference_is_the_base():
             pass
 
 
+# ----------------------------------------------------------------------------- the rollout copy
+
+def test_rollout_copy_refreshed_and_same_tokens():
+    """generate.cast_copy / refresh (grpo's rollout_copy): after a GRPO step the refreshed copy holds
+    the trained weights cast to bf16 (nn.Linear weights, the tied head too) and fp32 elsewhere, at
+    unchanged addresses; in fp32 its rollout gives the trained model's tokens and log-probs, also
+    through a decoder kept across calls (keep=); in bf16 under CPU bf16 autocast it samples exactly
+    what the fp32 model under that autocast samples (autocast's casts are the copy's)."""
+    import parallel
+    cfg = grpo_cfg(lr=1e-2, warmup_steps=0)
+    run = parallel.parallelize(build(tie_embeddings=True), parallel.init(cfg), cfg)
+    raw = run.raw
+    copy = generate.cast_copy(raw, torch.bfloat16)
+    assert copy.head.weight.dtype == torch.bfloat16 and copy.tok_emb.weight.dtype == torch.float32
+    assert copy.blocks[0].attn.qkv.weight.dtype == torch.bfloat16 and copy.norm_f.weight.dtype == torch.float32
+    ptrs = [t.data_ptr() for t in copy.parameters()]
+    r, rewards = synthetic(raw)
+    batch, _ = grpo.score(r, rewards, run.grid, cfg, [STOP])
+    grpo.learn(run, batch, cfg, cfg.lr)
+
+    def cast(name, t):
+        return dict(raw.named_parameters(remove_duplicate=False))[name].detach().to(t.dtype)
+    assert not all(torch.equal(t, cast(n, t)) for n, t in copy.named_parameters())  # the step moved the weights
+    assert generate.refresh(copy, raw) is copy and [t.data_ptr() for t in copy.parameters()] == ptrs
+    for name, t in copy.named_parameters():
+        assert torch.equal(t, cast(name, t)), name
+    assert torch.equal(copy.head.weight, raw.tok_emb.weight.detach().bfloat16())  # tied in raw, refreshed too
+
+    prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 6)]
+    sampling = dict(temperature=0.8, stop_tokens=[STOP], seed=4)
+    want, _ = grpo.rollout(raw, prompts, G, 0, 1, N, **sampling)
+    fp32, keep = generate.cast_copy(raw, torch.float32), {}
+    got, _ = grpo.rollout(fp32, prompts, G, 0, 1, N, **sampling)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
+    for seed in (4, 5, 4):  # kept across calls (its cache rounded up to 64 slots), each call's own tokens
+        got, _ = grpo.rollout(fp32, prompts, G, 0, 1, N, keep=keep, **{**sampling, "seed": seed})
+        assert torch.equal(got.tokens, want.tokens) == (seed == 4) and len(keep) == 1
+    assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5) and torch.equal(got.mask, want.mask)
+    with torch.autocast("cpu", torch.bfloat16):
+        want, _ = grpo.rollout(raw, prompts, G, 0, 1, N, **sampling)
+        got, _ = grpo.rollout(copy, prompts, G, 0, 1, N, **sampling)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
+
+
 # ----------------------------------------------------------------------------- rewards to a batch
 
 STOP, P, G, N = 5, 3, 4, 6
@@ -417,3 +466,32 @@ def test_main_runs_and_logs(tmp_path):
                        ("--max_new_tokens=60", "block_size")]:
         with pytest.raises(config.UserError, match=match):
             grpo.main(args + [bad, "--overwrite"])
+
+
+def test_main_rollout_copy_and_reward_plot(tmp_path, monkeypatch):
+    """grpo.main with rollout_copy (CPU, fp32: an fp32 copy, refreshed before every rollout; a stale
+    copy would show as clipped tokens and other log lines) logs exactly what the trained model's own
+    rollouts log, over 3 steps at a large lr (a random model's reward: 1 for an odd-length text);
+    plots.py draws the reward panel (training, held-out sampled and greedy) and the step-time panel
+    from the run's log."""
+    import json
+    import plots
+    import tasks
+    monkeypatch.setattr(tasks.Arithmetic, "reward", lambda self, completion, item: float(len(completion) % 2))
+    args = ["--device=cpu", "--tokenizer_vocab=300", "--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=48",
+            "--batch_size=8", "--group_size=4", "--micro_batch_size=8", "--max_steps=3", "--train_prompts=16",
+            "--eval_prompts=4", "--eval_every=3", "--max_new_tokens=4", "--log_every=1", "--lr=3e-2",
+            "--warmup_steps=0", "--tie_embeddings=True", "--progress=False"]
+    logged = {}
+    for copy in (True, False):
+        grpo.main(args + [f"--rollout_copy={copy}", f"--out_dir={tmp_path / str(copy)}"])
+        logged[copy] = [{k: v for k, v in json.loads(line).items() if k not in ("time", "gen_tok_s") and not k.startswith("t_")}
+                        for line in open(tmp_path / str(copy) / "train_metrics.jsonl")]
+    assert logged[True] == logged[False] and len(logged[True]) == 5  # held-out at 0, 3 steps, held-out at 3
+    steps = [r for r in logged[True] if "reward" in r]
+    assert all(r["grad_norm"] > 0 and r["clip_low"] == r["clip_high"] == 0 for r in steps)  # learnt; fresh copy
+    drawn = plots.plot_runs([str(tmp_path / "True")], None)
+    lines = drawn["reward (GRPO) (step)"]
+    assert lines["True heldout_reward"][0] == [0, 3] and lines["True reward"][0] == [1, 2, 3]
+    assert lines["True heldout_greedy"][1][0] == logged[True][0]["heldout_greedy"]
+    assert set(drawn["GRPO step time, s (step)"]) == {"True t_rollout", "True t_reward", "True t_learn"}

@@ -1,0 +1,20 @@
+# GRPO on the offline Arithmetic task (tasks.py) from the SFT'd small model (configs/sft_small.py):
+# one GPU, ~160 steps meant to fit in about 3 minutes on an H200 (estimated, not measured yet).
+#   torchrun --nproc_per_node=2 pretrain.py configs/small.py && torchrun --nproc_per_node=2 sft.py configs/sft_small.py
+#   python grpo.py configs/grpo_small.py
+#   python plots.py out/grpo_small          # out/grpo_small/run.png: training, held-out sampled and greedy reward
+# Each step: 32 questions x 8 answers sampled at temperature 1 (the rollouts read a bf16 copy of the
+# weights through CUDA graphs captured once, grpo.py's rollout_copy), rewarded 1 for the right number;
+# every 20 steps the ~54 held-out questions (never trained on) are answered 8 times each and greedily.
+# An SFT'd model answers most of them greedily already: the sampled reward is what GRPO sharpens.
+init_from, out_dir, task = "out/sft_small", "out/grpo_small", "arithmetic"
+max_steps, eval_every, log_every, ckpt_every = 160, 20, 10, 0   # a checkpoint at the end only
+batch_size, group_size = 256, 8   # completions per step: 32 prompts x 8 samples
+micro_batch_size = 256      # short rows (~30 tokens): one micro-batch per optimizer step
+train_prompts, eval_prompts = 8192, 128   # the task holds ~54 questions back: all of them
+max_new_tokens = 8          # "71<|im_end|>" is 2 tokens
+temperature = 1.0
+loss_type, clip_high = "dapo", 0.28   # DAPO's token-mean loss and clip-higher
+lr = 5e-6                   # full fine-tuning of 124M parameters with AdamW
+warmup_steps, schedule, weight_decay = 10, "constant", 0.0
+compile = False             # prompt lengths vary per step: eager learning, captured (uncompiled) decode steps
