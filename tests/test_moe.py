@@ -6,13 +6,21 @@ What these tests prove, on CPU in fp32 (gloo for the distributed ones):
   gradients of input, router and every expert (relative error <= 1e-5), dropless and with
   capacity dropping, including an expert that receives no tokens (exactly zero gradient),
   and local experts that together receive no rows (an EP rank's dropless case);
+- the grouped expert kernel (torch._grouped_mm over all experts at once) equals the per-expert
+  loop: outputs and gradients (relative error <= 1e-6), dropless and with capacity, an expert
+  without tokens (exactly zero gradient), no rows at all; it really runs (counted calls); dropless
+  it reads nothing on the host (torch.compile traces the layer whole, fullgraph; the loop cannot
+  be); forcing it on unaligned shapes or naming an unknown kernel is one clear error; on a
+  Hopper GPU (skipped elsewhere) "auto" picks it under bf16 and its forward and backward run
+  under torch.cuda.set_sync_debug_mode("error"), equal to the loop within bf16 rounding;
 - golden values: the balance loss of a perfectly balanced router equals its coefficient; the
   z-loss of a hand-computed example; the router runs in fp32 under bf16 autocast;
 - a MoE Transformer trains, adds its router losses to the loss, counts total and active params;
-- EP=2 (and EP=2 x DP=2, dropless and capacity) equals one process: outputs (losses), first
-  gradients, weights after 3 AdamW steps with clipping; router-loss values (mean over ranks) and
-  gradients equal one process for the same global micro-batch, also with gradient accumulation;
-  expert and non-expert parameters stay bitwise identical across their replicas.
+- EP=2 (and EP=2 x DP=2, dropless and capacity; EP=2 with the grouped kernel) equals one
+  process: outputs (losses), first gradients, weights after 3 AdamW steps with clipping;
+  router-loss values (mean over ranks) and gradients equal one process for the same global
+  micro-batch, also with gradient accumulation; expert and non-expert parameters stay bitwise
+  identical across their replicas.
 (EP with TP, FSDP, Muon and resuming across layouts: tests/test_moe_layouts.py.)
 """
 import math
@@ -182,6 +190,41 @@ def test_grouped_dropless_traces_without_host_sync():
     layer.expert_mm = "loop"
     with pytest.raises(Exception, match="data-dependent"):
         torch.compile(layer, backend="eager", fullgraph=True)(x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the grouped kernel's fast path: a CUDA GPU of compute capability 9.x")
+def test_grouped_cuda_bf16_no_sync():
+    """On Hopper under bf16 autocast, dropless: "auto" picks the grouped kernel, and its forward
+    and backward never synchronise with the host (torch.cuda.set_sync_debug_mode("error") raises
+    on any sync; the loop's block sizes would); outputs and gradients equal the loop's within bf16
+    rounding; an expert without tokens gets exactly zero gradient."""
+    torch.manual_seed(0)
+    E = 8
+    layer = make_moe(layer_cfg(n_embd=64, moe_hidden=128, n_experts=E)).cuda()
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 0.3)
+        layer.router.weight[E - 1] = -1.0  # x > 0: expert E-1 gets no tokens
+    x = torch.rand(4, 32, 64, device="cuda") + 0.5
+    dy = torch.randn(4, 32, 64, device="cuda")
+    out = {}
+    for mode in ("loop", "auto"):
+        layer.expert_mm = mode
+        layer.zero_grad()
+        xg = x.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if mode == "auto" else 0)
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = layer(xg)
+            (y.float() * dy).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        out[mode] = [y.float(), xg.grad] + [p.grad.clone() for p in layer.parameters()]
+    for got, want in zip(out["auto"], out["loop"]):
+        assert rel_err(got, want) <= 2e-2
+    assert torch.equal(layer.w1.grad[E - 1], torch.zeros_like(layer.w1.grad[E - 1]))
+    assert torch.equal(layer.w2.grad[E - 1], torch.zeros_like(layer.w2.grad[E - 1]))
 
 
 def test_grouped_errors():
