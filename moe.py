@@ -23,8 +23,8 @@ The layer, for x (B, T, C), N = B T tokens:
            busiest expert, whose padded rows (and their hidden activations, kept for backward) cost
            up to E/k x the memory under imbalance. An expert without tokens gets an empty block
            and an exact zero gradient. Two kernels compute the blocks (same numbers):
-             grouped  torch._grouped_mm: one kernel per matrix over all local experts, the block
-                      ends (offs) read on the device, so the block sizes never reach the host;
+             grouped  torch._grouped_mm: one kernel per matrix over all local experts; its fast
+                      path reads the block ends (offs) on the device: sizes never reach the host;
              loop     one F.linear per expert (block sizes on the host: one sync per layer when
                       dropless), or one torch.bmm per matrix when the blocks are equal (capacity).
            MoE.expert_mm picks: "auto" (default) = grouped where its fast kernel runs, CUDA bf16
@@ -49,10 +49,11 @@ The layer, for x (B, T, C), N = B T tokens:
            still counts in the balance statistics). Per sequence, not per rank, so what is
            dropped depends on the sequence alone, never on micro-batch size or the EP/DP layout.
            Shapes are static (E, B * cap, C): no host sync.
-           capacity_factor = 0: dropless. With the grouped kernel and ep = 1 no host sync at all
-           (the layer can be captured in a CUDA graph); with the loop the per-expert block sizes
-           cost one host sync per layer; under EP the all_to_all split sizes need the counts on
-           the host: one small count exchange and one host sync per layer, either kernel.
+           capacity_factor = 0: dropless. With the grouped kernel's fast path and ep = 1 no host
+           sync at all (MoE.sync_free(device, dtype) says so: a CUDA graph can capture the layer);
+           with the loop the per-expert block sizes cost one host sync per layer; under EP the
+           all_to_all split sizes need the counts on the host: one small count exchange and one
+           host sync per layer, either kernel.
 
 Router losses (both added to the training loss by Transformer.forward and logged):
   balance  aux = aux_loss_coeff * E * sum_i f_i P_i. f_i = routed slots sent to expert i /
@@ -136,6 +137,12 @@ class AllToAll(torch.autograd.Function):
 def _count(idx, n):
     """torch.bincount(idx, minlength=n) for idx < n, without bincount's host sync on GPU."""
     return torch.zeros(n, dtype=torch.long, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx))
+
+
+def _fast_grouped(device, dtype):
+    """Does torch._grouped_mm run its own kernel here (CUDA bf16 on compute capability 9.x), not a
+    per-group fallback that reads the offsets on the host? (sm100 left out: pytorch issue 172439)"""
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_properties(device).major == 9
 
 
 def moe_layer(cfg, i):
@@ -253,7 +260,7 @@ class MoE(nn.Module):
         if self.tp_group is not None:
             rows = tp.Copy.apply(rows, self.tp_group)
         equal = sizes is not None and len(set(sizes)) == 1
-        if self._grouped(rows, equal):
+        if self._grouped(rows.device, rows.dtype, equal):
             if counts is None:  # equal blocks are filled on the device: no copy from the host
                 counts = (rows.new_full((len(sizes),), sizes[0], dtype=torch.long) if equal
                           else torch.tensor(sizes, device=rows.device))
@@ -271,23 +278,30 @@ class MoE(nn.Module):
                                  in zip(self.w1.unbind(0), self.w2.unbind(0), rows.split(sizes))])
         return out if self.tp_group is None else tp.Reduce.apply(out, self.tp_group)
 
-    def _grouped(self, rows, equal):
-        """Run the experts with torch._grouped_mm? (MoE.expert_mm; equal: every block the same size)"""
+    def _grouped(self, device, dtype, equal):
+        """Run the experts with torch._grouped_mm on rows of this device and dtype? (MoE.expert_mm;
+        equal: every block the same size)"""
         if self.expert_mm not in ("auto", "grouped", "loop"):
             raise ValueError(f"expert_mm={self.expert_mm!r}: choose 'auto', 'grouped' or 'loop'")
         if self.expert_mm == "loop":
             return False
-        align = 16 // rows.element_size()  # _grouped_mm wants 16-byte aligned row strides
-        ok = hasattr(torch, "_grouped_mm") and rows.shape[1] % align == 0 and self.w2.shape[-1] % align == 0
+        C, H = self.w2.shape[1:]
+        align = 16 // dtype.itemsize  # _grouped_mm wants 16-byte aligned row strides
+        ok = hasattr(torch, "_grouped_mm") and C % align == 0 and H % align == 0
         if self.expert_mm == "grouped":
             if not ok:
                 raise ValueError(f"expert_mm='grouped' needs torch._grouped_mm (torch >= 2.8; this is "
-                                 f"{torch.__version__}) and n_embd={rows.shape[1]} and the expert hidden size "
-                                 f"per rank {self.w2.shape[-1]} multiples of {align} in {rows.dtype}: "
-                                 f"change them or set expert_mm='auto'")
+                                 f"{torch.__version__}) and n_embd={C} and the expert hidden size per rank "
+                                 f"{H} multiples of {align} in {dtype}: change them or set expert_mm='auto'")
             return True
-        return (ok and not equal and rows.is_cuda and rows.dtype == torch.bfloat16
-                and torch.cuda.get_device_properties(rows.device).major == 9)
+        return ok and not equal and _fast_grouped(device, dtype)
+
+    def sync_free(self, device, dtype):
+        """Does a dropless forward of this layer on `device`, computing in `dtype` (the autocast
+        dtype), run without any host sync (ep = 1, the grouped kernel, and its fast path, which
+        reads offs on the device), so that a CUDA graph can capture it?"""
+        device = torch.device(device)
+        return self.ep == 1 and _fast_grouped(device, dtype) and self._grouped(device, dtype, equal=False)
 
     def _act(self, h):
         if self.gated:

@@ -187,6 +187,7 @@ def test_grouped_dropless_traces_without_host_sync():
     layer.expert_mm = "grouped"
     y = torch.compile(layer, backend="eager", fullgraph=True)(x)
     assert torch.equal(y, layer(x))
+    assert not layer.sync_free("cpu", torch.bfloat16)  # on CPU _grouped_mm reads offs on the host
     layer.expert_mm = "loop"
     with pytest.raises(Exception, match="data-dependent"):
         torch.compile(layer, backend="eager", fullgraph=True)(x)
@@ -210,6 +211,7 @@ def test_grouped_cuda_bf16_no_sync():
     out = {}
     for mode in ("loop", "auto"):
         layer.expert_mm = mode
+        assert layer.sync_free("cuda", torch.bfloat16) == (mode == "auto")
         layer.zero_grad()
         xg = x.clone().requires_grad_(True)
         torch.cuda.synchronize()
