@@ -18,13 +18,23 @@ The layer, for x (B, T, C), N = B T tokens:
            the top moe_top_k probabilities are the weights (renormalised to sum to 1 when
            moe_renorm), y = sum_j w_j FFN_{e_j}(x) + shared(x).
   experts  one weight tensor per matrix, w1 (E, [2]H, C) (gated: rows [gate | up] like MLP.fc) and
-           w2 (E, C, H), no biases. Slot rows sorted by expert are split into one block per expert
-           and each block is multiplied by its expert's matrices (F.linear per expert): exactly the
-           routed rows, no zero padding to the busiest expert, whose padded rows (and their hidden
-           activations, kept for backward) cost up to E/k x the memory under imbalance. An expert
-           without tokens gets an empty block and an exact zero gradient. With a fixed capacity
-           the blocks are equal: one torch.bmm per matrix. torch's grouped_mm is
-           CUDA-bf16 only and not used yet.
+           w2 (E, C, H), no biases. Slot rows sorted by expert form one block per expert, each
+           multiplied by its expert's matrices: exactly the routed rows, no zero padding to the
+           busiest expert, whose padded rows (and their hidden activations, kept for backward) cost
+           up to E/k x the memory under imbalance. An expert without tokens gets an empty block
+           and an exact zero gradient. Two kernels compute the blocks (same numbers):
+             grouped  torch._grouped_mm: one kernel per matrix over all local experts; its fast
+                      path reads the block ends (offs) on the device: sizes never reach the host;
+             loop     one F.linear per expert (block sizes on the host: one sync per layer when
+                      dropless), or one torch.bmm per matrix when the blocks are equal (capacity).
+           MoE.expert_mm picks: "auto" (default) = grouped where its fast kernel runs, CUDA bf16
+           on compute capability 9.x (Hopper: H100/H200; sm100 is left out, its grouped kernel
+           gave non-zero gradients to empty experts, pytorch issue 172439), and only dropless
+           (equal capacity blocks keep bmm); loop everywhere else (on CPU and other GPUs
+           _grouped_mm is a per-group fallback that reads offs on the host). "grouped" forces it
+           for every block layout and device (eager fp32 works on CPU; under torch.compile its
+           meta function takes bf16 only), "loop" forces the loop. Grouped needs 16-byte aligned
+           rows: n_embd and the expert hidden size (per TP rank) multiples of 16 / element size.
   shared   n_shared_experts always-on experts: one dense model.MLP of n_shared_experts * H units
            (the class is passed in by model.Block).
   dtypes   under autocast the slots are exchanged and multiplied in the autocast dtype (bf16);
@@ -39,8 +49,11 @@ The layer, for x (B, T, C), N = B T tokens:
            still counts in the balance statistics). Per sequence, not per rank, so what is
            dropped depends on the sequence alone, never on micro-batch size or the EP/DP layout.
            Shapes are static (E, B * cap, C): no host sync.
-           capacity_factor = 0: dropless. The per-expert block sizes cost one host sync per layer
-           (and, under EP, one small count exchange).
+           capacity_factor = 0: dropless. With the grouped kernel's fast path and ep = 1 no host
+           sync at all (MoE.sync_free(device, dtype) says so: a CUDA graph can capture the layer);
+           with the loop the per-expert block sizes cost one host sync per layer; under EP the
+           all_to_all split sizes need the counts on the host: one small count exchange and one
+           host sync per layer, either kernel.
 
 Router losses (both added to the training loss by Transformer.forward and logged):
   balance  aux = aux_loss_coeff * E * sum_i f_i P_i. f_i = routed slots sent to expert i /
@@ -126,6 +139,12 @@ def _count(idx, n):
     return torch.zeros(n, dtype=torch.long, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx))
 
 
+def _fast_grouped(device, dtype):
+    """Does torch._grouped_mm run its own kernel here (CUDA bf16 on compute capability 9.x), not a
+    per-group fallback that reads the offsets on the host? (sm100 left out: pytorch issue 172439)"""
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_properties(device).major == 9
+
+
 def moe_layer(cfg, i):
     """Is layer i a mixture-of-experts layer under ModelConfig cfg?"""
     return cfg.n_experts > 0 and i >= cfg.moe_first_dense and (i - cfg.moe_first_dense) % cfg.moe_every == 0
@@ -153,6 +172,7 @@ class MoE(nn.Module):
         # layout, set by expert_parallel(): this rank holds experts [ep_rank * E/ep, ...)
         self.ep, self.ep_rank, self.ep_group, self.data_group = 1, 0, None, None
         self.tp_group = None  # set by tensor_parallel(): each rank holds a slice of every expert
+        self.expert_mm = "auto"  # expert kernel: "auto" | "grouped" (torch._grouped_mm) | "loop"
         self.router_loss = None  # aux + z of the latest forward (differentiable)
         self.stats = {}
         self.init_experts(cfg.init_std, cfg.init_std)
@@ -230,20 +250,58 @@ class MoE(nn.Module):
         pos[order] = torch.arange(e_s.numel(), device=e_s.device) - starts[e_s[order]]
         return pos
 
-    def _ffn(self, rows, sizes):
-        """rows (R, C) sorted by local expert, sizes[i] rows for local expert i -> (R, C). Under TP
-        every rank holds a slice of each expert's hidden units: Copy sums the input gradient over
-        TP; Reduce sums the partial outputs once, per slot, before the routing weights scale them,
-        so the router's gradient is whole and the same on every TP rank."""
+    def _ffn(self, rows, sizes, counts=None):
+        """rows (R, C) sorted by local expert, sizes[i] rows for local expert i -> (R, C). sizes:
+        host ints, or None where the caller has only `counts`, the same as an (El,) device tensor
+        (the loop then reads it: one host sync); the grouped kernel reads counts on the device.
+        Under TP every rank holds a slice of each expert's hidden units: Copy sums the input
+        gradient over TP; Reduce sums the partial outputs once, per slot, before the routing
+        weights scale them, so the router's gradient is whole and the same on every TP rank."""
         if self.tp_group is not None:
             rows = tp.Copy.apply(rows, self.tp_group)
-        if len(set(sizes)) == 1:  # fixed capacity: equal blocks, one batched matmul per matrix
-            out = self._act(torch.bmm(rows.view(len(sizes), sizes[0], rows.shape[1]), self.w1.transpose(1, 2)))
-            out = torch.bmm(out, self.w2.transpose(1, 2)).view(rows.shape)
-        else:  # dropless: unbind makes one backward node that stacks the experts' gradients
-            out = torch.cat([F.linear(self._act(F.linear(part, w1)), w2) for w1, w2, part
-                             in zip(self.w1.unbind(0), self.w2.unbind(0), rows.split(sizes))])
+        equal = sizes is not None and len(set(sizes)) == 1
+        if self._grouped(rows.device, rows.dtype, equal):
+            if counts is None:  # equal blocks are filled on the device: no copy from the host
+                counts = (rows.new_full((len(sizes),), sizes[0], dtype=torch.long) if equal
+                          else torch.tensor(sizes, device=rows.device))
+            offs = counts.cumsum(0).to(torch.int32)  # block ends, on the device: no host sync
+            w1, w2 = self.w1.to(rows.dtype), self.w2.to(rows.dtype)  # autocast does not cast it
+            out = self._act(torch._grouped_mm(rows, w1.transpose(1, 2), offs=offs))
+            out = torch._grouped_mm(out, w2.transpose(1, 2), offs=offs)
+        else:
+            sizes = counts.tolist() if sizes is None else sizes  # host sync: the block sizes
+            if len(set(sizes)) == 1:  # equal blocks (capacity): one batched matmul per matrix
+                out = self._act(torch.bmm(rows.view(len(sizes), sizes[0], rows.shape[1]), self.w1.transpose(1, 2)))
+                out = torch.bmm(out, self.w2.transpose(1, 2)).view(rows.shape)
+            else:  # unbind makes one backward node that stacks the experts' gradients
+                out = torch.cat([F.linear(self._act(F.linear(part, w1)), w2) for w1, w2, part
+                                 in zip(self.w1.unbind(0), self.w2.unbind(0), rows.split(sizes))])
         return out if self.tp_group is None else tp.Reduce.apply(out, self.tp_group)
+
+    def _grouped(self, device, dtype, equal):
+        """Run the experts with torch._grouped_mm on rows of this device and dtype? (MoE.expert_mm;
+        equal: every block the same size)"""
+        if self.expert_mm not in ("auto", "grouped", "loop"):
+            raise ValueError(f"expert_mm={self.expert_mm!r}: choose 'auto', 'grouped' or 'loop'")
+        if self.expert_mm == "loop":
+            return False
+        C, H = self.w2.shape[1:]
+        align = 16 // dtype.itemsize  # _grouped_mm wants 16-byte aligned row strides
+        ok = hasattr(torch, "_grouped_mm") and C % align == 0 and H % align == 0
+        if self.expert_mm == "grouped":
+            if not ok:
+                raise ValueError(f"expert_mm='grouped' needs torch._grouped_mm (torch >= 2.8; this is "
+                                 f"{torch.__version__}) and n_embd={C} and the expert hidden size per rank "
+                                 f"{H} multiples of {align} in {dtype}: change them or set expert_mm='auto'")
+            return True
+        return ok and not equal and _fast_grouped(device, dtype)
+
+    def sync_free(self, device, dtype):
+        """Does a dropless forward of this layer on `device`, computing in `dtype` (the autocast
+        dtype), run without any host sync (ep = 1, the grouped kernel, and its fast path, which
+        reads offs on the device), so that a CUDA graph can capture it?"""
+        device = torch.device(device)
+        return self.ep == 1 and _fast_grouped(device, dtype) and self._grouped(device, dtype, equal=False)
 
     def _act(self, h):
         if self.gated:
@@ -269,7 +327,7 @@ class MoE(nn.Module):
         inv = order.argsort()
         xs = xs[order]
         if self.ep == 1:
-            return self._ffn(xs, counts.tolist())[inv]  # host sync: the block sizes
+            return self._ffn(xs, None, counts)[inv]  # grouped: no host sync; loop: one, for the block sizes
         ep, El, g = self.ep, self.n_experts // self.ep, self.ep_group
         recv = _a2a(counts, None, None, g)  # (ep * El,): rows each rank sends to each of our experts
         host = torch.cat([counts.view(ep, El).sum(1), recv]).tolist()  # one host sync per layer
@@ -279,7 +337,7 @@ class MoE(nn.Module):
         local = torch.arange(El, device=xs.device).repeat(ep).repeat_interleave(recv, output_size=sum(got))
         o2 = local.argsort(stable=True)  # regroup by local expert
         per_e = [sum(rc[s * El + i] for s in range(ep)) for i in range(El)]
-        yr = self._ffn(xr[o2], per_e)[o2.argsort()]
+        yr = self._ffn(xr[o2], per_e, recv.view(ep, El).sum(0))[o2.argsort()]
         return AllToAll.apply(yr, send, got, g)[inv]
 
     def _losses(self, logits, probs, counts, dropped):

@@ -24,8 +24,10 @@ moe: the shape with 8 experts, top-2, in every layer (1b: 16 layers of width 204
 4096 hidden units: 3.6B parameters, 1.2B active). moe-dp: every GPU holds every expert
 (moe.expert_parallel with ep = 1, parallel.DataParallel over all GPUs); moe-ep: experts sharded
 over all GPUs (ep = world, dp = 1), tokens exchanged with all_to_all; both dropless; moe-ep-cap:
-EP with capacity_factor 1.25 (static shapes, no host sync). Same --batch sequences per GPU in
-every row; MFU counts active parameters (model.flops_per_token).
+EP with capacity_factor 1.25 (static shapes, no host sync); moe-ep-loop (CUDA only): moe-ep with
+the experts as one matmul each (MoE.expert_mm = "loop") instead of grouped matmuls, which "auto"
+picks on Hopper in bf16. Same --batch sequences per GPU in every row; MFU counts active
+parameters (model.flops_per_token).
 
 combo (4+ GPUs, world = 2 x 2): tp2-dp2 (tp.tensor_parallel over pairs of neighbouring GPUs,
 DataParallel over the pairs), tp2-fsdp2 (the same with fsdp.FSDP over the pairs), torch-fsdp2
@@ -150,9 +152,11 @@ def combo(g, shard):
     return wrap
 
 
-def moe_wrap(g):
+def moe_wrap(g, expert_mm="auto"):
     def wrap(raw):
         moe.expert_parallel(raw, g)  # ep = 1: every expert here; ep = world: this rank's share
+        for m in moe.layers(raw):
+            m.expert_mm = expert_mm  # the experts' kernel (moe.py): grouped matmuls or a loop
         m = parallel.DataParallel(raw, g)
         return raw, raw, m.finish, m.zero_grad
     return wrap
@@ -246,6 +250,11 @@ elif args.mode == "moe":
     shape = MOE_SHAPES[args.shape]
     rows = [measure("moe-dp", shape, moe_wrap(grid)), measure("moe-ep", shape, moe_wrap(ep_grid)),
             measure("moe-ep-cap", dict(shape, capacity_factor=1.25), moe_wrap(ep_grid))]
+    if cuda:  # on CPU "auto" is the loop already
+        rows.append(measure("moe-ep-loop", shape, moe_wrap(ep_grid, "loop")))
+        if rows[1].get("tokens_per_s") and rows[3].get("tokens_per_s"):
+            say(f"  moe-ep (grouped where available) / moe-ep-loop: "
+                f"{rows[1]['tokens_per_s'] / rows[3]['tokens_per_s']:.3f}x tokens/s")
     if rows[0].get("tokens_per_s") and rows[1].get("tokens_per_s"):
         say(f"  moe-ep / moe-dp: {rows[1]['tokens_per_s'] / rows[0]['tokens_per_s']:.3f}x tokens/s "
             f"({rows[0]['active_params'] / 1e9:.2f}B active of {rows[0]['params'] / 1e9:.2f}B parameters)")

@@ -6,13 +6,21 @@ What these tests prove, on CPU in fp32 (gloo for the distributed ones):
   gradients of input, router and every expert (relative error <= 1e-5), dropless and with
   capacity dropping, including an expert that receives no tokens (exactly zero gradient),
   and local experts that together receive no rows (an EP rank's dropless case);
+- the grouped expert kernel (torch._grouped_mm over all experts at once) equals the per-expert
+  loop: outputs and gradients (relative error <= 1e-6), dropless and with capacity, an expert
+  without tokens (exactly zero gradient), no rows at all; it really runs (counted calls); dropless
+  it reads nothing on the host (torch.compile traces the layer whole, fullgraph; the loop cannot
+  be); forcing it on unaligned shapes or naming an unknown kernel is one clear error; on a
+  Hopper GPU (skipped elsewhere) "auto" picks it under bf16 and its forward and backward run
+  under torch.cuda.set_sync_debug_mode("error"), equal to the loop within bf16 rounding;
 - golden values: the balance loss of a perfectly balanced router equals its coefficient; the
   z-loss of a hand-computed example; the router runs in fp32 under bf16 autocast;
 - a MoE Transformer trains, adds its router losses to the loss, counts total and active params;
-- EP=2 (and EP=2 x DP=2, dropless and capacity) equals one process: outputs (losses), first
-  gradients, weights after 3 AdamW steps with clipping; router-loss values (mean over ranks) and
-  gradients equal one process for the same global micro-batch, also with gradient accumulation;
-  expert and non-expert parameters stay bitwise identical across their replicas.
+- EP=2 (and EP=2 x DP=2, dropless and capacity; EP=2 with the grouped kernel) equals one
+  process: outputs (losses), first gradients, weights after 3 AdamW steps with clipping;
+  router-loss values (mean over ranks) and gradients equal one process for the same global
+  micro-batch, also with gradient accumulation; expert and non-expert parameters stay bitwise
+  identical across their replicas.
 (EP with TP, FSDP, Muon and resuming across layouts: tests/test_moe_layouts.py.)
 """
 import math
@@ -128,6 +136,114 @@ def test_layer_equals_dense_oracle(kw):
         assert layer.stats["dropped"] == 0
 
 
+GROUPED_CASES = [
+    dict(),                                              # dropless, swiglu, an expert without tokens
+    dict(capacity_factor=1.0),                           # dropping: equal blocks
+    dict(capacity_factor=0.5, moe_top_k=3, n_experts=5, activation="gelu", moe_renorm=False),
+    dict(n_shared_experts=1, moe_hidden=8),              # dropless, shared expert, hidden 8
+]
+
+
+@pytest.mark.parametrize("kw", GROUPED_CASES)
+def test_grouped_equals_loop(kw, monkeypatch):
+    """The grouped kernel (torch._grouped_mm over all experts at once) gives the per-expert loop's
+    outputs and gradients (fp32), and really runs: two _grouped_mm calls per forward, none in the
+    loop. expert_mm "auto" on CPU is the loop."""
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    layer = make_moe(layer_cfg(**kw))
+    E = layer.n_experts
+    x = torch.rand(2, 6, 16) + 0.5
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 0.3)
+        layer.router.weight[E - 1] = -1.0  # expert E-1 gets no tokens
+    dy = torch.randn(2, 6, 16)
+    out = {}
+    for mode in ("loop", "auto", "grouped"):
+        layer.expert_mm = mode
+        out[mode] = grads_of(layer, x, layer, dy)
+        assert len(calls) == (2 if mode == "grouped" else 0), mode
+    (y, g), (y_ref, g_ref) = out["grouped"], out["loop"]
+    assert rel_err(y, y_ref) <= 1e-6
+    for name in g_ref:
+        assert rel_err(g[name], g_ref[name]) <= 1e-6, name
+        assert torch.equal(out["auto"][1][name], g_ref[name]), name
+    assert torch.equal(g["w1"][E - 1], torch.zeros_like(g["w1"][E - 1]))  # no tokens: exactly zero
+    assert g["w1"].abs().sum() > 0
+    if kw.get("capacity_factor", 0):
+        assert layer.stats["dropped"] > 0
+
+
+def test_grouped_dropless_traces_without_host_sync():
+    """Dropless with the grouped kernel reads no routing-dependent value on the host: torch.compile
+    traces the layer as one graph (fullgraph=True; bf16: the op's meta function takes bf16 only),
+    and the traced layer equals eager. The loop, which reads its block sizes on the host, cannot
+    be traced whole (the check can fail)."""
+    torch.manual_seed(0)
+    layer = make_moe(layer_cfg())
+    x = torch.randn(2, 8, 16, dtype=torch.bfloat16)
+    layer.expert_mm = "grouped"
+    y = torch.compile(layer, backend="eager", fullgraph=True)(x)
+    assert torch.equal(y, layer(x))
+    assert not layer.sync_free("cpu", torch.bfloat16)  # on CPU _grouped_mm reads offs on the host
+    layer.expert_mm = "loop"
+    with pytest.raises(Exception, match="data-dependent"):
+        torch.compile(layer, backend="eager", fullgraph=True)(x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the grouped kernel's fast path: a CUDA GPU of compute capability 9.x")
+def test_grouped_cuda_bf16_no_sync():
+    """On Hopper under bf16 autocast, dropless: "auto" picks the grouped kernel, and its forward
+    and backward never synchronise with the host (torch.cuda.set_sync_debug_mode("error") raises
+    on any sync; the loop's block sizes would); outputs and gradients equal the loop's within bf16
+    rounding; an expert without tokens gets exactly zero gradient."""
+    torch.manual_seed(0)
+    E = 8
+    layer = make_moe(layer_cfg(n_embd=64, moe_hidden=128, n_experts=E)).cuda()
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 0.3)
+        layer.router.weight[E - 1] = -1.0  # x > 0: expert E-1 gets no tokens
+    x = torch.rand(4, 32, 64, device="cuda") + 0.5
+    dy = torch.randn(4, 32, 64, device="cuda")
+    out = {}
+    for mode in ("loop", "auto"):
+        layer.expert_mm = mode
+        assert layer.sync_free("cuda", torch.bfloat16) == (mode == "auto")
+        layer.zero_grad()
+        xg = x.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if mode == "auto" else 0)
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = layer(xg)
+            (y.float() * dy).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        out[mode] = [y.float(), xg.grad] + [p.grad.clone() for p in layer.parameters()]
+    for got, want in zip(out["auto"], out["loop"]):
+        assert rel_err(got, want) <= 2e-2
+    assert torch.equal(layer.w1.grad[E - 1], torch.zeros_like(layer.w1.grad[E - 1]))
+    assert torch.equal(layer.w2.grad[E - 1], torch.zeros_like(layer.w2.grad[E - 1]))
+
+
+def test_grouped_errors():
+    """Forcing the grouped kernel on rows it cannot take, or an unknown kernel: one clear error."""
+    layer = make_moe(layer_cfg(n_embd=18, n_head=1))  # 18 fp32 = 72 bytes, not a multiple of 16
+    layer.expert_mm = "grouped"
+    with pytest.raises(ValueError, match="n_embd=18 .* multiples of 4"):
+        layer(torch.randn(1, 4, 18))
+    hidden = make_moe(layer_cfg(moe_hidden=6))
+    hidden.expert_mm = "grouped"
+    with pytest.raises(ValueError, match="hidden size per rank 6 multiples of 4"):
+        hidden(torch.randn(1, 4, 16))
+    layer.expert_mm = "fast"
+    with pytest.raises(ValueError, match="choose 'auto', 'grouped' or 'loop'"):
+        layer(torch.randn(1, 4, 18))
+
+
 def test_experts_with_no_rows():
     """An EP rank may receive no slot at all for its experts (dropless): empty output, zero gradients."""
     layer = make_moe(layer_cfg())
@@ -135,6 +251,12 @@ def test_experts_with_no_rows():
     assert out.shape == (0, 16)
     out.sum().backward()
     assert layer.w1.grad.abs().sum() == 0 and layer.w2.grad.abs().sum() == 0
+    layer.zero_grad()
+    layer.expert_mm = "grouped"  # the same with the grouped kernel (whose backward takes a dense
+    out = layer._ffn(torch.zeros(0, 16, requires_grad=True), [0] * 4)  # gradient, as _dropless gives)
+    assert out.shape == (0, 16)
+    out.backward(torch.zeros(0, 16))
+    assert torch.equal(layer.w1.grad, torch.zeros_like(layer.w1)) and torch.equal(layer.w2.grad, torch.zeros_like(layer.w2))
 
 
 def test_balance_loss_golden():
@@ -254,6 +376,8 @@ def train(rank, world, accum, out_dir, cfg_kw):
     grid = parallel.init(cfg)
     torch.manual_seed(0)
     raw = Transformer(ModelConfig.from_cfg(cfg))
+    for m in moe.layers(raw):
+        m.expert_mm = cfg_kw.get("_expert_mm", "auto")
     full = {k: v.clone() for k, v in raw.state_dict().items()}
     moe.expert_parallel(raw, grid)
     opt = optim.build_optimizer(raw, cfg)
@@ -353,6 +477,16 @@ def test_ep2_equals_one_process(tmp_path):
             compare(ranks, ref, 2, accum)
             assert max(rel_err(ref["steps"][-1][k], ref["init"][k]) for k in ref["steps"][-1]) > 1e-3
     assert ref["router"][0]["dropped"] > 0  # the capacity variant really drops
+
+
+def test_ep2_grouped_equals_one_process(tmp_path):
+    """EP=2 with the grouped kernel (dropless: uneven blocks per local expert; capacity: equal
+    ones) equals one process running the loop."""
+    variants = [{}, {"capacity_factor": 1.0}]
+    refs = [r[0] for r in run(tmp_path, 1, 1, 1, [dict(kw, _ranks=2) for kw in variants])]
+    got = run(tmp_path, 2, 1, 2, [dict(kw, _expert_mm="grouped") for kw in variants])
+    for ranks, ref in zip(got, refs):
+        compare(ranks, ref, 2, 1)
 
 
 def test_ep2_dp2_equals_one_process(tmp_path):
