@@ -21,9 +21,10 @@ once; MFU = tokens/s * model.flops_per_token(T) / (peak * GPUs). Compilation hap
 steps (not timed); each row starts with torch._dynamo.reset() (no graphs of the previous row).
 
 check-compile: ours-fsdp eager vs compiled (inductor, the backend the CPU tests cannot afford) on
---shape (default "small"), fp32 without TF32, --steps steps on the same data: losses and weights after
-the last step (relative error), the graphs compiled after step 1 and after the last (equal: no
-recompilation). Exits 1 when a check fails.
+--shape (default "small"), --steps steps on the same data, in fp32 (TF32 off) with and without
+activation checkpointing and in bf16 compute with it: losses and weights after the last step
+(relative error <= 1e-4; bf16: 1e-2), the graphs compiled after step 1 and after the last (equal:
+no recompilation). Exits 1 when a check fails.
 
 capacity: for growing LLaMA shapes, FSDP over all GPUs with activation checkpointing, each
 process capped at --cap_gb of GPU memory (torch.cuda.set_per_process_memory_fraction, set after
@@ -240,8 +241,9 @@ def measure(name, shape, wrap, cap_gb=0.0):
     return row
 
 
-def check_compile(shape, tol=1e-4):
-    """ours-fsdp eager vs compiled (inductor), fp32: the same losses and weights, no recompilation."""
+def check_compile(shape):
+    """ours-fsdp eager vs compiled (inductor): the same losses and weights, no recompilation; fp32
+    (TF32 off) with and without activation checkpointing, and bf16 compute (autocast) with it."""
     torch.backends.cuda.matmul.allow_tf32 = False
     graphs = [0]
 
@@ -252,30 +254,39 @@ def check_compile(shape, tol=1e-4):
     g = torch.Generator(device=device).manual_seed(1 + grid.rank)
     data = [torch.randint(0, shape["vocab_size"], (args.batch, shape["block_size"] + 1), device=device, generator=g)
             for _ in range(args.steps)]
-    out = {}
-    for name in ("eager", "compiled"):
-        m = fsdp.FSDP(build(shape), grid)
-        if name == "compiled":
+
+    def train(ckpt, compute, compiled):
+        torch._dynamo.reset()
+        graphs[0] = 0
+        m = fsdp.FSDP(build(dict(shape, grad_checkpoint=ckpt)), grid, compute_dtype=compute)
+        if compiled:
             m.compile(backend=backend)
         opt = optim.build_optimizer(m, cfg)
         losses, counts = [], []
         for d in data:
-            loss = m(d[:, :-1], d[:, 1:])
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=compute is not None):
+                loss = m(d[:, :-1], d[:, 1:])
             loss.backward()
             m.finish()
             opt.step()
             m.zero_grad()
-            losses.append(loss.detach())
+            losses.append(loss.detach().float())
             counts.append(graphs[0])
-        out[name] = torch.stack(losses), fsdp.full_state_dict(m), counts
-    (l0, w0, _), (l1, w1, counts) = out["eager"], out["compiled"]
-    loss_err = ((l1 - l0).norm() / l0.norm()).item()
-    w_err = max(((w1[k] - w0[k]).norm() / w0[k].norm().clamp(min=1e-12)).item() for k in w0)
-    ok = loss_err <= tol and w_err <= tol and counts[0] > 0 and counts[-1] == counts[0]
-    say(f"  check-compile ({shape['n_layer']} layers, width {shape['n_embd']}, fp32, {args.steps} steps): loss rel err "
-        f"{loss_err:.2e}, worst weight rel err {w_err:.2e} (tol {tol:g}); graphs after each step {counts}: "
-        f"{'OK' if ok else 'FAILED'}")
-    return {"run": "check-compile", "loss_rel_err": loss_err, "weight_rel_err": w_err, "graphs": counts, "ok": ok}
+        return torch.stack(losses), fsdp.full_state_dict(m), counts
+
+    rows = []
+    for name, ckpt, compute, tol in (("fp32", False, None, 1e-4), ("fp32 + grad_checkpoint", True, None, 1e-4),
+                                     ("bf16 + grad_checkpoint", True, torch.bfloat16, 1e-2)):
+        (l0, w0, _), (l1, w1, counts) = train(ckpt, compute, False), train(ckpt, compute, True)
+        loss_err = ((l1 - l0).norm() / l0.norm()).item()
+        w_err = max(((w1[k] - w0[k]).norm() / w0[k].norm().clamp(min=1e-12)).item() for k in w0)
+        ok = loss_err <= tol and w_err <= tol and counts[0] > 0 and counts[-1] == counts[0]
+        say(f"  check-compile {name} ({shape['n_layer']} layers, width {shape['n_embd']}, {args.steps} steps): loss "
+            f"rel err {loss_err:.2e}, worst weight rel err {w_err:.2e} (tol {tol:g}); graphs after each step "
+            f"{counts}: {'OK' if ok else 'FAILED'}")
+        rows.append({"run": f"check-compile {name}", "loss_rel_err": loss_err, "weight_rel_err": w_err,
+                     "graphs": counts, "ok": ok})
+    return rows
 
 
 def sync():
@@ -316,7 +327,7 @@ elif args.mode == "combo":
         if by.get(a) and by.get(b):
             say(f"  {a} / {b}: {by[a] / by[b]:.3f}x tokens/s (goal >= 0.85x)")
 elif args.mode == "check-compile":
-    rows = [check_compile(SHAPES[args.shape])]
+    rows = check_compile(SHAPES[args.shape])
 else:
     rows = [measure(name, shape, ours_fsdp, cap_gb=args.cap_gb) for name, shape in CAPACITY]
 if main and args.json:
