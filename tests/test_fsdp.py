@@ -9,7 +9,7 @@ FSDP2 continues like the one process, and FSDP2's full state continues in one pr
 Compiled FSDP2 (parallelize with compile=True, the aot_eager backend: the same graphs and autograd
 as inductor, no C++ codegen) equals eager FSDP2 (losses and weights, relative error <= 1e-6) and the
 one process after 3 steps, also with activation checkpointing and accumulation; one graph serves
-every block, and steps 2 and 3 compile nothing new.
+every block, and steps 2 and 3 compile nothing new; config.validate accepts compile with FSDP.
 """
 import os
 from types import SimpleNamespace
@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import config
 import fsdp
 import generate
 import optim
@@ -273,6 +274,7 @@ def train_compiled(rank, world, out_dir):
 
 
 def test_compiled_fsdp2_equals_eager_and_one_process(tmp_path, ref_default):
+    config.validate(small_cfg(data_parallel="fsdp", compile=True), 2)  # accepted (it was refused before)
     spawn(train_compiled, 2, 2, str(tmp_path))
     ref = ref_default[0]["steps"][STEPS - 1]
     for rank in range(2):
