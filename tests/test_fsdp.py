@@ -9,7 +9,9 @@ FSDP2 continues like the one process, and FSDP2's full state continues in one pr
 Compiled FSDP2 (parallelize with compile=True, the aot_eager backend: the same graphs and autograd
 as inductor, no C++ codegen) equals eager FSDP2 (losses and weights, relative error <= 1e-6) and the
 one process after 3 steps, also with activation checkpointing and accumulation; one graph serves
-every block, and steps 2 and 3 compile nothing new; config.validate accepts compile with FSDP.
+every block, steps 2 and 3 compile nothing new, and the compiled graphs are what runs (counted
+calls: checkpointing recomputes each block through its compiled forward); config.validate accepts
+compile with FSDP.
 """
 import os
 from types import SimpleNamespace
@@ -240,12 +242,18 @@ def test_fsdp_on_one_process(ref_default):
 
 def train_compiled(rank, world, out_dir):
     """parallelize(cfg.compile) under FSDP2: eager, compiled, compiled with checkpointing and
-    accumulation 2, in one spawn; counts the graphs the backend compiles after each step."""
-    graphs = [0]
+    accumulation 2, in one spawn; counts the graphs the backend compiles and the calls of compiled
+    graphs, after each step."""
+    graphs, calls = [0], [0]
 
-    def backend(gm, example_inputs):  # aot_eager, counting the graphs it is handed
+    def backend(gm, example_inputs):  # aot_eager, counting the graphs it is handed and their calls
         graphs[0] += 1
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        fn = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+        def counted(*args):
+            calls[0] += 1
+            return fn(*args)
+        return counted
 
     rec = {}
     for name, compile_, accum, ckpt in (("eager", False, 1, False), ("compiled", True, 1, False),
@@ -254,7 +262,8 @@ def train_compiled(rank, world, out_dir):
         grid = parallel.init(cfg)
         torch.manual_seed(0)
         run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg, compile_backend=backend)
-        r = rec[name] = {"losses": [], "graphs": []}
+        r = rec[name] = {"losses": [], "graphs": [], "calls": []}
+        calls[0] = 0
         for i in range(STEPS):
             x, y = global_batch(i)
             per_rank = G // grid.dp
@@ -269,6 +278,7 @@ def train_compiled(rank, world, out_dir):
             run.optimizer.step()
             run.model.zero_grad()
             r["graphs"].append(graphs[0])
+            r["calls"].append(calls[0])
         r["weights"] = fsdp.full_state_dict(run.model)
     torch.save(rec, os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -283,6 +293,9 @@ def test_compiled_fsdp2_equals_eager_and_one_process(tmp_path, ref_default):
         assert eager["graphs"] == [0, 0, 0]  # compile=False compiles nothing
         # the block graph (both blocks), the final norm, the head's loss; nothing more in steps 2, 3
         assert rec["compiled"]["graphs"] == [3, 3, 3], rec["compiled"]["graphs"]
+        # calls per step: 2 blocks + norm + head; with checkpointing each block again in backward
+        # (recomputed through the compiled forward), 2 micro-steps
+        assert rec["compiled"]["calls"] == [4, 8, 12] and rec["compiled_ckpt"]["calls"] == [12, 24, 36]
         for name in ("compiled", "compiled_ckpt"):
             r = rec[name]
             assert r["graphs"][1:] == r["graphs"][:1] * 2, f"{name}: recompiled after step 1 {r['graphs']}"
