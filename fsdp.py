@@ -2,6 +2,7 @@
 
     model = fsdp.FSDP(raw, grid, compute_dtype=torch.bfloat16)  # after tp.tensor_parallel, before the optimizer
     optimizer = optim.build_optimizer(model, cfg)                # AdamW over this rank's fp32 shards
+    model.compile()                                              # optional: each block's compute (below)
     loss = model(x, y); loss.backward()                          # every micro-step (no_sync() is a no-op)
     model.finish(); parallel.clip_grad_norm_(model, cfg.grad_clip, grid); optimizer.step(); model.zero_grad()
 (parallel.parallelize builds all of it in this order.)
