@@ -2,6 +2,7 @@
 
     model = fsdp.FSDP(raw, grid, compute_dtype=torch.bfloat16)  # after tp.tensor_parallel, before the optimizer
     optimizer = optim.build_optimizer(model, cfg)                # AdamW over this rank's fp32 shards
+    model.compile()                                              # optional: each block's compute (below)
     loss = model(x, y); loss.backward()                          # every micro-step (no_sync() is a no-op)
     model.finish(); parallel.clip_grad_norm_(model, cfg.grad_clip, grid); optimizer.step(); model.zero_grad()
 (parallel.parallelize builds all of it in this order.)
@@ -55,8 +56,16 @@ sharded over grid.dp_group (their replicas), gathered and freed together with th
 Every gradient is divided by dp x ep (an expert's owner received every EP rank's tokens); the
 gradient norm adds squares over the data group. Checkpoint helpers give this EP rank's experts;
 checkpoint.gather / load complete and cut them over EP (moe.gather_experts / cut_experts).
-Limits: one backward per forward (no retain_graph, no torch.autograd.grad); compiling a block's
-__call__ would trace these hooks (compile its forward, or inside it).
+torch.compile (FSDP.compile, called by parallel.parallelize with cfg.compile): each block's forward
+is compiled, not its __call__, so the hooks above (gathers, frees, prefetch, _PreBackward) stay eager
+around the graph and overlap as before; the root's compute (final norm, head and loss) is compiled
+the same way, the embedding stays eager. The graph reads the parameters as inputs, fresh views of
+a new buffer each step with the same shapes, so one graph serves every block and every step (no
+recompilation); activation checkpointing recomputes through the same compiled forward. Inside
+summon_full_params (sampling, KV-cache decoding: generate.py) the eager forward runs.
+
+Limits: one backward per forward (no retain_graph, no torch.autograd.grad); nn.Module.compile()
+on a block (its __call__) would trace these hooks: FSDP.compile overrides it on the wrapper.
 """
 import contextlib
 import functools
@@ -367,6 +376,22 @@ class FSDP(nn.Module):
         while len(self.pending) > keep:
             u, work, out = self.pending.pop(0)
             u.accumulate(work, out)
+
+    # ------------------------------------------------------------------ torch.compile
+
+    def compile(self, **kwargs):
+        """torch.compile the compute, in place: each block's forward, the final norm's, and the
+        head's loss (model.head_loss). kwargs go to torch.compile (e.g. backend="aot_eager").
+        Overrides nn.Module.compile, which would compile __call__ and trace the gather hooks."""
+        m = self.module
+        for mod in list(m.blocks) + ([] if isinstance(m.norm_f, nn.Identity) else [m.norm_f]):
+            mod.forward = functools.partial(self._compute, mod.forward, torch.compile(mod.forward, **kwargs))
+        m.head_loss = functools.partial(self._compute, m.head_loss, torch.compile(m.head_loss, **kwargs))
+
+    def _compute(self, eager, compiled, *args, **kwargs):
+        """The compiled function; the eager one inside summon_full_params (sampling and KV-cache
+        decoding, whose shapes change every call)."""
+        return (eager if self.summoned else compiled)(*args, **kwargs)
 
     # ------------------------------------------------------------------ the DataParallel API
 

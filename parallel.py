@@ -15,7 +15,7 @@ parallelize() applies, in the one order that works: the TP cut (tp.py), the init
 HF folder or a checkpoint, read after the cut so each rank reads only its slices, before the EP
 cut which drops other ranks' experts), LoRA adapters (lora.py: on the cut, loaded base), the EP cut (moe.py), then FSDP (fsdp.py) and its optimizer,
 or the optimizer and DataParallel (whose ZeRO-1 owner map comes from the optimizer), then
-torch.compile. clip_grad_norm_ is the one gradient norm of every layout and their products.
+torch.compile (of the whole model under DataParallel, of each block's compute under FSDP). clip_grad_norm_ is the one gradient norm of every layout and their products.
 
 Import graph of the top-level modules (lazy imports included; tests/test_imports.py checks
 that it has no cycle and that no file uses another's _private names). Before issue 14 (4bce2c0):
@@ -495,7 +495,7 @@ class Parallel:
         return self.model.summon_full_params() if isinstance(self.model, fsdp.FSDP) else contextlib.nullcontext()
 
 
-def parallelize(model, grid, cfg, load=None, optimizer=True):
+def parallelize(model, grid, cfg, load=None, optimizer=True, compile_backend="inductor"):
     """Apply the layout of cfg (grid's tp / ep, cfg.data_parallel) to a full model built from the
     same seed on every rank, in place, and build its optimizer (optimizer=False: none).
 
@@ -504,7 +504,10 @@ def parallelize(model, grid, cfg, load=None, optimizer=True):
     that is frozen already (a reference model).
     A model without trainable parameters (a frozen reference) gets no optimizer and stays
     replicated (DataParallel: broadcast once, nothing to reduce), also under data_parallel="fsdp".
-    Partly frozen models work: frozen parameters are neither reduced nor optimised."""
+    Partly frozen models work: frozen parameters are neither reduced nor optimised.
+    cfg.compile: torch.compile(model) under DataParallel (its hooks live on the parameters); under
+    FSDP each block's compute and the head (FSDP.compile: the gather hooks stay eager).
+    compile_backend: torch.compile's backend ("aot_eager" traces the same graphs without codegen)."""
     tp.tensor_parallel(model, grid)  # TP: keep this rank's heads / MLP columns / vocabulary rows (tp=1: no-op)
     if load is not None:
         load(model)  # initial weights: each TP rank reads only its slices; every expert still here
@@ -517,9 +520,11 @@ def parallelize(model, grid, cfg, load=None, optimizer=True):
         wrapper = fsdp.FSDP(model, grid, compute_dtype=dtype if dtype != torch.float32 else None)
         opt = optim.build_optimizer(wrapper, cfg, grid) if optimizer else None
         fwd = wrapper  # gathers each block's shards around its forward
+        if cfg.compile:
+            wrapper.compile(backend=compile_backend)
     else:  # replicate it (broadcasts rank 0's weights); ZeRO-1: each gradient is reduced to its owner
         opt = optim.build_optimizer(model, cfg, grid) if optimizer and trainable else None
         wrapper = DataParallel(model, grid, cfg.grad_bucket_mb, owner=getattr(opt, "grad_owner", None),
                                reduce_dtype=getattr(torch, cfg.grad_reduce_dtype))
-        fwd = torch.compile(model) if cfg.compile else model  # DataParallel's hooks live on the parameters
+        fwd = torch.compile(model, backend=compile_backend) if cfg.compile else model  # DataParallel's hooks live on the parameters
     return Parallel(model, wrapper, fwd, opt, grid)

@@ -6,14 +6,25 @@
     torchrun --nproc_per_node=2 bench/bench_parallel.py moe                # 8-expert top-2 MoE: DP vs EP
     torchrun --nproc_per_node=2 bench/bench_parallel.py moe --shape=tiny --device=cpu --steps=2  # smoke test
     torchrun --nproc_per_node=4 bench/bench_parallel.py combo              # TP2xDP2, TP2xFSDP2, EP2xDP2 vs FSDP2 over 4
+    torchrun --nproc_per_node=2 bench/bench_parallel.py check-compile      # compiled FSDP == eager FSDP (inductor)
 
 speed rows (same global batch: --batch sequences per GPU for the data-parallel forms, the same
 total on the TP group): ours-fsdp (fsdp.FSDP, bf16 compute, fp32 master shards and reduce) vs
 torch-fsdp2 (`fully_shard` per block and on the root, MixedPrecisionPolicy(bf16 params, fp32
 reduce)); ours-dp (parallel.DataParallel) vs torch-ddp (DistributedDataParallel, 25 MB buckets);
-ours-tp (tp.tensor_parallel over all GPUs, dp = 1). Every row runs eager (our FSDP's hooks and
-storage resizing are not traced by torch.compile), bf16 autocast, fused AdamW, random tokens.
-tokens/s counts the global batch once; MFU = tokens/s * model.flops_per_token(T) / (peak * GPUs).
+ours-tp (tp.tensor_parallel over all GPUs, dp = 1); compiled: ours-fsdp-compiled (FSDP.compile:
+each block's forward, the final norm and the head's loss compiled, the gather hooks eager) vs
+torch-fsdp2-compiled (torchtitan's recipe: each block replaced by torch.compile(block), then
+fully_shard per block and on the root: FSDP2's hooks run eagerly around the compiled block). The
+other rows run eager. bf16 autocast, fused AdamW, random tokens. tokens/s counts the global batch
+once; MFU = tokens/s * model.flops_per_token(T) / (peak * GPUs). Compilation happens in the warm-up
+steps (not timed); each row starts with torch._dynamo.reset() (no graphs of the previous row).
+
+check-compile: ours-fsdp eager vs compiled (inductor, the backend the CPU tests cannot afford) on
+--shape (default "small"), --steps steps on the same data, in fp32 (TF32 off) with and without
+activation checkpointing and in bf16 compute with it: losses and weights after the last step
+(relative error <= 1e-4; bf16: 1e-2), the graphs compiled after step 1 and after the last (equal:
+no recompilation). Exits 1 when a check fails.
 
 capacity: for growing LLaMA shapes, FSDP over all GPUs with activation checkpointing, each
 process capped at --cap_gb of GPU memory (torch.cuda.set_per_process_memory_fraction, set after
@@ -62,6 +73,7 @@ from model import ModelConfig, Transformer
 LLAMA = dict(vocab_size=50304, activation="swiglu", norm="rmsnorm", pos_emb="rope")
 SHAPES = {  # ~1B: Llama-3.2-1B-like width/depth with a 50k vocabulary (1.21B parameters)
     "1b": dict(LLAMA, block_size=2048, n_layer=16, n_embd=2048, n_head=16, n_kv_head=8, ffn_hidden=8192),
+    "small": dict(LLAMA, vocab_size=8192, block_size=512, n_layer=4, n_embd=512, n_head=8, n_kv_head=4),
     "tiny": dict(LLAMA, vocab_size=512, block_size=64, n_layer=2, n_embd=64, n_head=4, n_kv_head=2),
 }
 MOE = dict(n_experts=8, moe_top_k=2)
@@ -71,16 +83,17 @@ CAPACITY = [  # (name, shape): 2.1B, 2.5B, 2.9B, 3.3B parameters at width 2560
                           ffn_hidden=10240, grad_checkpoint=True)) for L in (20, 24, 28, 32)]
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-p.add_argument("mode", choices=["speed", "capacity", "moe", "combo"])
-p.add_argument("--shape", choices=list(SHAPES), default="1b")
+p.add_argument("mode", choices=["speed", "capacity", "moe", "combo", "check-compile"])
+p.add_argument("--shape", choices=list(SHAPES), default=None, help="default: 1b (check-compile: small)")
 p.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
 p.add_argument("--steps", type=int, default=10)
 p.add_argument("--warmup", type=int, default=3)
-p.add_argument("--runs", default="ours-fsdp,torch-fsdp2,ours-dp,torch-ddp,ours-tp")
+p.add_argument("--runs", default="ours-fsdp,torch-fsdp2,ours-fsdp-compiled,torch-fsdp2-compiled,ours-dp,torch-ddp,ours-tp")
 p.add_argument("--cap_gb", type=float, default=24.0)
 p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
 p.add_argument("--json", default="")
 args = p.parse_args()
+args.shape = args.shape or ("small" if args.mode == "check-compile" else "1b")
 
 world = int(os.environ.get("WORLD_SIZE", "1"))
 grid = parallel.init(SimpleNamespace(device=args.device, tp=1, ep=1))  # dp = world
@@ -100,15 +113,19 @@ def build(shape):
         return Transformer(ModelConfig(**shape))
 
 
-def ours_fsdp(raw):
+def ours_fsdp(raw, compile_=False):
     m = fsdp.FSDP(raw, grid, compute_dtype=dtype if cuda else None)
+    if compile_:
+        m.compile()
     return m, m, m.finish, m.zero_grad
 
 
-def torch_fsdp2(raw):
+def torch_fsdp2(raw, compile_=False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for block in raw.blocks:
+    for i, block in enumerate(raw.blocks):
+        if compile_:  # torchtitan's apply_compile, then apply_fsdp: each block wrapped, then sharded
+            block = raw.blocks[i] = torch.compile(block)
         fully_shard(block, mp_policy=mp)
     fully_shard(raw, mp_policy=mp)
     return raw, raw, (lambda: None), (lambda: raw.zero_grad(set_to_none=True))
@@ -131,7 +148,8 @@ def ours_tp(raw):
 
 
 ROWS = {"ours-fsdp": ours_fsdp, "torch-fsdp2": torch_fsdp2, "ours-dp": ours_dp, "torch-ddp": torch_ddp,
-        "ours-tp": ours_tp}
+        "ours-tp": ours_tp, "ours-fsdp-compiled": lambda raw: ours_fsdp(raw, True),
+        "torch-fsdp2-compiled": lambda raw: torch_fsdp2(raw, True)}
 ep_grid = (parallel.init(SimpleNamespace(device=args.device, tp=1, ep=world))  # same processes, ep = world
            if args.mode == "moe" else None)
 if args.mode == "combo":  # pairs of neighbouring GPUs: TP (or EP) inside, data parallel across
@@ -165,6 +183,7 @@ def moe_wrap(g, expert_mm="auto"):
 def measure(name, shape, wrap, cap_gb=0.0):
     """Build, wrap, warm up, time; returns a dict row (or its error)."""
     row = {"run": name}
+    torch._dynamo.reset()
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -226,6 +245,54 @@ def measure(name, shape, wrap, cap_gb=0.0):
     return row
 
 
+def check_compile(shape):
+    """ours-fsdp eager vs compiled (inductor): the same losses and weights, no recompilation; fp32
+    (TF32 off) with and without activation checkpointing, and bf16 compute (autocast) with it."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    graphs = [0]
+
+    def backend(gm, example_inputs):  # inductor, counting the graphs it is handed
+        graphs[0] += 1
+        return torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
+    cfg = SimpleNamespace(**{**vars(opt_cfg), "eps": 1e-6})  # eps: see tests/test_parallel.py (rounding-noise gradients)
+    g = torch.Generator(device=device).manual_seed(1 + grid.rank)
+    data = [torch.randint(0, shape["vocab_size"], (args.batch, shape["block_size"] + 1), device=device, generator=g)
+            for _ in range(args.steps)]
+
+    def train(ckpt, compute, compiled):
+        torch._dynamo.reset()
+        graphs[0] = 0
+        m = fsdp.FSDP(build(dict(shape, grad_checkpoint=ckpt)), grid, compute_dtype=compute)
+        if compiled:
+            m.compile(backend=backend)
+        opt = optim.build_optimizer(m, cfg)
+        losses, counts = [], []
+        for d in data:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=compute is not None):
+                loss = m(d[:, :-1], d[:, 1:])
+            loss.backward()
+            m.finish()
+            opt.step()
+            m.zero_grad()
+            losses.append(loss.detach().float())
+            counts.append(graphs[0])
+        return torch.stack(losses), fsdp.full_state_dict(m), counts
+
+    rows = []
+    for name, ckpt, compute, tol in (("fp32", False, None, 1e-4), ("fp32 + grad_checkpoint", True, None, 1e-4),
+                                     ("bf16 + grad_checkpoint", True, torch.bfloat16, 1e-2)):
+        (l0, w0, _), (l1, w1, counts) = train(ckpt, compute, False), train(ckpt, compute, True)
+        loss_err = ((l1 - l0).norm() / l0.norm()).item()
+        w_err = max(((w1[k] - w0[k]).norm() / w0[k].norm().clamp(min=1e-12)).item() for k in w0)
+        ok = loss_err <= tol and w_err <= tol and counts[0] > 0 and counts[-1] == counts[0]
+        say(f"  check-compile {name} ({shape['n_layer']} layers, width {shape['n_embd']}, {args.steps} steps): loss "
+            f"rel err {loss_err:.2e}, worst weight rel err {w_err:.2e} (tol {tol:g}); graphs after each step "
+            f"{counts}: {'OK' if ok else 'FAILED'}")
+        rows.append({"run": f"check-compile {name}", "loss_rel_err": loss_err, "weight_rel_err": w_err,
+                     "graphs": counts, "ok": ok})
+    return rows
+
+
 def sync():
     if cuda:
         torch.cuda.synchronize(device)
@@ -243,7 +310,8 @@ say(f"# bench_parallel {args.mode} | {torch.cuda.get_device_name(device) if cuda
 if args.mode == "speed":
     rows = [measure(name, SHAPES[args.shape], ROWS[name]) for name in args.runs.split(",")]
     by = {r["run"]: r.get("tokens_per_s") for r in rows}
-    for a, b in (("ours-fsdp", "torch-fsdp2"), ("ours-dp", "torch-ddp"), ("ours-tp", "ours-fsdp")):
+    for a, b in (("ours-fsdp", "torch-fsdp2"), ("ours-fsdp-compiled", "torch-fsdp2-compiled"),
+                 ("ours-fsdp-compiled", "ours-fsdp"), ("ours-dp", "torch-ddp"), ("ours-tp", "ours-fsdp")):
         if by.get(a) and by.get(b):
             say(f"  {a} / {b}: {by[a] / by[b]:.3f}x tokens/s")
 elif args.mode == "moe":
@@ -267,9 +335,13 @@ elif args.mode == "combo":
     for a, b in (("tp2-dp2", "torch-fsdp2"), ("tp2-fsdp2", "torch-fsdp2"), ("ep2-dp2", "moe-torch-fsdp2")):
         if by.get(a) and by.get(b):
             say(f"  {a} / {b}: {by[a] / by[b]:.3f}x tokens/s (goal >= 0.85x)")
+elif args.mode == "check-compile":
+    rows = check_compile(SHAPES[args.shape])
 else:
     rows = [measure(name, shape, ours_fsdp, cap_gb=args.cap_gb) for name, shape in CAPACITY]
 if main and args.json:
     with open(args.json, "w") as f:
         json.dump({"mode": args.mode, "world": world, "batch": args.batch, "rows": rows}, f, indent=1)
 parallel.shutdown()
+if not all(r.get("ok", True) for r in rows):
+    sys.exit(1)
