@@ -123,9 +123,13 @@ def need(isolation, *what):
         pytest.skip(f"the OS did not allow {' or '.join(what)} here (isolation: {' '.join(isolation) or 'none'})")
 
 
-def leftovers(result):
-    """Processes still running under the sandbox's user id (as root); [] when it ran without one."""
+def leftovers(result, wait=3.0):
+    """Processes still running under the sandbox's user id (as root); [] when it ran without one.
+    A killed process takes a moment to go on a loaded machine: polled for up to `wait` seconds."""
     uid = next((int(i[4:]) for i in result.isolation.split() if i.startswith("uid:")), None)
+    deadline = time.monotonic() + wait
+    while uid is not None and rewards.processes_of(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return [] if uid is None else rewards.processes_of(uid)
 
 
@@ -148,9 +152,10 @@ def test_correct_solution_passes_in_a_clean_fresh_directory(monkeypatch):
 
 def test_infinite_loops_are_killed_on_the_wall_clock():
     start = time.monotonic()
-    for r in rewards.run_many(["while True:\n    pass\n", "import time\ntime.sleep(1000)\n"], "", workers=2, timeout=1):
+    results = rewards.run_many(["while True:\n    pass\n", "import time\ntime.sleep(1000)\n"], "", workers=2, timeout=1)
+    assert time.monotonic() - start < 10  # killed at 1 s, not after 1000 (sandbox start-up is slow on a loaded machine)
+    for r in results:
         assert not r.passed and r.reason == "timed out after 1 s (wall clock): killed" and leftovers(r) == []
-    assert time.monotonic() - start < 5
 
 
 def test_fork_bomb_is_contained(isolation):
