@@ -280,9 +280,9 @@ def validate(cfg, world=1):
     need(cfg.grad_reduce_dtype in ("float32", "bfloat16"),
          f"grad_reduce_dtype='{cfg.grad_reduce_dtype}' must be float32 or bfloat16")
     need(cfg.data_parallel in ("ddp", "fsdp"), f"data_parallel='{cfg.data_parallel}' must be ddp or fsdp")
-    need(not (cfg.compile and (cfg.tp > 1 or cfg.data_parallel == "fsdp")),
-         "compile=True works with data_parallel='ddp' and tp=1 only (TP's and FSDP's collectives run in "
-         "hooks torch.compile does not trace): set --compile=False")
+    need(not (cfg.compile and cfg.data_parallel == "fsdp"),
+         "compile=True works with data_parallel='ddp' only (FSDP's collectives run in hooks torch.compile "
+         "does not trace): set --compile=False")
     need(cfg.n_head % cfg.tp == 0, f"n_head={cfg.n_head} is not divisible by tp={cfg.tp}: each rank needs whole heads")
     need(world % (cfg.tp * cfg.ep) == 0, f"world size {world} is not divisible by tp*ep={cfg.tp * cfg.ep}")
     dp = world // (cfg.tp * cfg.ep) * cfg.ep  # data-parallel ranks: EP ranks see different data too

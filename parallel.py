@@ -495,7 +495,7 @@ class Parallel:
         return self.model.summon_full_params() if isinstance(self.model, fsdp.FSDP) else contextlib.nullcontext()
 
 
-def parallelize(model, grid, cfg, load=None, optimizer=True):
+def parallelize(model, grid, cfg, load=None, optimizer=True, compile_kwargs=None):
     """Apply the layout of cfg (grid's tp / ep, cfg.data_parallel) to a full model built from the
     same seed on every rank, in place, and build its optimizer (optimizer=False: none).
 
@@ -504,7 +504,9 @@ def parallelize(model, grid, cfg, load=None, optimizer=True):
     that is frozen already (a reference model).
     A model without trainable parameters (a frozen reference) gets no optimizer and stays
     replicated (DataParallel: broadcast once, nothing to reduce), also under data_parallel="fsdp".
-    Partly frozen models work: frozen parameters are neither reduced nor optimised."""
+    Partly frozen models work: frozen parameters are neither reduced nor optimised.
+    cfg.compile: fwd = torch.compile(raw, **compile_kwargs) (e.g. dict(backend="aot_eager") in tests),
+    TP included: dynamo traces TP's collectives into the graph, forward and backward (tp.py)."""
     tp.tensor_parallel(model, grid)  # TP: keep this rank's heads / MLP columns / vocabulary rows (tp=1: no-op)
     if load is not None:
         load(model)  # initial weights: each TP rank reads only its slices; every expert still here
@@ -521,5 +523,6 @@ def parallelize(model, grid, cfg, load=None, optimizer=True):
         opt = optim.build_optimizer(model, cfg, grid) if optimizer and trainable else None
         wrapper = DataParallel(model, grid, cfg.grad_bucket_mb, owner=getattr(opt, "grad_owner", None),
                                reduce_dtype=getattr(torch, cfg.grad_reduce_dtype))
-        fwd = torch.compile(model) if cfg.compile else model  # DataParallel's hooks live on the parameters
+        # DataParallel's hooks live on the parameters, outside the graph; TP's collectives inside it
+        fwd = torch.compile(model, **(compile_kwargs or {})) if cfg.compile else model
     return Parallel(model, wrapper, fwd, opt, grid)

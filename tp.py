@@ -15,6 +15,14 @@ replicated when n_kv_head < tp; chunks == 1: q/k-norm weights). Slicing, gatheri
 norm counting and the gradient sum of shared pieces all follow from it. Parameters without
 tp_split (norms, row-parallel biases, positions) are replicated with identical gradients.
 MoE layers cut their own experts (moe.MoE.tensor_parallel, called from tensor_parallel below).
+
+torch.compile (parallel.parallelize, cfg.compile) traces the collectives rather than breaking the
+graph around them: dynamo rewrites each in-place torch.distributed call made inside the autograd
+Functions below (dist.all_reduce, dist.all_gather) into its functional form
+(torch.distributed._functional_collectives: a collective op and a wait in the graph), in forward and,
+through AOTAutograd, in backward. The training forward is one graph, no graph break, compiled once
+(tests/test_tp.py, with gloo on CPU); on GPUs inductor may move the waits to overlap compute. The
+gradient hooks of shared pieces (shard) and DataParallel's run outside the graph, as in eager.
 Not here: sequence parallelism. Attention dropout draws the same masks on every TP rank; the
 gradient norm over every layout (parallel.py); full (layout-free) checkpoint state (checkpoint.py).
 """

@@ -7,7 +7,9 @@ that TP does not divide). Model: TP2, TP4 and TP2 x DP2 against one process on t
 after 3 AdamW steps, the optimizer state; replicated parameters and shared (replicated kv) pieces
 bitwise identical across TP ranks after every step; a one-process checkpoint (weights and
 optimizer state) loaded into TP2 gives the same logits, per-token losses, greedy generation and
-next step; an HF folder read with tp.hf_shard_fn gives the one-process weights.
+next step; an HF folder read with tp.hf_shard_fn gives the one-process weights. Compiled
+(parallelize with compile=True, aot_eager, fullgraph) TP2 x DP2 equals eager TP2 x DP2 (losses,
+gradient norms, weights; 1e-6) and one process, with one graph compiled over the steps.
 """
 import copy
 import os
@@ -19,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
+import config
 import generate
 import hf
 import optim
@@ -126,15 +129,49 @@ def test_layers_match_torch(tmp_path):
 
 # ----------------------------------------------------------------------------- the model
 
-def _train(rank, out_dir, jobs, ref_path):
+def _train(rank, out_dir, jobs, ref_path, compiled=()):
     """TP (and DP) training in miniature; saves what the test compares. jobs: [(tp size, config
     names)], one spawn for several layouts. tp 1 in one process is the reference: torch's
-    clip_grad_norm_ and the plain model."""
+    clip_grad_norm_ and the plain model. compiled: config names also trained at tp=2 compiled."""
     refs = torch.load(ref_path) if ref_path else None
     for tp_size, names in jobs:
         grid = parallel.init(SimpleNamespace(device="cpu", tp=tp_size, ep=1))
         out = _train_layout(rank, out_dir, grid, tp_size, names, refs)
         torch.save(out, os.path.join(out_dir, f"tp{tp_size}_rank{rank}.pt"))
+    if compiled:
+        grid = parallel.init(SimpleNamespace(device="cpu", tp=2, ep=1))
+        torch.save(_train_compiled(grid, compiled), os.path.join(out_dir, f"compiled_rank{rank}.pt"))
+
+
+def _train_compiled(grid, names):
+    """parallel.parallelize with compile=True (backend aot_eager: inductor on a 2-core CPU is slow;
+    fullgraph=True: a graph break raises), STEPS steps as _train_layout's; what the test compares."""
+    out = {}
+    for name in names:
+        cfg = small_cfg(tp=2, compile=True, **CONFIGS[name])
+        graphs = []  # one entry per graph dynamo hands to the backend: a recompilation adds one
+
+        def backend(gm, inputs):
+            graphs.append(gm)
+            return torch._dynamo.lookup_backend("aot_eager")(gm, inputs)
+        torch.manual_seed(0)
+        run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg,
+                                   compile_kwargs=dict(backend=backend, fullgraph=True))
+        rec = {"losses": [], "norms": []}
+        per = G // grid.dp
+        for s in range(STEPS):
+            x, y = (t[grid.dp_rank * per:(grid.dp_rank + 1) * per] for t in global_batch(s))
+            loss = run.fwd(x, y)
+            loss.backward()
+            run.model.finish()
+            rec["norms"].append(run.clip_grad_norm_(cfg.grad_clip))
+            run.optimizer.step()
+            run.model.zero_grad()
+            rec["losses"].append(loss.detach())
+        rec["weights"], rec["graphs"] = checkpoint.full_state_dict(run.raw, grid), len(graphs)
+        out[name] = rec
+        torch._dynamo.reset()
+    return out
 
 
 def _train_layout(rank, out_dir, grid, tp_size, names, refs):
@@ -152,8 +189,11 @@ def _train_layout(rank, out_dir, grid, tp_size, names, refs):
         def step(raw, opt, model, s, rec):
             per = G // grid.dp
             x, y = (t[grid.dp_rank * per:(grid.dp_rank + 1) * per] for t in global_batch(s))
-            model(x, y).backward()
+            loss = model(x, y)
+            loss.backward()
             model.finish()
+            if rec is not None:
+                rec["losses"].append(loss.detach())
             if rec is not None and s == 0:
                 rec["grads"] = {n: tp.full_tensor(p, p.grad, grid) for n, p in raw.named_parameters()}
             if grid.world == 1:
@@ -165,7 +205,8 @@ def _train_layout(rank, out_dir, grid, tp_size, names, refs):
             return norm
 
         raw, opt, model = build(0)
-        rec = {"init": checkpoint.full_state_dict(raw, grid), "steps": [], "norms": [], "replicated": [], "shared_ok": []}
+        rec = {"init": checkpoint.full_state_dict(raw, grid), "steps": [], "norms": [], "losses": [], "replicated": [],
+               "shared_ok": []}
         n_steps = STEPS if loading else STEPS + 1  # the reference also makes the step after loading
         for s in range(n_steps):
             rec["norms"].append(step(raw, opt, model, s, rec))
@@ -256,15 +297,29 @@ def test_tp2_equals_one_process(tmp_path, reference):
     _check([torch.load(tmp_path / f"tp2_rank{r}.pt") for r in range(2)], ref, 2, list(CONFIGS))
 
 
-def test_tp2_dp2_and_tp4_equal_one_process(tmp_path, reference):
+def test_tp2_dp2_tp4_and_compiled_equal_one_process(tmp_path, reference):
     # one spawn of 4 ranks, two layouts. TP2 x DP2: DataParallel over grid.dp_group wraps the TP
     # model. TP4: 2 kv heads on 4 ranks (each kv head shared by 2 ranks), q/k norms shared by
     # all 4, and rank 3's vocabulary shard holds 1 real row and 31 padding rows.
+    # Compiled TP2 x DP2 (parallelize, compile=True) in the same spawn: equal to eager TP2 x DP2
+    # (losses, gradient norms, weights; 1e-6) and to one process; the training forward is one graph
+    # with TP's collectives inside, compiled once over the steps (no recompilation).
     path, ref = reference
     jobs = [(2, ["mqa_qkvbias"]), (4, ["llama_qknorm"])]
-    spawn(_train, 4, str(tmp_path), jobs, path)
+    compiled = ["mqa_qkvbias"]  # the replicated kv head: its gradient hook runs outside the graph
+    spawn(_train, 4, str(tmp_path), jobs, path, compiled)
     for tp_size, names in jobs:
         _check([torch.load(tmp_path / f"tp{tp_size}_rank{r}.pt") for r in range(4)], ref, tp_size, names)
+    for rank in range(4):
+        eager, comp = torch.load(tmp_path / f"tp2_rank{rank}.pt"), torch.load(tmp_path / f"compiled_rank{rank}.pt")
+        for name in compiled:
+            e, c, what = eager[name], comp[name], f"compiled {name} rank {rank}"
+            assert c["graphs"] == 1, f"{what}: {c['graphs']} graphs compiled in {STEPS} steps, want 1"
+            for s in range(STEPS):
+                assert_close(c["losses"][s], e["losses"][s], f"{what} loss step {s}", tol=1e-6)
+                assert_close(c["norms"][s], e["norms"][s], f"{what} gradient norm step {s}", tol=1e-6)
+            assert_close(c["weights"], e["steps"][STEPS - 1], f"{what} weights vs eager", tol=1e-6)
+            assert_close(c["weights"], ref[name]["steps"][STEPS - 1], f"{what} weights vs one process")
 
 
 # ----------------------------------------------------------------------------- one process
@@ -300,6 +355,10 @@ def test_vocab_parallel_loss_one_process():
     assert_close(gz, rz, "gradient")
 
 
+def test_config_accepts_compile_with_tp():
+    config.validate(small_cfg(tp=2, compile=True, batch_size=8, micro_batch_size=2), world=4)  # raised before
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(n_head=6, n_kv_head=3, n_embd=48), "n_head=6 is not divisible by tp=4"),
     (dict(n_head=8, n_kv_head=0, n_embd=32, ffn_hidden=30, activation="gelu"), "hidden size 30"),
@@ -311,3 +370,4 @@ def test_refuses_with_a_message(kw, msg):
     grid = SimpleNamespace(tp=4, tp_rank=0, tp_group=None)  # the checks run before any collective
     with pytest.raises(ValueError, match=msg):
         tp.tensor_parallel(Transformer(ModelConfig(vocab_size=50, n_layer=1, block_size=8, **kw)), grid)
+
