@@ -507,7 +507,8 @@ def parallelize(model, grid, cfg, load=None, optimizer=True, compile_kwargs=None
     Partly frozen models work: frozen parameters are neither reduced nor optimised.
     cfg.compile: fwd = torch.compile(raw, **compile_kwargs) (e.g. dict(backend="aot_eager") in tests),
     TP included: dynamo traces TP's collectives into the graph, forward and backward (tp.py)."""
-    tp.tensor_parallel(model, grid)  # TP: keep this rank's heads / MLP columns / vocabulary rows (tp=1: no-op)
+    # TP: keep this rank's heads / MLP columns / vocabulary rows (tp=1: no-op)
+    tp.tensor_parallel(model, grid, sequence_parallel=cfg.sequence_parallel)
     if load is not None:
         load(model)  # initial weights: each TP rank reads only its slices; every expert still here
     if cfg.lora_r and any(p.requires_grad for p in model.parameters()):

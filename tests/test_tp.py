@@ -7,9 +7,11 @@ that TP does not divide). Model: TP2, TP4 and TP2 x DP2 against one process on t
 after 3 AdamW steps, the optimizer state; replicated parameters and shared (replicated kv) pieces
 bitwise identical across TP ranks after every step; a one-process checkpoint (weights and
 optimizer state) loaded into TP2 gives the same logits, per-token losses, greedy generation and
-next step; an HF folder read with tp.hf_shard_fn gives the one-process weights. Compiled
-(parallelize with compile=True, aot_eager, fullgraph) TP2 x DP2 equals eager TP2 x DP2 (losses,
-gradient norms, weights; 1e-6) and one process, with one graph compiled over the steps.
+next step; an HF folder read with tp.hf_shard_fn gives the one-process weights. Sequence
+parallelism (TP2, TP2 x DP2) passes the same checks, but generation, which it refuses with a message.
+Compiled (parallelize with compile=True, aot_eager, fullgraph) TP2 x DP2, with and without sequence
+parallelism, equals eager (losses, gradient norms, weights; 1e-6) and one process, with one graph
+compiled over the steps.
 """
 import copy
 import os
@@ -131,24 +133,27 @@ def test_layers_match_torch(tmp_path):
 
 def _train(rank, out_dir, jobs, ref_path, compiled=()):
     """TP (and DP) training in miniature; saves what the test compares. jobs: [(tp size, config
-    names)], one spawn for several layouts. tp 1 in one process is the reference: torch's
-    clip_grad_norm_ and the plain model. compiled: config names also trained at tp=2 compiled."""
-    refs = torch.load(ref_path) if ref_path else None
-    for tp_size, names in jobs:
+    names, sequence parallel)], one spawn for several layouts. tp 1 in one process is the reference:
+    torch's clip_grad_norm_ and the plain model. compiled: [(config name, sequence parallel)] also trained
+    at tp=2, compiled."""
+    for tp_size, names, sp in jobs:
+        # loaded per job: load_full_optim_state hands the optimizer the 0-dim "step" tensors
+        # themselves, which its step increments
+        refs = torch.load(ref_path) if ref_path else None
         grid = parallel.init(SimpleNamespace(device="cpu", tp=tp_size, ep=1))
-        out = _train_layout(rank, out_dir, grid, tp_size, names, refs)
-        torch.save(out, os.path.join(out_dir, f"tp{tp_size}_rank{rank}.pt"))
+        out = _train_layout(rank, out_dir, grid, tp_size, names, refs, sp)
+        torch.save(out, os.path.join(out_dir, f"tp{tp_size}{'_sp' * sp}_rank{rank}.pt"))
     if compiled:
         grid = parallel.init(SimpleNamespace(device="cpu", tp=2, ep=1))
         torch.save(_train_compiled(grid, compiled), os.path.join(out_dir, f"compiled_rank{rank}.pt"))
 
 
-def _train_compiled(grid, names):
+def _train_compiled(grid, jobs):
     """parallel.parallelize with compile=True (backend aot_eager: inductor on a 2-core CPU is slow;
     fullgraph=True: a graph break raises), STEPS steps as _train_layout's; what the test compares."""
     out = {}
-    for name in names:
-        cfg = small_cfg(tp=2, compile=True, **CONFIGS[name])
+    for name, sp in jobs:
+        cfg = small_cfg(tp=2, compile=True, sequence_parallel=sp, **CONFIGS[name])
         graphs = []  # one entry per graph dynamo hands to the backend: a recompilation adds one
 
         def backend(gm, inputs):
@@ -169,12 +174,12 @@ def _train_compiled(grid, names):
             run.model.zero_grad()
             rec["losses"].append(loss.detach())
         rec["weights"], rec["graphs"] = checkpoint.full_state_dict(run.raw, grid), len(graphs)
-        out[name] = rec
+        out[name, sp] = rec
         torch._dynamo.reset()
     return out
 
 
-def _train_layout(rank, out_dir, grid, tp_size, names, refs):
+def _train_layout(rank, out_dir, grid, tp_size, names, refs, sp=False):
     loading = refs is not None  # else: this is the one-process reference
     out = {}
     for name in names:
@@ -183,7 +188,7 @@ def _train_layout(rank, out_dir, grid, tp_size, names, refs):
 
         def build(seed):
             torch.manual_seed(seed)
-            raw = tp.tensor_parallel(Transformer(mcfg), grid)
+            raw = tp.tensor_parallel(Transformer(mcfg), grid, sequence_parallel=sp)
             return raw, optim.build_optimizer(raw, cfg), parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)
 
         def step(raw, opt, model, s, rec):
@@ -233,7 +238,11 @@ def _train_layout(rank, out_dir, grid, tp_size, names, refs):
             x, y = global_batch(99)
             with torch.no_grad():
                 rec["logits"], rec["nll"] = raw(x), raw(x, y, reduction="none")
-            rec["gen"] = generate.generate(raw, x[:2, :4], 6, temperature=0)
+            if sp:  # decoding one token at a time cannot be split over the sequence
+                with pytest.raises(ValueError, match="generation with a KV cache needs sequence_parallel=False"):
+                    generate.generate(raw, x[:2, :4], 6, temperature=0)
+            else:
+                rec["gen"] = generate.generate(raw, x[:2, :4], 6, temperature=0)
             step(raw, opt, model, STEPS, None)
             rec["after_load_step"] = checkpoint.full_state_dict(raw, grid)
             if name in HF_OK:  # an HF folder read shard by shard
@@ -256,7 +265,7 @@ def _full_model(mcfg, sd):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("ref")
-    _train(0, str(d), [(1, list(CONFIGS))], None)
+    _train(0, str(d), [(1, list(CONFIGS), False)], None)
     return str(d / "tp1_rank0.pt"), torch.load(d / "tp1_rank0.pt")
 
 
@@ -275,7 +284,7 @@ def _check(ranks, ref, tp_size, names):
             assert all(got["shared_ok"]), f"{what}: a shared piece differs from its first holder's"
             assert_close(got["logits"], r0["logits"], f"{what} logits after loading")
             assert_close(got["nll"], r0["nll"], f"{what} per-token loss after loading")
-            assert torch.equal(got["gen"], r0["gen"]), f"{what} greedy generation"
+            assert "gen" not in got or torch.equal(got["gen"], r0["gen"]), f"{what} greedy generation"
             assert_close(got["after_load_step"], r0["steps"][STEPS], f"{what} step after loading")
             if "hf" in got:
                 assert_close(got["hf"], got["hf_ref"], f"{what} HF shards", tol=0)
@@ -291,29 +300,35 @@ def _check(ranks, ref, tp_size, names):
     assert ref[names[0]]["norms"][0] > 0.05  # ... and against clipping that never clips
 
 
-def test_tp2_equals_one_process(tmp_path, reference):
+def test_tp2_and_sequence_parallel_equal_one_process(tmp_path, reference):
+    # sequence parallelism (same spawn): GPT-2 (learned positions, LayerNorm and row-parallel biases on
+    # the shards, tied head) and LLaMA with q/k norms
     path, ref = reference
-    spawn(_train, 2, str(tmp_path), [(2, list(CONFIGS))], path)
+    sp_names = ["gpt2_tied", "llama_qknorm"]
+    spawn(_train, 2, str(tmp_path), [(2, list(CONFIGS), False), (2, sp_names, True)], path)
     _check([torch.load(tmp_path / f"tp2_rank{r}.pt") for r in range(2)], ref, 2, list(CONFIGS))
+    _check([torch.load(tmp_path / f"tp2_sp_rank{r}.pt") for r in range(2)], ref, 2, sp_names)
 
 
-def test_tp2_dp2_tp4_and_compiled_equal_one_process(tmp_path, reference):
+def test_tp2_dp2_tp4_sequence_parallel_and_compiled_equal_one_process(tmp_path, reference):
     # one spawn of 4 ranks, two layouts. TP2 x DP2: DataParallel over grid.dp_group wraps the TP
     # model. TP4: 2 kv heads on 4 ranks (each kv head shared by 2 ranks), q/k norms shared by
     # all 4, and rank 3's vocabulary shard holds 1 real row and 31 padding rows.
-    # Compiled TP2 x DP2 (parallelize, compile=True) in the same spawn: equal to eager TP2 x DP2
-    # (losses, gradient norms, weights; 1e-6) and to one process; the training forward is one graph
-    # with TP's collectives inside, compiled once over the steps (no recompilation).
+    # Sequence-parallel TP2 x DP2, and compiled TP2 x DP2 with and without sequence parallelism
+    # (parallelize, compile=True) in the same spawn: compiled equal to eager (losses, gradient norms,
+    # weights; 1e-6) and to one process; the training forward is one graph with TP's collectives
+    # inside, compiled once over the steps (no recompilation).
     path, ref = reference
-    jobs = [(2, ["mqa_qkvbias"]), (4, ["llama_qknorm"])]
-    compiled = ["mqa_qkvbias"]  # the replicated kv head: its gradient hook runs outside the graph
+    jobs = [(2, ["mqa_qkvbias"], False), (2, ["mqa_qkvbias"], True), (4, ["llama_qknorm"], False)]
+    compiled = [("mqa_qkvbias", False), ("mqa_qkvbias", True)]  # the replicated kv head's hook: outside the graph
     spawn(_train, 4, str(tmp_path), jobs, path, compiled)
-    for tp_size, names in jobs:
-        _check([torch.load(tmp_path / f"tp{tp_size}_rank{r}.pt") for r in range(4)], ref, tp_size, names)
+    for tp_size, names, sp in jobs:
+        _check([torch.load(tmp_path / f"tp{tp_size}{'_sp' * sp}_rank{r}.pt") for r in range(4)], ref, tp_size, names)
     for rank in range(4):
-        eager, comp = torch.load(tmp_path / f"tp2_rank{rank}.pt"), torch.load(tmp_path / f"compiled_rank{rank}.pt")
-        for name in compiled:
-            e, c, what = eager[name], comp[name], f"compiled {name} rank {rank}"
+        comp = torch.load(tmp_path / f"compiled_rank{rank}.pt")
+        for name, sp in compiled:
+            e = torch.load(tmp_path / f"tp2{'_sp' * sp}_rank{rank}.pt")[name]
+            c, what = comp[name, sp], f"compiled {name}{' sequence-parallel' * sp} rank {rank}"
             assert c["graphs"] == 1, f"{what}: {c['graphs']} graphs compiled in {STEPS} steps, want 1"
             for s in range(STEPS):
                 assert_close(c["losses"][s], e["losses"][s], f"{what} loss step {s}", tol=1e-6)
@@ -355,8 +370,14 @@ def test_vocab_parallel_loss_one_process():
     assert_close(gz, rz, "gradient")
 
 
-def test_config_accepts_compile_with_tp():
-    config.validate(small_cfg(tp=2, compile=True, batch_size=8, micro_batch_size=2), world=4)  # raised before
+def test_config_compile_and_sequence_parallel():
+    ok = dict(tp=2, batch_size=8, micro_batch_size=2)
+    config.validate(small_cfg(compile=True, **ok), world=4)  # raised before
+    config.validate(small_cfg(compile=True, sequence_parallel=True, **ok), world=4)
+    for kw, msg in [(dict(n_experts=4), "dense models"), (dict(data_parallel="fsdp"), "data_parallel='ddp'"),
+                    (dict(lora_r=4), "no LoRA"), (dict(seq_len=15), "length 15 .* divisible by tp=2")]:
+        with pytest.raises(config.UserError, match=msg):
+            config.validate(small_cfg(sequence_parallel=True, **ok, **kw), world=4)
 
 
 @pytest.mark.parametrize("kw,msg", [
