@@ -79,7 +79,7 @@ def _seq_gather(x, group):
         return x
     if x.dim() < 3:  # e.g. the head on one position of each row: which rank holds it?
         raise ValueError(f"sequence_parallel: expected (batch, sequence shard, ...) hidden states, got shape "
-                         f"{tuple(x.shape)} (generation with a KV cache needs sequence_parallel=False)")
+                         f"{tuple(x.shape)}: run this forward under torch.no_grad() (plain tensor parallelism)")
     out = x.new_empty((n * x.shape[0],) + x.shape[1:])  # the ranks' shards one after the other
     _single("all_gather_single", "all_gather_into_tensor")(out, x.contiguous(), group=group)
     return out.unflatten(0, (n, x.shape[0])).movedim(0, 1).flatten(1, 2)
@@ -91,8 +91,8 @@ def _seq_reduce_scatter(x, group):
     if n == 1:
         return x
     if x.shape[1] % n:
-        raise ValueError(f"sequence_parallel: the sequence length {x.shape[1]} is not divisible by tp={n} "
-                         f"(generation with a KV cache needs sequence_parallel=False)")
+        raise ValueError(f"sequence_parallel: the sequence length {x.shape[1]} is not divisible by tp={n}: "
+                         f"pad the batch, or set sequence_parallel=False")
     parts = x.unflatten(1, (n, x.shape[1] // n)).movedim(1, 0)  # (n, B, T/n, ...): rank r's part is [r]
     out = x.new_empty(parts.shape[1:])
     _single("reduce_scatter_single", "reduce_scatter_tensor")(out, parts.flatten(0, 1), group=group)
@@ -144,6 +144,13 @@ class Split(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _gather(g, ctx.group), None
+
+
+def sequence_sharded(module):
+    """A layer's sequence_parallel applies to forwards that record gradients (training): one rule
+    every layer of a forward agrees on. Without gradients (evaluation, generation with a KV cache:
+    a single new token has no sequence to split) the layers run plain tensor parallelism, the same math."""
+    return module.sequence_parallel and torch.is_grad_enabled()
 
 
 class SequenceParallel(torch.autograd.Function):
@@ -249,7 +256,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if linear.bias is None else shard(linear.bias, grid, 0, segments)
 
     def forward(self, x):
-        x = SequenceParallel.apply(x, self.group, True) if self.sequence_parallel else Copy.apply(x, self.group)
+        x = SequenceParallel.apply(x, self.group, True) if sequence_sharded(self) else Copy.apply(x, self.group)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -267,7 +274,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         y = F.linear(x, self.weight)
-        y = SequenceParallel.apply(y, self.group, False) if self.sequence_parallel else Reduce.apply(y, self.group)
+        y = SequenceParallel.apply(y, self.group, False) if sequence_sharded(self) else Reduce.apply(y, self.group)
         return y if self.bias is None else y + self.bias
 
 
@@ -287,7 +294,7 @@ class VocabParallelEmbedding(nn.Module):
         local = idx - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)
-        return SequenceParallel.apply(x, self.group, False) if self.sequence_parallel else Reduce.apply(x, self.group)
+        return SequenceParallel.apply(x, self.group, False) if sequence_sharded(self) else Reduce.apply(x, self.group)
 
 
 class SequenceShardEmbedding(nn.Module):
@@ -295,13 +302,16 @@ class SequenceShardEmbedding(nn.Module):
     positions (dim -2 of the output), to add to its shard of the token embeddings. The weight stays
     replicated (its gradient is summed over the group, see tensor_parallel)."""
 
+    sequence_parallel = True
+
     def __init__(self, emb, grid):
         super().__init__()
         self.group = grid.tp_group
         self.weight = emb.weight
 
     def forward(self, pos):
-        return _split(F.embedding(pos, self.weight), self.group, dim=-2)
+        x = F.embedding(pos, self.weight)
+        return _split(x, self.group, dim=-2) if sequence_sharded(self) else x
 
 
 # ----------------------------------------------------------------------------- vocab-parallel loss
@@ -406,7 +416,8 @@ def tensor_parallel(model, grid, sequence_parallel=False):
     to and from the (B, T) layout. Every parameter outside the TP cut (norms, row-parallel biases,
     learned positions) sees only this rank's positions: a hook sums its gradient over the TP group
     (one small all-reduce per parameter and backward), so it stays identical on every rank. Dense
-    models only; the sequence length must be divisible by tp; no generation (KV cache) with it."""
+    models only; the sequence length of a training forward must be divisible by tp. Forwards without
+    gradients (evaluation, generation) run plain tensor parallelism (sequence_sharded)."""
     tp = grid.tp
     if tp == 1:
         return model
