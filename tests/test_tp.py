@@ -391,4 +391,3 @@ def test_refuses_with_a_message(kw, msg):
     grid = SimpleNamespace(tp=4, tp_rank=0, tp_group=None)  # the checks run before any collective
     with pytest.raises(ValueError, match=msg):
         tp.tensor_parallel(Transformer(ModelConfig(vocab_size=50, n_layer=1, block_size=8, **kw)), grid)
-
