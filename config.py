@@ -107,6 +107,7 @@ TRAIN_DEFAULTS = dict(
     grad_bucket_mb=25.0,     # data-parallel all-reduce bucket size
     grad_reduce_dtype="float32",  # ddp: gradients travel as float32 | bfloat16 (half the bytes, rounded)
     tp=1,                    # tensor-parallel size (Megatron style, innermost: neighbouring GPUs)
+    sequence_parallel=False,  # tp > 1: norms, residual and dropout on T/tp positions (tp.py); dense, ddp
     data_parallel="ddp",     # how the world // tp replicas split the batch: ddp (replicated) | fsdp (sharded)
     ep=1,                    # expert-parallel size: experts sharded over ep ranks that see different data (moe.py)
     # LoRA (lora.py): lora_r > 0 freezes the base and trains rank-r adapters
@@ -139,7 +140,7 @@ TRAIN_DEFAULTS = dict(
 # --force_resume=True. A key unknown here counts as one that matters. checkpoint.resume_changes.
 RESUME_FREE = frozenset("""
     out_dir init_from ckpt_every keep_last stop_at data_dir
-    device dtype compile grad_bucket_mb grad_reduce_dtype tp data_parallel ep zero1 micro_batch_size
+    device dtype compile grad_bucket_mb grad_reduce_dtype tp sequence_parallel data_parallel ep zero1 micro_batch_size
     ns_dtype grad_checkpoint fp32_residual
     eval_every eval_batches log_every progress peak_tflops tensorboard wandb wandb_project
     sample_tokens sample_prompt sample_temperature sample_top_k
@@ -280,9 +281,15 @@ def validate(cfg, world=1):
     need(cfg.grad_reduce_dtype in ("float32", "bfloat16"),
          f"grad_reduce_dtype='{cfg.grad_reduce_dtype}' must be float32 or bfloat16")
     need(cfg.data_parallel in ("ddp", "fsdp"), f"data_parallel='{cfg.data_parallel}' must be ddp or fsdp")
-    need(not (cfg.compile and cfg.tp > 1),
-         "compile=True works with tp=1 only (TP's collectives run in "
-         "hooks torch.compile does not trace): set --compile=False")
+    need(not (cfg.compile and cfg.data_parallel == "fsdp" and cfg.tp > 1),
+         "compile=True works with tp > 1 under data_parallel='ddp', and with data_parallel='fsdp' at tp=1; "
+         "TP x FSDP compiled together is untested: set --compile=False or --data_parallel=ddp")
+    need(not cfg.sequence_parallel or (cfg.data_parallel == "ddp" and not cfg.n_experts and not cfg.lora_r),
+         "sequence_parallel=True works with dense models, data_parallel='ddp' and no LoRA only: "
+         "set --sequence_parallel=False")
+    need(not cfg.sequence_parallel or (cfg.seq_len or cfg.block_size) % cfg.tp == 0,
+         f"sequence_parallel=True: the sequence length {cfg.seq_len or cfg.block_size} (seq_len, or block_size) "
+         f"must be divisible by tp={cfg.tp}")
     need(cfg.n_head % cfg.tp == 0, f"n_head={cfg.n_head} is not divisible by tp={cfg.tp}: each rank needs whole heads")
     need(world % (cfg.tp * cfg.ep) == 0, f"world size {world} is not divisible by tp*ep={cfg.tp * cfg.ep}")
     dp = world // (cfg.tp * cfg.ep) * cfg.ep  # data-parallel ranks: EP ranks see different data too

@@ -245,9 +245,10 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0):
-        B, T, _ = x.shape
         H, KV, D = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.qkv(x).split([H * D, KV * D, KV * D], dim=-1)
+        qkv = self.qkv(x)  # (B, T, ...): the whole sequence also when x is a shard of it (tp.py)
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
         q, k, v = q.view(B, T, H, D), k.view(B, T, KV, D), v.view(B, T, KV, D)
         if self.qk_norm:  # before RoPE, as in OLMo-2 / Qwen-3
             q, k = self.q_norm(q), self.k_norm(k)

@@ -495,7 +495,7 @@ class Parallel:
         return self.model.summon_full_params() if isinstance(self.model, fsdp.FSDP) else contextlib.nullcontext()
 
 
-def parallelize(model, grid, cfg, load=None, optimizer=True, compile_backend="inductor"):
+def parallelize(model, grid, cfg, load=None, optimizer=True, compile_kwargs=None):
     """Apply the layout of cfg (grid's tp / ep, cfg.data_parallel) to a full model built from the
     same seed on every rank, in place, and build its optimizer (optimizer=False: none).
 
@@ -505,10 +505,12 @@ def parallelize(model, grid, cfg, load=None, optimizer=True, compile_backend="in
     A model without trainable parameters (a frozen reference) gets no optimizer and stays
     replicated (DataParallel: broadcast once, nothing to reduce), also under data_parallel="fsdp".
     Partly frozen models work: frozen parameters are neither reduced nor optimised.
-    cfg.compile: torch.compile(model) under DataParallel (its hooks live on the parameters); under
-    FSDP each block's compute and the head (FSDP.compile: the gather hooks stay eager).
-    compile_backend: torch.compile's backend ("aot_eager" traces the same graphs without codegen)."""
-    tp.tensor_parallel(model, grid)  # TP: keep this rank's heads / MLP columns / vocabulary rows (tp=1: no-op)
+    cfg.compile: under DataParallel fwd = torch.compile(raw, **compile_kwargs), TP included (dynamo
+    traces TP's collectives into the graph, forward and backward: tp.py); under FSDP each block's
+    compute and the head (FSDP.compile: the gather hooks stay eager). compile_kwargs: torch.compile's
+    keywords (tests: dict(backend="aot_eager") traces the same graphs without code generation)."""
+    # TP: keep this rank's heads / MLP columns / vocabulary rows (tp=1: no-op)
+    tp.tensor_parallel(model, grid, sequence_parallel=cfg.sequence_parallel)
     if load is not None:
         load(model)  # initial weights: each TP rank reads only its slices; every expert still here
     if cfg.lora_r and any(p.requires_grad for p in model.parameters()):
@@ -521,10 +523,11 @@ def parallelize(model, grid, cfg, load=None, optimizer=True, compile_backend="in
         opt = optim.build_optimizer(wrapper, cfg, grid) if optimizer else None
         fwd = wrapper  # gathers each block's shards around its forward
         if cfg.compile:
-            wrapper.compile(backend=compile_backend)
+            wrapper.compile(**(compile_kwargs or {}))
     else:  # replicate it (broadcasts rank 0's weights); ZeRO-1: each gradient is reduced to its owner
         opt = optim.build_optimizer(model, cfg, grid) if optimizer and trainable else None
         wrapper = DataParallel(model, grid, cfg.grad_bucket_mb, owner=getattr(opt, "grad_owner", None),
                                reduce_dtype=getattr(torch, cfg.grad_reduce_dtype))
-        fwd = torch.compile(model, backend=compile_backend) if cfg.compile else model  # DataParallel's hooks live on the parameters
+        # DataParallel's hooks live on the parameters, outside the graph; TP's collectives inside it
+        fwd = torch.compile(model, **(compile_kwargs or {})) if cfg.compile else model
     return Parallel(model, wrapper, fwd, opt, grid)

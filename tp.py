@@ -15,8 +15,19 @@ replicated when n_kv_head < tp; chunks == 1: q/k-norm weights). Slicing, gatheri
 norm counting and the gradient sum of shared pieces all follow from it. Parameters without
 tp_split (norms, row-parallel biases, positions) are replicated with identical gradients.
 MoE layers cut their own experts (moe.MoE.tensor_parallel, called from tensor_parallel below).
-Not here: sequence parallelism. Attention dropout draws the same masks on every TP rank; the
-gradient norm over every layout (parallel.py); full (layout-free) checkpoint state (checkpoint.py).
+
+torch.compile (parallel.parallelize, cfg.compile) traces the collectives rather than breaking the
+graph around them: dynamo rewrites each in-place torch.distributed call made inside the autograd
+Functions below (dist.all_reduce, dist.all_gather) into its functional form
+(torch.distributed._functional_collectives: a collective op and a wait in the graph), in forward and,
+through AOTAutograd, in backward. The training forward is one graph, no graph break, compiled once
+(tests/test_tp.py, with gloo on CPU); on GPUs inductor may move the waits to overlap compute. The
+gradient hooks of shared pieces (shard) and DataParallel's run outside the graph, as in eager.
+Sequence parallelism (tensor_parallel(..., sequence_parallel=True), cfg.sequence_parallel): the
+residual stream sharded over the sequence between the TP matmuls; see tensor_parallel.
+
+Not here: attention dropout draws the same masks on every TP rank; the gradient norm over every
+layout (parallel.py); full (layout-free) checkpoint state (checkpoint.py).
 """
 import torch
 import torch.distributed as dist
@@ -51,9 +62,41 @@ def _gather(x, group):
     return torch.cat(parts, dim=-1)
 
 
-def _split(x, group):
-    """This rank's slice of the last dim."""
-    return x if _size(group) == 1 else x.chunk(_size(group), dim=-1)[_rank(group)].contiguous()
+def _split(x, group, dim=-1):
+    """This rank's slice of dimension dim."""
+    return x if _size(group) == 1 else x.chunk(_size(group), dim=dim)[_rank(group)].contiguous()
+
+
+def _single(name, old):
+    """dist.<name> (torch 2.13's names of the one-tensor collectives), else the older dist.<old>."""
+    return getattr(dist, name, None) or getattr(dist, old)
+
+
+def _seq_gather(x, group):
+    """(B, T/n, ...) sequence shards -> (B, T, ...), in rank order (sequence parallelism)."""
+    n = _size(group)
+    if n == 1:
+        return x
+    if x.dim() < 3:  # e.g. the head on one position of each row: which rank holds it?
+        raise ValueError(f"sequence_parallel: expected (batch, sequence shard, ...) hidden states, got shape "
+                         f"{tuple(x.shape)}: run this forward under torch.no_grad() (plain tensor parallelism)")
+    out = x.new_empty((n * x.shape[0],) + x.shape[1:])  # the ranks' shards one after the other
+    _single("all_gather_single", "all_gather_into_tensor")(out, x.contiguous(), group=group)
+    return out.unflatten(0, (n, x.shape[0])).movedim(0, 1).flatten(1, 2)
+
+
+def _seq_reduce_scatter(x, group):
+    """(B, T, ...) partial sums -> this rank's sequence shard (B, T/n, ...) of their sum over the group."""
+    n = _size(group)
+    if n == 1:
+        return x
+    if x.shape[1] % n:
+        raise ValueError(f"sequence_parallel: the sequence length {x.shape[1]} is not divisible by tp={n}: "
+                         f"pad the batch, or set sequence_parallel=False")
+    parts = x.unflatten(1, (n, x.shape[1] // n)).movedim(1, 0)  # (n, B, T/n, ...): rank r's part is [r]
+    out = x.new_empty(parts.shape[1:])
+    _single("reduce_scatter_single", "reduce_scatter_tensor")(out, parts.flatten(0, 1), group=group)
+    return out
 
 
 # ----------------------------------------------------------------------------- forward/backward pairs
@@ -101,6 +144,27 @@ class Split(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _gather(g, ctx.group), None
+
+
+def sequence_sharded(module):
+    """A layer's sequence_parallel applies to forwards that record gradients (training): one rule
+    every layer of a forward agrees on. Without gradients (evaluation, generation with a KV cache:
+    a single new token has no sequence to split) the layers run plain tensor parallelism, the same math."""
+    return module.sequence_parallel and torch.is_grad_enabled()
+
+
+class SequenceParallel(torch.autograd.Function):
+    """Sequence parallelism's two transitions, each the other's backward. gather=True, entering a
+    column-parallel matmul: all-gather the sequence shards (backward: reduce-scatter, summing every
+    rank's gradient of the whole sequence). gather=False, leaving a row-parallel matmul or the
+    embedding: reduce-scatter the partial sums over the sequence (backward: all-gather)."""
+    @staticmethod
+    def forward(ctx, x, group, gather):
+        ctx.group, ctx.gather = group, gather
+        return _seq_gather(x, group) if gather else _seq_reduce_scatter(x, group)
+    @staticmethod
+    def backward(ctx, g):
+        return (_seq_reduce_scatter(g, ctx.group) if ctx.gather else _seq_gather(g, ctx.group)), None, None
 
 
 # ----------------------------------------------------------------------------- cutting shards
@@ -182,6 +246,8 @@ class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T + b_local: this rank's output features (rows of W), cut from `linear`.
     segments: the row layout (default: one segment, plain shard)."""
 
+    sequence_parallel = False  # True: x holds this rank's sequence shard, gathered first
+
     def __init__(self, linear, grid, segments=None):
         super().__init__()
         self.group = grid.tp_group
@@ -190,12 +256,15 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if linear.bias is None else shard(linear.bias, grid, 0, segments)
 
     def forward(self, x):
-        return F.linear(Copy.apply(x, self.group), self.weight, self.bias)
+        x = SequenceParallel.apply(x, self.group, True) if sequence_sharded(self) else Copy.apply(x, self.group)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_local W_local^T) + b: this rank's input features (columns of W). The bias
     is replicated and added once, after the sum."""
+
+    sequence_parallel = False  # True: reduce-scatter the sum over the sequence instead
 
     def __init__(self, linear, grid):
         super().__init__()
@@ -204,13 +273,16 @@ class RowParallelLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x):
-        y = Reduce.apply(F.linear(x, self.weight), self.group)
+        y = F.linear(x, self.weight)
+        y = SequenceParallel.apply(y, self.group, False) if sequence_sharded(self) else Reduce.apply(y, self.group)
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
     """Each rank owns a contiguous range of (padded) vocabulary rows; ids outside it look up
     zeros, and the all-reduce fills in every id from its owner."""
+
+    sequence_parallel = False  # True: each rank keeps its sequence shard of the sum
 
     def __init__(self, emb, grid):
         super().__init__()
@@ -221,8 +293,25 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, idx):
         local = idx - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return Reduce.apply(x.masked_fill(outside[..., None], 0.0), self.group)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)
+        return SequenceParallel.apply(x, self.group, False) if sequence_sharded(self) else Reduce.apply(x, self.group)
+
+
+class SequenceShardEmbedding(nn.Module):
+    """Learned positions under sequence parallelism: the embeddings of this rank's shard of the
+    positions (dim -2 of the output), to add to its shard of the token embeddings. The weight stays
+    replicated (its gradient is summed over the group, see tensor_parallel)."""
+
+    sequence_parallel = True
+
+    def __init__(self, emb, grid):
+        super().__init__()
+        self.group = grid.tp_group
+        self.weight = emb.weight
+
+    def forward(self, pos):
+        x = F.embedding(pos, self.weight)
+        return _split(x, self.group, dim=-2) if sequence_sharded(self) else x
 
 
 # ----------------------------------------------------------------------------- vocab-parallel loss
@@ -314,15 +403,29 @@ def mlp_parallel(m, grid):
     m.proj = RowParallelLinear(m.proj, grid)
 
 
-def tensor_parallel(model, grid):
+def tensor_parallel(model, grid, sequence_parallel=False):
     """Turn a full model.Transformer (built with the same seed on every TP rank) into its TP form,
-    in place. Parameter names stay those of the one-process model."""
+    in place. Parameter names stay those of the one-process model.
+
+    sequence_parallel: between the TP matmuls the residual stream (B, T/tp, C) holds this rank's
+    sequence shard: the embedding and each row-parallel matmul reduce-scatter over the sequence
+    instead of all-reducing, each column-parallel matmul (head included) all-gathers its input
+    (backward: the reverse). Norms, biases, residual adds and dropout then run on T/tp positions and
+    the activations between blocks take 1/tp of the memory, for the same bytes on the wire (an
+    all-reduce is a reduce-scatter plus an all-gather); each collective costs one extra copy here,
+    to and from the (B, T) layout. Every parameter outside the TP cut (norms, row-parallel biases,
+    learned positions) sees only this rank's positions: a hook sums its gradient over the TP group
+    (one small all-reduce per parameter and backward), so it stays identical on every rank. Dense
+    models only; the sequence length of a training forward must be divisible by tp. Forwards without
+    gradients (evaluation, generation) run plain tensor parallelism (sequence_sharded)."""
     tp = grid.tp
     if tp == 1:
         return model
     if isinstance(model.tok_emb, VocabParallelEmbedding):
         raise ValueError("tensor_parallel: this model is already tensor-parallel")
     cfg = model.cfg
+    if sequence_parallel and cfg.n_experts:
+        raise ValueError("sequence_parallel=True works with dense models only: set sequence_parallel=False")
     H, KV, D, hidden = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.hidden
     for bad, msg in [
         (H % tp, f"n_head={H} is not divisible by tp={tp}: each rank needs whole attention heads"),
@@ -357,6 +460,15 @@ def tensor_parallel(model, grid):
         head.weight = model.tok_emb.weight  # keep the tie: the same shard Parameter
     model.head = head
     model.logits, model.head_loss = head.logits, head.loss  # instance attributes shadow the methods
+    if sequence_parallel:
+        for p in model.parameters():
+            if not hasattr(p, "tp_split") and p.requires_grad:
+                p.register_hook(lambda g: _reduce(g, grid.tp_group))
+        for m in model.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+                m.sequence_parallel = True
+        if cfg.pos_emb == "learned":
+            model.pos_emb = SequenceShardEmbedding(model.pos_emb, grid)
     return model
 
 

@@ -261,7 +261,7 @@ def train_compiled(rank, world, out_dir):
         cfg = small_cfg(tp=1, ep=1, data_parallel="fsdp", compile=compile_, grad_checkpoint=ckpt)
         grid = parallel.init(cfg)
         torch.manual_seed(0)
-        run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg, compile_backend=backend)
+        run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg, compile_kwargs=dict(backend=backend))
         r = rec[name] = {"losses": [], "graphs": [], "calls": []}
         calls[0] = 0
         for i in range(STEPS):

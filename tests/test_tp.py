@@ -7,7 +7,12 @@ that TP does not divide). Model: TP2, TP4 and TP2 x DP2 against one process on t
 after 3 AdamW steps, the optimizer state; replicated parameters and shared (replicated kv) pieces
 bitwise identical across TP ranks after every step; a one-process checkpoint (weights and
 optimizer state) loaded into TP2 gives the same logits, per-token losses, greedy generation and
-next step; an HF folder read with tp.hf_shard_fn gives the one-process weights.
+next step; an HF folder read with tp.hf_shard_fn gives the one-process weights. Sequence
+parallelism (TP2, TP2 x DP2) passes the same checks (its forwards without gradients: logits,
+generation, run plain TP); a training forward on a sequence tp does not divide is refused with a message.
+Compiled (parallelize with compile=True, aot_eager, fullgraph) TP2 x DP2, with and without sequence
+parallelism, equals eager (losses, gradient norms, weights; 1e-6) and one process, with one graph
+compiled over the steps.
 """
 import copy
 import os
@@ -19,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
+import config
 import generate
 import hf
 import optim
@@ -126,18 +132,55 @@ def test_layers_match_torch(tmp_path):
 
 # ----------------------------------------------------------------------------- the model
 
-def _train(rank, out_dir, jobs, ref_path):
+def _train(rank, out_dir, jobs, ref_path, compiled=()):
     """TP (and DP) training in miniature; saves what the test compares. jobs: [(tp size, config
-    names)], one spawn for several layouts. tp 1 in one process is the reference: torch's
-    clip_grad_norm_ and the plain model."""
-    refs = torch.load(ref_path) if ref_path else None
-    for tp_size, names in jobs:
+    names, sequence parallel)], one spawn for several layouts. tp 1 in one process is the reference:
+    torch's clip_grad_norm_ and the plain model. compiled: [(config name, sequence parallel)] also trained
+    at tp=2, compiled."""
+    for tp_size, names, sp in jobs:
+        # loaded per job: load_full_optim_state hands the optimizer the 0-dim "step" tensors
+        # themselves, which its step increments
+        refs = torch.load(ref_path) if ref_path else None
         grid = parallel.init(SimpleNamespace(device="cpu", tp=tp_size, ep=1))
-        out = _train_layout(rank, out_dir, grid, tp_size, names, refs)
-        torch.save(out, os.path.join(out_dir, f"tp{tp_size}_rank{rank}.pt"))
+        out = _train_layout(rank, out_dir, grid, tp_size, names, refs, sp)
+        torch.save(out, os.path.join(out_dir, f"tp{tp_size}{'_sp' * sp}_rank{rank}.pt"))
+    if compiled:
+        grid = parallel.init(SimpleNamespace(device="cpu", tp=2, ep=1))
+        torch.save(_train_compiled(grid, compiled), os.path.join(out_dir, f"compiled_rank{rank}.pt"))
 
 
-def _train_layout(rank, out_dir, grid, tp_size, names, refs):
+def _train_compiled(grid, jobs):
+    """parallel.parallelize with compile=True (backend aot_eager: inductor on a 2-core CPU is slow;
+    fullgraph=True: a graph break raises), STEPS steps as _train_layout's; what the test compares."""
+    out = {}
+    for name, sp in jobs:
+        cfg = small_cfg(tp=2, compile=True, sequence_parallel=sp, **CONFIGS[name])
+        graphs = []  # one entry per graph dynamo hands to the backend: a recompilation adds one
+
+        def backend(gm, inputs):
+            graphs.append(gm)
+            return torch._dynamo.lookup_backend("aot_eager")(gm, inputs)
+        torch.manual_seed(0)
+        run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg,
+                                   compile_kwargs=dict(backend=backend, fullgraph=True))
+        rec = {"losses": [], "norms": []}
+        per = G // grid.dp
+        for s in range(STEPS):
+            x, y = (t[grid.dp_rank * per:(grid.dp_rank + 1) * per] for t in global_batch(s))
+            loss = run.fwd(x, y)
+            loss.backward()
+            run.model.finish()
+            rec["norms"].append(run.clip_grad_norm_(cfg.grad_clip))
+            run.optimizer.step()
+            run.model.zero_grad()
+            rec["losses"].append(loss.detach())
+        rec["weights"], rec["graphs"] = checkpoint.full_state_dict(run.raw, grid), len(graphs)
+        out[name, sp] = rec
+        torch._dynamo.reset()
+    return out
+
+
+def _train_layout(rank, out_dir, grid, tp_size, names, refs, sp=False):
     loading = refs is not None  # else: this is the one-process reference
     out = {}
     for name in names:
@@ -146,14 +189,17 @@ def _train_layout(rank, out_dir, grid, tp_size, names, refs):
 
         def build(seed):
             torch.manual_seed(seed)
-            raw = tp.tensor_parallel(Transformer(mcfg), grid)
+            raw = tp.tensor_parallel(Transformer(mcfg), grid, sequence_parallel=sp)
             return raw, optim.build_optimizer(raw, cfg), parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)
 
         def step(raw, opt, model, s, rec):
             per = G // grid.dp
             x, y = (t[grid.dp_rank * per:(grid.dp_rank + 1) * per] for t in global_batch(s))
-            model(x, y).backward()
+            loss = model(x, y)
+            loss.backward()
             model.finish()
+            if rec is not None:
+                rec["losses"].append(loss.detach())
             if rec is not None and s == 0:
                 rec["grads"] = {n: tp.full_tensor(p, p.grad, grid) for n, p in raw.named_parameters()}
             if grid.world == 1:
@@ -165,7 +211,8 @@ def _train_layout(rank, out_dir, grid, tp_size, names, refs):
             return norm
 
         raw, opt, model = build(0)
-        rec = {"init": checkpoint.full_state_dict(raw, grid), "steps": [], "norms": [], "replicated": [], "shared_ok": []}
+        rec = {"init": checkpoint.full_state_dict(raw, grid), "steps": [], "norms": [], "losses": [], "replicated": [],
+               "shared_ok": []}
         n_steps = STEPS if loading else STEPS + 1  # the reference also makes the step after loading
         for s in range(n_steps):
             rec["norms"].append(step(raw, opt, model, s, rec))
@@ -193,6 +240,9 @@ def _train_layout(rank, out_dir, grid, tp_size, names, refs):
             with torch.no_grad():
                 rec["logits"], rec["nll"] = raw(x), raw(x, y, reduction="none")
             rec["gen"] = generate.generate(raw, x[:2, :4], 6, temperature=0)
+            if sp:  # with gradients: sequence-parallel, 15 positions do not split over 2 ranks
+                with pytest.raises(ValueError, match="sequence length 15 is not divisible by tp=2"):
+                    raw(x[:, :15], y[:, :15])
             step(raw, opt, model, STEPS, None)
             rec["after_load_step"] = checkpoint.full_state_dict(raw, grid)
             if name in HF_OK:  # an HF folder read shard by shard
@@ -215,7 +265,7 @@ def _full_model(mcfg, sd):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("ref")
-    _train(0, str(d), [(1, list(CONFIGS))], None)
+    _train(0, str(d), [(1, list(CONFIGS), False)], None)
     return str(d / "tp1_rank0.pt"), torch.load(d / "tp1_rank0.pt")
 
 
@@ -250,21 +300,41 @@ def _check(ranks, ref, tp_size, names):
     assert ref[names[0]]["norms"][0] > 0.05  # ... and against clipping that never clips
 
 
-def test_tp2_equals_one_process(tmp_path, reference):
+def test_tp2_and_sequence_parallel_equal_one_process(tmp_path, reference):
+    # sequence parallelism (same spawn): GPT-2 (learned positions, LayerNorm and row-parallel biases on
+    # the shards, tied head) and LLaMA with q/k norms
     path, ref = reference
-    spawn(_train, 2, str(tmp_path), [(2, list(CONFIGS))], path)
+    sp_names = ["gpt2_tied", "llama_qknorm"]
+    spawn(_train, 2, str(tmp_path), [(2, list(CONFIGS), False), (2, sp_names, True)], path)
     _check([torch.load(tmp_path / f"tp2_rank{r}.pt") for r in range(2)], ref, 2, list(CONFIGS))
+    _check([torch.load(tmp_path / f"tp2_sp_rank{r}.pt") for r in range(2)], ref, 2, sp_names)
 
 
-def test_tp2_dp2_and_tp4_equal_one_process(tmp_path, reference):
+def test_tp2_dp2_tp4_sequence_parallel_and_compiled_equal_one_process(tmp_path, reference):
     # one spawn of 4 ranks, two layouts. TP2 x DP2: DataParallel over grid.dp_group wraps the TP
     # model. TP4: 2 kv heads on 4 ranks (each kv head shared by 2 ranks), q/k norms shared by
     # all 4, and rank 3's vocabulary shard holds 1 real row and 31 padding rows.
+    # Sequence-parallel TP2 x DP2, and compiled TP2 x DP2 with and without sequence parallelism
+    # (parallelize, compile=True) in the same spawn: compiled equal to eager (losses, gradient norms,
+    # weights; 1e-6) and to one process; the training forward is one graph with TP's collectives
+    # inside, compiled once over the steps (no recompilation).
     path, ref = reference
-    jobs = [(2, ["mqa_qkvbias"]), (4, ["llama_qknorm"])]
-    spawn(_train, 4, str(tmp_path), jobs, path)
-    for tp_size, names in jobs:
-        _check([torch.load(tmp_path / f"tp{tp_size}_rank{r}.pt") for r in range(4)], ref, tp_size, names)
+    jobs = [(2, ["mqa_qkvbias"], False), (2, ["mqa_qkvbias"], True), (4, ["llama_qknorm"], False)]
+    compiled = [("mqa_qkvbias", False), ("mqa_qkvbias", True)]  # the replicated kv head's hook: outside the graph
+    spawn(_train, 4, str(tmp_path), jobs, path, compiled)
+    for tp_size, names, sp in jobs:
+        _check([torch.load(tmp_path / f"tp{tp_size}{'_sp' * sp}_rank{r}.pt") for r in range(4)], ref, tp_size, names)
+    for rank in range(4):
+        comp = torch.load(tmp_path / f"compiled_rank{rank}.pt")
+        for name, sp in compiled:
+            e = torch.load(tmp_path / f"tp2{'_sp' * sp}_rank{rank}.pt")[name]
+            c, what = comp[name, sp], f"compiled {name}{' sequence-parallel' * sp} rank {rank}"
+            assert c["graphs"] == 1, f"{what}: {c['graphs']} graphs compiled in {STEPS} steps, want 1"
+            for s in range(STEPS):
+                assert_close(c["losses"][s], e["losses"][s], f"{what} loss step {s}", tol=1e-6)
+                assert_close(c["norms"][s], e["norms"][s], f"{what} gradient norm step {s}", tol=1e-6)
+            assert_close(c["weights"], e["steps"][STEPS - 1], f"{what} weights vs eager", tol=1e-6)
+            assert_close(c["weights"], ref[name]["steps"][STEPS - 1], f"{what} weights vs one process")
 
 
 # ----------------------------------------------------------------------------- one process
@@ -298,6 +368,16 @@ def test_vocab_parallel_loss_one_process():
     (gz,) = torch.autograd.grad(got.sum() / (y != -100).sum(), z)
     (rz,) = torch.autograd.grad(F.cross_entropy(z[..., :13].flatten(0, 1), y.flatten()), z)
     assert_close(gz, rz, "gradient")
+
+
+def test_config_compile_and_sequence_parallel():
+    ok = dict(tp=2, batch_size=8, micro_batch_size=2)
+    config.validate(small_cfg(compile=True, **ok), world=4)  # raised before
+    config.validate(small_cfg(compile=True, sequence_parallel=True, **ok), world=4)
+    for kw, msg in [(dict(n_experts=4), "dense models"), (dict(data_parallel="fsdp"), "data_parallel='ddp'"),
+                    (dict(lora_r=4), "no LoRA"), (dict(seq_len=15), "length 15 .* divisible by tp=2")]:
+        with pytest.raises(config.UserError, match=msg):
+            config.validate(small_cfg(sequence_parallel=True, **ok, **kw), world=4)
 
 
 @pytest.mark.parametrize("kw,msg", [
