@@ -694,7 +694,7 @@ def full_optim_state(model, optimizer, grid):
 def load_full_optim_state(model, optimizer, grid, full):
     """Load full_optim_state's output (saved from any TP layout) into this rank's optimizer."""
     sd = optimizer.state_dict()
-    sd["state"] = {i: {k: tp.local_tensor(p, v, grid).clone() if torch.is_tensor(v) and v.dim() else v
-                       for k, v in full[name].items()}
+    sd["state"] = {i: {k: (tp.local_tensor(p, v, grid) if v.dim() else v).clone() if torch.is_tensor(v) else v
+                       for k, v in full[name].items()}  # copies: the optimizer's steps must not advance `full`
                    for i, name, p in _state_by_index(model, optimizer) if name in full}
     optimizer.load_state_dict(sd)  # casts to the parameters' devices and dtypes
