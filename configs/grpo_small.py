@@ -10,7 +10,7 @@
 init_from, out_dir, task = "out/sft_small", "out/grpo_small", "arithmetic"
 max_steps, eval_every, log_every, ckpt_every = 160, 20, 10, 0   # a checkpoint at the end only
 batch_size, group_size = 256, 8   # completions per step: 32 prompts x 8 samples
-micro_batch_size = 256      # short rows (~30 tokens): one micro-batch per optimizer step
+micro_batch_size = 128      # short rows (~30 tokens): 2 micro-batches on 1 GPU, 1 per rank on 2
 train_prompts, eval_prompts = 8192, 128   # the task holds ~54 questions back: all of them
 max_new_tokens = 8          # "71<|im_end|>" is 2 tokens
 temperature = 1.0
