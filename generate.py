@@ -46,6 +46,9 @@ per-layer host sync makes the step uncapturable, so MoE models decode uncaptured
 expert parallelism (ranks hold different prompts, every step exchanges tokens) the ranks stop
 together, when all of them have.
 
+cast_copy(model, dtype) / refresh(copy, model): a copy for decode() to read, nn.Linear weights in
+the compute dtype (no cast per captured step), refreshed in place between calls (GRPO's rollouts).
+
 Not done: several steps per captured graph (the CPU launches a replay in microseconds and is far
 ahead of a step the GPU needs most of a millisecond for, so fewer launches should change little).
 

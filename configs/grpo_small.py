@@ -1,5 +1,5 @@
 # GRPO on the offline Arithmetic task (tasks.py) from the SFT'd small model (configs/sft_small.py):
-# one GPU, ~160 steps meant to fit in about 3 minutes on an H200 (estimated, not measured yet).
+# one GPU: 160 steps took ~40 s on an H200 (plus ~7 s to start; BENCHMARKS.md, with micro_batch_size 256).
 #   torchrun --nproc_per_node=2 pretrain.py configs/small.py && torchrun --nproc_per_node=2 sft.py configs/sft_small.py
 #   python grpo.py configs/grpo_small.py
 #   python plots.py out/grpo_small          # out/grpo_small/run.png: training, held-out sampled and greedy reward
@@ -10,7 +10,7 @@
 init_from, out_dir, task = "out/sft_small", "out/grpo_small", "arithmetic"
 max_steps, eval_every, log_every, ckpt_every = 160, 20, 10, 0   # a checkpoint at the end only
 batch_size, group_size = 256, 8   # completions per step: 32 prompts x 8 samples
-micro_batch_size = 128      # short rows (~30 tokens): two micro-batches per step on one GPU, one on two
+micro_batch_size = 128      # short rows (~30 tokens): 2 micro-batches on 1 GPU, 1 per rank on 2
 train_prompts, eval_prompts = 8192, 128   # the task holds ~54 questions back: all of them
 max_new_tokens = 8          # "71<|im_end|>" is 2 tokens
 temperature = 1.0
