@@ -1,5 +1,5 @@
 # GRPO on the offline Arithmetic task (tasks.py) from the SFT'd small model (configs/sft_small.py):
-# one GPU: 160 steps took ~40 s on an H200 (plus ~7 s to start; BENCHMARKS.md, with micro_batch_size 256).
+# one GPU: 160 steps took 39 s from start to end on an H200 (BENCHMARKS.md, run with micro_batch_size 256).
 #   torchrun --nproc_per_node=2 pretrain.py configs/small.py && torchrun --nproc_per_node=2 sft.py configs/sft_small.py
 #   python grpo.py configs/grpo_small.py
 #   python plots.py out/grpo_small          # out/grpo_small/run.png: training, held-out sampled and greedy reward
