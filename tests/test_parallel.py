@@ -172,22 +172,25 @@ def test_weights_actually_move(reference):
     assert moved > 1e-3
 
 
-def _grid(rank, out_dir, tp, ep):
+LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (tp, ep) on 4 ranks
+
+
+def _grid(rank, out_dir):
     os.environ["WORLD_SIZE"] = "4"
-    cfg = SimpleNamespace(device="cpu", tp=tp, ep=ep)
-    g = parallel.init(cfg)
-    torch.save({k: getattr(g, k) for k in ("dp", "tp", "ep", "dp_rank", "tp_rank", "ep_rank")},
-               os.path.join(out_dir, f"g{rank}.pt"))
+    for tp, ep in LAYOUTS:  # one spawn, a grid per layout (init joins the existing process group)
+        g = parallel.init(SimpleNamespace(device="cpu", tp=tp, ep=ep))
+        torch.save({k: getattr(g, k) for k in ("dp", "tp", "ep", "dp_rank", "tp_rank", "ep_rank")},
+                   os.path.join(out_dir, f"g{tp}{ep}_{rank}.pt"))
 
 
-@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (2, 2)])
-def test_grid_tp_innermost(tmp_path, tp, ep):
-    spawn(_grid, 4, str(tmp_path), tp, ep)
-    gs = [torch.load(tmp_path / f"g{r}.pt") for r in range(4)]
-    dp = 4 // (tp * ep)
-    for r, g in enumerate(gs):  # rank = (dp_rank * ep + ep_rank) * tp + tp_rank
-        assert (g["dp"], g["tp"], g["ep"]) == (dp, tp, ep)
-        assert r == (g["dp_rank"] * ep + g["ep_rank"]) * tp + g["tp_rank"]
+def test_grid_tp_innermost(tmp_path):
+    spawn(_grid, 4, str(tmp_path))
+    for tp, ep in LAYOUTS:
+        gs = [torch.load(tmp_path / f"g{tp}{ep}_{r}.pt") for r in range(4)]
+        dp = 4 // (tp * ep)
+        for r, g in enumerate(gs):  # rank = (dp_rank * ep + ep_rank) * tp + tp_rank
+            assert (g["dp"], g["tp"], g["ep"]) == (dp, tp, ep), (tp, ep)
+            assert r == (g["dp_rank"] * ep + g["ep_rank"]) * tp + g["tp_rank"], (tp, ep)
 
 
 FROZEN = ("tok_emb.weight", "blocks.0.attn.qkv.weight", "blocks.1.norm1.weight")  # LoRA-style partial freezing
