@@ -90,28 +90,42 @@ def train(rank, world, accum, out_dir, cfg_kw):
     assert alive() is None, "DataParallel leaked its model"
 
 
-def run(tmp_path, world, accum, **cfg_kw):
-    out = tmp_path / f"w{world}a{accum}"
+def run(tmp_path, accum, **cfg_kw):
+    """One process (the reference), in this process."""
+    out = tmp_path / f"a{accum}"
     out.mkdir()
-    if world == 1:
-        train(0, 1, accum, str(out), cfg_kw)
-    else:
-        spawn(train, world, world, accum, str(out), cfg_kw)
-    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    train(0, 1, accum, str(out), cfg_kw)
+    return torch.load(out / "rank0.pt")
 
 
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("ref"), 1, 1)[0]
+    return run(tmp_path_factory.mktemp("ref"), 1)
 
 
-@pytest.mark.parametrize("cfg_kw", [{}, {"tie_embeddings": True, "pos_emb": "learned", "norm": "layernorm",
-                                         "activation": "gelu", "bias": True}])
-def test_dp2_equals_one_process(tmp_path, cfg_kw):
-    ref = run(tmp_path, 1, 1, **cfg_kw)[0]
-    ranks = run(tmp_path, 2, 1, **cfg_kw)
+GPT2_KW = {"tie_embeddings": True, "pos_emb": "learned", "norm": "layernorm", "activation": "gelu", "bias": True}
+DP2_JOBS = {"llama": (1, {}), "gpt2": (1, GPT2_KW), "bf16": (1, {"grad_reduce_dtype": "bfloat16"}), "accum2": (2, {})}
+
+
+def train_jobs(rank, world, out_dir):
+    for name, (accum, cfg_kw) in DP2_JOBS.items():  # one spawn for every two-rank run of this file
+        os.makedirs(os.path.join(out_dir, name), exist_ok=True)
+        train(rank, world, accum, os.path.join(out_dir, name), cfg_kw)
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp2")
+    spawn(train_jobs, 2, 2, str(out))
+    return {name: [torch.load(out / name / f"rank{r}.pt") for r in range(2)] for name in DP2_JOBS}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_dp2_equals_one_process(tmp_path, dp2, name):
+    ref = run(tmp_path, 1, **DP2_JOBS[name][1])
+    ranks = dp2[name]
     for r in ranks:
         assert_close(r["init"], ref["init"], "initial weights")
         assert_close(r["grads"], ref["grads"], "first gradients")
@@ -121,10 +135,10 @@ def test_dp2_equals_one_process(tmp_path, cfg_kw):
             assert torch.equal(v, ranks[1]["steps"][s][k]), f"step {s}: {k} differs across ranks"
 
 
-def test_dp2_bf16_gradient_reduction(tmp_path, reference):
+def test_dp2_bf16_gradient_reduction(dp2, reference):
     # gradients travel in bf16: the result is the bf16 sum of the ranks' bf16-rounded gradients
     # (gloo sums), then divided by the world in fp32; replicas stay bitwise identical
-    ranks = run(tmp_path, 2, 1, grad_reduce_dtype="bfloat16")
+    ranks = dp2["bf16"]
     for n, g in ranks[0]["grads"].items():
         a, b = (r["local_grads"][n].bfloat16() for r in ranks)
         assert torch.equal(g, (a + b).float() / 2), n
@@ -154,13 +168,13 @@ def test_backward_outside_no_sync_is_refused(tmp_path):
 
 
 def test_grad_accumulation_equals_full_batch(tmp_path, reference):
-    acc = run(tmp_path, 1, 4)[0]
+    acc = run(tmp_path, 4)
     assert_close(acc["grads"], reference["grads"], "accumulated gradients")
     assert_close(acc["steps"][-1], reference["steps"][-1], "weights after accumulation")
 
 
-def test_dp2_with_accumulation(tmp_path, reference):
-    ranks = run(tmp_path, 2, 2)
+def test_dp2_with_accumulation(dp2, reference):
+    ranks = dp2["accum2"]
     for r in ranks:
         assert_close(r["grads"], reference["grads"], "DP2 x accumulation 2 gradients")
         assert_close(r["steps"][-1], reference["steps"][-1], "DP2 x accumulation 2 weights")
