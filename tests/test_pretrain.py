@@ -1,7 +1,8 @@
 """pretrain.py end to end, as a user runs it.
 
 Proves: a run stopped at step k and resumed from its checkpoint logs exactly the same losses as
-an uninterrupted run (model, optimizer, loader position and dropout RNG all restored); the tiny
+an uninterrupted run (model, optimizer, loader position and dropout RNG all restored), also when
+it moves between layouts (TP=2 -> one process -> FSDP=2); the tiny
 config on 2 gloo processes (torchrun) learns (loss falls by a clear margin) and prints a sample;
 bad data paths and empty corpora stop the script with a message that names the problem.
 """
