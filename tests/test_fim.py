@@ -25,7 +25,8 @@
 - clean=True / dedup in prepare: planted exact / near duplicates, an auto-generated file and a
   binary-ish file are removed and counted in meta.json, the kept documents tokenized exactly.
 - End to end on CPU: pretrain.py (tiny config, shrunk) trains with fim_rate=1 on a tiny corpus,
-  then sample.py --prefix/--suffix infills and stops at EOS; a checkpoint whose config says it was
+  then sample.py --prefix/--suffix infills and stops at EOS, in SPM order by default (PSM for a model
+  trained without SPM samples, which refuses --fim_order=spm); a checkpoint whose config says it was
   trained without FIM is refused.
 """
 import hashlib
@@ -42,6 +43,7 @@ import torch
 import corpus
 import data
 import fim
+import sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -345,7 +347,7 @@ def _run(args, script="pretrain.py"):
     return r
 
 
-def test_pretrain_with_fim_then_infill(tmp_path):
+def test_pretrain_with_fim_then_infill(tmp_path, capsys):
     doc = "def add(a, b):\n    return a + b\n"
     src = _jsonl(tmp_path / "c.jsonl", [doc] * 400)
     common = ["configs/tiny.py", f"--data={src}", "--n_layer=2", "--n_embd=64", "--block_size=64", "--tokenizer_vocab=512",
@@ -360,17 +362,27 @@ def test_pretrain_with_fim_then_infill(tmp_path):
               "--device=cpu"], "sample.py")
     assert s.returncode == 0, s.stderr
     head, text = s.stdout.split("---\n", 1)
-    assert head.startswith("--- sample 0: middle of") and "stopped at EOS" in head, s.stdout  # learned to stop
+    assert head.startswith("--- sample 0: middle of") and "(SPM order), stopped at EOS" in head, s.stdout  # learned to stop
     assert text.startswith("def add(a, b):\n    return") and text.endswith(" + b\n\n")  # prefix middle suffix
     print(s.stdout)  # the quality of the middle is the GPU run's question, not this test's
-    plain = tmp_path / "plain"  # the same checkpoint, its config (and manifest) saying it was trained without FIM
-    shutil.copytree(os.path.join(out, "step_000150"), plain)
-    conf, manifest = plain / "config.json", plain / "complete.json"
-    conf.write_text(json.dumps({**json.loads(conf.read_text()), "fim_rate": 0.0}))
-    man = json.loads(manifest.read_text())
-    man["files"]["config.json"] = dict(size=conf.stat().st_size, sha256=hashlib.sha256(conf.read_bytes()).hexdigest())
-    manifest.write_text(json.dumps(man))
-    s = _run([str(plain), "--prefix=x", "--suffix=y", "--device=cpu"], "sample.py")
+
+    def variant(name, **changes):  # the same checkpoint, its config (and manifest) changed
+        ckpt = tmp_path / name
+        shutil.copytree(os.path.join(out, "step_000150"), ckpt)
+        conf, manifest = ckpt / "config.json", ckpt / "complete.json"
+        conf.write_text(json.dumps({**json.loads(conf.read_text()), **changes}))
+        man = json.loads(manifest.read_text())
+        man["files"]["config.json"] = dict(size=conf.stat().st_size, sha256=hashlib.sha256(conf.read_bytes()).hexdigest())
+        manifest.write_text(json.dumps(man))
+        return str(ckpt)
+
+    psm_only = variant("psm_only", fim_spm_rate=0.0)  # in process: sample.main, as the command line calls it
+    sample.main([psm_only, "--prefix=def add(a, b):\n    return", "--suffix= + b\n", "--tokens=20", "--temperature=0", "--device=cpu"])
+    assert "(PSM order)" in capsys.readouterr().out  # auto: the order it was trained in
+    with pytest.raises(SystemExit) as e:
+        sample.main([psm_only, "--prefix=x", "--suffix=y", "--fim_order=spm", "--device=cpu"])
+    assert e.value.code == 2 and "trained without SPM samples" in capsys.readouterr().err
+    s = _run([variant("plain", fim_rate=0.0), "--prefix=x", "--suffix=y", "--device=cpu"], "sample.py")
     assert s.returncode == 2 and "trained without fill-in-the-middle" in s.stderr
     r = _run(common + ["--tokenizer=o200k_base", "--fim_rate=0.5", f"--out_dir={tmp_path}/o"])
     assert r.returncode == 2 and "o200k_base has no fill-in-the-middle sentinels" in r.stderr
