@@ -32,12 +32,11 @@ Tasks (--tasks, comma separated; `name=source` reads a .jsonl/.json/.parquet fil
 
 --micro_batch_size sets the sequences per scoring forward, --gen_batch_size the prompts per decode call.
 Output: a short table on stdout and a results JSON (--results, default out/eval/<model>.json).
-From a stage script (a parallel.Parallel `run` and a tokenizer): bits_per_byte, multiple_choice,
-generate_texts, humaneval, pass_at_k are plain functions; pretrain.py's validation logs val_bpb
-through nll_terms / bpb_of.
+This file holds the tasks (their formats, data and prompts, as lm-eval builds them) and the CLI;
+how answers are scored (log-probs, bits per byte, generation, exact match, pass@k) is scoring.py,
+plain functions a stage script calls too (pretrain.py's validation logs val_bpb through them).
 """
 import json
-import math
 import os
 import random
 import re
@@ -45,21 +44,18 @@ import sys
 import time
 from dataclasses import dataclass, fields
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 import checkpoint
 import config
 import corpus
 import data
-import generate
 import hf
 import parallel
-import sandbox
+import scoring
 import tasks
-from config import UserError
-from model import IGNORE, ModelConfig, Transformer
+from model import ModelConfig, Transformer
+from scoring import EvalError
 
 EVAL_DEFAULTS = dict(
     tasks="bpb",           # comma separated: bpb, hellaswag, arc_easy, arc_challenge, piqa, mc, gsm8k, humaneval;
@@ -86,13 +82,6 @@ CKPT_KEYS = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "g
     "val_fraction", "val_tokens", "max_docs", "clean", "dedup", "seq_len"]
 CODE_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # Codex's (Chen et al. 2021)
 GSM8K_STOPS = ("Question:", "</s>", "<|im_end|>")              # lm-eval's gsm8k `until`
-GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
-GSM8K_FLEX = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
-GSM8K_IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")            # lm-eval's regexes_to_ignore
-
-
-class EvalError(UserError, ValueError):
-    """A task, a data file or a setting eval.py cannot use."""
 
 
 # ----------------------------------------------------------------------------- task formats (lm-eval's)
@@ -248,133 +237,7 @@ def answer_text(doc):
     return doc["target"] if "target" in doc else doc["choices"][doc["gold"]]
 
 
-# ----------------------------------------------------------------------------- scoring
-
-def encode_pair(tok, context, continuation, add_bos=False):
-    """lm-eval's _encode_pair: trailing whitespace of the context moves to the continuation; the pair
-    is tokenised whole and split at the context's length. An empty context is BOS (EOS without one)."""
-    bos = getattr(tok, "bos_id", None)
-    if add_bos and bos is None:
-        raise EvalError(f"add_bos=True but tokenizer {tok.name} has no BOS token: drop --add_bos")
-    prefix = [bos] if add_bos else []
-    if not context:
-        first, cont = tok.eos_id if bos is None else bos, tok.encode(continuation)
-        return ([first], cont) if cont[:1] != [first] else (cont[:1], cont[1:])
-    n = len(context) - len(context.rstrip())
-    if n:
-        context, continuation = context[:-n], context[-n:] + continuation
-    whole, ctx = prefix + tok.encode(context + continuation), prefix + tok.encode(context)
-    return ctx, whole[len(ctx):]
-
-
-def gather_rows(out, grid):
-    """{row index: value} of every data-parallel rank, merged (every rank gets all)."""
-    if grid.data_world > 1:
-        parts = [None] * grid.data_world
-        dist.all_gather_object(parts, out, group=grid.data_group)
-        out = {k: v for p in parts for k, v in p.items()}
-    return out
-
-
-def my_batches(n_batches, grid):
-    """Global batch j runs on data-parallel rank j % ranks; every rank gets the same number of steps
-    (None: an idle step, so that collectives inside the forward, FSDP's and EP's, stay matched)."""
-    mine = list(range(grid.data_rank, n_batches, grid.data_world))
-    steps = -(-n_batches // grid.data_world)
-    return mine + [None] * (steps - len(mine))
-
-
-@torch.no_grad()
-def token_logprobs(run, rows, batch_size, autocast=None):
-    """rows: (ids, mask) with mask[t] True where target ids[t + 1] is scored -> per row the log-probs
-    of its scored targets (float64 tensor), from -model(x, y, reduction="none") (TP: the vocab-parallel
-    loss, logits never gathered). Rows are sorted by length and batched (right padding, which causal
-    attention never sees); the results are gathered from every data-parallel rank."""
-    order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
-    batches = [order[j:j + batch_size] for j in range(0, len(order), batch_size)]
-    device = run.grid.device
-    out = {}
-    for j in my_batches(len(batches), run.grid):
-        b = batches[j] if j is not None else []
-        T = max((len(rows[i][0]) - 1 for i in b), default=1)
-        x = torch.zeros(max(len(b), 1), T, dtype=torch.long)
-        y = torch.full_like(x, IGNORE)
-        for r, i in enumerate(b):
-            ids, mask = rows[i]
-            x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
-            y[r, :len(ids) - 1] = torch.where(torch.tensor(mask), torch.tensor(ids[1:]), IGNORE)
-        with autocast or torch.autocast(device.type, enabled=False):
-            nll = run.fwd(x.to(device), y.to(device), reduction="none").double().cpu()
-        for r, i in enumerate(b):
-            out[i] = -nll[r][y[r] != IGNORE]
-    out = gather_rows(out, run.grid)
-    return [out[i] for i in range(len(rows))]
-
-
-def multiple_choice(run, tok, docs, contexts, batch_size, autocast=None, add_bos=False):
-    """lm-eval's multiple-choice scoring -> (metrics, per-doc results). Every (context, " " + choice)
-    pair is one row, left-truncated to block_size + 1 tokens."""
-    rows, owner = [], []
-    L = run.raw.cfg.block_size + 1
-    for d, (doc, ctx) in enumerate(zip(docs, contexts)):
-        for c, choice in enumerate(doc["choices"]):
-            a, b = encode_pair(tok, ctx, " " + choice, add_bos)
-            if len(b) >= L:
-                raise EvalError(f"document {d + 1}: choice {c} is {len(b)} tokens, block_size is {L - 1}")
-            ids = (a + b)[-L:]
-            rows.append((ids, [False] * (len(ids) - 1 - len(b)) + [True] * len(b)))
-            owner.append(d)
-    lps = token_logprobs(run, rows, batch_size, autocast)
-    per_doc = [{"lls": [], "gold": doc["gold"]} for doc in docs]
-    for d, lp in zip(owner, lps):
-        per_doc[d]["lls"].append(float(lp.sum()))
-    for doc, r in zip(docs, per_doc):
-        norm = [ll / len(c) if c else -math.inf for ll, c in zip(r["lls"], doc["choices"])]
-        r["acc"] = float(argmax(r["lls"]) == r["gold"])
-        r["acc_norm"] = float(argmax(norm) == r["gold"])
-    return {**mean_and_stderr("acc", [r["acc"] for r in per_doc]),
-            **mean_and_stderr("acc_norm", [r["acc_norm"] for r in per_doc]), "n": len(docs)}, per_doc
-
-
-def argmax(values):
-    return max(range(len(values)), key=values.__getitem__)  # the first of equal maxima, as np.argmax
-
-
-def mean_and_stderr(name, xs):
-    """mean and lm-eval's standard error (sample standard deviation / sqrt(n))."""
-    m = sum(xs) / len(xs) if xs else float("nan")
-    se = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(xs) > 1 else float("nan")
-    return {name: m, f"{name}_stderr": se}
-
-
-# ----------------------------------------------------------------------------- bits per byte
-
-def token_bytes(tok):
-    """(n_vocab,) UTF-8 byte length of every token id; 0 for special tokens and unused ids."""
-    enc, rank_of = tok.enc, getattr(tok, "rank_of", None)
-    specials = set(tok.special_tokens.values())
-    out = torch.zeros(tok.n_vocab, dtype=torch.long)
-    for i in range(tok.n_vocab):
-        if i not in specials and (rank_of is None or i in rank_of):
-            try:
-                out[i] = len(enc.decode_single_token_bytes(i if rank_of is None else rank_of[i]))
-            except KeyError:  # a hole in the vocabulary
-                pass
-    return out
-
-
-def nll_terms(nll, y, nbytes):
-    """(B, T) NLL of targets y -> [mean NLL, 1, NLL of the targets with bytes, their bytes], to sum over
-    batches and ranks: pretrain.py's validation loss and bits per byte (bpb_of) in one pass."""
-    b = nbytes[y.clamp(min=0)] * (y != IGNORE)
-    return torch.stack([nll.sum() / (y != IGNORE).sum(), torch.ones_like(nll[0, 0]), (nll * (b > 0)).sum(),
-                        b.sum().to(nll.dtype)])
-
-
-def bpb_of(sums):
-    """[NLL of the text targets in nats, their UTF-8 bytes] -> bits per byte."""
-    return float(sums[0] / math.log(2) / sums[1]) if float(sums[1]) else float("nan")
-
+# ----------------------------------------------------------------------------- bits-per-byte windows, HumanEval
 
 def corpus_windows(tok, source, T, max_tokens=0, text_field="text"):
     """Any corpus (corpus.iter_documents' sources) as token windows of T + 1 (consecutive windows share
@@ -387,7 +250,6 @@ def corpus_windows(tok, source, T, max_tokens=0, text_field="text"):
             stream = stream[:max_tokens + 1]
             break
     return [stream[i:i + T + 1] for i in range(0, len(stream) - 1, T)]
-
 
 def split_windows(cfg, grid, tok, T):
     """The run's validation split (prepared as pretraining prepares it, if not yet) as windows
@@ -404,112 +266,11 @@ def split_windows(cfg, grid, tok, T):
         out.append(x[0].tolist() + [int(y[0, -1])])
     return out
 
-
-def bits_per_byte(run, tok, windows, batch_size, autocast=None, nbytes=None):
-    """windows: token lists (each predicts its tokens 1..) -> loss (nats per target token), perplexity,
-    bits per byte (targets with bytes only: NLL / ln 2 / their UTF-8 bytes), tokens, bytes."""
-    nbytes = token_bytes(tok) if nbytes is None else nbytes
-    lps = token_logprobs(run, [(w, [True] * (len(w) - 1)) for w in windows], batch_size, autocast)
-    nll = tok_count = text_nll = n_bytes = 0.0
-    for w, lp in zip(windows, lps):
-        b = nbytes[torch.tensor(w[1:])].double()
-        nll, tok_count = nll - float(lp.sum()), tok_count + len(lp)
-        text_nll, n_bytes = text_nll - float((lp * (b > 0)).sum()), n_bytes + float(b.sum())
-    if not n_bytes:
-        raise EvalError("bits per byte: the evaluated text has no bytes (empty corpus?)")
-    loss = nll / tok_count
-    return {"bpb": text_nll / math.log(2) / n_bytes, "loss": loss, "ppl": math.exp(loss),
-            "tokens": int(tok_count), "bytes": int(n_bytes)}
-
-
-# ----------------------------------------------------------------------------- generation
-
-def cut(text, stops):
-    """text up to the first of the stop strings."""
-    ends = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[:min(ends)] if ends else text
-
-
-@torch.no_grad()
-def generate_texts(run, tok, prompts, max_new_tokens, *, n=1, temperature=0.0, top_p=1.0, seed=0,
-                   stops=(), batch_size=16, autocast=None):
-    """Completions of text prompts by the fast decoder (generate.decode), n per prompt, cut at the
-    first stop string (or EOS). Prompts are left-truncated to leave max_new_tokens. Global batch j of
-    prompts draws with seed + j on rank j % ranks: the texts do not depend on the layout."""
-    L, device = run.raw.cfg.block_size, run.grid.device
-    keep = L - max_new_tokens
-    if keep < 1:
-        raise EvalError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in block_size={L}")
-    ids = [(tok.encode(p) or [tok.eos_id])[-keep:] for p in prompts]
-    batches = [list(range(j, min(j + batch_size, len(ids)))) for j in range(0, len(ids), batch_size)]
-    out = {}
-    with run.full_params(), autocast or torch.autocast(device.type, enabled=False):
-        for j in my_batches(len(batches), run.grid):
-            b = batches[j] if j is not None else []
-            r = generate.decode(run.raw, [ids[i] for i in b] or [[tok.eos_id]], max_new_tokens if b else 1,
-                                n=n, temperature=temperature, top_p=top_p, stop_tokens=[tok.eos_id],
-                                pad_id=tok.eos_id, seed=seed + (j or 0))
-            gen = r.tokens[:, r.prompt_len:].tolist()
-            for k, i in enumerate(b):
-                rows = [gen[k * n + s][:int(r.lengths[k * n + s])] for s in range(n)]
-                out[i] = [cut(tok.decode([t for t in row if t != tok.eos_id]), stops) for row in rows]
-    out = gather_rows(out, run.grid)
-    return [out[i] for i in range(len(prompts))]
-
-
-def pass_at_k(n, c, k):
-    """The unbiased estimator of Chen et al. (2021): 1 - C(n - c, k) / C(n, k), as a stable product."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
-
-
-def code_scores(items, completions, ks, timeout=10.0, workers=4):
-    """pass@k of n completions per HumanEval item (tasks.human_eval) in sandbox.py's sandbox: the
-    program is the item's code_prompt + completion, then its tests (check(entry_point)).
-    -> (metrics, passes per item)."""
-    flat = [(i, it["code_prompt"] + c, it["tests"]) for i, (it, cs) in enumerate(zip(items, completions)) for c in cs]
-    results = sandbox.run_many([p for _, p, _ in flat], [t for _, _, t in flat], workers=workers, timeout=timeout)
-    passed = [0] * len(items)
-    for (i, _, _), r in zip(flat, results):
-        passed[i] += r.passed
-    at_k = {f"pass@{k}": float(np.mean([pass_at_k(len(cs), c, k) for cs, c in zip(completions, passed)])) for k in ks}
-    return {**at_k, "n": len(items), "samples": len(completions[0]) if completions else 0}, passed
-
-
 def humaneval(run, tok, items, ks=(1,), *, n=1, max_new_tokens=512, timeout=10.0, workers=4, **gen):
     """pass@k on HumanEval items: n completions of each code_prompt by the fast decoder (generate_texts'
     keywords in gen), cut at Codex's stop strings, judged on rank 0; every rank gets the metrics."""
-    texts = generate_texts(run, tok, [it["code_prompt"] for it in items], max_new_tokens, n=n, stops=CODE_STOPS, **gen)
-    return parallel.on_main(run.grid, lambda: code_scores(items, texts, ks, timeout, workers)[0])
-
-
-def gsm8k_extract(text, strict):
-    """lm-eval's gsm8k filters: strict = the number after '#### ', flexible = the last number."""
-    found = (GSM8K_STRICT if strict else GSM8K_FLEX).findall(text)
-    if not found:
-        return "[invalid]"
-    m = found[0 if strict else -1]
-    if isinstance(m, tuple):  # several groups: the first that matched
-        m = next((g for g in m if g), "[invalid]")
-    return m.strip()
-
-
-def gsm8k_normalise(text):
-    for pattern in GSM8K_IGNORE:
-        text = re.sub(pattern, "", text)
-    return text.lower()
-
-
-def gsm8k_scores(completions, docs):
-    """lm-eval's exact match (ignore_case, its regexes_to_ignore) of the strict and flexible answers."""
-    per = []
-    for text, doc in zip(completions, docs):
-        gold = gsm8k_normalise(doc["target"])
-        per.append({k: float(gsm8k_normalise(gsm8k_extract(text, k == "strict")) == gold)
-                    for k in ("strict", "flexible")})
-    return {**mean_and_stderr("exact_match_strict", [p["strict"] for p in per]),
-            **mean_and_stderr("exact_match_flexible", [p["flexible"] for p in per]), "n": len(docs)}, per
+    texts = scoring.generate_texts(run, tok, [it["code_prompt"] for it in items], max_new_tokens, n=n, stops=CODE_STOPS, **gen)
+    return parallel.on_main(run.grid, lambda: scoring.code_scores(items, texts, ks, timeout, workers)[0])
 
 
 # ----------------------------------------------------------------------------- the CLI
@@ -601,7 +362,7 @@ def run_task(name, source, cfg, run, tok, autocast, ks):
         T = cfg.seq_len or cfg.block_size
         windows = (corpus_windows(tok, cfg.bpb_data, T, cfg.bpb_tokens, cfg.text_field) if cfg.bpb_data
                    else split_windows(cfg, run.grid, tok, T))
-        return bits_per_byte(run, tok, windows, cfg.micro_batch_size, autocast)
+        return scoring.bits_per_byte(run, tok, windows, cfg.micro_batch_size, autocast)
     if spec.kind == "code":
         return humaneval(run, tok, tasks.human_eval()[:cfg.limit or None], ks, n=cfg.n_samples,
                          max_new_tokens=new_tokens(cfg, 512), timeout=cfg.code_timeout, workers=cfg.code_workers,
@@ -610,11 +371,11 @@ def run_task(name, source, cfg, run, tok, autocast, ks):
     # rank 0 reads the data (a hub download once), every rank gets the prompts; a bad record stops all
     docs, contexts = parallel.on_main(run.grid, lambda: task_prompts(name, source, cfg))
     if spec.kind == "mc":
-        return multiple_choice(run, tok, docs, contexts, cfg.micro_batch_size, autocast, cfg.add_bos)[0]
-    texts = generate_texts(run, tok, contexts, new_tokens(cfg, 256), temperature=cfg.temperature,
+        return scoring.multiple_choice(run, tok, docs, contexts, cfg.micro_batch_size, autocast, cfg.add_bos)[0]
+    texts = scoring.generate_texts(run, tok, contexts, new_tokens(cfg, 256), temperature=cfg.temperature,
                            top_p=cfg.top_p, seed=cfg.seed, stops=GSM8K_STOPS, batch_size=cfg.gen_batch_size,
                            autocast=autocast)
-    return gsm8k_scores([t[0] for t in texts], docs)[0]
+    return scoring.gsm8k_scores([t[0] for t in texts], docs)[0]
 
 
 def table(results):

