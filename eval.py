@@ -142,24 +142,20 @@ TASKS = {
 
 
 def read_records(path):
-    """A .jsonl / .json (a list) / .parquet file -> list of dicts; a bad line is named file:line."""
+    """A .json (a list) / .parquet / .jsonl file -> list of dicts; corpus.py's readers for the latter two
+    (a line that is not JSON is named file:line)."""
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq  # datasets' dependency
-        return pq.read_table(path).to_pylist()
+        return list(corpus.dataset_rows("parquet", where=path, data_files=path))
+    if not path.endswith(".json"):
+        return [row for _, row in corpus.jsonl_rows(path)]
     with open(path, encoding="utf-8") as f:
-        if path.endswith(".json"):
+        try:
             rows = json.load(f)
-            if not isinstance(rows, list):
-                raise EvalError(f"{path}: a .json task file holds a list of records")
-            return rows
-        rows = []
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError as e:
-                    raise EvalError(f"{path}:{i}: not a JSON record ({e})") from None
-        return rows
+        except json.JSONDecodeError as e:
+            raise EvalError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+    if not isinstance(rows, list):
+        raise EvalError(f"{path}: a .json task file holds a list of records")
+    return rows
 
 
 def split_file(folder, split):

@@ -34,6 +34,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import corpus
 import data
 import eval as ev
 import generate
@@ -316,7 +317,7 @@ def test_user_errors(tmp_path, folders, run, tok):
     with pytest.raises(scoring.EvalError, match=r"bad.jsonl record 2: not a piqa record.*goal, sol1, sol2, label"):
         ev.task_prompts("piqa", str(bad), cfg)
     bad.write_text('{"goal": "a"}\n{oops\n')
-    with pytest.raises(scoring.EvalError, match=r"bad.jsonl:2: not a JSON record"):
+    with pytest.raises(corpus.DataError, match=r"bad.jsonl:2: not valid JSON"):
         ev.task_prompts("piqa", str(bad), cfg)
     with pytest.raises(scoring.EvalError, match="10-shot prompts need 11 few-shot examples, the pool has 6"):
         ev.task_prompts("piqa", str(folders / "piqa"), SimpleNamespace(limit=0, num_fewshot=10, fewshot_seed=1))
