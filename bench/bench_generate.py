@@ -25,7 +25,7 @@ by the row of the same name with variant "before" at that point.
 --rows run at every --points entry (shape:batch, in priority order); the --explore rows (the
 settings one by one) at the first point, where the list says "explore"; the --profile rows of the
 first point run once more, uncaptured, under torch.profiler: GPU kernels per decode step, GPU time
-per step and the kernels that take it (CPU: top-level ATen ops per step).
+per step and the kernels that take it (CPU: top-level ATen ops per step; the JSON lists every one).
 
 bound: the memory-bandwidth limit of a decode step, tokens/s = B / (bytes / bandwidth), bytes =
 the weights read once per step (every parameter but the token embedding) + the KV cache read at
@@ -269,9 +269,9 @@ def profile_row(name, ctx, x, N):
     for e in evs:
         n, us = per.get(e.name, (0, 0.0))
         per[e.name] = (n + 1, us + e.time_range.elapsed_us())
-    top = sorted(per.items(), key=lambda kv: -kv[1][1])[:12]
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][1])
     return {"ops_per_step": len(evs) / N, "us_per_step": sum(us for _, us in per.values()) / N,
-            "top": [{"name": k[:90], "per_step": n / N, "us_per_step": us / N} for k, (n, us) in top]}
+            "top": [{"name": k[:200], "per_step": n / N, "us_per_step": us / N} for k, (n, us) in ranked]}
 
 
 def checks():
@@ -400,8 +400,8 @@ def report(r):
         p = r["profile"]
         say(f"      {p['ops_per_step']:.0f} {'kernels' if cuda else 'ops'}/step, {p['us_per_step']:.0f} us/step "
             f"{'GPU' if cuda else 'CPU'}; the largest:")
-        for k in p["top"]:
-            say(f"      {k['us_per_step']:8.1f} us {k['per_step']:5.1f}x  {k['name']}")
+        for k in p["top"][:12]:  # the JSON keeps every kernel
+            say(f"      {k['us_per_step']:8.1f} us {k['per_step']:5.1f}x  {k['name'][:90]}")
 
 
 def table(rows):
