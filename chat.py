@@ -137,14 +137,7 @@ def _records(source, bad):
             for lineno, row in corpus.jsonl_rows(path, bad=bad):
                 yield f"{path}:{lineno}", row
         elif path.endswith(".json"):
-            with open(path, encoding="utf-8") as f:
-                try:
-                    rows = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ChatDataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
-            if not isinstance(rows, list):
-                raise ChatDataError(f"{path}: a .json file of chat data must hold a list of records, not a "
-                                    f"{type(rows).__name__} (one record per line: use .jsonl)")
+            rows = corpus.json_records(path, "chat data")
             for i, row in enumerate(rows):
                 yield f"{path}[{i}]", row
         else:

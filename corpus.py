@@ -210,6 +210,20 @@ def _row_text(row, text_field, where):
     return text or ""
 
 
+def json_records(path, what="records"):
+    """The records of a .json file that holds one list of them; anything else raises DataError
+    naming the file (and the line, for text that is not JSON)."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            rows = json.load(f)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: a .json file of {what} must hold a list of records, not a "
+                        f"{type(rows).__name__} (one record per line: use .jsonl)")
+    return rows
+
+
 def jsonl_rows(path, report=None, bad=None):
     """(line number, JSON value) of each non-blank line of a .jsonl file, read line by line: a line
     that is not JSON raises DataError naming path:line, or, given a Counter `bad`, is counted under

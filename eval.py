@@ -142,20 +142,13 @@ TASKS = {
 
 
 def read_records(path):
-    """A .json (a list) / .parquet / .jsonl file -> list of dicts; corpus.py's readers for the latter two
-    (a line that is not JSON is named file:line)."""
+    """A .json (a list) / .parquet / .jsonl file -> list of dicts, by corpus.py's readers (a line that
+    is not JSON is named file:line)."""
     if path.endswith(".parquet"):
         return list(corpus.dataset_rows("parquet", where=path, data_files=path))
     if not path.endswith(".json"):
         return [row for _, row in corpus.jsonl_rows(path)]
-    with open(path, encoding="utf-8") as f:
-        try:
-            rows = json.load(f)
-        except json.JSONDecodeError as e:
-            raise EvalError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
-    if not isinstance(rows, list):
-        raise EvalError(f"{path}: a .json task file holds a list of records")
-    return rows
+    return corpus.json_records(path, "task records")
 
 
 def split_file(folder, split):

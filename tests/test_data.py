@@ -702,3 +702,18 @@ def test_python_corpus_source(tmp_path, monkeypatch):
     assert meta["n_docs"] == len(docs) and meta["intake"]["duplicates"] == 1 and meta["intake"]["capped"] == 4
     _write(tmp_path / "site-packages" / "new.py", "def new(): pass\n")
     assert data.prepare("python", tok, out, verbose=False)["n_docs"] == len(docs) + 1
+
+
+def test_json_records(tmp_path):
+    """corpus.json_records (chat data and eval tasks in .json files): a list of records is returned as
+    is; a file that is not JSON names its line, one that holds no list says what to use."""
+    good, broken, single = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    good.write_text(json.dumps([{"x": 1}, {"x": 2}]))
+    broken.write_text('[{"x": 1},\n{oops}]')
+    single.write_text(json.dumps({"x": 1}))
+    assert corpus.json_records(str(good)) == [{"x": 1}, {"x": 2}]
+    with pytest.raises(corpus.DataError, match=r"b.json:2: not valid JSON"):
+        corpus.json_records(str(broken))
+    with pytest.raises(corpus.DataError, match=r"c.json: a .json file of task records must hold a list of records, "
+                                               r"not a dict \(one record per line: use .jsonl\)"):
+        corpus.json_records(str(single), "task records")
