@@ -46,6 +46,8 @@ from model import ModelConfig, Transformer
 LLAMA = dict(pos_emb="rope", norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=False,
              qk_norm=False, n_kv_head=0, ffn_hidden=0, dropout=0.0, norm_eps=1e-5, rope_theta=10000.0)
 SHAPES = {"124m": dict(LLAMA, vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+          "1b": dict(LLAMA, vocab_size=50304, block_size=2048, n_layer=16, n_head=16, n_embd=2048, n_kv_head=8,
+                     ffn_hidden=8192),  # bench/bench_parallel.py's ~1B shape (1.21B parameters)
           "tiny": dict(LLAMA, vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64)}
 GOALS = {"mfu": 0.45, "vs_hf": 1.2, "dp_scaling": 1.9, "vs_ddp": 0.98}
 

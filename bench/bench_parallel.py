@@ -15,8 +15,9 @@ reduce)); ours-dp (parallel.DataParallel) vs torch-ddp (DistributedDataParallel,
 ours-tp (tp.tensor_parallel over all GPUs, dp = 1); compiled: ours-fsdp-compiled (FSDP.compile:
 each block's forward, the final norm and the head's loss compiled, the gather hooks eager) vs
 torch-fsdp2-compiled (torchtitan's recipe: each block replaced by torch.compile(block), then
-fully_shard per block and on the root: FSDP2's hooks run eagerly around the compiled block). The
-other rows run eager. bf16 autocast, fused AdamW, random tokens. tokens/s counts the global batch
+fully_shard per block and on the root: FSDP2's hooks run eagerly around the compiled block),
+ours-tp-compiled (torch.compile of the TP model, as parallel.parallelize: TP's collectives traced
+into the graph) and ours-tp-sp-compiled (the same with sequence parallelism). The other rows run eager. bf16 autocast, fused AdamW, random tokens. tokens/s counts the global batch
 once; MFU = tokens/s * model.flops_per_token(T) / (peak * GPUs). Compilation happens in the warm-up
 steps (not timed); each row starts with torch._dynamo.reset() (no graphs of the previous row).
 
@@ -88,7 +89,8 @@ p.add_argument("--shape", choices=list(SHAPES), default=None, help="default: 1b 
 p.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
 p.add_argument("--steps", type=int, default=10)
 p.add_argument("--warmup", type=int, default=3)
-p.add_argument("--runs", default="ours-fsdp,torch-fsdp2,ours-fsdp-compiled,torch-fsdp2-compiled,ours-dp,torch-ddp,ours-tp")
+p.add_argument("--runs", default="ours-fsdp,torch-fsdp2,ours-fsdp-compiled,torch-fsdp2-compiled,ours-dp,torch-ddp,ours-tp,"
+                                 "ours-tp-compiled,ours-tp-sp-compiled")
 p.add_argument("--cap_gb", type=float, default=24.0)
 p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
 p.add_argument("--json", default="")
@@ -142,14 +144,16 @@ def torch_ddp(raw):
     return raw, m, (lambda: None), (lambda: raw.zero_grad(set_to_none=True))
 
 
-def ours_tp(raw):
-    tp.tensor_parallel(raw, tp_grid)
-    return raw, raw, (lambda: None), (lambda: raw.zero_grad(set_to_none=True))
+def ours_tp(raw, compile_=False, sp=False):
+    tp.tensor_parallel(raw, tp_grid, sequence_parallel=sp)
+    fwd = torch.compile(raw) if compile_ else raw  # as parallel.parallelize: dynamo traces TP's collectives
+    return raw, fwd, (lambda: None), (lambda: raw.zero_grad(set_to_none=True))
 
 
 ROWS = {"ours-fsdp": ours_fsdp, "torch-fsdp2": torch_fsdp2, "ours-dp": ours_dp, "torch-ddp": torch_ddp,
         "ours-tp": ours_tp, "ours-fsdp-compiled": lambda raw: ours_fsdp(raw, True),
-        "torch-fsdp2-compiled": lambda raw: torch_fsdp2(raw, True)}
+        "torch-fsdp2-compiled": lambda raw: torch_fsdp2(raw, True), "ours-tp-compiled": lambda raw: ours_tp(raw, True),
+        "ours-tp-sp-compiled": lambda raw: ours_tp(raw, True, sp=True)}
 ep_grid = (parallel.init(SimpleNamespace(device=args.device, tp=1, ep=world))  # same processes, ep = world
            if args.mode == "moe" else None)
 if args.mode == "combo":  # pairs of neighbouring GPUs: TP (or EP) inside, data parallel across
@@ -195,7 +199,7 @@ def measure(name, shape, wrap, cap_gb=0.0):
         fpt = raw.flops_per_token(shape["block_size"])
         params_of, fwd, finish, zero_grad = wrap(raw)
         opt = optim.build_optimizer(params_of, opt_cfg)
-        tp_size = world if name == "ours-tp" else getattr(wrap, "tp", 1)
+        tp_size = world if name.startswith("ours-tp") else getattr(wrap, "tp", 1)
         B = args.batch * tp_size  # TP ranks share one batch: the same global batch
         T = shape["block_size"]
         g = torch.Generator(device=device).manual_seed(1 + grid.rank // tp_size)
@@ -311,7 +315,8 @@ if args.mode == "speed":
     rows = [measure(name, SHAPES[args.shape], ROWS[name]) for name in args.runs.split(",")]
     by = {r["run"]: r.get("tokens_per_s") for r in rows}
     for a, b in (("ours-fsdp", "torch-fsdp2"), ("ours-fsdp-compiled", "torch-fsdp2-compiled"),
-                 ("ours-fsdp-compiled", "ours-fsdp"), ("ours-dp", "torch-ddp"), ("ours-tp", "ours-fsdp")):
+                 ("ours-fsdp-compiled", "ours-fsdp"), ("ours-dp", "torch-ddp"), ("ours-tp", "ours-fsdp"),
+                 ("ours-tp-compiled", "ours-fsdp-compiled"), ("ours-tp-sp-compiled", "ours-fsdp-compiled")):
         if by.get(a) and by.get(b):
             say(f"  {a} / {b}: {by[a] / by[b]:.3f}x tokens/s")
 elif args.mode == "moe":
