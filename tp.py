@@ -17,11 +17,13 @@ tp_split (norms, row-parallel biases, positions) are replicated with identical g
 MoE layers cut their own experts (moe.MoE.tensor_parallel, called from tensor_parallel below).
 
 torch.compile (parallel.parallelize, cfg.compile) traces the collectives rather than breaking the
-graph around them: dynamo rewrites each in-place torch.distributed call made inside the autograd
-Functions below (dist.all_reduce, dist.all_gather) into its functional form
-(torch.distributed._functional_collectives: a collective op and a wait in the graph), in forward and,
-through AOTAutograd, in backward. The training forward is one graph, no graph break, compiled once
-(tests/test_tp.py, with gloo on CPU); on GPUs inductor may move the waits to overlap compute. The
+graph around them: every collective inside the autograd Functions below is a functional one
+(torch.distributed._functional_collectives: returns a new tensor, waited on at once), which dynamo
+records as a collective op and a wait, in forward and, through AOTAutograd, in backward. The
+training forward is one graph, no graph break, compiled once (tests/test_tp.py, with gloo on CPU;
+bench/bench_parallel.py check-compile, with NCCL on GPUs); inductor may move the waits to overlap
+compute. (The in-place dist.all_reduce these Functions used before gave wrong gradients compiled
+with NCCL on torch 2.11, though right with gloo on 2.13: BENCHMARKS.md, 2026-12-01.) The
 gradient hooks of shared pieces (shard) and DataParallel's run outside the graph, as in eager.
 Sequence parallelism (tensor_parallel(..., sequence_parallel=True), cfg.sequence_parallel): the
 residual stream sharded over the sequence between the TP matmuls; see tensor_parallel.
@@ -31,6 +33,7 @@ layout (parallel.py); full (layout-free) checkpoint state (checkpoint.py).
 """
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -45,31 +48,39 @@ def _rank(group):
     return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
 
 
+def _functional(name, old):
+    """funcol.<name> (torch 2.13's names of the one-tensor collectives), else the older funcol.<old>."""
+    return getattr(funcol, name, None) or getattr(funcol, old)
+
+
+def _all_reduce(x, group, op="sum"):
+    """Sum (or max: op="max") over the group into a new tensor. Every collective that can run inside
+    a compiled graph is a functional one (returns a new tensor; waited on at once): torch.compile
+    traces it as one op and a wait. The in-place dist.all_reduce it replaces trained wrongly when
+    compiled with NCCL on torch 2.11 (gradients of the replicated parameters off by 100%, fine with
+    gloo on torch 2.13: BENCHMARKS.md); an autograd input or incoming gradient is never mutated."""
+    if _size(group) == 1:
+        return x
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, group))
+
+
 def _reduce(x, group):
-    """Sum over the group into a new tensor (an autograd input or incoming gradient is never mutated)."""
-    if _size(group) > 1:
-        x = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(x, group=group)
-    return x
+    """Sum over the group into a new tensor."""
+    return _all_reduce(x, group)
 
 
 def _gather(x, group):
     """Concatenate the ranks' tensors along the last dim, in rank order."""
-    if _size(group) == 1:
+    n = _size(group)
+    if n == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+    out = funcol.wait_tensor(_functional("all_gather_single", "all_gather_tensor")(x.contiguous(), 0, group))
+    return torch.cat(out.chunk(n, dim=0), dim=-1)  # (n * B, ...) in rank order -> (B, ..., n * last)
 
 
 def _split(x, group, dim=-1):
     """This rank's slice of dimension dim."""
     return x if _size(group) == 1 else x.chunk(_size(group), dim=dim)[_rank(group)].contiguous()
-
-
-def _single(name, old):
-    """dist.<name> (torch 2.13's names of the one-tensor collectives), else the older dist.<old>."""
-    return getattr(dist, name, None) or getattr(dist, old)
 
 
 def _seq_gather(x, group):
@@ -80,9 +91,7 @@ def _seq_gather(x, group):
     if x.dim() < 3:  # e.g. the head on one position of each row: which rank holds it?
         raise ValueError(f"sequence_parallel: expected (batch, sequence shard, ...) hidden states, got shape "
                          f"{tuple(x.shape)}: run this forward under torch.no_grad() (plain tensor parallelism)")
-    out = x.new_empty((n * x.shape[0],) + x.shape[1:])  # the ranks' shards one after the other
-    _single("all_gather_single", "all_gather_into_tensor")(out, x.contiguous(), group=group)
-    return out.unflatten(0, (n, x.shape[0])).movedim(0, 1).flatten(1, 2)
+    return funcol.wait_tensor(_functional("all_gather_single", "all_gather_tensor")(x.contiguous(), 1, group))
 
 
 def _seq_reduce_scatter(x, group):
@@ -93,10 +102,8 @@ def _seq_reduce_scatter(x, group):
     if x.shape[1] % n:
         raise ValueError(f"sequence_parallel: the sequence length {x.shape[1]} is not divisible by tp={n}: "
                          f"pad the batch, or set sequence_parallel=False")
-    parts = x.unflatten(1, (n, x.shape[1] // n)).movedim(1, 0)  # (n, B, T/n, ...): rank r's part is [r]
-    out = x.new_empty(parts.shape[1:])
-    _single("reduce_scatter_single", "reduce_scatter_tensor")(out, parts.flatten(0, 1), group=group)
-    return out
+    scatter = _functional("reduce_scatter_single", "reduce_scatter_tensor")
+    return funcol.wait_tensor(scatter(x.contiguous(), "sum", 1, group))
 
 
 # ----------------------------------------------------------------------------- forward/backward pairs
@@ -330,8 +337,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
             pad = torch.arange(start, start + Vl, device=x.device) >= vocab_size
             x = x.masked_fill(pad, float("-inf"))
         m = x.max(dim=-1, keepdim=True).values
-        if _size(group) > 1:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        m = _all_reduce(m, group, "max")
         x = x - m
         e = x.exp()
         s = e.sum(dim=-1, keepdim=True)
@@ -339,9 +345,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         mine = (t >= 0) & (t < Vl) & (targets != ignore_index)
         t = t.clamp(0, Vl - 1).masked_fill(~mine, 0)
         tl = x.gather(-1, t[..., None]).squeeze(-1).masked_fill(~mine, 0.0)
-        if _size(group) > 1:
-            dist.all_reduce(s, group=group)
-            dist.all_reduce(tl, group=group)
+        s, tl = _all_reduce(s, group), _all_reduce(tl, group)
         valid = targets != ignore_index
         logp = (tl - s.squeeze(-1).log()).masked_fill(~valid, 0.0)
         ctx.save_for_backward(e.div_(s), t, mine, valid)

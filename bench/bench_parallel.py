@@ -21,11 +21,12 @@ into the graph) and ours-tp-sp-compiled (the same with sequence parallelism). Th
 once; MFU = tokens/s * model.flops_per_token(T) / (peak * GPUs). Compilation happens in the warm-up
 steps (not timed); each row starts with torch._dynamo.reset() (no graphs of the previous row).
 
-check-compile: ours-fsdp eager vs compiled (inductor, the backend the CPU tests cannot afford) on
---shape (default "small"), --steps steps on the same data, in fp32 (TF32 off) with and without
-activation checkpointing and in bf16 compute with it: losses and weights after the last step
-(relative error <= 1e-4; bf16: 1e-2), the graphs compiled after step 1 and after the last (equal:
-no recompilation). Exits 1 when a check fails.
+check-compile: eager vs compiled (inductor, the backend the CPU tests cannot afford) on --shape
+(default "small"), --steps steps on the same data: ours-fsdp in fp32 (TF32 off) with and without
+activation checkpointing and in bf16 compute with it; ours-tp over all GPUs with and without
+sequence parallelism, fp32 and bf16: losses and weights after the last step (relative error
+<= 1e-4; bf16: 1e-2), the graphs compiled after step 1 and after the last (equal: no
+recompilation). Exits 1 when a check fails.
 
 capacity: for growing LLaMA shapes, FSDP over all GPUs with activation checkpointing, each
 process capped at --cap_gb of GPU memory (torch.cuda.set_per_process_memory_fraction, set after
@@ -250,8 +251,9 @@ def measure(name, shape, wrap, cap_gb=0.0):
 
 
 def check_compile(shape):
-    """ours-fsdp eager vs compiled (inductor): the same losses and weights, no recompilation; fp32
-    (TF32 off) with and without activation checkpointing, and bf16 compute (autocast) with it."""
+    """Eager vs compiled (inductor), the same losses and weights and no recompilation: ours-fsdp in
+    fp32 (TF32 off) with and without activation checkpointing and in bf16 compute (autocast) with
+    it; ours-tp over all GPUs (dp = 1), with and without sequence parallelism, in fp32 and bf16."""
     torch.backends.cuda.matmul.allow_tf32 = False
     graphs = [0]
 
@@ -259,40 +261,54 @@ def check_compile(shape):
         graphs[0] += 1
         return torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
     cfg = SimpleNamespace(**{**vars(opt_cfg), "eps": 1e-6})  # eps: see tests/test_parallel.py (rounding-noise gradients)
-    g = torch.Generator(device=device).manual_seed(1 + grid.rank)
-    data = [torch.randint(0, shape["vocab_size"], (args.batch, shape["block_size"] + 1), device=device, generator=g)
-            for _ in range(args.steps)]
 
-    def train(ckpt, compute, compiled):
+    def batches(seed):
+        g = torch.Generator(device=device).manual_seed(seed)
+        return [torch.randint(0, shape["vocab_size"], (args.batch, shape["block_size"] + 1), device=device,
+                              generator=g) for _ in range(args.steps)]
+    own, shared = batches(1 + grid.rank), batches(1)  # FSDP: each rank its own; a TP group: one batch
+
+    def train(form, ckpt, compute, compiled):
         torch._dynamo.reset()
         graphs[0] = 0
-        m = fsdp.FSDP(build(dict(shape, grad_checkpoint=ckpt)), grid, compute_dtype=compute)
-        if compiled:
-            m.compile(backend=backend)
+        raw = build(dict(shape, grad_checkpoint=ckpt))
+        if form == "fsdp":
+            m = fwd = fsdp.FSDP(raw, grid, compute_dtype=compute)
+            if compiled:
+                m.compile(backend=backend)
+        else:  # TP over all GPUs (dp = 1)
+            m = tp.tensor_parallel(raw, tp_grid, sequence_parallel=form == "tp-sp")
+            fwd = torch.compile(m, backend=backend) if compiled else m
         opt = optim.build_optimizer(m, cfg)
         losses, counts = [], []
-        for d in data:
+        for d in own if form == "fsdp" else shared:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=compute is not None):
-                loss = m(d[:, :-1], d[:, 1:])
+                loss = fwd(d[:, :-1], d[:, 1:])
             loss.backward()
-            m.finish()
+            if form == "fsdp":
+                m.finish()
             opt.step()
             m.zero_grad()
             losses.append(loss.detach().float())
             counts.append(graphs[0])
-        return torch.stack(losses), fsdp.full_state_dict(m), counts
+        weights = fsdp.full_state_dict(m) if form == "fsdp" else {k: v.detach().float().clone()
+                                                                   for k, v in m.state_dict().items()}
+        return torch.stack(losses), weights, counts
 
     rows = []
-    for name, ckpt, compute, tol in (("fp32", False, None, 1e-4), ("fp32 + grad_checkpoint", True, None, 1e-4),
-                                     ("bf16 + grad_checkpoint", True, torch.bfloat16, 1e-2)):
-        (l0, w0, _), (l1, w1, counts) = train(ckpt, compute, False), train(ckpt, compute, True)
-        loss_err = ((l1 - l0).norm() / l0.norm()).item()
-        w_err = max(((w1[k] - w0[k]).norm() / w0[k].norm().clamp(min=1e-12)).item() for k in w0)
+    for form, name, ckpt, compute, tol in (
+            ("fsdp", "fp32", False, None, 1e-4), ("fsdp", "fp32 + grad_checkpoint", True, None, 1e-4),
+            ("fsdp", "bf16 + grad_checkpoint", True, torch.bfloat16, 1e-2),
+            ("tp", "fp32", False, None, 1e-4), ("tp", "bf16", False, torch.bfloat16, 1e-2),
+            ("tp-sp", "fp32", False, None, 1e-4), ("tp-sp", "bf16", False, torch.bfloat16, 1e-2)):
+        (l0, w0, _), (l1, w1, counts) = train(form, ckpt, compute, False), train(form, ckpt, compute, True)
+        loss_err = max_over_ranks(((l1 - l0).norm() / l0.norm()).item())
+        w_err = max_over_ranks(max(((w1[k] - w0[k]).norm() / w0[k].norm().clamp(min=1e-12)).item() for k in w0))
         ok = loss_err <= tol and w_err <= tol and counts[0] > 0 and counts[-1] == counts[0]
-        say(f"  check-compile {name} ({shape['n_layer']} layers, width {shape['n_embd']}, {args.steps} steps): loss "
-            f"rel err {loss_err:.2e}, worst weight rel err {w_err:.2e} (tol {tol:g}); graphs after each step "
+        say(f"  check-compile {form} {name} ({shape['n_layer']} layers, width {shape['n_embd']}, {args.steps} steps): "
+            f"loss rel err {loss_err:.2e}, worst weight rel err {w_err:.2e} (tol {tol:g}); graphs after each step "
             f"{counts}: {'OK' if ok else 'FAILED'}")
-        rows.append({"run": f"check-compile {name}", "loss_rel_err": loss_err, "weight_rel_err": w_err,
+        rows.append({"run": f"check-compile {form} {name}", "loss_rel_err": loss_err, "weight_rel_err": w_err,
                      "graphs": counts, "ok": ok})
     return rows
 
