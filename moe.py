@@ -101,6 +101,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -112,11 +113,10 @@ def _size(group):
 
 
 def _a2a(x, out_splits, in_splits, group):
-    """all_to_all_single along dim 0; splits None -> equal blocks."""
-    rows = x.shape[0] if out_splits is None else sum(out_splits)
-    out = x.new_empty((rows,) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
+    """all_to_all_single along dim 0 into a new tensor; splits None -> equal blocks. A functional
+    collective, as tp.py's: torch.compile traces it as an op and a wait (the in-place form, writing
+    into an empty tensor, is what gave wrong gradients in compiled TP on torch 2.11 with NCCL)."""
+    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
 
 
 class AllToAll(torch.autograd.Function):
@@ -326,8 +326,18 @@ class MoE(nn.Module):
         order = e_s.argsort(stable=True)
         inv = order.argsort()
         xs = xs[order]
+        if self.ep == 1 and self._grouped(xs.device, xs.dtype, False):
+            return self._ffn(xs, None, counts)[inv]  # no host sync: torch.compile traces it whole
+        return self._host_sized(xs, counts)[inv]
+
+    @torch.compiler.disable
+    def _host_sized(self, xs, counts):
+        """The dropless paths that read block sizes on the host: the loop's (ep = 1) and the
+        all_to_all splits (ep > 1). They run eagerly under torch.compile (a graph break around
+        them): traced, dynamo would specialise the graph on sizes that change every step and
+        recompile until its limit, ~400x slower than eager (measured on CPU)."""
         if self.ep == 1:
-            return self._ffn(xs, None, counts)[inv]  # grouped: no host sync; loop: one, for the block sizes
+            return self._ffn(xs, None, counts)  # one host sync, for the block sizes
         ep, El, g = self.ep, self.n_experts // self.ep, self.ep_group
         recv = _a2a(counts, None, None, g)  # (ep * El,): rows each rank sends to each of our experts
         host = torch.cat([counts.view(ep, El).sum(1), recv]).tolist()  # one host sync per layer
@@ -338,7 +348,7 @@ class MoE(nn.Module):
         o2 = local.argsort(stable=True)  # regroup by local expert
         per_e = [sum(rc[s * El + i] for s in range(ep)) for i in range(El)]
         yr = self._ffn(xr[o2], per_e, recv.view(ep, El).sum(0))[o2.argsort()]
-        return AllToAll.apply(yr, send, got, g)[inv]
+        return AllToAll.apply(yr, send, got, g)
 
     def _losses(self, logits, probs, counts, dropped):
         E = self.n_experts

@@ -39,7 +39,8 @@ moe: the shape with 8 experts, top-2, in every layer (1b: 16 layers of width 204
 over all GPUs (ep = world, dp = 1), tokens exchanged with all_to_all; both dropless; moe-ep-cap:
 EP with capacity_factor 1.25 (static shapes, no host sync); moe-ep-loop (CUDA only): moe-ep with
 the experts as one matmul each (MoE.expert_mm = "loop") instead of grouped matmuls, which "auto"
-picks on Hopper in bf16. Same --batch sequences per GPU in every row; MFU counts active
+picks on Hopper in bf16; moe-ep-compiled: moe-ep under torch.compile of the whole model, as
+parallel.parallelize (the dropless exchange's host sync breaks the graph once per layer). Same --batch sequences per GPU in every row; MFU counts active
 parameters (model.flops_per_token).
 
 combo (4+ GPUs, world = 2 x 2): tp2-dp2 (tp.tensor_parallel over pairs of neighbouring GPUs,
@@ -175,13 +176,13 @@ def combo(g, shard):
     return wrap
 
 
-def moe_wrap(g, expert_mm="auto"):
+def moe_wrap(g, expert_mm="auto", compile_=False):
     def wrap(raw):
         moe.expert_parallel(raw, g)  # ep = 1: every expert here; ep = world: this rank's share
         for m in moe.layers(raw):
             m.expert_mm = expert_mm  # the experts' kernel (moe.py): grouped matmuls or a loop
         m = parallel.DataParallel(raw, g)
-        return raw, raw, m.finish, m.zero_grad
+        return raw, torch.compile(raw) if compile_ else raw, m.finish, m.zero_grad  # as parallel.parallelize
     return wrap
 
 
@@ -344,6 +345,10 @@ elif args.mode == "moe":
         if rows[1].get("tokens_per_s") and rows[3].get("tokens_per_s"):
             say(f"  moe-ep (grouped where available) / moe-ep-loop: "
                 f"{rows[1]['tokens_per_s'] / rows[3]['tokens_per_s']:.3f}x tokens/s")
+    rows.append(measure("moe-ep-compiled", shape, moe_wrap(ep_grid, compile_=True)))
+    if rows[1].get("tokens_per_s") and rows[-1].get("tokens_per_s"):
+        say(f"  moe-ep-compiled / moe-ep: {rows[-1]['tokens_per_s'] / rows[1]['tokens_per_s']:.3f}x tokens/s "
+            f"(loss {rows[-1]['loss']:.4f} vs {rows[1]['loss']:.4f} eager)")
     if rows[0].get("tokens_per_s") and rows[1].get("tokens_per_s"):
         say(f"  moe-ep / moe-dp: {rows[1]['tokens_per_s'] / rows[0]['tokens_per_s']:.3f}x tokens/s "
             f"({rows[0]['active_params'] / 1e9:.2f}B active of {rows[0]['params'] / 1e9:.2f}B parameters)")
