@@ -101,7 +101,6 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -114,9 +113,11 @@ def _size(group):
 
 def _a2a(x, out_splits, in_splits, group):
     """all_to_all_single along dim 0 into a new tensor; splits None -> equal blocks. A functional
-    collective, as tp.py's: torch.compile traces it as an op and a wait (the in-place form, writing
-    into an empty tensor, is what gave wrong gradients in compiled TP on torch 2.11 with NCCL)."""
-    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
+    collective, as tp.py's are (the in-place form gave wrong gradients compiled: tp.py)."""
+    if out_splits is None:
+        out_splits = in_splits = [x.shape[0] // _size(group)] * _size(group)
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name))
 
 
 class AllToAll(torch.autograd.Function):

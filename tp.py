@@ -18,7 +18,7 @@ MoE layers cut their own experts (moe.MoE.tensor_parallel, called from tensor_pa
 
 torch.compile (parallel.parallelize, cfg.compile) traces the collectives rather than breaking the
 graph around them: every collective inside the autograd Functions below is a functional one
-(torch.distributed._functional_collectives: returns a new tensor, waited on at once), which dynamo
+(torch.ops._c10d_functional: returns a new tensor, waited on at once; _collective), which dynamo
 records as a collective op and a wait, in forward and, through AOTAutograd, in backward. The
 training forward is one graph, no graph break, compiled once (tests/test_tp.py, with gloo on CPU;
 bench/bench_parallel.py check-compile, with NCCL on GPUs); inductor may move the waits to overlap
@@ -33,7 +33,6 @@ layout (parallel.py); full (layout-free) checkpoint state (checkpoint.py).
 """
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -48,20 +47,21 @@ def _rank(group):
     return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
 
 
-def _functional(name, old):
-    """funcol.<name> (torch 2.13's names of the one-tensor collectives), else the older funcol.<old>."""
-    return getattr(funcol, name, None) or getattr(funcol, old)
+def _collective(op, x, *args, group):
+    """torch.ops._c10d_functional.<op>(x, *args, group's name), waited on at once: a new tensor.
+    Every collective that can run inside a compiled graph is one of these functional ops, which
+    torch.compile records as an op and a wait (the same ops on every torch version: funcol's
+    Python wrappers changed names between 2.11 and 2.13, and the newer names broke the graph on
+    2.11). The in-place dist.all_reduce they replace trained wrongly when compiled with NCCL on
+    torch 2.11 (the replicated parameters' gradients off by 100%; fine with gloo on 2.13:
+    BENCHMARKS.md). An autograd input or incoming gradient is never mutated."""
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(getattr(ops, op)(x.contiguous(), *args, group.group_name))
 
 
 def _all_reduce(x, group, op="sum"):
-    """Sum (or max: op="max") over the group into a new tensor. Every collective that can run inside
-    a compiled graph is a functional one (returns a new tensor; waited on at once): torch.compile
-    traces it as one op and a wait. The in-place dist.all_reduce it replaces trained wrongly when
-    compiled with NCCL on torch 2.11 (gradients of the replicated parameters off by 100%, fine with
-    gloo on torch 2.13: BENCHMARKS.md); an autograd input or incoming gradient is never mutated."""
-    if _size(group) == 1:
-        return x
-    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, group))
+    """Sum (or max: op="max") over the group into a new tensor."""
+    return x if _size(group) == 1 else _collective("all_reduce", x, op, group=group)
 
 
 def _reduce(x, group):
@@ -74,8 +74,8 @@ def _gather(x, group):
     n = _size(group)
     if n == 1:
         return x
-    out = funcol.wait_tensor(_functional("all_gather_single", "all_gather_tensor")(x.contiguous(), 0, group))
-    return torch.cat(out.chunk(n, dim=0), dim=-1)  # (n * B, ...) in rank order -> (B, ..., n * last)
+    out = _collective("all_gather_into_tensor", x, n, group=group)  # (n * B, ...) in rank order
+    return torch.cat(out.chunk(n, dim=0), dim=-1)
 
 
 def _split(x, group, dim=-1):
@@ -91,7 +91,8 @@ def _seq_gather(x, group):
     if x.dim() < 3:  # e.g. the head on one position of each row: which rank holds it?
         raise ValueError(f"sequence_parallel: expected (batch, sequence shard, ...) hidden states, got shape "
                          f"{tuple(x.shape)}: run this forward under torch.no_grad() (plain tensor parallelism)")
-    return funcol.wait_tensor(_functional("all_gather_single", "all_gather_tensor")(x.contiguous(), 1, group))
+    out = _collective("all_gather_into_tensor", x, n, group=group)  # the ranks' shards one after the other
+    return out.unflatten(0, (n, x.shape[0])).movedim(0, 1).flatten(1, 2)
 
 
 def _seq_reduce_scatter(x, group):
@@ -102,8 +103,8 @@ def _seq_reduce_scatter(x, group):
     if x.shape[1] % n:
         raise ValueError(f"sequence_parallel: the sequence length {x.shape[1]} is not divisible by tp={n}: "
                          f"pad the batch, or set sequence_parallel=False")
-    scatter = _functional("reduce_scatter_single", "reduce_scatter_tensor")
-    return funcol.wait_tensor(scatter(x.contiguous(), "sum", 1, group))
+    parts = x.unflatten(1, (n, x.shape[1] // n)).movedim(1, 0)  # (n, B, T/n, ...): rank r's part is [r]
+    return _collective("reduce_scatter_tensor", parts.flatten(0, 1), "sum", n, group=group)
 
 
 # ----------------------------------------------------------------------------- forward/backward pairs
