@@ -329,14 +329,16 @@ class MoE(nn.Module):
         xs = xs[order]
         if self.ep == 1 and self._grouped(xs.device, xs.dtype, False):
             return self._ffn(xs, None, counts)[inv]  # no host sync: torch.compile traces it whole
-        return self._host_sized(xs, counts)[inv]
+        host = self._host_sized
+        if torch.compiler.is_compiling():  # (a decorator would import torch._dynamo with this module: 1.4 s)
+            host = torch.compiler.disable(host)
+        return host(xs, counts)[inv]
 
-    @torch.compiler.disable
     def _host_sized(self, xs, counts):
         """The dropless paths that read block sizes on the host: the loop's (ep = 1) and the
-        all_to_all splits (ep > 1). They run eagerly under torch.compile (a graph break around
-        them): traced, dynamo would specialise the graph on sizes that change every step and
-        recompile until its limit, ~400x slower than eager (measured on CPU)."""
+        all_to_all splits (ep > 1). They run eagerly under torch.compile (torch.compiler.disable: a
+        graph break around them): traced, dynamo would specialise the graph on sizes that change
+        every step and recompile until its limit, ~400x slower than eager (measured on CPU)."""
         if self.ep == 1:
             return self._ffn(xs, None, counts)  # one host sync, for the block sizes
         ep, El, g = self.ep, self.n_experts // self.ep, self.ep_group
