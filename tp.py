@@ -1,4 +1,4 @@
-"""Tensor parallelism (Megatron style), written with raw torch.distributed collectives.
+"""Tensor parallelism (Megatron style), written with plain collectives (functional ops: see below).
 
     model = tp.tensor_parallel(Transformer(cfg), grid)  # full model (same seed on every rank), cut in place
     # (parallel.parallelize does this, then loading, EP, FSDP or DP; parallel.clip_grad_norm_ counts the slices)
