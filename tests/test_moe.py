@@ -487,24 +487,18 @@ def test_ep2_equals_one_process(tmp_path):
     assert ref["router"][0]["dropped"] > 0  # the capacity variant really drops
 
 
-def test_ep2_grouped_equals_one_process(tmp_path):
+def test_ep2_grouped_and_compiled_equal_one_process(tmp_path):
     """EP=2 with the grouped kernel (dropless: uneven blocks per local expert; capacity: equal
-    ones) equals one process running the loop."""
+    ones) equals one process running the loop. So does EP=2 dropless under torch.compile
+    (aot_eager, in the same spawn): the all_to_all traced as a functional collective, the paths
+    that read sizes on the host kept out of the graph (MoE._host_sized), so sizes that change every
+    step cause no recompilation."""
     variants = [{}, {"capacity_factor": 1.0}]
     refs = [r[0] for r in run(tmp_path, 1, 1, 1, [dict(kw, _ranks=2) for kw in variants])]
-    got = run(tmp_path, 2, 1, 2, [dict(kw, _expert_mm="grouped") for kw in variants])
-    for ranks, ref in zip(got, refs):
+    got = run(tmp_path, 2, 1, 2, [dict(kw, _expert_mm="grouped") for kw in variants] + [dict(_compile=True)])
+    for ranks, ref in zip(got, refs + refs[:1]):
         compare(ranks, ref, 2, 1)
-
-
-def test_ep2_compiled_equals_one_process(tmp_path):
-    """EP=2 dropless under torch.compile (aot_eager) equals one process in eager: the all_to_all
-    traced as a functional collective, the paths that read sizes on the host kept out of the graph
-    (MoE._host_sized), so sizes that change every step cause no recompilation."""
-    ref = run(tmp_path, 1, 1, 1, [dict(_ranks=2)])[0][0]
-    ranks = run(tmp_path, 2, 1, 2, [dict(_compile=True)])[0]
-    compare(ranks, ref, 2, 1)
-    for r in ranks:  # graphs compiled after each step: all in the first
+    for r in got[-1]:  # graphs compiled after each step: all in the first
         assert r["graphs"][0] > 0 and r["graphs"] == r["graphs"][:1] * STEPS, r["graphs"]
 
 
