@@ -9,15 +9,15 @@ What these tests prove, on CPU in fp32 (gloo for the distributed ones):
 - the grouped expert kernel (torch._grouped_mm over all experts at once) equals the per-expert
   loop: outputs and gradients (relative error <= 1e-6), dropless and with capacity, an expert
   without tokens (exactly zero gradient), no rows at all; it really runs (counted calls); dropless
-  it reads nothing on the host (torch.compile traces the layer whole, fullgraph; the loop cannot
-  be); forcing it on unaligned shapes or naming an unknown kernel is one clear error; on a
+  it reads nothing on the host (torch.compile traces the layer whole, fullgraph; the loop is kept
+  out of the graph); forcing it on unaligned shapes or naming an unknown kernel is one clear error; on a
   Hopper GPU (skipped elsewhere) "auto" picks it under bf16 and its forward and backward run
   under torch.cuda.set_sync_debug_mode("error"), equal to the loop within bf16 rounding;
 - golden values: the balance loss of a perfectly balanced router equals its coefficient; the
   z-loss of a hand-computed example; the router runs in fp32 under bf16 autocast;
 - a MoE Transformer trains, adds its router losses to the loss, counts total and active params;
-- EP=2 (and EP=2 x DP=2, dropless and capacity; EP=2 with the grouped kernel) equals one
-  process: outputs (losses), first gradients, weights after 3 AdamW steps with clipping;
+- EP=2 (and EP=2 x DP=2, dropless and capacity; EP=2 with the grouped kernel; EP=2 dropless
+  compiled whole, with no recompilation over the steps) equals one process: outputs (losses), first gradients, weights after 3 AdamW steps with clipping;
   router-loss values (mean over ranks) and gradients equal one process for the same global
   micro-batch, also with gradient accumulation; expert and non-expert parameters stay bitwise
   identical across their replicas.
