@@ -338,7 +338,7 @@ class MoE(nn.Module):
         """The dropless paths that read block sizes on the host: the loop's (ep = 1) and the
         all_to_all splits (ep > 1). They run eagerly under torch.compile (torch.compiler.disable: a
         graph break around them): traced, dynamo would specialise the graph on sizes that change
-        every step and recompile until its limit, ~400x slower than eager (measured on CPU)."""
+        every step and recompile until its limit, ~350x slower than eager (measured on CPU)."""
         if self.ep == 1:
             return self._ffn(xs, None, counts)  # one host sync, for the block sizes
         ep, El, g = self.ep, self.n_experts // self.ep, self.ep_group

@@ -23,7 +23,7 @@ records as a collective op and a wait, in forward and, through AOTAutograd, in b
 training forward is one graph, no graph break, compiled once (tests/test_tp.py, with gloo on CPU;
 bench/bench_parallel.py check-compile, with NCCL on GPUs); inductor may move the waits to overlap
 compute. (The in-place dist.all_reduce these Functions used before gave wrong gradients compiled
-with NCCL on torch 2.11, though right with gloo on 2.13: BENCHMARKS.md, 2026-12-01.) The
+on torch 2.11, with NCCL and gloo alike; 2.13 traces it right: BENCHMARKS.md, 2026-12-01.) The
 gradient hooks of shared pieces (shard) and DataParallel's run outside the graph, as in eager.
 Sequence parallelism (tensor_parallel(..., sequence_parallel=True), cfg.sequence_parallel): the
 residual stream sharded over the sequence between the TP matmuls; see tensor_parallel.
@@ -52,21 +52,16 @@ def _collective(op, x, *args, group):
     Every collective that can run inside a compiled graph is one of these functional ops, which
     torch.compile records as an op and a wait (the same ops on every torch version: funcol's
     Python wrappers changed names between 2.11 and 2.13, and the newer names broke the graph on
-    2.11). The in-place dist.all_reduce they replace trained wrongly when compiled with NCCL on
-    torch 2.11 (the replicated parameters' gradients off by 100%; fine with gloo on 2.13:
+    2.11). The in-place dist.all_reduce they replace trained wrongly when compiled on torch 2.11
+    (the replicated parameters' gradients off by 100%, NCCL and gloo alike; right on 2.13:
     BENCHMARKS.md). An autograd input or incoming gradient is never mutated."""
     ops = torch.ops._c10d_functional
     return ops.wait_tensor(getattr(ops, op)(x.contiguous(), *args, group.group_name))
 
 
-def _all_reduce(x, group, op="sum"):
+def _reduce(x, group, op="sum"):
     """Sum (or max: op="max") over the group into a new tensor."""
     return x if _size(group) == 1 else _collective("all_reduce", x, op, group=group)
-
-
-def _reduce(x, group):
-    """Sum over the group into a new tensor."""
-    return _all_reduce(x, group)
 
 
 def _gather(x, group):
@@ -338,7 +333,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
             pad = torch.arange(start, start + Vl, device=x.device) >= vocab_size
             x = x.masked_fill(pad, float("-inf"))
         m = x.max(dim=-1, keepdim=True).values
-        m = _all_reduce(m, group, "max")
+        m = _reduce(m, group, "max")
         x = x - m
         e = x.exp()
         s = e.sum(dim=-1, keepdim=True)
@@ -346,7 +341,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         mine = (t >= 0) & (t < Vl) & (targets != ignore_index)
         t = t.clamp(0, Vl - 1).masked_fill(~mine, 0)
         tl = x.gather(-1, t[..., None]).squeeze(-1).masked_fill(~mine, 0.0)
-        s, tl = _all_reduce(s, group), _all_reduce(tl, group)
+        s, tl = _reduce(s, group), _reduce(tl, group)
         valid = targets != ignore_index
         logp = (tl - s.squeeze(-1).log()).masked_fill(~valid, 0.0)
         ctx.save_for_backward(e.div_(s), t, mine, valid)

@@ -17,8 +17,8 @@ each block's forward, the final norm and the head's loss compiled, the gather ho
 torch-fsdp2-compiled (torchtitan's recipe: each block replaced by torch.compile(block), then
 fully_shard per block and on the root: FSDP2's hooks run eagerly around the compiled block),
 ours-tp-compiled (torch.compile of the TP model, as parallel.parallelize: TP's collectives traced
-into the graph) and ours-tp-sp-compiled (the same with sequence parallelism). The other rows run eager. bf16 autocast, fused AdamW, random tokens. tokens/s counts the global batch
-once; MFU = tokens/s * model.flops_per_token(T) / (peak * GPUs). Compilation happens in the warm-up
+into the graph) and ours-tp-sp-compiled (the same with sequence parallelism). The other rows run
+eager. bf16 autocast, fused AdamW, random tokens. tokens/s counts the global batch once; MFU = tokens/s * model.flops_per_token(T) / (peak * GPUs). Compilation happens in the warm-up
 steps (not timed); each row starts with torch._dynamo.reset() (no graphs of the previous row).
 
 check-compile: eager vs compiled (inductor, the backend the CPU tests cannot afford) on --shape
@@ -39,9 +39,10 @@ moe: the shape with 8 experts, top-2, in every layer (1b: 16 layers of width 204
 over all GPUs (ep = world, dp = 1), tokens exchanged with all_to_all; both dropless; moe-ep-cap:
 EP with capacity_factor 1.25 (static shapes, no host sync); moe-ep-loop (CUDA only): moe-ep with
 the experts as one matmul each (MoE.expert_mm = "loop") instead of grouped matmuls, which "auto"
-picks on Hopper in bf16; moe-ep-compiled: moe-ep under torch.compile of the whole model, as
-parallel.parallelize (the dropless exchange's host sync breaks the graph once per layer). Same --batch sequences per GPU in every row; MFU counts active
-parameters (model.flops_per_token).
+picks on Hopper in bf16; moe-ep-compiled (CUDA only): moe-ep under torch.compile of the whole
+model, as parallel.parallelize (the dropless exchange's host sync breaks the graph once per
+layer). Same --batch sequences per GPU in every row; MFU counts active parameters
+(model.flops_per_token).
 
 combo (4+ GPUs, world = 2 x 2): tp2-dp2 (tp.tensor_parallel over pairs of neighbouring GPUs,
 DataParallel over the pairs), tp2-fsdp2 (the same with fsdp.FSDP over the pairs), torch-fsdp2

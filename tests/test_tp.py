@@ -433,7 +433,8 @@ def test_functions_use_functional_collectives(tmp_path):
     torch.distributed collective: they run inside compiled graphs, and there the in-place form
     trained wrongly on torch 2.11 (compiled TP's replicated-parameter gradients 100% off on two
     H200s and with gloo on CPU; BENCHMARKS.md), while the torch this suite runs on traces it right,
-    so only this check guards it. It finds such a call when there is one."""
+    so only this check guards it. It sees direct `dist.<name>(...)` calls (not one reached through
+    getattr), and finds such a call when there is one (a planted example)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for name in ("tp.py", "moe.py"):
         assert inplace_collectives_in_functions(os.path.join(root, name)) == [], name
