@@ -1,4 +1,4 @@
-"""Fused cross-entropy for the GPU: one Triton pass over the logits forward, one backward.
+"""Triton kernels for the GPU: a fused cross-entropy (training) and one decode step's attention.
 
 Why: at the 124M shape the loss is a pure memory problem. Its logits (tokens x 50k: 3.3 GB of
 bf16 at batch 32) are read by the loss and its gradient written, and torch.compile's kernels for
@@ -15,6 +15,14 @@ says whether it can run; model.py falls back to F.cross_entropy otherwise. Targe
 The kernels launch on the current CUDA device, so the logits must live there
 (torch.cuda.set_device, as parallel.init does for every rank).
 tests/test_fused.py compares it with F.cross_entropy (values and gradients) on a GPU.
+
+decode_attention(q, k, v, bias) -> one query per (row, head) over a static cache's keys (generate.py's
+decode step on CUDA). Why: SDPA's kernels tile 16-128 queries, and a decode step has one per head, so
+they spend 1.6-2.7x the time the cache's bytes need (BENCHMARKS.md, issue 16). Here one program per
+(row, kv head, chunk of keys) loads its keys and values at once and scores them for each of the kv
+head's query heads (GQA reads the cache once); a second kernel combines the chunks' softmaxes
+(flash-decoding), skipped when one chunk holds every key. All math is 2-D (a tile and a vector):
+3-D broadcasts make Triton shuffle layouts through shared memory.
 """
 import torch
 
@@ -30,6 +38,13 @@ FWD_BLOCK, BWD_BLOCK = 4096, 4096  # columns per step; forward 4 warps (1.71 vs 
 
 def available(logits):
     return triton is not None and logits.is_cuda
+
+
+def decode_attention(q, k, v, bias, chunk=64, warps=4):
+    """q (R, H, 1, D) over k, v (R, KV, L, D) (H a multiple of KV, unit stride in D), bias (R, 1, 1, L)
+    added to the scores (0 or -inf; every row has a real key) -> (R, H, 1, D) in v's dtype, fp32 inside.
+    chunk: keys per program (a power of two); warps: per program."""
+    return torch.ops.ingot.decode_attention(q, k, v, bias.reshape(bias.shape[0], -1), chunk, warps)
 
 
 def cross_entropy(logits, targets, ignore_index=-100):
@@ -100,3 +115,66 @@ if triton is not None:
         return torch.ops.ingot.cross_entropy_backward(logits, targets, lse, dnll, ctx.ignore_index), None, None
 
     _cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+
+    # ------------------------------------------------------------------ one decode step's attention
+    @triton.jit
+    def _decode_chunk_kernel(q, k, v, bias, out, part_acc, part_max, part_sum, L, H, NS,
+                             sq_r, sq_h, sk_r, sk_h, sk_l, sv_r, sv_h, sv_l, sb_r,
+                             SCALE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                             CHUNK: tl.constexpr, ONE: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)  # the kv head; its query heads are h*G .. h*G+G-1
+        c = tl.program_id(2)  # the chunk of keys c*CHUNK .. c*CHUNK+CHUNK-1
+        d = tl.arange(0, DP)
+        j = c * CHUNK + tl.arange(0, CHUNK)
+        okd, okj = d < D, j < L
+        # keys, values and bias are loaded before any math: one memory round trip per program
+        kb = tl.load(k + r * sk_r + h * sk_h + j[:, None] * sk_l + d[None, :], mask=okj[:, None] & okd[None, :], other=0.0)
+        vb = tl.load(v + r * sv_r + h * sv_h + j[:, None] * sv_l + d[None, :], mask=okj[:, None] & okd[None, :], other=0.0)
+        b = tl.load(bias + r * sb_r + j, mask=okj, other=float("-inf")).to(tl.float32)
+        for g in tl.static_range(G):
+            hq = h * G + g
+            qg = tl.load(q + r * sq_r + hq * sq_h + d, mask=okd, other=0.0).to(tl.float32)
+            x = tl.sum(kb.to(tl.float32) * qg[None, :], 1) * SCALE + b  # (CHUNK,) scores
+            m = tl.max(x, 0)  # -inf when the chunk holds no real key
+            p = tl.exp(x - tl.where(m == float("-inf"), 0.0, m))
+            acc = tl.sum(vb.to(tl.float32) * p[:, None], 0)  # (DP,) not yet divided by the sum
+            if ONE:  # one chunk holds every key: the output itself
+                tl.store(out + (r * H + hq) * D + d, (acc / tl.sum(p, 0)).to(out.dtype.element_ty), mask=okd)
+            else:
+                at = (r * H + hq) * NS + c
+                tl.store(part_acc + at * D + d, acc, mask=okd)
+                tl.store(part_max + at, m)
+                tl.store(part_sum + at, tl.sum(p, 0))
+
+    @triton.jit
+    def _decode_combine_kernel(out, part_acc, part_max, part_sum, NS,
+                               D: tl.constexpr, DP: tl.constexpr, NSP: tl.constexpr):
+        rh = tl.program_id(0).to(tl.int64)  # row * H + head: out is (R, H, 1, D) contiguous
+        c, d = tl.arange(0, NSP), tl.arange(0, DP)
+        okc, okd = c < NS, d < D
+        m = tl.load(part_max + rh * NS + c, mask=okc, other=float("-inf"))
+        w = tl.exp(m - tl.max(m, 0))  # chunks without a real key (m = -inf) weigh 0
+        s = tl.sum(tl.load(part_sum + rh * NS + c, mask=okc, other=0.0) * w, 0)
+        a = tl.load(part_acc + (rh * NS + c[:, None]) * D + d[None, :], mask=okc[:, None] & okd[None, :], other=0.0)
+        tl.store(out + rh * D + d, (tl.sum(a * w[:, None], 0) / s).to(out.dtype.element_ty), mask=okd)
+
+    @triton_op("ingot::decode_attention", mutates_args=())
+    def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                          chunk: int, warps: int) -> torch.Tensor:
+        R, H, T, D = q.shape
+        KV, L = k.shape[1], k.shape[2]
+        assert T == 1 and H % KV == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == bias.stride(-1) == 1, \
+            "q (R, H, 1, D), k and v (R, KV, L, D), bias (R, L), unit stride in the last dimension"
+        NS = triton.cdiv(L, chunk)
+        out = torch.empty(R, H, 1, D, device=q.device, dtype=v.dtype)
+        part = [torch.empty(R, H, NS, *s, device=q.device, dtype=torch.float32) for s in ((D,), (), ())]
+        DP = triton.next_power_of_2(D)
+        wrap_triton(_decode_chunk_kernel)[(R, KV, NS)](
+            q, k, v, bias, out, *part, L, H, NS, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), bias.stride(0),
+            SCALE=D ** -0.5, G=H // KV, D=D, DP=DP, CHUNK=chunk, ONE=NS == 1, num_warps=warps)
+        if NS > 1:
+            wrap_triton(_decode_combine_kernel)[(R * H,)](out, *part, NS, D=D, DP=DP, NSP=triton.next_power_of_2(NS),
+                                                          num_warps=1 if D <= 64 else 2)
+        return out

@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
 
+import fused
 import moe
 from model import position_ids, round_up
 
@@ -181,7 +182,7 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
 
 SDPA = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-ATTENTION = (*SDPA, "flex")  # decode(attention=...): one of SDPA's kernels, or flex_attend
+ATTENTION = (*SDPA, "flex", "triton")  # decode(attention=...): SDPA's kernels, flex_attend, fused.decode_attention
 
 
 class StaticCache:
@@ -233,12 +234,29 @@ def flex_attend(q, k, v, mask):
                           enable_gqa=q.shape[1] != k.shape[1])
 
 
+def top_candidates(logits, k, chunk=384):
+    """(R, V) -> values, ids (R, k): the k largest logits of each row, in no set order. In two rounds
+    when V is large: the k best of every `chunk` columns, then the k best of those (the same set, up
+    to ties at the k-th value). Why: torch.topk over rows this long takes its multi-block path, a
+    radix select of 7-13 kernels (~40 us of a ~700 us decode step, 124M shape, B = 64, issue 16);
+    rows of fewer than 400 columns, and a second round of C*k, run its one-kernel path."""
+    R, V = logits.shape
+    C = -(-V // chunk)  # chunks, the last padded with -inf
+    if C < 4 or k > chunk:
+        return logits.topk(k, dim=-1, sorted=False)
+    x = F.pad(logits, (0, C * chunk - V), value=float("-inf")).view(R, C, chunk)
+    vals, ids = x.topk(k, dim=-1, sorted=False)
+    ids = ids + torch.arange(0, C * chunk, chunk, device=logits.device)[:, None]
+    vals, best = vals.view(R, C * k).topk(k, dim=-1, sorted=False)
+    return vals, ids.view(R, C * k).gather(-1, best).clamp_(max=V - 1)  # padding only when < k logits are finite
+
+
 def pick(logits, temperature=1.0, top_k=None, top_p=None, noise=None):
     """(R, V) logits -> (tokens (R,), log-probs (R,) of those tokens under log_softmax(logits / t)),
     t = temperature (1 when greedy), taken before the filters. Sampling is the exponential race:
     argmax over the filtered logits / t minus log(noise), noise ~ Exp(1) i.i.d.; token i wins with
     probability softmax_i (Gumbel-max's twin). noise (R, V) races every token; with top_k, noise
-    (R, min(top_k, V)) races only the candidates torch.topk returns: the same distribution without
+    (R, min(top_k, V)) races only the candidates top_candidates returns: the same distribution without
     a pass over the vocabulary after topk (a tie at the k-th logit keeps k tokens, not every tied
     one). noise None or temperature 0: greedy. Fixed shapes, no host sync: it runs in the graph."""
     t = temperature or 1.0
@@ -246,7 +264,7 @@ def pick(logits, temperature=1.0, top_k=None, top_p=None, noise=None):
     if temperature == 0 or noise is None:
         tok = logits.argmax(dim=-1)
     elif top_k and noise.shape[-1] < logits.shape[-1]:
-        vals, ids = logits.topk(noise.shape[-1], dim=-1)  # candidates, most likely first
+        vals, ids = top_candidates(logits, noise.shape[-1])
         z = vals.float() / t
         if top_p is not None and top_p < 1.0:
             z = top_p_filter(z, top_p)
@@ -442,6 +460,8 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         (temperature < 0, f"temperature={temperature} must be >= 0 (0 = greedy)"),
         (bucket < 0, f"bucket={bucket} must be >= 0 (0: attend over the whole cache)"),
         (attention not in (None, *ATTENTION), f"attention={attention!r}: choose one of {', '.join(ATTENTION)} or None"),
+        (attention == "triton" and not fused.available(idx), "attention='triton' needs a CUDA device and Triton: "
+         "pass attention=None"),
         (not bool(mask.any(1).all()), "decode: every prompt needs at least one real token (attention_mask row of zeros)"),
         (graph and dev.type != "cuda", "graph=True needs the model on a CUDA device: pass graph=False"),
         (graph and bool(moes), "graph=True: MoE layers sync with the host per layer (dropless block sizes), "
@@ -488,7 +508,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         if dec.noise is not None:
             dec.noise.exponential_(generator=generator)
         dec.emit(logits, torch.zeros(1, dtype=torch.long, device=dev))
-        dec.cache.attend = flex_attend if attention == "flex" else None
+        dec.cache.attend = {"flex": flex_attend, "triton": fused.decode_attention}.get(attention)
         with sdpa_kernel(SDPA[attention]) if attention in SDPA else contextlib.nullcontext():
             for s in range(1, N):
                 if (stops is not None or group is not None) and s % check_every == 0 and stopped(dec.done, group):

@@ -92,6 +92,8 @@ VARIANTS = {  # decode() keyword arguments; "compile": torch.compile's (compile 
     "math": dict(attention="math", keep=True),      # SDPA as matmuls + softmax (compile fuses them)
     "cudnn": dict(attention="cudnn", keep=True),
     "flex": dict(attention="flex", keep=True),      # flex_attention: split-KV decoding kernel (Triton)
+    "triton": dict(attention="triton", keep=True),  # fused.decode_attention: our split-KV kernel (Triton)
+    "sdpa": dict(attention=None, keep=True),        # SDPA picks its kernel
     "flex-static": dict(attention="flex", compile={"dynamic": False}, keep=True),
     "static": dict(compile={"dynamic": False}, keep=True),  # one specialised compile per bucket
     "autotune": dict(compile={"mode": "max-autotune-no-cudagraphs"}, keep=True),  # Triton matmuls, epilogues fused

@@ -1,8 +1,14 @@
-"""fused.cross_entropy (Triton, GPU only) equals F.cross_entropy: per-row values and gradients
-for fp32 and bf16 logits, a vocabulary slice of wider rows (the model's padded head), ignored
-targets and a vocabulary that is no multiple of the kernel's block; the same through
-Transformer.loss's three reductions, under torch.compile, and for a whole model's gradients
-against the F.cross_entropy path. Skipped without CUDA (CPU builds of torch have no Triton)."""
+"""fused.py's Triton kernels against PyTorch's own, on a GPU. Skipped without CUDA (CPU builds of
+torch have no Triton).
+
+cross_entropy equals F.cross_entropy: per-row values and gradients for fp32 and bf16 logits, a
+vocabulary slice of wider rows (the model's padded head), ignored targets and a vocabulary that is
+no multiple of the kernel's block; the same through Transformer.loss's three reductions, under
+torch.compile, and for a whole model's gradients against the F.cross_entropy path.
+
+decode_attention equals SDPA over the same masked keys in fp32 (MHA, GQA, a head size that is no
+power of two; chunks holding only padding or unwritten slots; one chunk and many), and is the same
+traced by torch.compile and replayed from a CUDA graph."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,3 +81,45 @@ def test_model_gradients_match_fallback(monkeypatch):
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-6, atol=1e-6)
     for n in grads[0][1]:
         torch.testing.assert_close(grads[0][1][n], grads[1][1][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def attention_case(R, H, KV, D, S, L, dtype, seed=0):
+    """q over the first L of S cache slots, as decode() passes them (views of the cache and of its
+    (R, S) bias); rows left-padded by 0-9 slots, the slots past L - 4 not yet written."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kb, vb = (torch.randn(R, KV, S, D, device="cuda", generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(R, H, 1, D, device="cuda", generator=g).to(dtype)
+    pad = torch.randint(0, 10, (R,), device="cuda", generator=g)
+    j = torch.arange(S, device="cuda")
+    real = (j[None] >= pad[:, None]) & (j[None] <= L - 4)
+    bias = torch.zeros(R, S, device="cuda", dtype=dtype).masked_fill_(~real, float("-inf"))
+    return q, kb[:, :, :L], vb[:, :, :L], bias[:, None, None, :L]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 12, 12, 64, 320, 192), (5, 16, 8, 128, 130, 128), (3, 6, 3, 80, 70, 64)],
+                         ids=["124m", "gqa_d128", "d80"])
+def test_decode_attention_matches_sdpa(dtype, shape):
+    R, H, KV, D, S, L = shape
+    q, k, v, bias = attention_case(R, H, KV, D, S, L, dtype)
+    G = H // KV
+    want = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(G, 1),
+                                          v.float().repeat_interleave(G, 1), attn_mask=bias.float())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output
+    for chunk in (16, 64, 256):  # many chunks, some only padding; one chunk
+        got = fused.decode_attention(q, k, v, bias, chunk=chunk)
+        assert got.dtype == dtype and got.shape == q.shape
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_decode_attention_compiled_and_captured():
+    q, k, v, bias = attention_case(8, 4, 4, 64, 200, 192, torch.bfloat16)
+    want = fused.decode_attention(q, k, v, bias)
+    f = torch.compile(lambda *a: fused.decode_attention(*a) * 2, fullgraph=True)
+    torch.testing.assert_close(f(q, k, v, bias), want * 2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = f(q, k, v, bias)
+    q.mul_(-1)  # new inputs at the captured addresses
+    graph.replay()
+    torch.testing.assert_close(out, fused.decode_attention(q, k, v, bias) * 2)

@@ -389,8 +389,10 @@ def test_bad_arguments():
         generate.decode(model, prompts(), 4, temperature=-1)
     with pytest.raises(ValueError, match="bucket=-1 must be >= 0"):
         generate.decode(model, prompts(), 4, bucket=-1)
-    with pytest.raises(ValueError, match="attention='fast': choose one of math, efficient, flash, cudnn, flex"):
+    with pytest.raises(ValueError, match="attention='fast': choose one of math, efficient, flash, cudnn, flex, triton"):
         generate.decode(model, prompts(), 4, attention="fast")
+    with pytest.raises(ValueError, match="attention='triton' needs a CUDA device and Triton"):
+        generate.decode(model, prompts(), 4, attention="triton")
 
 
 def test_bench_smoke(tmp_path):
@@ -412,3 +414,21 @@ def test_bench_smoke(tmp_path):
     assert rows["ours-graph"]["skipped"] == "CUDA only"
     assert rows["ours-static"]["profile"]["ops_per_step"] > 10 and rows["ours-static"]["profile"]["top"]
     assert "| tiny | 3 | ours-static |" in res.stdout  # the table, with its "vs before" column
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and generate.fused.triton is not None), reason="needs a CUDA GPU and Triton")
+@pytest.mark.parametrize("kw", [LLAMA, GPT2], ids=["llama_gqa", "gpt2"])
+def test_triton_attention_on_gpu(kw):
+    """attention="triton" (fused.decode_attention) in fp32 on a GPU: the captured step, compiled or
+    not, gives the eager path's greedy tokens, and the math kernel's sampled tokens and log-probs,
+    on left-padded prompts across KV-length buckets."""
+    model = build(**kw).cuda()
+    ps = [p.cuda() for p in prompts()]
+    idx, mask = generate.pad_prompts(ps, device="cuda")
+    want = generate.generate(model, idx, 40, temperature=0, attention_mask=mask)
+    for compile_ in (False, True):
+        r = generate.decode(model, ps, 40, temperature=0, attention="triton", bucket=16, compile=compile_)
+        assert torch.equal(r.tokens, want), compile_
+    a, b = (generate.decode(model, ps, 40, top_k=20, seed=1, attention=att, bucket=16) for att in ("triton", "math"))
+    assert torch.equal(a.tokens, b.tokens)
+    torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
