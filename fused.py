@@ -40,10 +40,11 @@ def available(logits):
     return triton is not None and logits.is_cuda
 
 
-def decode_attention(q, k, v, bias, chunk=64, warps=4):
+def decode_attention(q, k, v, bias, chunk=32, warps=1):
     """q (R, H, 1, D) over k, v (R, KV, L, D) (H a multiple of KV, unit stride in D), bias (R, 1, 1, L)
     added to the scores (0 or -inf; every row has a real key) -> (R, H, 1, D) in v's dtype, fp32 inside.
-    chunk: keys per program (a power of two); warps: per program."""
+    chunk: keys per program (a power of two); warps: per program. The defaults were the fastest or
+    within 20% of it at every KV length 128-320 of the 124M and ~1B shapes, B = 64 (BENCHMARKS.md)."""
     return torch.ops.ingot.decode_attention(q, k, v, bias.reshape(bias.shape[0], -1), chunk, warps)
 
 

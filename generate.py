@@ -30,8 +30,9 @@ read every check_every steps, not per step (a host sync). Sampling is the expone
 (argmax of log p - log E, E ~ Exp(1) per token: token i wins with probability p_i), with top-k
 among the k candidates only, so its seeded draws differ from generate()'s torch.multinomial;
 greedy is identical. A caller that decodes the same shapes again (GRPO) passes keep={}: the
-second call replays the graphs the first one captured. attention="flex" swaps SDPA for
-flex_attention, whose compiled kernel splits the keys of one-token queries over many blocks.
+second call replays the graphs the first one captured. On CUDA a step's attention is
+fused.decode_attention (Triton: split-KV, one query per head; SDPA's kernels tile 16-128 queries and
+took 1.6-2.7x the time the cache's bytes need); attention="flex" swaps in flex_attention instead.
 
 Log-probs (GRPO's old policy): log_softmax(logits / t)[token] in fp32, t = temperature (t = 1 when
 greedy), before top-k / top-p: the distribution a teacher-forced forward over the same tokens
@@ -182,7 +183,7 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
 
 SDPA = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-ATTENTION = (*SDPA, "flex", "triton")  # decode(attention=...): SDPA's kernels, flex_attend, fused.decode_attention
+ATTENTION = ("sdpa", *SDPA, "flex", "triton")  # decode(attention=...): SDPA (it picks), SDPA's kernels, flex_attend, fused.decode_attention
 
 
 class StaticCache:
@@ -234,21 +235,22 @@ def flex_attend(q, k, v, mask):
                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def top_candidates(logits, k, chunk=384):
-    """(R, V) -> values, ids (R, k): the k largest logits of each row, in no set order. In two rounds
-    when V is large: the k best of every `chunk` columns, then the k best of those (the same set, up
-    to ties at the k-th value). Why: torch.topk over rows this long takes its multi-block path, a
-    radix select of 7-13 kernels (~40 us of a ~700 us decode step, 124M shape, B = 64, issue 16);
-    rows of fewer than 400 columns, and a second round of C*k, run its one-kernel path."""
+def top_candidates(logits, k, block=64):
+    """(R, V) -> values, ids (R, k): the k largest logits of each row, in no set order. The k blocks
+    of `block` columns with the largest maxima hold every one of them (a block whose maximum k other
+    blocks beat holds no logit of the top k), so torch.topk runs over the blocks' maxima, then over
+    those k blocks: the same set, up to ties at the k-th value. Why: one torch.topk over rows of 50k
+    takes its multi-block radix select, ~7 kernels, ~60 us of a ~700 us decode step (124M shape,
+    B = 64, issue 16); rows of a few thousand take its one-kernel path."""
     R, V = logits.shape
-    C = -(-V // chunk)  # chunks, the last padded with -inf
-    if C < 4 or k > chunk:
+    nb = -(-V // block)  # blocks, the last padded with -inf
+    if nb <= 2 * k:
         return logits.topk(k, dim=-1, sorted=False)
-    x = F.pad(logits, (0, C * chunk - V), value=float("-inf")).view(R, C, chunk)
-    vals, ids = x.topk(k, dim=-1, sorted=False)
-    ids = ids + torch.arange(0, C * chunk, chunk, device=logits.device)[:, None]
-    vals, best = vals.view(R, C * k).topk(k, dim=-1, sorted=False)
-    return vals, ids.view(R, C * k).gather(-1, best).clamp_(max=V - 1)  # padding only when < k logits are finite
+    x = F.pad(logits, (0, nb * block - V), value=float("-inf")).view(R, nb, block)
+    best = x.amax(-1).topk(k, dim=-1, sorted=False).indices  # (R, k) blocks
+    vals, j = x.gather(1, best[:, :, None].expand(R, k, block)).view(R, k * block).topk(k, dim=-1, sorted=False)
+    ids = (best[:, :, None] * block + torch.arange(block, device=logits.device)).view(R, k * block).gather(-1, j)
+    return vals, ids.clamp_(max=V - 1)  # a padding column only when fewer than k logits are finite
 
 
 def pick(logits, temperature=1.0, top_k=None, top_p=None, noise=None):
@@ -431,8 +433,9 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         (one graph per bucket; with keep the cache is rounded up too); 0: the whole cache each step.
       fuse_mlp: one [gate | up] matmul per gated MLP (model.MLP.split off) instead of two.
       candidates: with top_k, race only the top_k candidates (pick()) instead of the vocabulary.
-      attention: the steps' attention kernel: SDPA's "math", "efficient", "flash" or "cudnn" (None:
-        SDPA picks), or "flex" (flex_attend; compile it).
+      attention: the steps' attention kernel: "triton" (fused.decode_attention, one query per head:
+        the default on CUDA), "sdpa" (SDPA picks: the default elsewhere), SDPA's "math", "efficient",
+        "flash" or "cudnn", or "flex" (flex_attend; compile it).
       keep: a dict owned by the caller, in which the decoder state (cache, buffers, captured
         graphs) stays for the next call with the same shapes and settings (GRPO's rollouts: no
         recapture, no recompile); it holds the cache's memory until cleared, one entry at a time.
@@ -461,13 +464,15 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         (bucket < 0, f"bucket={bucket} must be >= 0 (0: attend over the whole cache)"),
         (attention not in (None, *ATTENTION), f"attention={attention!r}: choose one of {', '.join(ATTENTION)} or None"),
         (attention == "triton" and not fused.available(idx), "attention='triton' needs a CUDA device and Triton: "
-         "pass attention=None"),
+         "pass attention=None (it picks)"),
         (not bool(mask.any(1).all()), "decode: every prompt needs at least one real token (attention_mask row of zeros)"),
         (graph and dev.type != "cuda", "graph=True needs the model on a CUDA device: pass graph=False"),
         (graph and bool(moes), "graph=True: MoE layers sync with the host per layer (dropless block sizes), "
          "so their step cannot be captured: pass graph=False")]:
         if bad:
             raise ValueError(msg)
+    if attention is None:
+        attention = "triton" if fused.available(idx) else "sdpa"
     if generator is None and seed is not None:
         generator = torch.Generator(dev).manual_seed(seed)
     stops = None if stop_tokens is None else torch.as_tensor(stop_tokens, device=dev).flatten()

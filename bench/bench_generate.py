@@ -93,7 +93,7 @@ VARIANTS = {  # decode() keyword arguments; "compile": torch.compile's (compile 
     "cudnn": dict(attention="cudnn", keep=True),
     "flex": dict(attention="flex", keep=True),      # flex_attention: split-KV decoding kernel (Triton)
     "triton": dict(attention="triton", keep=True),  # fused.decode_attention: our split-KV kernel (Triton)
-    "sdpa": dict(attention=None, keep=True),        # SDPA picks its kernel
+    "sdpa": dict(attention="sdpa", keep=True),      # SDPA picks its kernel (the default before fused.decode_attention)
     "flex-static": dict(attention="flex", compile={"dynamic": False}, keep=True),
     "static": dict(compile={"dynamic": False}, keep=True),  # one specialised compile per bucket
     "autotune": dict(compile={"mode": "max-autotune-no-cudagraphs"}, keep=True),  # Triton matmuls, epilogues fused

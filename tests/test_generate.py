@@ -389,7 +389,7 @@ def test_bad_arguments():
         generate.decode(model, prompts(), 4, temperature=-1)
     with pytest.raises(ValueError, match="bucket=-1 must be >= 0"):
         generate.decode(model, prompts(), 4, bucket=-1)
-    with pytest.raises(ValueError, match="attention='fast': choose one of math, efficient, flash, cudnn, flex, triton"):
+    with pytest.raises(ValueError, match="attention='fast': choose one of sdpa, math, efficient, flash, cudnn, flex, triton"):
         generate.decode(model, prompts(), 4, attention="fast")
     with pytest.raises(ValueError, match="attention='triton' needs a CUDA device and Triton"):
         generate.decode(model, prompts(), 4, attention="triton")

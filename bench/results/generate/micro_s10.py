@@ -108,10 +108,10 @@ def _():
             logits = torch.randn(R, 50304, device=dev, dtype=dtype)
             want = logits.topk(50).indices.sort(-1).values
             row = {"sorted": bench(lambda: logits.topk(50)), "unsorted": bench(lambda: logits.topk(50, sorted=False))}
-            for chunk in (128, 192, 256, 384):
-                got = generate.top_candidates(logits, 50, chunk)[1].sort(-1).values
-                row[f"two_round_{chunk}"] = bench(lambda: generate.top_candidates(logits, 50, chunk))
-                row[f"two_round_{chunk}_same_set"] = bool(torch.equal(got, want))
+            for block in (32, 64, 128):
+                got = generate.top_candidates(logits, 50, block)[1].sort(-1).values
+                row[f"blocks_{block}"] = bench(lambda: generate.top_candidates(logits, 50, block))
+                row[f"blocks_{block}_same_set"] = bool(torch.equal(got, want))
             print(f"topk R={R} {dtype}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
             RES[f"topk_R{R}_{dtype}"] = row
 
@@ -124,29 +124,28 @@ def _():
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**LLAMA)).to(dev, dt)
     x = torch.randint(0, 50304, (64, 64), device=dev)
-    two_round = generate.top_candidates
-    plain = lambda logits, k, chunk=384: logits.topk(k, dim=-1)  # the shipped (sorted, one round) call
-    configs = [("shipped", plain, None, None), ("two_round", two_round, None, None)]
-    configs += [(f"two_round+triton{c}w{w}", two_round, "triton", (c, w)) for c, w in
-                [tuple(map(int, s.split("w"))) for s in os.environ.get("TRITON_CFGS", "64w4,128w4,128w8").split(",")]]
-    for label, topk, att, dflt in configs:
+    blocks = generate.top_candidates
+    plain = lambda logits, k, block=64: logits.topk(k, dim=-1)  # the shipped (sorted, one round) call
+    configs = [("shipped", plain, dict(attention="sdpa"), None), ("blocks", blocks, dict(attention="sdpa"), None),
+               ("blocks+triton", blocks, {}, None), ("blocks+triton+bucket32", blocks, dict(bucket=32), None)]
+    for label, topk, kw, dflt in configs:
         generate.top_candidates = topk
         if dflt:
             fused.decode_attention.__defaults__ = dflt
         torch._dynamo.reset()
         keep = {}
         t0 = time.time()
-        generate.decode(model, x, 256, temperature=1.0, top_k=50, seed=0, compile=True, keep=keep, attention=att)
+        generate.decode(model, x, 256, temperature=1.0, top_k=50, seed=0, compile=True, keep=keep, **kw)
         torch.cuda.synchronize(); t1 = time.time()
         times = []
         for _ in range(3):
-            t = time.perf_counter(); generate.decode(model, x, 256, temperature=1.0, top_k=50, seed=0, compile=True, keep=keep, attention=att)
+            t = time.perf_counter(); generate.decode(model, x, 256, temperature=1.0, top_k=50, seed=0, compile=True, keep=keep, **kw)
             torch.cuda.synchronize(); times.append(time.perf_counter() - t)
         dec = next(iter(keep.values()))
         per = {}
         for span, replay in sorted(dec.graphs.items()):
             dec.cache.span = span
-            dec.index.fill_(span - 60); dec.first.fill_(63)  # replays advance the slot: stay inside the cache
+            dec.index.fill_(span - 60); dec.first.fill_(span - 65)  # replays advance the slot: stay inside the cache and the output
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
             for _ in range(50):
@@ -158,4 +157,4 @@ def _():
               f" us/step by bucket {{ {', '.join(f'{k}: {v:.0f}' for k, v in per.items())} }}", flush=True)
         RES[f"step_{label}"] = dict(calls_ms=[t * 1000 for t in times], tok_s=tok, us_per_step=per)
         del keep, dec
-    generate.top_candidates = two_round
+    generate.top_candidates = blocks
