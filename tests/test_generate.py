@@ -17,6 +17,8 @@ Proves, on CPU in fp32 with tiny models:
 - the sampler draws from the filtered distribution (frequencies of 40,000 draws within 0.01 of
   the hand-computed probabilities, for plain, top-k and top-p, racing the vocabulary or only the
   top-k candidates);
+- the top-k candidates taken from the k best blocks are torch.topk's (a valid top k under ties), and
+  the blockwise logsumexp gives log_softmax's log-probs (<= 1e-5);
 - a fixed seed reproduces tokens and log-probs, seed and generator agree, another seed differs,
   top_k=1 equals greedy;
 - stop tokens: each row is the free run up to and with its first stop token, then pad_id; mask and
@@ -34,8 +36,9 @@ Proves, on CPU in fp32 with tiny models:
   rank whose rows stop at different steps (the ranks stop together);
 - bad arguments raise errors naming the fix; bench/bench_generate.py's CPU smoke test runs and its
   checks pass.
-Not testable here: CUDA graph capture and compile + capture (bench/bench_generate.py's checks on a
-GPU: captured = uncaptured, kept graphs = fresh, fp32 greedy = eager).
+Not testable here: CUDA graph capture and compile + capture, and the Triton attention kernel (on a
+GPU: test_triton_attention_on_gpu below, tests/test_fused.py, bench/bench_generate.py's checks:
+captured = uncaptured, kept graphs = fresh, fp32 greedy = eager).
 """
 import json
 import os
@@ -209,6 +212,27 @@ def test_sampler_draws_the_filtered_distribution():
         freq = torch.bincount(shuffled[tok], minlength=5).float() / R
         assert (freq - want).abs().max() < 0.01, (kw, freq)
         assert torch.allclose(lp, p.log()[shuffled[tok]])
+
+
+def test_top_candidates_and_blockwise_logsumexp():
+    """top_candidates (the k best blocks' maxima, then those blocks) returns torch.topk's set, with
+    the vocabulary a multiple of the block or not, and with ties a valid top k; log_softmax_at (a
+    blockwise logsumexp) equals log_softmax at the token."""
+    g = torch.Generator().manual_seed(0)
+    for V, k, block in [(1000, 5, 16), (1001, 7, 16), (50304, 50, 64), (300, 3, 1)]:
+        x = 3 * torch.randn(6, V, generator=g)
+        vals, ids = generate.top_candidates(x, k, block)
+        assert torch.equal(ids.sort(-1).values, x.topk(k).indices.sort(-1).values), (V, k, block)
+        assert torch.equal(x.gather(-1, ids), vals)
+        tok = torch.randint(0, V, (6,), generator=g)
+        for t in (1.0, 0.6):
+            want = (x / t).log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
+            assert (generate.log_softmax_at(x, tok, t, block=block if block > 1 else 7) - want).abs().max() < 1e-5
+    x = torch.randint(0, 4, (6, 1000), generator=g).float()  # ties everywhere: any k of the best values
+    vals, ids = generate.top_candidates(x, 30, 16)
+    kth = x.topk(30).values[:, -1:]
+    assert all(len(set(row.tolist())) == 30 for row in ids)
+    assert (vals >= kth).all() and torch.equal(x.gather(-1, ids), vals)
 
 
 def test_seed_reproducible():
