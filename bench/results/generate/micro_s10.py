@@ -1,6 +1,8 @@
 """Decode-step micro benchmarks on the GPU (session 10, issue 16): fused.decode_attention's chunk and
 warps against SDPA's cuDNN kernel, top-k in two rounds against torch.topk, and the whole decoder with
-each change on and off. Every timing from CUDA-graph replays (12 calls per graph)."""
+each change on and off. Every timing from CUDA-graph replays (12 calls per graph). The timing
+harness (bench, section) is micro_s8.py's, copied: each script in bench/results stays the record of
+the run it made (micro_attention_a0b417f.*: this file at a0b417f; micro_step_07da82a.*: at 07da82a)."""
 import json, os, sys, time, traceback
 sys.path.insert(0, os.getcwd())
 import torch
