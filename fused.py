@@ -17,12 +17,13 @@ The kernels launch on the current CUDA device, so the logits must live there
 tests/test_fused.py compares it with F.cross_entropy (values and gradients) on a GPU.
 
 decode_attention(q, k, v, bias) -> one query per (row, head) over a static cache's keys (generate.py's
-decode step on CUDA). Why: SDPA's kernels tile 16-128 queries, and a decode step has one per head, so
-they spend 1.6-2.7x the time the cache's bytes need (BENCHMARKS.md, issue 16). Here one program per
-(row, kv head, chunk of keys) loads its keys and values at once and scores them for each of the kv
-head's query heads (GQA reads the cache once); a second kernel combines the chunks' softmaxes
-(flash-decoding), skipped when one chunk holds every key. All math is 2-D (a tile and a vector):
-3-D broadcasts make Triton shuffle layouts through shared memory.
+decode step on CUDA). Why: SDPA's kernels tile 16-128 queries, and a decode step has one per head,
+so they spend 1.6-2.9x the time the cache's bytes need (124M and ~1B shapes; BENCHMARKS.md, issue 16).
+Here one program per (row, kv head, chunk of keys) loads its keys and values at once and scores them
+for each of the kv head's query heads (GQA reads the cache once); a second kernel combines the
+chunks' softmaxes (flash-decoding), 16 chunks at a time, skipped when one chunk holds every key. All
+math is on 2-D tiles (an earlier split kernel on 3-D broadcasts, session 8's, lost to cuDNN past 128
+keys).
 """
 import torch
 
@@ -124,7 +125,7 @@ if triton is not None:
                              SCALE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                              CHUNK: tl.constexpr, ONE: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)  # the kv head; its query heads are h*G .. h*G+G-1
+        h = tl.program_id(1).to(tl.int64)  # the kv head; its query heads are h*G .. h*G+G-1
         c = tl.program_id(2)  # the chunk of keys c*CHUNK .. c*CHUNK+CHUNK-1
         d = tl.arange(0, DP)
         j = c * CHUNK + tl.arange(0, CHUNK)
@@ -150,32 +151,46 @@ if triton is not None:
 
     @triton.jit
     def _decode_combine_kernel(out, part_acc, part_max, part_sum, NS,
-                               D: tl.constexpr, DP: tl.constexpr, NSP: tl.constexpr):
+                               D: tl.constexpr, DP: tl.constexpr, CB: tl.constexpr):
         rh = tl.program_id(0).to(tl.int64)  # row * H + head: out is (R, H, 1, D) contiguous
-        c, d = tl.arange(0, NSP), tl.arange(0, DP)
-        okc, okd = c < NS, d < D
-        m = tl.load(part_max + rh * NS + c, mask=okc, other=float("-inf"))
-        w = tl.exp(m - tl.max(m, 0))  # chunks without a real key (m = -inf) weigh 0
-        s = tl.sum(tl.load(part_sum + rh * NS + c, mask=okc, other=0.0) * w, 0)
-        a = tl.load(part_acc + (rh * NS + c[:, None]) * D + d[None, :], mask=okc[:, None] & okd[None, :], other=0.0)
-        tl.store(out + rh * D + d, (tl.sum(a * w[:, None], 0) / s).to(out.dtype.element_ty), mask=okd)
+        d = tl.arange(0, DP)
+        okd = d < D
+        M = tl.full([], float("-inf"), tl.float32)  # running max over the chunks so far
+        s = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([DP], tl.float32)
+        for c0 in range(0, NS, CB):  # CB chunks at a time: a long cache needs no larger tile
+            c = c0 + tl.arange(0, CB)
+            okc = c < NS
+            m = tl.load(part_max + rh * NS + c, mask=okc, other=float("-inf"))
+            M_new = tl.maximum(M, tl.max(m, 0))
+            M_safe = tl.where(M_new == float("-inf"), 0.0, M_new)  # no real key yet: nothing to weigh
+            w = tl.exp(m - M_safe)  # chunks without a real key (m = -inf) weigh 0
+            a = tl.exp(M - M_safe)
+            s = s * a + tl.sum(tl.load(part_sum + rh * NS + c, mask=okc, other=0.0) * w, 0)
+            pa = tl.load(part_acc + (rh * NS + c[:, None]) * D + d[None, :], mask=okc[:, None] & okd[None, :], other=0.0)
+            acc = acc * a + tl.sum(pa * w[:, None], 0)
+            M = M_new
+        tl.store(out + rh * D + d, (acc / s).to(out.dtype.element_ty), mask=okd)
 
     @triton_op("ingot::decode_attention", mutates_args=())
     def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                           chunk: int, warps: int) -> torch.Tensor:
         R, H, T, D = q.shape
         KV, L = k.shape[1], k.shape[2]
-        assert T == 1 and H % KV == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == bias.stride(-1) == 1, \
-            "q (R, H, 1, D), k and v (R, KV, L, D), bias (R, L), unit stride in the last dimension"
+        assert T == 1 and H % KV == 0 and k.shape == v.shape == (R, KV, L, D) and bias.shape == (R, L), \
+            f"q (R, H, 1, D), k and v (R, KV, L, D), bias (R, L): got {q.shape}, {k.shape}, {v.shape}, {bias.shape}"
+        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == bias.stride(-1) == 1, "unit stride in the last dimension"
+        assert chunk > 0 and chunk & (chunk - 1) == 0, f"chunk={chunk} must be a power of two"
         NS = triton.cdiv(L, chunk)
         out = torch.empty(R, H, 1, D, device=q.device, dtype=v.dtype)
-        part = [torch.empty(R, H, NS, *s, device=q.device, dtype=torch.float32) for s in ((D,), (), ())]
+        # the chunks' partial softmaxes; one chunk writes out itself (the pointers below go unused)
+        part = [torch.empty(R, H, NS, *s, device=q.device, dtype=torch.float32) for s in ((D,), (), ())] if NS > 1 else [out] * 3
         DP = triton.next_power_of_2(D)
         wrap_triton(_decode_chunk_kernel)[(R, KV, NS)](
             q, k, v, bias, out, *part, L, H, NS, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), bias.stride(0),
             SCALE=D ** -0.5, G=H // KV, D=D, DP=DP, CHUNK=chunk, ONE=NS == 1, num_warps=warps)
         if NS > 1:
-            wrap_triton(_decode_combine_kernel)[(R * H,)](out, *part, NS, D=D, DP=DP, NSP=triton.next_power_of_2(NS),
+            wrap_triton(_decode_combine_kernel)[(R * H,)](out, *part, NS, D=D, DP=DP, CB=min(16, triton.next_power_of_2(NS)),
                                                           num_warps=1 if D <= 64 else 2)
         return out

@@ -30,9 +30,10 @@ read every check_every steps, not per step (a host sync). Sampling is the expone
 (argmax of log p - log E, E ~ Exp(1) per token: token i wins with probability p_i), with top-k
 among the k candidates only, so its seeded draws differ from generate()'s torch.multinomial;
 greedy is identical. A caller that decodes the same shapes again (GRPO) passes keep={}: the
-second call replays the graphs the first one captured. On CUDA a step's attention is
+second call replays the graphs the first one captured. A captured step's attention is
 fused.decode_attention (Triton: split-KV, one query per head; SDPA's kernels tile 16-128 queries and
-took 1.6-2.7x the time the cache's bytes need); attention="flex" swaps in flex_attention instead.
+took 1.6-2.9x the time the cache's bytes need, 124M and ~1B shapes); an uncaptured step keeps SDPA
+(the kernel's gain was measured in captured steps only); attention="flex" swaps in flex_attention.
 
 Log-probs (GRPO's old policy): log_softmax(logits / t)[token] in fp32, t = temperature (t = 1 when
 greedy), before top-k / top-p: the distribution a teacher-forced forward over the same tokens
@@ -445,8 +446,10 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
       fuse_mlp: one [gate | up] matmul per gated MLP (model.MLP.split off) instead of two.
       candidates: with top_k, race only the top_k candidates (pick()) instead of the vocabulary.
       attention: the steps' attention kernel: "triton" (fused.decode_attention, one query per head:
-        the default on CUDA), "sdpa" (SDPA picks: the default elsewhere), SDPA's "math", "efficient",
-        "flash" or "cudnn", or "flex" (flex_attend; compile it).
+        the default when the step is captured, Triton is installed and the model is on the current
+        CUDA device, where Triton launches), "sdpa" (SDPA picks: the default otherwise), SDPA's
+        "math", "efficient", "flash" or "cudnn", or "flex" (flex_attend; compile it). Compiling the
+        step with the Triton kernel in it takes longer: the first call at 124M, B = 64, 70 s, not 45.
       keep: a dict owned by the caller, in which the decoder state (cache, buffers, captured
         graphs) stays for the next call with the same shapes and settings (GRPO's rollouts: no
         recapture, no recompile); it holds the cache's memory until cleared, one entry at a time.
@@ -467,6 +470,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
     tensor_parallel = not isinstance(model.head, torch.nn.Linear)
     if graph is None:
         graph = dev.type == "cuda" and not moes and not tensor_parallel
+    triton_here = fused.available(idx) and dev == torch.device("cuda", torch.cuda.current_device())
     for bad, msg in [
         (T + N > model.cfg.block_size, f"prompt length {T} + max_new_tokens {N} exceeds block_size="
          f"{model.cfg.block_size}: shorten the prompts or generate fewer tokens"),
@@ -474,8 +478,8 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         (temperature < 0, f"temperature={temperature} must be >= 0 (0 = greedy)"),
         (bucket < 0, f"bucket={bucket} must be >= 0 (0: attend over the whole cache)"),
         (attention not in (None, *ATTENTION), f"attention={attention!r}: choose one of {', '.join(ATTENTION)} or None"),
-        (attention == "triton" and not fused.available(idx), "attention='triton' needs a CUDA device and Triton: "
-         "pass attention=None (it picks)"),
+        (attention == "triton" and not triton_here, "attention='triton' needs Triton and the model on the current "
+         "CUDA device (torch.cuda.set_device): pass attention=None (it picks)"),
         (not bool(mask.any(1).all()), "decode: every prompt needs at least one real token (attention_mask row of zeros)"),
         (graph and dev.type != "cuda", "graph=True needs the model on a CUDA device: pass graph=False"),
         (graph and bool(moes), "graph=True: MoE layers sync with the host per layer (dropless block sizes), "
@@ -483,7 +487,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         if bad:
             raise ValueError(msg)
     if attention is None:
-        attention = "triton" if fused.available(idx) else "sdpa"
+        attention = "triton" if graph and triton_here else "sdpa"
     if generator is None and seed is not None:
         generator = torch.Generator(dev).manual_seed(seed)
     stops = None if stop_tokens is None else torch.as_tensor(stop_tokens, device=dev).flatten()

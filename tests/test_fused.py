@@ -6,9 +6,10 @@ vocabulary slice of wider rows (the model's padded head), ignored targets and a 
 no multiple of the kernel's block; the same through Transformer.loss's three reductions, under
 torch.compile, and for a whole model's gradients against the F.cross_entropy path.
 
-decode_attention equals SDPA over the same masked keys in fp32 (MHA, GQA, a head size that is no
-power of two; chunks holding only padding or unwritten slots; one chunk and many), and is the same
-traced by torch.compile and replayed from a CUDA graph."""
+decode_attention equals SDPA over the same masked keys in fp32 and bf16 (MHA, GQA, MQA, a head size
+that is no power of two; chunks holding only padding or only unwritten slots, a last chunk cut short;
+one chunk, a few, and more than the combine kernel takes at once), and is the same traced by
+torch.compile and replayed from a CUDA graph."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -85,20 +86,21 @@ def test_model_gradients_match_fallback(monkeypatch):
 
 def attention_case(R, H, KV, D, S, L, dtype, seed=0):
     """q over the first L of S cache slots, as decode() passes them (views of the cache and of its
-    (R, S) bias); rows left-padded by 0-9 slots, the slots past L - 4 not yet written."""
+    (R, S) bias); rows left-padded by 0-39 slots, the last 24 of the L slots not yet written: chunks
+    of 16 keys that hold only padding or only unwritten slots, and a last chunk cut short."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     kb, vb = (torch.randn(R, KV, S, D, device="cuda", generator=g).to(dtype) for _ in range(2))
     q = torch.randn(R, H, 1, D, device="cuda", generator=g).to(dtype)
-    pad = torch.randint(0, 10, (R,), device="cuda", generator=g)
+    pad = torch.randint(0, 40, (R,), device="cuda", generator=g)
     j = torch.arange(S, device="cuda")
-    real = (j[None] >= pad[:, None]) & (j[None] <= L - 4)
+    real = (j[None] >= pad[:, None]) & (j[None] < L - 24)
     bias = torch.zeros(R, S, device="cuda", dtype=dtype).masked_fill_(~real, float("-inf"))
     return q, kb[:, :, :L], vb[:, :, :L], bias[:, None, None, :L]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(64, 12, 12, 64, 320, 192), (5, 16, 8, 128, 130, 128), (3, 6, 3, 80, 70, 64)],
-                         ids=["124m", "gqa_d128", "d80"])
+@pytest.mark.parametrize("shape", [(64, 12, 12, 64, 320, 192), (5, 16, 8, 128, 130, 77), (3, 6, 3, 80, 70, 64),
+                                   (2, 4, 1, 64, 800, 700)], ids=["124m", "gqa_d128", "d80", "mqa_long"])
 def test_decode_attention_matches_sdpa(dtype, shape):
     R, H, KV, D, S, L = shape
     q, k, v, bias = attention_case(R, H, KV, D, S, L, dtype)
@@ -106,7 +108,7 @@ def test_decode_attention_matches_sdpa(dtype, shape):
     want = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(G, 1),
                                           v.float().repeat_interleave(G, 1), attn_mask=bias.float())
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output
-    for chunk in (16, 64, 256):  # many chunks, some only padding; one chunk
+    for chunk in (16, 64, 1024):  # many chunks (over 16: the combine loops), a few, one
         got = fused.decode_attention(q, k, v, bias, chunk=chunk)
         assert got.dtype == dtype and got.shape == q.shape
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
