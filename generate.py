@@ -184,7 +184,8 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
 
 SDPA = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-ATTENTION = ("sdpa", *SDPA, "flex", "triton")  # decode(attention=...): SDPA (it picks), SDPA's kernels, flex_attend, fused.decode_attention
+# decode(attention=...): SDPA (it picks a kernel), one of SDPA's kernels, flex_attend, fused.decode_attention
+ATTENTION = ("sdpa", *SDPA, "flex", "triton")
 
 
 class StaticCache:
@@ -241,8 +242,9 @@ def top_candidates(logits, k, block=64):
     of `block` columns with the largest maxima hold every one of them (a block whose maximum k other
     blocks beat holds no logit of the top k), so torch.topk runs over the blocks' maxima, then over
     those k blocks: the same set, up to ties at the k-th value. Why: one torch.topk over rows of 50k
-    takes its multi-block radix select, ~7 kernels, ~60 us of a ~700 us decode step (124M shape,
-    B = 64, issue 16); rows of a few thousand take its one-kernel path."""
+    takes its multi-block radix select, ~7 kernels (64 us alone at the 124M shape, B = 64; the
+    captured decode step ran 30 us faster without it, issue 16); rows of a few thousand columns take
+    its one-kernel path."""
     R, V = logits.shape
     nb = -(-V // block)  # blocks, the last padded with -inf
     if nb <= 2 * k:
