@@ -236,8 +236,9 @@ def row_call(name, ctx, x, N, keep, profile=False):
 
 
 def run_row(name, ctx, B, T, N, profile=False):
-    """Seconds of one timed call after a warm-up call; with profile, a profile of one more call
-    whose step runs uncaptured (same compiled code): per step, kernels and their GPU time."""
+    """Seconds of the warm-up call (compilation and capture: what a user's first call costs) and of
+    one timed call after it; with profile, a profile of one more call whose step runs uncaptured
+    (same compiled code): per step, kernels and their GPU time."""
     kind = name.partition(":")[0]
     if kind in ("ours-graph", "ours-compile") and not cuda:
         raise SkipRow("CUDA only")
@@ -245,8 +246,10 @@ def run_row(name, ctx, B, T, N, profile=False):
     x = torch.randint(0, ctx["model"].cfg.vocab_size, (B, T), device=device, generator=g)
     call = row_call(name, ctx, x, N, keep={})
     with torch.no_grad():
+        t = time.perf_counter()
         call()  # warm-up: compilation, cuBLAS handles, autotuning
         sync()
+        first = time.perf_counter() - t
         t = time.perf_counter()
         out = call()
         sync()
@@ -254,7 +257,7 @@ def run_row(name, ctx, B, T, N, profile=False):
     toks = out.tokens if isinstance(out, generate.Rollout) else out
     if toks.shape != (B, T + N):
         raise RuntimeError(f"{name} returned {tuple(toks.shape)}, expected {(B, T + N)}")
-    return secs, profile_row(name, ctx, x, N) if profile else None
+    return first, secs, profile_row(name, ctx, x, N) if profile else None
 
 
 def profile_row(name, ctx, x, N):
@@ -370,8 +373,8 @@ def main():
                 row["skipped"] = f"time budget {args.budget_s:.0f} s spent"
             else:
                 try:
-                    secs, stats = run_row(name, ctx, B, T, N, profile=(B, shape) == points[0] and name in profiled)
-                    row.update(seconds=secs, tok_s=B * N / secs, ms_per_step=1e3 * secs / N,
+                    first, secs, stats = run_row(name, ctx, B, T, N, profile=(B, shape) == points[0] and name in profiled)
+                    row.update(first_call_s=first, seconds=secs, tok_s=B * N / secs, ms_per_step=1e3 * secs / N,
                                of_bound=B * N / secs / bnd, profile=stats,
                                peak_gb=torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None)
                 except SkipRow as e:
@@ -396,7 +399,7 @@ def write(res):
 
 
 def report(r):
-    what = r.get("skipped") or r.get("error") or f"{r['tok_s']:,.0f} tok/s, {r['ms_per_step']:.2f} ms/step"
+    what = r.get("skipped") or r.get("error") or f"{r['tok_s']:,.0f} tok/s, {r['ms_per_step']:.2f} ms/step, first call {r['first_call_s']:.1f} s"
     say(f"  {r['shape']:>5} B={r['batch']:<4} {r['row']:<26} {what}  (t={time.time() - START:.0f}s)")
     if r.get("profile"):
         p = r["profile"]
