@@ -185,11 +185,15 @@ if triton is not None:
             f"q (R, H, 1, D), k and v (R, KV, L, D), bias (R, L): got {q.shape}, {k.shape}, {v.shape}, {bias.shape}"
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == bias.stride(-1) == 1, "unit stride in the last dimension"
         assert chunk > 0 and chunk & (chunk - 1) == 0, f"chunk={chunk} must be a power of two"
+        DP = triton.next_power_of_2(D)
+        # a program holds its chunk's keys and values in registers: past 128 values of a tile per thread
+        # they spill, and Triton's compile alone can take minutes
+        assert chunk * DP <= 4096 * warps, (f"chunk={chunk} keys x {DP} (head dim, padded) over warps={warps}: more than "
+                                            f"128 values per thread; use a smaller chunk or more warps")
         NS = triton.cdiv(L, chunk)
         out = torch.empty(R, H, 1, D, device=q.device, dtype=v.dtype)
         # the chunks' partial softmaxes; one chunk writes out itself (the pointers below go unused)
         part = [torch.empty(R, H, NS, *s, device=q.device, dtype=torch.float32) for s in ((D,), (), ())] if NS > 1 else [out] * 3
-        DP = triton.next_power_of_2(D)
         _decode_chunk_kernel[(R, KV, NS)](
             q, k, v, bias, out, *part, L, H, NS, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), bias.stride(0),
