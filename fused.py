@@ -186,10 +186,10 @@ if triton is not None:
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == bias.stride(-1) == 1, "unit stride in the last dimension"
         assert chunk > 0 and chunk & (chunk - 1) == 0, f"chunk={chunk} must be a power of two"
         DP = triton.next_power_of_2(D)
-        # a program holds its chunk's keys and values in registers: past 128 values of a tile per thread
-        # they spill, and Triton's compile alone can take minutes
-        assert chunk * DP <= 4096 * warps, (f"chunk={chunk} keys x {DP} (head dim, padded) over warps={warps}: more than "
-                                            f"128 values per thread; use a smaller chunk or more warps")
+        # a program holds its chunk's keys and values in registers: far past that, Triton's compile alone
+        # takes long (1024 x 64 on 1 warp: 31 s on an H200; 256 x 64, 512 values per thread: 2 s)
+        assert chunk * DP <= 16384 * warps, (f"chunk={chunk} keys x {DP} (head dim, padded) over warps={warps}: more than "
+                                             f"512 values per thread; use a smaller chunk or more warps")
         NS = triton.cdiv(L, chunk)
         out = torch.empty(R, H, 1, D, device=q.device, dtype=v.dtype)
         # the chunks' partial softmaxes; one chunk writes out itself (the pointers below go unused)
