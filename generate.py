@@ -450,8 +450,8 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
       attention: the steps' attention kernel: "triton" (fused.decode_attention, one query per head:
         the default when the step is captured, Triton is installed and the model is on the current
         CUDA device, where Triton launches), "sdpa" (SDPA picks: the default otherwise), SDPA's
-        "math", "efficient", "flash" or "cudnn", or "flex" (flex_attend; compile it). Compiling the
-        step with the Triton kernel in it takes longer: the first call at 124M, B = 64, 70 s, not 45.
+        "math", "efficient", "flash" or "cudnn", or "flex" (flex_attend; compile it). The first
+        call (compile and capture of every bucket) at 124M, B = 64 takes 43-46 s with it.
       keep: a dict owned by the caller, in which the decoder state (cache, buffers, captured
         graphs) stays for the next call with the same shapes and settings (GRPO's rollouts: no
         recapture, no recompile); it holds the cache's memory until cleared, one entry at a time.
