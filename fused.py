@@ -174,8 +174,8 @@ if triton is not None:
 
     # An opaque custom op, not a triton_op: inductor then neither traces into the kernels nor analyses
     # them at every compile of a decode step (one per KV bucket). As a triton_op the first call of
-    # generate.decode, which compiles and captures every bucket, took 69.9 s against 44.9 s with SDPA
-    # (124M, B = 64; BENCHMARKS.md). Inside the CUDA graph the same two kernels run either way.
+    # generate.decode, which compiles and captures every bucket, took 69.9 s against 44.9 s with SDPA;
+    # as this op, 43-46 s (124M, B = 64; BENCHMARKS.md). Inside the CUDA graph the same kernels run.
     @custom_op("ingot::decode_attention", mutates_args=())
     def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                           chunk: int, warps: int) -> torch.Tensor:
