@@ -2,7 +2,8 @@
 cases of tests/test_fused.py on CPU tensors against fp32 SDPA. Needs triton installed (~1 GB, so not
 in CI):  TRITON_INTERPRET=1 python bench/results/generate/interpret_s10.py   (~50 s on 2 cores).
 Result at e02d789: every case within tolerance, worst fp32 error 5.4e-7; dropping the combine
-kernel's rescale (a planted bug) fails the 44-chunk case."""
+kernel's rescale (a planted bug) fails the 44-chunk case. Rerun at 1646dde (custom op; chunk 1024
+on more warps): the same worst error."""
 import os, sys, torch, torch.nn.functional as F
 sys.path.insert(0, os.getcwd())
 import fused
@@ -22,8 +23,8 @@ for shape in [(8, 12, 12, 64, 320, 192), (5, 16, 8, 128, 130, 77), (3, 6, 3, 80,
         q, k, v, b = case(*shape, dtype)
         G = H // KV
         want = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1), attn_mask=b.float())
-        for chunk in (16, 64, 1024):
-            got = fused.decode_attention(q, k, v, b, chunk=chunk)
+        for chunk in (16, 64, 1024):  # since 1646dde a tile of more than 512 values per thread needs more warps
+            got = fused.decode_attention(q, k, v, b, chunk=chunk, warps=max(1, chunk * 128 // 16384))
             err = (got.float() - want).abs().max().item()
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             assert got.shape == q.shape and got.dtype == dtype and err <= tol, (shape, dtype, chunk, err)
