@@ -9,7 +9,7 @@ torch.compile, and for a whole model's gradients against the F.cross_entropy pat
 decode_attention equals SDPA over the same masked keys in fp32 and bf16 (MHA, GQA, MQA, a head size
 that is no power of two; chunks holding only padding or only unwritten slots, a last chunk cut short;
 one chunk, a few, and more than the combine kernel takes at once), and is the same traced by
-torch.compile and replayed from a CUDA graph."""
+torch.compile and replayed from a CUDA graph; a tile too large for registers is refused."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,6 +115,13 @@ def test_decode_attention_matches_sdpa(dtype, shape):
         got = fused.decode_attention(q, k, v, bias, chunk=chunk, warps=warps)
         assert got.dtype == dtype and got.shape == q.shape
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_decode_attention_refuses_a_tile_that_would_spill():
+    q, k, v, bias = attention_case(2, 4, 1, 64, 800, 700, torch.bfloat16)
+    with pytest.raises(AssertionError, match="more than 512 values per thread"):
+        fused.decode_attention(q, k, v, bias, chunk=1024)  # 1024 keys x 64 on one warp: 31 s of compile
+    assert fused.decode_attention(q, k, v, bias, chunk=1024, warps=4).shape == q.shape
 
 
 def test_decode_attention_compiled_and_captured():
