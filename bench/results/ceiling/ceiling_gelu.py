@@ -1,8 +1,11 @@
 """Session 12 (as .gpu/s12gelu.py): is exact GELU compute-bound on the H200? GELU(x + b) forward and backward (with the bias
 gradient) on the GPT-2 fc output (32768 x 3072 bf16), compiled: erf (F.gelu), tanh (F.gelu tanh), and an
 erfc-polynomial form (A&S 7.1.26, one exp shared by the cdf and the pdf). CUDA events, median of 20."""
-import math, torch
+import math, os, sys, torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ceiling_mm import ms  # noqa: E402
 dev = "cuda"
 A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
 P, S2, SPI = 0.3275911, 1 / math.sqrt(2), 1 / math.sqrt(2 * math.pi)
@@ -29,16 +32,6 @@ class PolyGELU(torch.autograd.Function):
         xf = x.float()
         c, p = cdf_pdf(xf)
         return (g.float() * (c + xf * p)).to(g.dtype)
-
-
-def ms(fn, n=20):
-    for _ in range(5):
-        fn()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); b.synchronize(); ts.append(a.elapsed_time(b))
-    return sorted(ts)[n // 2]
 
 
 if __name__ == "__main__":

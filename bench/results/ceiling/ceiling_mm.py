@@ -1,5 +1,6 @@
 """Session 12 (as .gpu/s12mm.py): the head's matmul (1B: 503 TFLOP/s in the training profile against ~700-760 for the others) and attention backends,
-timed alone with CUDA events (bf16, median of 20 after 5 warm-up)."""
+timed alone with CUDA events (bf16, median of 20 after 5 warm-up). ms() is the timer of ceiling_mm2.py and
+ceiling_gelu.py too (they had copies when run)."""
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
@@ -60,7 +61,8 @@ def attn(B, H, KV, T, D):
             print(f"  {name}: {type(e).__name__} {str(e)[:100]}")
 
 
-head(16384, 2048, 50304)
-head(32768, 768, 50304)
-attn(32, 12, 12, 1024, 64)
-attn(8, 16, 8, 2048, 128)
+if __name__ == "__main__":
+    head(16384, 2048, 50304)
+    head(32768, 768, 50304)
+    attn(32, 12, 12, 1024, 64)
+    attn(8, 16, 8, 2048, 128)

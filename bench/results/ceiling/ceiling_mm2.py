@@ -1,18 +1,11 @@
 """Session 12 (as .gpu/s12mm2.py): MLP matmuls of the 1B shape, [gate | up] as one matmul or two; GPT-2's K = 768 matmuls;
 cuBLAS against cuBLASLt. CUDA events, bf16, median of 20 after 5 warm-up."""
-import torch
+import os, sys, torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ceiling_mm import ms  # noqa: E402
 dev = "cuda"
-
-
-def ms(fn, n=20):
-    for _ in range(5):
-        fn()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); b.synchronize(); ts.append(a.elapsed_time(b))
-    return sorted(ts)[n // 2]
 
 
 def r(*s):
