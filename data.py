@@ -435,7 +435,6 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
         with tqdm(desc=f"tokenizing {source}", unit="doc", total=max_docs or None, disable=not verbose) as bar:
             lens, modes = _tokenize(docs, tokenizer, [tmp["all"], tmp["fim"]][:1 + bool(transform)], dtype,
                                     num_proc or os.cpu_count() or 1, bar, transform)
-        total = int(lens[0].sum())
         ranges, mode = val_split(lens[0], val_fraction, val_tokens, max_val_share)  # over the plain documents
         n_train, fim_docs = _write_splits(tmp, dtype, lens, modes, ranges)
         ends = np.cumsum(lens[0])

@@ -26,7 +26,6 @@ Proves:
 """
 import contextlib
 import json
-import os
 from types import SimpleNamespace
 
 import pytest
