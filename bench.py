@@ -13,7 +13,7 @@ torch.cuda.max_memory_allocated, reset per row (dp mode: the largest over the ra
 
 single rows: ours eager / torch.compile(model), HF LlamaForCausalLM eager / compiled (SDPA,
 use_cache=False, labels=x). dp rows (torchrun): ours-1gpu (each rank alone, no communication:
-the scaling baseline, same run), ours-dp (parallel.DataParallel around the model, compiled as one
+the scaling baseline, same run), ours-dp (dp.DataParallel around the model, compiled as one
 graph as pretrain.py does; per-block graphs measured no faster and were removed), torch-ddp (DDP, 25 MB buckets,
 gradient_as_bucket_view, then torch.compile: PyTorch's recommended order). A failing row prints
 its error and the table goes on; a failure on one rank only leaves the other in a collective.
@@ -37,6 +37,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+import dp
 import logs
 import optim
 import parallel
@@ -105,7 +106,7 @@ autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != tor
 mcfg = ModelConfig(**{**SHAPES[args.shape], **({"block_size": args.seq_len} if args.seq_len else {}),
                       "fp32_residual": bool(args.fp32_residual)})  # the HF peer keeps its own (fp32)
 T, B = mcfg.block_size, args.batch
-opt_cfg = SimpleNamespace(optimizer="adamw", lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+opt_cfg = SimpleNamespace(optimizer="adamw", zero1=False, lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 peak = logs.peak_tflops(device, args.peak_tflops)  # TFLOP/s per GPU; None on CPU / unknown GPU
 with torch.device("meta"):
     flops_per_token = Transformer(mcfg).flops_per_token(T)  # counts shapes only: no memory
@@ -308,9 +309,9 @@ def ours_dp():
     """Gradient hooks live on the parameters, so the inner module is compiled (one graph)."""
     def build():
         raw = build_ours()
-        dp = parallel.DataParallel(raw, grid, args.bucket_mb, reduce_dtype=getattr(torch, args.grad_reduce_dtype))
+        wrapper = dp.DataParallel(raw, grid, args.bucket_mb, reduce_dtype=getattr(torch, args.grad_reduce_dtype))
         fwd = torch.compile(raw) if args.compile else raw
-        return raw, fwd, dp.finish, lambda: dp.zero_grad(set_to_none=True), dp.no_sync
+        return raw, fwd, wrapper.finish, lambda: wrapper.zero_grad(set_to_none=True), wrapper.no_sync
     return build
 
 

@@ -55,6 +55,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import corpus
 import data
+import tokenizer
 from model import IGNORE
 
 FORMATS = ("alpaca", "sharegpt", "messages", "prompt_completion")
@@ -481,8 +482,8 @@ DEFAULT_TEMPLATE = (
 
 
 def default_template():
-    """Ours, ChatML: <|im_start|>role\\ncontent<|im_end|>\\n per message (data.CHAT_TOKENS)."""
-    return ChatTemplate(DEFAULT_TEMPLATE, data.CHAT_TOKENS, data.CHAT_TOKENS[-1], name="default chat template")
+    """Ours, ChatML: <|im_start|>role\\ncontent<|im_end|>\\n per message (tokenizer.CHAT_TOKENS)."""
+    return ChatTemplate(DEFAULT_TEMPLATE, tokenizer.CHAT_TOKENS, tokenizer.CHAT_TOKENS[-1], name="default chat template")
 
 
 def template_specials(source, tok):
@@ -660,16 +661,15 @@ class ChatLoader(data.Loader):
 # A chat stage's start
 
 def setup(cfg):
-    """(tokenizer, template) of a chat stage: the run's tokenizer (data.tokenizer_for(cfg): after
-    hf.configure an HF folder's) with the template's special tokens added where missing (new ids past
+    """(tokenizer, template) of a chat stage: the run's tokenizer (tokenizer.for_cfg(cfg): after
+    weights.configure an HF folder's) with the template's special tokens added where missing (new ids past
     the vocabulary) and the template as its chat_template, cfg.vocab_size raised to cover them.
     cfg.chat_template picks the template."""
-    fmt = getattr(cfg, "chat_format", "auto")
-    if fmt != "auto" and fmt not in FORMATS:
-        raise ChatDataError(f"chat_format={fmt!r} is not one of auto, {', '.join(FORMATS)}")
-    tok = data.tokenizer_for(cfg)
-    template = template_for(tok, getattr(cfg, "init_from", ""), getattr(cfg, "chat_template", ""))
+    if cfg.chat_format != "auto" and cfg.chat_format not in FORMATS:
+        raise ChatDataError(f"chat_format={cfg.chat_format!r} is not one of auto, {', '.join(FORMATS)}")
+    tok = tokenizer.for_cfg(cfg)
+    template = template_for(tok, cfg.init_from, cfg.chat_template)
     tok = tok.with_chat(template.special_tokens, template.eos)
-    tok.chat_template = template.source  # what hf_tokenizer.save_tokenizer (export) writes as the model's template
+    tok.chat_template = template.source  # what tokenizer.save_tokenizer (export) writes as the model's template
     cfg.vocab_size = max(cfg.vocab_size, tok.n_vocab)
     return tok, template

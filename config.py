@@ -1,22 +1,31 @@
-"""Configs: a Python file of assignments, then --key=value overrides, then validation.
+"""Configs: a Python file of assignments, then --key=value overrides, then validation; per stage.
 
     python pretrain.py configs/tiny.py --lr=3e-4 --compile=True --data=/path/to/corpus
+    python sft.py --help                       # this stage's keys, with defaults and one-line comments
 
-Every key must exist in the defaults below (or in ModelConfig); an override is parsed as a
-Python literal and must have the default's type. The result is a flat SimpleNamespace `cfg`
-that is printed once and saved into every checkpoint.
+A stage accepts the keys it reads: the model's (model.ModelConfig), the shared ones below (every
+stage reads them) and its own (`load(argv, extra=...)`: data.DATA_DEFAULTS and pretrain's sample
+keys for pretraining, chat.CHAT_DEFAULTS and the stage's for SFT / DPO / GRPO, eval's for eval.py).
+An override is parsed as a Python literal and must have the default's type. The result is a flat
+namespace `cfg`, printed once and saved into every checkpoint; cfg.given holds the keys the user set.
 
 A mistake the user must fix raises UserError (or a subclass that also keeps the built-in type
-callers may catch: ConfigError is a ValueError, ...): the stage script prints its message once,
-without a traceback.
+callers may catch: ConfigError is a ValueError, ...): cli() prints its message once, without a
+traceback.
 """
 import ast
 import difflib
+import glob
+import io
+import json
 import os
 import sys
+import tokenize
 import traceback
 from dataclasses import asdict
 from types import SimpleNamespace
+
+import torch.distributed as dist
 
 from model import ModelConfig
 
@@ -44,11 +53,10 @@ class MissingFileError(UserError, FileNotFoundError):
     """A file or folder the user named does not exist (or is not what it should be)."""
 
 
-# Training defaults shared by every stage. Model keys come from ModelConfig; a stage script may
-# add keys of its own through `load(argv, extra=...)`.
-TRAIN_DEFAULTS = dict(
+# The keys every stage reads. Model keys come from ModelConfig; a stage adds its own (load(extra=...)).
+SHARED_DEFAULTS = dict(
     # I/O
-    out_dir="out/run",
+    out_dir="out/run",       # checkpoints and metrics (each stage has its own default)
     resume="",               # "": start fresh | "latest" (bare --resume): the newest complete checkpoint in
                              # out_dir, falling back past broken ones | a checkpoint (or run) folder
     overwrite=False,         # a fresh run into an out_dir holding an earlier run moves that run's files to
@@ -57,41 +65,27 @@ TRAIN_DEFAULTS = dict(
     init_from="",            # start from the weights of a checkpoint folder or a local HF model folder
     ckpt_every=500,          # steps between checkpoints (0: only at the end)
     keep_last=2,             # checkpoints kept on disk
-    # data
-    data="stdlib",           # "stdlib" | "python" (stdlib + site-packages) | a local file/folder (.txt .md .py .jsonl .parquet) | "hf:<name>"
-    text_field="text",
-    data_dir="",             # where the tokenized memmaps go ("" -> data/<name>)
-    val_fraction=0.01,       # validation share of the corpus: at least val_tokens, at most 10% (data.val_split)
-    val_tokens=1 << 20,      # floor of the validation split in tokens (a small corpus still gets a real one)
-    max_docs=0,              # 0: all documents
-    tokenizer="cl100k_base",
+    tokenizer="cl100k_base",  # a bundled BPE (cl100k_base, o200k_base), a cached tiktoken name, or an HF folder
     tokenizer_vocab=0,       # >0: keep only the first N tokens of the BPE (small models)
-    # data quality and Fill-in-the-Middle (data.prepare; each changes the prepared folder's name)
-    clean=False,             # clean.py's normalisation + quality filters before tokenization
-    dedup="none",            # "none" | "exact" (normalised content hash) | "near" (exact + MinHash LSH at Jaccard 0.8)
-    fim_rate=0.0,            # share of training documents in FIM layout (fim.py; 0.5 as Bavarian et al. 2022)
-    fim_spm_rate=0.5,        # share of those in SPM order (the rest PSM)
-    fim_seed=0,              # FIM draws are BLAKE2b(fim_seed, document index): fixed data across training seeds
-    fim_fragment=0,          # >0: FIM per fragment of at most this many characters (fim.py), so that a FIM
-                             # sequence fits a training window (small.py: 2000 ~ 600 of 1024 tokens); 0: whole documents
+    tokenizer_fim=False,     # FIM sentinels at the top of a truncated vocabulary (pretraining: fim_rate > 0)
     # batch: batch_size sequences per optimizer step, split over data-parallel ranks and
     # gradient-accumulation micro-steps of micro_batch_size sequences each
-    batch_size=32,
-    micro_batch_size=8,
+    batch_size=32,           # sequences (SFT: rows, DPO: pairs, GRPO: completions) per optimizer step
+    micro_batch_size=8,      # sequences per forward on one rank (the rest is gradient accumulation)
     seq_len=0,               # 0 -> block_size
     # optimization
-    max_steps=1000,
+    max_steps=1000,          # optimizer steps (the schedule's length)
     stop_at=0,               # stop early at this step, e.g. to fit a job time limit (0: run to max_steps)
-    optimizer="adamw",
-    lr=6e-4,
+    optimizer="adamw",       # adamw | muon (hidden matrices; the rest AdamW)
+    lr=6e-4,                 # peak learning rate (after warmup)
     min_lr_ratio=0.1,        # final lr = lr * min_lr_ratio
     schedule="cosine",       # cosine | linear | wsd | constant (all after linear warmup)
-    warmup_steps=100,
+    warmup_steps=100,        # linear warmup from 0
     wsd_decay_frac=0.2,      # WSD: fraction of steps spent decaying at the end
-    weight_decay=0.1,
-    beta1=0.9,
-    beta2=0.95,
-    eps=1e-8,
+    weight_decay=0.1,        # decoupled, on matrices only (optim.py)
+    beta1=0.9,               # AdamW's first-moment decay
+    beta2=0.95,              # AdamW's second-moment decay
+    eps=1e-8,                # AdamW's denominator floor
     grad_clip=1.0,           # 0: no clipping
     # Muon (optimizer="muon"): hidden matrices; embeddings, head, norms, biases stay on AdamW
     muon_lr=0.0,             # 0 -> lr (with muon_scale="rms" AdamW's lr and weight decay carry over)
@@ -100,10 +94,11 @@ TRAIN_DEFAULTS = dict(
     ns_dtype="bfloat16",     # Newton-Schulz precision: bfloat16 | float32 (exact tests)
     zero1=False,             # ZeRO-1: optimizer state sharded over data-parallel ranks (ddp only)
     # system
-    seed=1337,
+    seed=1337,               # weights, data order and sampling follow from it
     device="auto",           # auto | cpu | cuda
     dtype="auto",            # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
-    compile=False,
+    compile=False,           # torch.compile the model (the whole model under ddp, each block under fsdp)
+    threads=0,               # CPU threads per process (0: the cores / local processes; said at start-up)
     grad_bucket_mb=25.0,     # data-parallel all-reduce bucket size
     grad_reduce_dtype="float32",  # ddp: gradients travel as float32 | bfloat16 (half the bytes, rounded)
     tp=1,                    # tensor-parallel size (Megatron style, innermost: neighbouring GPUs)
@@ -111,47 +106,48 @@ TRAIN_DEFAULTS = dict(
     data_parallel="ddp",     # how the world // tp replicas split the batch: ddp (replicated) | fsdp (sharded)
     ep=1,                    # expert-parallel size: experts sharded over ep ranks that see different data (moe.py)
     # LoRA (lora.py): lora_r > 0 freezes the base and trains rank-r adapters
-    lora_r=0,
-    lora_alpha=16.0,
-    lora_dropout=0.0,
+    lora_r=0,                # adapter rank (0: no LoRA)
+    lora_alpha=16.0,         # adapter scale alpha / r
+    lora_dropout=0.0,        # dropout on the adapters' input
     lora_targets="all-linear",  # "all-linear" (attention + MLP) or HF module names: "q_proj,v_proj" (GPT-2: c_attn, ...)
     lora_rslora=False,       # scale alpha / sqrt(r) instead of alpha / r
     lora_base_dtype="float32",  # float32 | bfloat16: the frozen base's storage (bf16 needs bf16 autocast)
     # evaluation and logging
-    eval_every=250,
-    eval_batches=20,
-    log_every=10,
+    eval_every=250,          # steps between held-out evaluations (0: none)
+    log_every=10,            # steps between log lines
     progress=True,           # tqdm bar on rank 0
     peak_tflops=0.0,         # per-GPU peak for MFU; 0 -> look up the GPU in a table
-    tensorboard=False,
-    wandb=False,
-    wandb_project="ingot",
-    sample_tokens=128,       # sample printed at the end (0: none)
-    sample_prompt="def ",
-    sample_temperature=0.8,
-    sample_top_k=50,
+    tensorboard=False,       # also log to out_dir/tb (needs tensorboard)
+    wandb=False,             # also log to Weights & Biases (needs wandb)
+    wandb_project="ingot",   # the W&B project
 )
 
 
-# Settings a resumed run may change freely: they do not alter the math of the steps to come
+# Shared settings a resumed run may change freely: they do not alter the math of the steps to come
 # (layout, precision and speed knobs, logging, evaluation, checkpoint cadence, paths). Any other
 # changed key (model, data, batch_size, seq_len, optimizer, lr, schedule, max_steps, seed, ...)
 # makes the continued run differ from an uninterrupted one: resume refuses it unless
-# --force_resume=True. A key unknown here counts as one that matters. checkpoint.resume_changes.
+# --force_resume=True. A key unknown here counts as one that matters; a stage names its own
+# free keys (lifecycle.claim(free=...)).
 RESUME_FREE = frozenset("""
-    out_dir init_from ckpt_every keep_last stop_at data_dir
-    device dtype compile grad_bucket_mb grad_reduce_dtype tp sequence_parallel data_parallel ep zero1 micro_batch_size
-    ns_dtype grad_checkpoint fp32_residual
-    eval_every eval_batches log_every progress peak_tflops tensorboard wandb wandb_project
-    sample_tokens sample_prompt sample_temperature sample_top_k
+    out_dir init_from ckpt_every keep_last stop_at
+    device dtype compile threads grad_bucket_mb grad_reduce_dtype tp sequence_parallel data_parallel ep zero1
+    micro_batch_size ns_dtype grad_checkpoint fp32_residual
+    eval_every log_every progress peak_tflops tensorboard wandb wandb_project
 """.split())
 RESUME_CONTROL = frozenset({"resume", "overwrite", "force_resume"})  # how to start, not settings
 # a bare --key (no =value) for keys that are not bool
 BARE_FLAG = {"resume": "latest"}
 
 
+class Config(SimpleNamespace):
+    """The flat namespace of a run's settings; `given` (not a setting: not in vars(cfg)) holds the
+    keys the config file or the command line set."""
+    __slots__ = ("given",)
+
+
 def defaults(extra=None):
-    d = {**asdict(ModelConfig()), **TRAIN_DEFAULTS}
+    d = {**asdict(ModelConfig()), **SHARED_DEFAULTS}
     d.update(extra or {})
     return d
 
@@ -159,8 +155,9 @@ def defaults(extra=None):
 def _unknown(key, valid):
     near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
     hint = f" Did you mean {' or '.join(near)}?" if near else ""
-    return ConfigKeyError(f"unknown config key '{key}'.{hint} (valid keys are listed in config.py and "
-                          f"model.py's ModelConfig)")
+    owner = key_owner(key)
+    where = f" ('{key}' is a setting of {owner}, not of this stage)" if owner else ""
+    return ConfigKeyError(f"unknown config key '{key}'.{where}{hint} (--help lists this stage's keys)")
 
 
 def _check_type(key, value, default):
@@ -223,23 +220,37 @@ def read_file(path, d):
     return out
 
 
-def load(argv, extra=None, world=None):
-    """argv: [config_file.py] [--key=value ...] -> validated flat namespace."""
+def load(argv, extra=None, world=None, script=None, example=None):
+    """argv: [config_file.py] [--key=value ...] -> validated Config. extra: the stage's own keys and
+    defaults (they override the shared ones). --help prints the stage's keys and exits; no argument
+    at all asks for a config (example: the one to suggest) instead of running the defaults."""
     d = defaults(extra)
-    values = dict(d)
     args = list(argv)
+    name = os.path.basename(script or sys.argv[0] or "the script")
+    if "--help" in args or "-h" in args:
+        print(help_text(d, extra, name))
+        raise SystemExit(0)
+    if not args and example:
+        raise UserError(f"no config: give one, e.g. `python {name} {example}`, or --key=value settings to run the "
+                        f"defaults (a {d['n_layer']}-layer, {d['n_embd']}-wide model); --help lists the keys")
+    values, given = dict(d), set()
     if args and not args[0].startswith("--"):
-        values.update(read_file(args.pop(0), d))
+        from_file = read_file(args.pop(0), d)
+        values.update(from_file)
+        given |= set(from_file)
     for a in args:
         k, v = parse_override(a, d)
         values[k] = v
-    cfg = SimpleNamespace(**values)
+        given.add(k)
+    cfg = Config(**values)
+    cfg.given = given
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")) if world is None else world)
     return cfg
 
 
 def validate(cfg, world=1):
-    """Fail early, with a message that says what to change."""
+    """The shared keys and the model's: fail early, with a message that says what to change.
+    Stages check their own keys (their check()); call this again after cfg's model keys change."""
     try:
         ModelConfig.from_cfg(cfg)  # model checks (heads divide width, known activation, ...)
     except (ValueError, TypeError) as e:
@@ -266,14 +277,9 @@ def validate(cfg, world=1):
     need(cfg.ns_dtype in ("bfloat16", "float32"), f"ns_dtype='{cfg.ns_dtype}' must be bfloat16 or float32")
     need(not (cfg.zero1 and cfg.data_parallel == "fsdp"),
          "zero1=True shards optimizer state over ddp replicas; data_parallel='fsdp' already shards it: drop one")
-    need(cfg.dedup in ("none", "exact", "near"), f"dedup='{cfg.dedup}' must be none, exact or near")
-    need(0 <= cfg.fim_rate <= 1 and 0 <= cfg.fim_spm_rate <= 1,
-         f"fim_rate={cfg.fim_rate} and fim_spm_rate={cfg.fim_spm_rate} must be in [0, 1]")
-    need(cfg.fim_seed >= 0, f"fim_seed={cfg.fim_seed} must be >= 0")
-    need(isinstance(cfg.fim_fragment, int) and cfg.fim_fragment >= 0,
-         f"fim_fragment={cfg.fim_fragment} must be an integer >= 0 (characters per FIM fragment; 0: whole documents)")
     need(cfg.device in ("auto", "cpu", "cuda"), f"device='{cfg.device}' must be auto, cpu or cuda")
     need(cfg.dtype in ("auto", "float32", "bfloat16"), f"dtype='{cfg.dtype}' must be auto, float32 or bfloat16")
+    need(cfg.threads >= 0, f"threads={cfg.threads} must be >= 0 (0: the cores divided among the local processes)")
     need(cfg.tp >= 1, f"tp={cfg.tp} must be >= 1")
     need(cfg.ep >= 1, f"ep={cfg.ep} must be >= 1")
     need(cfg.ep == 1 or cfg.n_experts > 0, f"ep={cfg.ep} shards experts: set n_experts > 0 (a MoE model) or ep=1")
@@ -298,7 +304,6 @@ def validate(cfg, world=1):
          f"batch_size={cfg.batch_size} must be divisible by micro_batch_size*data_parallel="
          f"{cfg.micro_batch_size}*{dp}={cfg.micro_batch_size * dp}: change batch_size or micro_batch_size")
     need(0 <= cfg.seq_len <= cfg.block_size, f"seq_len={cfg.seq_len} must be in [0, block_size={cfg.block_size}] (0 means block_size)")
-    need(0 <= cfg.val_fraction < 1, f"val_fraction={cfg.val_fraction} must be in [0, 1)")
     need(cfg.keep_last >= 1, f"keep_last={cfg.keep_last} must be >= 1")
     need(cfg.ckpt_every >= 0 and cfg.eval_every >= 0 and cfg.log_every > 0,
          "ckpt_every and eval_every must be >= 0 and log_every > 0")
@@ -315,12 +320,6 @@ def validate(cfg, world=1):
     need(cfg.grad_bucket_mb > 0, f"grad_bucket_mb={cfg.grad_bucket_mb} must be positive")
     # found here, not after training: numpy's generators take seeds in [0, 2**32)
     need(0 <= cfg.seed < 2**32, f"seed={cfg.seed} must be in [0, 2**32)")
-    need(cfg.val_tokens >= 0, f"val_tokens={cfg.val_tokens} must be >= 0")
-    need(cfg.max_docs >= 0, f"max_docs={cfg.max_docs} must be >= 0 (0: all documents)")
-    need(cfg.eval_batches >= 0, f"eval_batches={cfg.eval_batches} must be >= 0 (0: the whole validation split)")
-    need(cfg.sample_tokens >= 0, f"sample_tokens={cfg.sample_tokens} must be >= 0 (0: no sample)")
-    need(cfg.sample_temperature >= 0, f"sample_temperature={cfg.sample_temperature} must be >= 0 (0: greedy)")
-    need(cfg.sample_top_k >= 0, f"sample_top_k={cfg.sample_top_k} must be >= 0 (0: no top-k filter)")
 
 
 def show(cfg):
@@ -328,14 +327,86 @@ def show(cfg):
     return "\n".join(f"  {k:<{width}} = {v!r}" for k, v in sorted(vars(cfg).items()))
 
 
-def run(main, argv):
+# ----------------------------------------------------------------------------- --help, from the source's comments
+
+def _comments(path):
+    """{key: its one-line comment} of a source file: the keywords of every `NAME_DEFAULTS = dict(...)`
+    and the fields of ModelConfig, with the comment on their line (and comment-only lines that
+    continue it)."""
+    src = open(path, encoding="utf-8").read()
+    notes, lines = {}, src.splitlines()
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            notes[tok.start[0]] = tok.string.lstrip("#").strip()
+    out = {}
+
+    def add(key, line, end):
+        text = [notes[line]] if line in notes else []
+        nxt = end + 1  # comment-only lines right below, indented past the key: a continuation
+        while nxt in notes and lines[nxt - 1].lstrip().startswith("#") and len(lines[nxt - 1]) - len(
+                lines[nxt - 1].lstrip()) > len(lines[line - 1]) - len(lines[line - 1].lstrip()):
+            text.append(notes[nxt])
+            nxt += 1
+        out.setdefault(key, " ".join(text))
+    for node in ast.walk(ast.parse(src)):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id.endswith("DEFAULTS") and isinstance(node.value, ast.Call)):
+            for kw in node.value.keywords:
+                if kw.arg:
+                    add(kw.arg, kw.value.lineno, kw.value.end_lineno)
+        elif isinstance(node, ast.ClassDef) and node.name == "ModelConfig":
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    add(item.target.id, item.lineno, item.end_lineno)
+    return out
+
+
+def _sources(script=None):
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = sorted(glob.glob(os.path.join(here, "*.py")))
+    first = [os.path.abspath(script)] if script and os.path.isfile(script) else []
+    return first + [f for f in files if f not in first]
+
+
+def key_owner(key, script=None):
+    """The file(s) whose *_DEFAULTS define `key` (for the message of a key this stage lacks), or ""."""
+    here = os.path.abspath(script) if script else None
+    owners = [os.path.basename(f) for f in _sources() if f != here and key in _comments(f)]
+    return ", ".join(owners)
+
+
+def help_text(d, extra, script):
+    """Every key of a stage with its default and one-line comment, grouped: the stage's own, the
+    shared ones, the model's."""
+    notes = {}
+    for path in _sources(script if os.path.isfile(str(script)) else None):
+        for k, v in _comments(path).items():
+            notes.setdefault(k, v)
+    model = set(asdict(ModelConfig()))
+    groups = [(f"{script}'s own keys", [k for k in d if k in (extra or {})]),
+              ("shared keys (every stage)", [k for k in d if k in SHARED_DEFAULTS and k not in (extra or {})]),
+              ("model keys (model.ModelConfig; from init_from when it is set)",
+               [k for k in d if k in model and k not in (extra or {})])]
+    out = [f"usage: python {script} [config.py] [--key=value ...]   (torchrun --nproc_per_node=N {script} ... "
+           "for several processes)", "A config file is Python assignments of these keys; --key=value overrides it."]
+    for title, keys in groups:
+        if keys:
+            out.append(f"\n{title}:")
+            width = max(len(f"{k}={d[k]!r}") for k in keys)
+            out += [f"  {f'{k}={d[k]!r}':<{width}}  {notes.get(k, '')}".rstrip() for k in keys]
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+def cli(main, argv):
     """Run a stage script's main(argv) so that a mistake the user must fix reads as one message.
 
     A UserError prints `error: <message>` once and exits with status 2, without a traceback: rank 0
     under torchrun (every rank meets the same error; the others leave quietly with status 0, so
-    torchrun's own summary that follows names one failed process); `--debug` anywhere
-    on the command line shows the traceback instead. Every other exception is a bug and keeps its
-    traceback on every rank that hits it.
+    torchrun's own summary that follows names one failed process, and its error file carries the
+    same line); `--debug` anywhere on the command line shows the traceback instead. Every other
+    exception is a bug and keeps its traceback on every rank that hits it.
     """
     debug = "--debug" in argv
     try:
@@ -346,8 +417,15 @@ def run(main, argv):
         if os.environ.get("RANK", "0") != "0":
             sys.exit(0)  # rank 0 reports it: torchrun's summary then names one failed process, not all
         print(f"error: {e}", file=sys.stderr, flush=True)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary shows this instead of "no traceback"
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                json.dump({"message": {"message": f"error: {e}", "extraInfo": {"py_callstack": f"error: {e}",
+                                                                                "timestamp": "0"}}}, f)
         sys.exit(2)
-    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves: parallel.Interrupt)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves: lifecycle.Interrupt)
         if debug:
             traceback.print_exc()
         sys.exit(130)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

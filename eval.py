@@ -44,9 +44,12 @@ import config
 import corpus
 import data
 import hf
+import lifecycle
 import parallel
 import scoring
 import tasks
+import tokenizer
+import weights
 from model import ModelConfig, Transformer
 from scoring import EvalError
 
@@ -71,7 +74,7 @@ EVAL_DEFAULTS = dict(
 )
 # what a checkpoint's config.json contributes: the model's shape, its tokenizer, its corpus and split
 CKPT_KEYS = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "grad_checkpoint", "init_std")] + [
-    "tokenizer", "tokenizer_vocab", "fim_rate", "fim_spm_rate", "fim_seed", "data", "text_field", "data_dir",
+    "tokenizer", "tokenizer_vocab", "tokenizer_fim", "fim_rate", "fim_spm_rate", "fim_seed", "data", "text_field", "data_dir",
     "val_fraction", "val_tokens", "max_docs", "clean", "dedup", "seq_len"]
 CODE_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # Codex's (Chen et al. 2021)
 GSM8K_STOPS = ("Question:", "</s>", "<|im_end|>")              # lm-eval's gsm8k `until`
@@ -242,11 +245,11 @@ def split_windows(cfg, grid, tok, T):
     return [x[0].tolist() + [int(y[0, -1])] for x, y in data.eval_batches(path, 1, T, 0, 1, n)]
 
 
-def humaneval(run, tok, items, ks=(1,), *, n=1, max_new_tokens=512, timeout=10.0, workers=4, **gen):
+def humaneval(net, tok, items, ks=(1,), *, n=1, max_new_tokens=512, timeout=10.0, workers=4, **gen):
     """pass@k on HumanEval items: n completions of each code_prompt by the fast decoder (generate_texts'
     keywords in gen), cut at Codex's stop strings, judged on rank 0; every rank gets the metrics."""
-    texts = scoring.generate_texts(run, tok, [it["code_prompt"] for it in items], max_new_tokens, n=n, stops=CODE_STOPS, **gen)
-    return parallel.on_main(run.grid, lambda: scoring.code_scores(items, texts, ks, timeout, workers)[0])
+    texts = scoring.generate_texts(net, tok, [it["code_prompt"] for it in items], max_new_tokens, n=n, stops=CODE_STOPS, **gen)
+    return parallel.on_main(net.grid, lambda: scoring.code_scores(items, texts, ks, timeout, workers)[0])
 
 
 # ----------------------------------------------------------------------------- the CLI
@@ -272,7 +275,7 @@ def checkpoint_folder(path):
 
 def load_config(argv):
     """cfg: the training keys, EVAL_DEFAULTS, then (our checkpoint) its model, tokenizer and corpus keys,
-    then the command line; an HF folder's config.json sets the model keys (hf.configure)."""
+    then the command line; an HF folder's config.json sets the model keys (weights.configure)."""
     args = split_argv(argv)
     init = next((a.partition("=")[2] for a in args if a.startswith("--init_from=")), "")
     if not init:
@@ -280,7 +283,7 @@ def load_config(argv):
     if not os.path.isdir(init):
         raise config.MissingFileError(f"model folder '{init}' not found")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    extra = dict(EVAL_DEFAULTS, micro_batch_size=8, batch_size=8 * world)  # micro_batch_size: rows per scoring forward
+    extra = dict(data.DATA_DEFAULTS, **EVAL_DEFAULTS, micro_batch_size=8, batch_size=8 * world)  # micro_batch_size: rows per scoring forward
     if not hf.is_hf_folder(init):
         init = checkpoint_folder(init)
         with open(os.path.join(init, "config.json")) as f:
@@ -288,7 +291,7 @@ def load_config(argv):
         extra.update({k: saved[k] for k in CKPT_KEYS if k in saved})
         args = [a for a in args if not a.startswith("--init_from=")] + [f"--init_from={init}"]
     cfg = config.load(args, extra=extra)
-    hf.configure(cfg)
+    weights.configure(cfg)
     return cfg
 
 
@@ -309,9 +312,9 @@ def load_model(cfg, grid):
     """Transformer of cfg's shape, laid out by parallel.parallelize, weights from cfg.init_from."""
     torch.manual_seed(cfg.seed)
     raw = Transformer(ModelConfig.from_cfg(cfg)).to(grid.device)
-    run = parallel.parallelize(raw, grid, cfg, load=hf.init_loader(cfg, grid), optimizer=False)
+    net = parallel.parallelize(raw, grid, cfg, load=weights.loader(cfg, grid), optimizer=False)
     raw.eval()
-    return run
+    return net
 
 
 def task_prompts(name, source, cfg):
@@ -331,24 +334,24 @@ def new_tokens(cfg, default):
     return cfg.max_new_tokens or min(default, cfg.block_size // 2)
 
 
-def run_task(name, source, cfg, run, tok, autocast, ks):
+def run_task(name, source, cfg, net, tok, autocast, ks):
     """One task -> its metrics (every rank gets them)."""
     spec = TASKS[name]
     if spec.kind == "bpb":
         T = cfg.seq_len or cfg.block_size
         windows = (corpus_windows(tok, cfg.bpb_data, T, cfg.bpb_tokens, cfg.text_field) if cfg.bpb_data
-                   else split_windows(cfg, run.grid, tok, T))
-        return scoring.bits_per_byte(run, tok, windows, cfg.micro_batch_size, autocast)
+                   else split_windows(cfg, net.grid, tok, T))
+        return scoring.bits_per_byte(net, tok, windows, cfg.micro_batch_size, autocast)
     if spec.kind == "code":
-        return humaneval(run, tok, tasks.human_eval()[:cfg.limit or None], ks, n=cfg.n_samples,
+        return humaneval(net, tok, tasks.human_eval()[:cfg.limit or None], ks, n=cfg.n_samples,
                          max_new_tokens=new_tokens(cfg, 512), timeout=cfg.code_timeout, workers=cfg.code_workers,
                          temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size,
                          autocast=autocast)
     # rank 0 reads the data (a hub download once), every rank gets the prompts; a bad record stops all
-    docs, contexts = parallel.on_main(run.grid, lambda: task_prompts(name, source, cfg))
+    docs, contexts = parallel.on_main(net.grid, lambda: task_prompts(name, source, cfg))
     if spec.kind == "mc":
-        return scoring.multiple_choice(run, tok, docs, contexts, cfg.micro_batch_size, autocast, cfg.add_bos)[0]
-    texts = scoring.generate_texts(run, tok, contexts, new_tokens(cfg, 256), temperature=cfg.temperature,
+        return scoring.multiple_choice(net, tok, docs, contexts, cfg.micro_batch_size, autocast, cfg.add_bos)[0]
+    texts = scoring.generate_texts(net, tok, contexts, new_tokens(cfg, 256), temperature=cfg.temperature,
                                    top_p=cfg.top_p, seed=cfg.seed, stops=GSM8K_STOPS,
                                    batch_size=cfg.gen_batch_size, autocast=autocast)
     return scoring.gsm8k_scores([t[0] for t in texts], docs)[0]
@@ -370,16 +373,15 @@ def main(argv):
     t0 = time.perf_counter()
     cfg = load_config(argv)
     todo, ks = parse_tasks(cfg)
-    grid = parallel.init(cfg)
-    say = print if grid.is_main else (lambda *a, **k: None)
-    tok = data.tokenizer_for(cfg)
-    run = load_model(cfg, grid)
-    dtype = parallel.amp_dtype(cfg, grid.device)
-    autocast = torch.autocast(grid.device.type, dtype=dtype, enabled=dtype != torch.float32)
+    grid = parallel.init(cfg, cfg.threads)
+    say = lifecycle.say(grid)
+    tok = tokenizer.for_cfg(cfg)
+    net = load_model(cfg, grid)
+    autocast = parallel.autocast(cfg, grid.device)
     results, seconds = {}, {}
     for name, source in todo:
         t = time.perf_counter()
-        results[name] = run_task(name, source, cfg, run, tok, autocast, ks)
+        results[name] = run_task(name, source, cfg, net, tok, autocast, ks)
         seconds[name] = round(time.perf_counter() - t, 2)
         say(f"{name}: done in {seconds[name]:.1f} s")
     say(table(results))
@@ -392,9 +394,8 @@ def main(argv):
                        "tp": grid.tp, "data_parallel": cfg.data_parallel, "results": results, "seconds": seconds,
                        "total_seconds": round(time.perf_counter() - t0, 2), "settings": settings}, f, indent=2)
         say(f"results: {out}")
-    parallel.shutdown()
     return results
 
 
 if __name__ == "__main__":
-    config.run(main, sys.argv[1:])
+    config.cli(main, sys.argv[1:])

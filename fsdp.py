@@ -55,7 +55,7 @@ sharded over it, except a block's experts (p.expert): they form a second unit of
 sharded over grid.dp_group (their replicas), gathered and freed together with the block's first.
 Every gradient is divided by dp x ep (an expert's owner received every EP rank's tokens); the
 gradient norm adds squares over the data group. Checkpoint helpers give this EP rank's experts;
-checkpoint.gather / load complete and cut them over EP (moe.gather_experts / cut_experts).
+parallel.Net.full_state / load_full_state complete and cut them over EP (moe.gather_experts / cut_experts).
 torch.compile (FSDP.compile, called by parallel.parallelize with cfg.compile): each block's forward
 is compiled, not its __call__, so the hooks above (gathers, frees, prefetch, _PreBackward) stay eager
 around the graph and overlap as before; the root's compute (final norm, head and loss) is compiled
@@ -259,7 +259,7 @@ class _PreBackward(torch.autograd.Function):
 
 
 class FSDP(nn.Module):
-    """ZeRO-3 over grid.dp_group: see the module docstring. Same driving API as parallel.DataParallel."""
+    """ZeRO-3 over grid.dp_group: see the module docstring. Same driving API as dp.DataParallel."""
 
     def __init__(self, module, grid, compute_dtype=None):
         super().__init__()

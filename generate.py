@@ -41,7 +41,7 @@ gives with its logits divided by the same t. 0 after a row's stop token.
 
 Layouts: tensor parallelism works as the eager path does (each rank its heads; the vocab-parallel
 head gathers the logits, so every rank samples the same token from the same seed); under FSDP
-call it inside parallel.Parallel.full_params() (parameters gathered once for the whole rollout,
+call it inside parallel.Net.full_params() (parameters gathered once for the whole rollout,
 freed after); LoRA adapters run on the fly (lora.merge() first is the faster choice, same tokens);
 MoE layers run dropless during decoding (capacity_factor set to 0, restored after); their
 per-layer host sync makes the step uncapturable, so MoE models decode uncaptured, and under

@@ -27,22 +27,21 @@ learn. Importing this file runs nothing: main() does the work.
 """
 import contextlib
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import chat
-import checkpoint
 import config
 import generate
-import hf
+import lifecycle
 import logs
 import lora
 import optim
 import parallel
 import tasks
+import weights
 from model import IGNORE, ModelConfig, Transformer
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
@@ -68,6 +67,7 @@ DEFAULTS = dict(
     dynamic_sampling=False,   # leave out groups whose rewards are all equal (DAPO, without refill)
     mask_truncated=False,     # completions cut at max_new_tokens count no token (DAPO's overlong filtering)
     rollout_copy=True,        # rollouts read a copy in the compute dtype (main; False: the trained weights)
+    out_dir="out/grpo",       # checkpoints and metrics
 )
 EXTRA = {**chat.CHAT_DEFAULTS, **DEFAULTS}  # this script's keys beyond config.py's (config.load(extra=...))
 RESUME_FREE = ("eval_prompts",)  # a resumed run may change it (with config.RESUME_FREE)
@@ -191,7 +191,8 @@ class Batch:
 def score(r, rewards, grid, cfg, stops):
     """A Rollout and this rank's rewards (NaN: none) -> (Batch, stats). Every data rank's rewards are gathered
     before the group statistics; dynamic_sampling leaves out groups of equal rewards, mask_truncated completions
-    that did not stop. stats: global sums (reward, rewarded, equal groups, groups, truncated, completion tokens)."""
+    that did not stop. stats: global sums {reward, rewarded (completions with a reward), equal (groups of equal
+    rewards), groups, truncated (completions that did not stop), gen_tokens (completion tokens)}."""
     G, R, dev = cfg.group_size, rewards.numel(), rewards.device
     mine = slice(grid.data_rank * R, (grid.data_rank + 1) * R)
     every = torch.zeros(R * grid.data_world, device=dev)
@@ -207,8 +208,8 @@ def score(r, rewards, grid, cfg, stops):
     if cfg.mask_truncated:
         loss_mask &= stopped[:, None]
     counts = all_sum(torch.stack([loss_mask.sum(), (~stopped).sum(), r.lengths.sum()]).float(), grid)
-    stats = [every.nansum().item(), (~every.isnan()).sum().item(), equal.sum().item(), equal.numel(),
-             *counts[1:].tolist()]
+    stats = {"reward": every.nansum().item(), "rewarded": (~every.isnan()).sum().item(), "equal": equal.sum().item(),
+             "groups": equal.numel(), "truncated": counts[1].item(), "gen_tokens": counts[2].item()}
     return Batch(r.tokens, r.mask, T, r.logprobs, loss_mask, adv[mine].to(dev), keep.sum().item(),
                  counts[0].item()), stats
 
@@ -221,20 +222,19 @@ def reference_logprobs(fwd, batch, cfg):
                       for i in range(0, batch.tokens.shape[0], mb)])
 
 
-def learn(run, batch, cfg, lr, autocast=contextlib.nullcontext()):
+def learn(net, batch, cfg, autocast=contextlib.nullcontext()):
     """cfg.grpo_epochs optimizer steps on this rank's batch, each over micro-batches (gradients accumulated,
-    reduced over data ranks on the last) -> the sums (kl, clipped low / high, tokens) of the last, its grad norm."""
-    world, mb, R = run.grid.data_world, cfg.micro_batch_size, batch.tokens.shape[0]
+    reduced over data ranks on the last) -> the sums (kl, clipped low / high, tokens) of the last, its grad norm.
+    The learning rate is set by the caller (optim.set_lr)."""
+    world, mb, R = net.grid.data_world, cfg.micro_batch_size, batch.tokens.shape[0]
     n_seqs, n_tokens = max(batch.n_seqs, 1) / world, max(batch.n_tokens, 1) / world
-    for g in run.optimizer.param_groups:
-        g["lr"] = lr * g.get("lr_scale", 1.0)
     for _ in range(cfg.grpo_epochs):
         sums = 0
         for i in range(0, R, mb):
             rows = slice(i, i + mb)
-            with run.model.no_sync() if i + mb < R else contextlib.nullcontext():
+            with net.no_sync() if i + mb < R else contextlib.nullcontext():
                 with autocast:
-                    logp = token_logprobs(run.fwd, batch.tokens[rows], batch.mask[rows], batch.start, cfg.temperature)
+                    logp = token_logprobs(net, batch.tokens[rows], batch.mask[rows], batch.start, cfg.temperature)
                 loss, s = policy_loss(
                     logp.float(), batch.old[rows], batch.adv[rows], batch.loss_mask[rows], loss_type=cfg.loss_type,
                     eps_low=cfg.clip_low, eps_high=cfg.clip_high, beta=cfg.beta, kl_ratio=cfg.kl_ratio,
@@ -242,10 +242,7 @@ def learn(run, batch, cfg, lr, autocast=contextlib.nullcontext()):
                     n_seqs=n_seqs, n_tokens=n_tokens, max_len=cfg.max_new_tokens)
                 loss.backward()
             sums = sums + s
-        run.model.finish()
-        norm = run.clip_grad_norm_(cfg.grad_clip or float("inf"))
-        run.optimizer.step()
-        run.model.zero_grad(set_to_none=True)
+        norm = net.step(cfg.grad_clip)
     return sums, norm
 
 
@@ -273,14 +270,13 @@ def check(cfg, grid):
 
 
 def main(argv):
-    t_start = time.perf_counter()
-    cfg = config.load(argv, extra=EXTRA)
-    grid = parallel.init(cfg)
-    say = print if grid.is_main else (lambda *a, **k: None)
+    # ------------------------------------------------------------------------ config, grid, the run folder
+    cfg = config.load(argv, extra=EXTRA, script=__file__, example="configs/grpo_tiny.py")
+    grid = parallel.init(cfg, cfg.threads)
+    clock, say = lifecycle.Clock(grid.device), lifecycle.say(grid)
+    autocast = parallel.autocast(cfg, grid.device)
     device, G, P = grid.device, cfg.group_size, cfg.batch_size // cfg.group_size
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
-                if parallel.amp_dtype(cfg, device) == torch.bfloat16 else contextlib.nullcontext())
-    started = hf.configure(cfg) or "no init_from: random initial weights"  # init_from's shape and tokenizer
+    started = weights.configure(cfg) or "no init_from: random initial weights"  # init_from's shape and tokenizer
     tok, template = chat.setup(cfg)  # the chat template's special tokens added; vocab_size grown to fit
     if not cfg.init_from:
         cfg.vocab_size = tok.n_vocab
@@ -298,35 +294,32 @@ def main(argv):
     sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p, stop_tokens=stops, pad_id=0)
     if device.type == "cuda":  # the decode step compiled, then captured
         sampling.update(compile=cfg.compile)
-    lease = checkpoint.open_run_everywhere(cfg, grid, free=RESUME_FREE)
-    say("\n".join([started] + lease.notes + ["config:", config.show(cfg)]))
+    lease = lifecycle.claim(cfg, grid, free=RESUME_FREE)  # out_dir locked, resume picked, settings checked
+    for line in [started, *lease.notes, f"config:\n{config.show(cfg)}",
+                 f"data: {task.name}: {len(train)} train / {len(test)} held-out prompts; {P} prompts x {G} samples "
+                 f"per step", lifecycle.layout(cfg, grid)]:
+        say(line)
 
-    torch.manual_seed(cfg.seed)
+    # ------------------------------------------------------------------------ policy, reference, resume
+    torch.manual_seed(cfg.seed)  # the same seed on every rank: identical initial weights
     raw = Transformer(ModelConfig.from_cfg(cfg)).to(device)
-    run = parallel.parallelize(raw, grid, cfg, load=hf.init_loader(cfg, grid))
+    net = parallel.parallelize(raw, grid, cfg, load=weights.loader(cfg, grid))
     ref = None
     if cfg.beta and not cfg.lora_r:  # a frozen copy of the initial weights (LoRA: the base, adapters off)
         torch.manual_seed(cfg.seed)
         ref = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)).to(device).requires_grad_(False), grid,
-                                   cfg, load=hf.init_loader(cfg, grid), optimizer=False)
+                                   cfg, load=weights.loader(cfg, grid), optimizer=False)
     # rollouts and evals read a bf16 copy (generate.cast_copy; graphs kept: captured once), refreshed before use;
     # raw under TP (cut weights), LoRA (unmerged adapters), MoE (no nn.Linear experts), FSDP (a full copy per rank)
     plain = cfg.rollout_copy and grid.tp == 1 and not (cfg.lora_r or cfg.n_experts or cfg.data_parallel == "fsdp")
     policy, keep = (generate.cast_copy(raw, parallel.amp_dtype(cfg, device)) if plain else raw), {}
-    step = 0
-    if lease.resume_from:  # prompts and sampling seeds follow from the step: nothing else to restore
-        step = checkpoint.load(lease.resume_from, raw, run.optimizer, grid, run.model)["step"]
+    trainer, step = lifecycle.resume(lease, net), 0  # prompts and sampling seeds follow from the step
+    if trainer:
+        step = trainer["step"]
         say(f"resumed from {lease.resume_from} at step {step}")
-    say(f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, tp {grid.tp}) on {device} | {task.name}: "
-        f"{P} prompts x {G} samples per step, {len(train)} train / {len(test)} held-out prompts")
     logger = logs.Logger(cfg, grid)
-
-    def now():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
     reward_fn = task.reward_fn()  # f(prompts, completions, **columns), batched (code: sandboxes in parallel)
+    held, saved = {}, {}  # the held-out metric at the first and latest evaluation; the latest checkpoint
 
     def rewards_of(r, items, which):
         """The task's rewards of the completions (their text without the stop token); None -> NaN."""
@@ -339,7 +332,7 @@ def main(argv):
     def evaluate():
         """Held-out prompts (split over data ranks): mean reward of G samples each (fixed seed), and greedy."""
         mine = list(range(grid.data_rank, len(test), grid.data_world))
-        with run.full_params(), autocast:
+        with net.full_params(), autocast:
             model, prompts = generate.refresh(policy, raw), [test_ids[i] for i in mine]
             sampled = generate.decode(model, prompts, cfg.max_new_tokens, n=G,
                                       **{**sampling, "seed": rollout_seed(cfg.seed, -1, grid)})
@@ -348,53 +341,60 @@ def main(argv):
                rewards_of(greedy, test, mine).nan_to_num(0.0).sum(), torch.tensor(float(len(mine)), device=device)]
         s, g, n = all_sum(torch.stack(got), grid).tolist()
         logger.log(step, {"heldout_reward": s / n, "heldout_greedy": g / n})
+        held.setdefault("before", (step, g / n))
+        held["after"] = (step, g / n)
         say(f"step {step} | held-out reward {s / n:.4f} sampled, {g / n:.4f} greedy ({len(test)} prompts)")
 
     def save():
-        weights, opt_state = checkpoint.gather(raw, run.optimizer, grid, run.model)
-        checkpoint.save(cfg.out_dir, step, weights, opt_state, cfg, {}, cfg.keep_last, grid.rank, run_id=lease.run_id)
+        saved["path"] = lifecycle.save(net, cfg, lease, step, {})[0]
 
+    # ------------------------------------------------------------------------ training loop
     if cfg.eval_every and step == 0:
         evaluate()
-    last, interrupt = cfg.stop_at or cfg.max_steps, parallel.Interrupt(grid)  # SIGTERM / SIGINT: save, stop
-    acc = [0.0] * 14  # what the log line reports, summed over its steps
+    last, interrupt, stopped = cfg.stop_at or cfg.max_steps, lifecycle.Interrupt(grid), False
+    tally, first = {}, step + 1  # what the log line reports, summed over its steps
     while step < last:
-        t0 = now()
+        t0 = clock.now()
         idx = [(step * P + i) % len(train) for i in range(P)]
-        with run.full_params(), autocast:  # FSDP: parameters gathered once for the whole rollout
+        with net.full_params(), autocast:  # FSDP: parameters gathered once for the whole rollout
             r, which = rollout(generate.refresh(policy, raw), [train_ids[i] for i in idx], G, grid.data_rank,
                                grid.data_world, cfg.max_new_tokens, seed=rollout_seed(cfg.seed, step, grid), keep=keep,
                                **sampling)
-        t1 = now()
+        t1 = clock.now()
         batch, stats = score(r, rewards_of(r, [train[i] for i in idx], which), grid, cfg, stops)
-        t2 = now()
+        t2 = clock.now()
         if cfg.beta:
-            with (contextlib.nullcontext() if ref else lora.disabled(raw)), run.full_params(), autocast:
-                batch.ref = reference_logprobs(ref.fwd if ref else raw, batch, cfg)
+            with (contextlib.nullcontext() if ref else lora.disabled(raw)), net.full_params(), autocast:
+                batch.ref = reference_logprobs(ref if ref else raw, batch, cfg)
         sums, norm = torch.zeros(4, device=device), torch.zeros(())
+        lr = optim.set_lr(net.optimizer, step, cfg)
         if batch.n_seqs:  # dynamic sampling may leave no group
-            sums, norm = learn(run, batch, cfg, optim.lr_at(step, cfg), autocast)
-        sums = all_sum(sums.detach().float(), grid).tolist()
-        t3 = now()
-        acc = [a + b for a, b in zip(acc, stats + sums + [t1 - t0, t2 - t1, t3 - t2, 1])]
+            sums, norm = learn(net, batch, cfg, autocast)
+        kl, low, high, tokens = all_sum(sums.detach().float(), grid).tolist()
+        t3 = clock.now()
+        for k, v in {**stats, "kl": kl, "clip_low": low, "clip_high": high, "tokens": tokens, "t_rollout": t1 - t0,
+                     "t_reward": t2 - t1, "t_learn": t3 - t2, "steps": 1}.items():
+            tally[k] = tally.get(k, 0.0) + v
         step += 1
-        if step == 1:
-            say(f"first step done {t3 - t_start:.1f} s after start")
+        if step == first:
+            say(f"first step done {clock.since_start():.1f} s after start")
         if step % cfg.log_every == 0 or step == last:  # means over the steps since the last log line
-            rs, rn, eq, groups, cut, gen, kl, low, high, tokens, tr, tw, tl, k = acc
-            m = {"reward": rs / max(rn, 1), "frac_equal_groups": eq / groups, "len": gen / (k * P * G),
-                 "truncated": cut / (k * P * G), "kl": kl / max(tokens, 1), "clip_low": low / max(tokens, 1),
-                 "clip_high": high / max(tokens, 1), "grad_norm": float(norm), "lr": optim.lr_at(step - 1, cfg),
-                 "t_rollout": tr / k, "t_reward": tw / k, "t_learn": tl / k, "gen_tok_s": gen / tr}
-            logger.log(step, m)
-            say(f"step {step}/{cfg.max_steps} | " + logs.fmt(m))
-            acc = [0.0] * len(acc)
-        if parallel.end_of_step(step, last, cfg, interrupt, save, evaluate, say):  # signal: saved, stop
+            k, n, tokens = tally["steps"], tally["steps"] * P * G, max(tally["tokens"], 1)
+            m = {"reward": tally["reward"] / max(tally["rewarded"], 1), "frac_equal_groups": tally["equal"] /
+                 tally["groups"], "len": tally["gen_tokens"] / n, "truncated": tally["truncated"] / n,
+                 "kl": tally["kl"] / tokens, "clip_low": tally["clip_low"] / tokens, "clip_high": tally["clip_high"] /
+                 tokens, "grad_norm": float(norm), "lr": lr, "t_rollout": tally["t_rollout"] / k,
+                 "t_reward": tally["t_reward"] / k, "t_learn": tally["t_learn"] / k,
+                 "gen_tok_s": tally["gen_tokens"] / tally["t_rollout"]}
+            logger.report(step, m, cfg.max_steps, say)
+            tally = {}
+        stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate, say, clock)
+        if stopped:
             break
     interrupt.restore()
+    lifecycle.summary(say, "GRPO", step, clock, saved.get("path"), "greedy reward", held, stopped)
     logger.close()
-    parallel.shutdown()
 
 
 if __name__ == "__main__":
-    config.run(main, sys.argv[1:])
+    config.cli(main, sys.argv[1:])  # a user's mistake: one message from rank 0, no traceback (--debug: one)

@@ -1,9 +1,9 @@
 """Hugging Face interop: load and export causal-LM folders, read HF tokenizers through tiktoken.
 
     model = hf.load_hf("models/Llama-3.2-1B")              # config.json + safetensors -> Transformer
-    tok = hf_tokenizer.load_hf_tokenizer("models/Llama-3.2-1B")   # data.Tokenizer's interface (hf_tokenizer.py)
+    tok = tokenizer.load_hf_tokenizer("models/Llama-3.2-1B")      # its tokenizer: tokenizer.py
     hf.export_hf(model, "out/hf", tokenizer=tok)           # AutoModelForCausalLM.from_pretrained("out/hf")
-    python pretrain.py configs/x.py --init_from=models/Llama-3.2-1B     # any stage: configure(cfg), init_loader(cfg, grid)
+    python pretrain.py configs/x.py --init_from=models/Llama-3.2-1B     # any stage: weights.configure, weights.loader
 
 Architectures: GPT-2, LLaMA (Llama-3.1 rope scaling included), Qwen2 (q/k/v bias) and Mistral (as
 long as block_size <= sliding_window, where windowed attention equals full causal attention).
@@ -17,23 +17,19 @@ Every tensor is read through `safe_open(...).get_slice(name)` as a lazy `Part`; 
 part) -> tensor` decides which rows/columns of each part this process keeps (default: all of it),
 which is where tensor parallelism plugs in to read only its shard.
 
-Tokenizers: hf_tokenizer.py.
+Tokenizers: tokenizer.py. init_from (configure, loading into any layout): weights.py.
 """
 import contextlib
 import json
 import os
 import re
 from dataclasses import fields
-from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import checkpoint
-import config
-import hf_tokenizer
-import tp
+from tokenizer import save_tokenizer, write_json
 from model import LLAMA3_ROPE_KEYS, ModelConfig, Transformer
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -138,7 +134,7 @@ def config_from_hf(hf, block_size=None):
 
 def _export_type(cfg, model_type=None):
     """The HF model_type that expresses cfg exactly, or a ValueError naming what does not fit."""
-    gpt2 = cfg.pos_emb == "learned"
+    gpt2 = cfg.family == "gpt2"
     why = [w for bad, w in [
         (not cfg.prenorm, "prenorm=False"), (cfg.qk_norm, "qk_norm=True"),
         (gpt2 and cfg.norm != "layernorm", "learned positions with rmsnorm"),
@@ -318,73 +314,6 @@ def load_hf(path, device="cpu", dtype=torch.float32, shard_fn=None, block_size=N
     return load_weights(path, model, shard_fn).eval()
 
 
-def init_checkpoint(path):
-    """init_from: one of our checkpoint folders, or a run folder (its newest) -> (its path, its config dict)."""
-    ckpt = path if os.path.isfile(os.path.join(path, "model.safetensors")) else checkpoint.latest(path)
-    if ckpt is None:
-        what = "no checkpoint in it" if os.path.isdir(path) else "no such folder"
-        raise config.MissingFileError(f"init_from={path}: {what} (name a checkpoint, a run folder or a local HF model "
-                                      "folder)")
-    with open(os.path.join(ckpt, "config.json")) as f:
-        return ckpt, json.load(f)
-
-
-def configure(cfg):
-    """init_from's model and tokenizer become cfg's (no need to repeat the model shape); returns a line
-    saying so ("" without init_from). An HF folder: its config.json's model keys, its tokenizer. Our
-    checkpoint or run folder (init_from then names its newest checkpoint): its model keys, tokenizer,
-    tokenizer_vocab (and fim_rate where a truncated vocabulary's ids depend on it). block_size is capped
-    at the model's (learned positions: the model's). init_loader(cfg, grid) then loads the weights."""
-    if not cfg.init_from:
-        return ""
-    if is_hf_folder(cfg.init_from):
-        try:
-            hf = read_config(cfg.init_from)
-            m = vars(config_from_hf(hf, min(cfg.block_size, config_from_hf(hf).block_size)))
-        except ValueError as e:
-            raise config.ConfigError(f"init_from={cfg.init_from}: {e}") from e
-        keys, tok = MODEL_KEYS, dict(tokenizer=cfg.init_from, tokenizer_vocab=0)
-    else:
-        cfg.init_from, m = init_checkpoint(cfg.init_from)
-        keys = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "grad_checkpoint", "fp32_residual")]
-        if m["pos_emb"] == "rope":  # (a learned position table keeps its rows)
-            m = dict(m, block_size=min(cfg.block_size, m["block_size"]))
-        tok = {k: m[k] for k in ("tokenizer", "tokenizer_vocab")}
-        if m["tokenizer_vocab"] and (m.get("fim_rate", 0) > 0) != (getattr(cfg, "fim_rate", 0) > 0):
-            tok["fim_rate"] = m.get("fim_rate", 0)
-    for k, v in [(k, m[k]) for k in keys] + list(tok.items()):
-        setattr(cfg, k, v)
-    if cfg.seq_len > cfg.block_size:
-        raise config.ConfigError(f"seq_len={cfg.seq_len} > block_size={cfg.block_size} of {cfg.init_from}")
-    return f"model and tokenizer of {'the HF folder' if keys is MODEL_KEYS else 'checkpoint'} {cfg.init_from}"
-
-
-def init_loader(cfg, grid):
-    """parallelize's `load` callback for cfg.init_from (None without one): an HF folder (each TP rank
-    reads its rows / columns) or our checkpoint (full tensors cut to this TP rank; a LoRA run's merged).
-    A smaller vocabulary (chat specials just added) grows (checkpoint.grow_vocab), said once."""
-    if not cfg.init_from:
-        return None
-    src, is_hf = cfg.init_from, is_hf_folder(cfg.init_from)
-    old = read_config(src)["vocab_size"] if is_hf else init_checkpoint(src)[1]["vocab_size"]
-    if old < cfg.vocab_size and grid.is_main:
-        print(f"init_from: vocabulary grown from {old} to {cfg.vocab_size} tokens (new rows: the mean of the old)")
-
-    def load(model):
-        if is_hf:
-            params, base = dict(model.named_parameters()), tp.hf_shard_fn(model, grid)
-
-            def shard_fn(name, part):  # vocabulary rows: read whole, grown, then cut like the rest
-                if name in ("tok_emb.weight", "head.weight") and old < cfg.vocab_size:
-                    return tp.local_tensor(params[name], checkpoint.grow_vocab(part[:], old, cfg.vocab_size), grid)
-                return base(name, part)
-            return load_weights(src, model, shard_fn)
-        saved = init_checkpoint(src)[1]
-        weights = checkpoint.read_weights(src, ModelConfig.from_cfg(SimpleNamespace(**saved)))
-        checkpoint.load_full_state_dict(model, grid, checkpoint.fit_weights(weights, saved, model.cfg))
-    return load
-
-
 def export_hf(model, out_dir, tokenizer=None, model_type=None):
     """Write `model` as an HF folder: config.json, model.safetensors, generation_config.json and,
     given a tokenizer, its files. model_type: None picks gpt2 / llama / qwen2 from the config;
@@ -406,11 +335,11 @@ def export_hf(model, out_dir, tokenizer=None, model_type=None):
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     hf = config_to_hf(cfg, mt, tokenizer)
     hf["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
-    hf_tokenizer.write_json(os.path.join(out_dir, "config.json"), hf)
-    hf_tokenizer.write_json(os.path.join(out_dir, "generation_config.json"),
+    write_json(os.path.join(out_dir, "config.json"), hf)
+    write_json(os.path.join(out_dir, "generation_config.json"),
                 {k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf[k] is not None})
     if tokenizer is not None:
-        hf_tokenizer.save_tokenizer(tokenizer, out_dir)
+        save_tokenizer(tokenizer, out_dir)
     return out_dir
 
 

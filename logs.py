@@ -4,11 +4,14 @@ Only rank 0 writes anything. MFU = tokens/s * FLOPs per token / (peak * GPUs), w
 own FLOPs formula (model.flops_per_token) and the GPU's dense bf16 peak from the table below.
 """
 import json
+import math
 import os
 import resource
 import time
 
 import torch
+
+from config import UserError
 
 # dense bf16 tensor-core peak, TFLOP/s per GPU (no sparsity)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
@@ -33,7 +36,13 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # CPU: peak RSS (kB on Linux)
 
 
+class NonFiniteLoss(UserError, FloatingPointError):
+    """The loss became inf or nan: the run cannot go on (a learning rate too high, bad data)."""
+
+
 class Logger:
+    """Metrics of rank 0 to out_dir/<name>_metrics.jsonl, TensorBoard and W&B (when asked for)."""
+
     def __init__(self, cfg, grid, name="train"):
         self.main = grid.is_main
         self.tb = self.wandb = self.file = None
@@ -66,6 +75,16 @@ class Logger:
                     self.tb.add_scalar(k, v, step)
         if self.wandb:
             self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+    def report(self, step, metrics, last, write=print):
+        """A log step: the metrics logged, one line written on rank 0 ('step 10/300 | loss ...'); a
+        loss that is not finite stops the run with NonFiniteLoss, saying what to try."""
+        self.log(step, metrics)
+        if self.main:
+            write(f"step {step}/{last} | " + fmt(metrics))
+        loss = metrics.get("loss")
+        if isinstance(loss, float) and not math.isfinite(loss):
+            raise NonFiniteLoss(f"loss is {loss} at step {step}: lower lr (or warm up longer), or check the data")
 
     def close(self):
         if self.file:

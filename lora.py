@@ -3,12 +3,12 @@ merge and unmerge; adapters switched off for a block (disabled()); adapters save
 PEFT's format.
 
     cfg.lora_r = 16                                   # parallel.parallelize then calls apply(): base
-    run = parallel.parallelize(model, grid, cfg, load=hf.init_loader(cfg, grid))  # frozen, adapters train
-    state = lora.gather(run.raw, grid, run.model)     # {our name: full adapter tensor}, any layout
+    net = parallel.parallelize(model, grid, cfg, load=weights.loader(cfg, grid))  # frozen, adapters train
+    state = lora.gather(net.raw, grid, net.wrapper)    # {our name: full adapter tensor}, any layout
     lora.save_peft(out_dir, state, cfg)               # adapter_model.safetensors + adapter_config.json
-    lora.load_peft(path, run.raw, grid, run.model)    # a PEFT adapter into the adapters (any layout)
-    weights = lora.merge_weights(full_weights, cfg)   # checkpoint.gather's weights -> plain model's, merged
-    with lora.disabled(run.raw): ref = run.fwd(x, y)  # the frozen base alone (dpo.py's reference, no copy)
+    lora.load_peft(path, net.raw, grid, net.wrapper)   # a PEFT adapter into the adapters (any layout)
+    weights = lora.merge_weights(full_weights, cfg)   # Net.full_state's weights -> plain model's, merged
+    with lora.disabled(net.raw): ref = net(x, y)       # the frozen base alone (dpo.py's reference, no copy)
 
 What is adapted. y = x W^T + b + scale * B A dropout(x), A (r x in) and B (out x r) per HF module,
 scale = alpha / r (rsLoRA: alpha / sqrt(r)). Our linears are fused where HF's are not: attn.qkv
@@ -83,15 +83,10 @@ def is_adapter(name):
     return ADAPTER.search(name) is not None
 
 
-def family(mcfg):
-    """Which HF names our modules take: GPT-2's (learned positions) or LLaMA's (everything else)."""
-    return "gpt2" if mcfg.pos_emb == "learned" else "llama"
-
-
 def segments(mcfg, linear):
     """[(HF module path, full output rows)] of our linear ("attn.qkv", ...), in row order."""
     C, hq, hkv = mcfg.n_embd, mcfg.n_head * mcfg.head_dim, mcfg.kv_heads * mcfg.head_dim
-    fam = family(mcfg)
+    fam = mcfg.family
     if linear == "attn.qkv":
         rows = [hq, hkv, hkv] if fam == "llama" else [hq + 2 * hkv]
     elif linear == "mlp.fc":
@@ -243,7 +238,7 @@ def apply(model, cfg, grid):
     if adapted(model):
         raise ValueError("lora.apply: this model already has LoRA adapters")
     mcfg = model.cfg
-    fam = family(mcfg)
+    fam = mcfg.family
     wanted = targets(cfg.lora_targets, fam)
     gen = torch.Generator().manual_seed(cfg.seed)
     model.requires_grad_(False)
@@ -305,7 +300,7 @@ def load(model, grid, state, wrapper=None, source="adapter state"):
 
 
 def merge_weights(weights, cfg):
-    """Full weights of a LoRA model (checkpoint.gather's, any layout) -> the plain model's state:
+    """Full weights of a LoRA model (parallel.Net.full_state's, any layout) -> the plain model's state:
     scale * B A added to each base weight, adapter tensors dropped. cfg: the run's flat config
     (model keys and lora_*). What checkpoint.save or hf.export_hf (after loading) writes."""
     out = {k: v for k, v in weights.items() if not is_adapter(k)}
@@ -330,7 +325,7 @@ def merge_weights(weights, cfg):
 def peft_name(name, mcfg):
     """blocks.3.attn.qkv.lora_A.q_proj -> base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"""
     m = ADAPTER.search(name)
-    fam = family(mcfg)
+    fam = mcfg.family
     path = next(p for p in HF_MODULES[fam][m[2]] if p.rsplit(".", 1)[1] == m[4])
     return f"{PEFT_PREFIX}{BLOCK_PREFIX[fam].format(m[1])}{path}.lora_{m[3]}.weight"
 
@@ -347,7 +342,7 @@ def save_peft(out_dir, state, cfg, base_model_name_or_path=None, rank=0):
     modules = sorted({ADAPTER.search(k)[4] for k in state})
     conf = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_r, "lora_alpha": cfg.lora_alpha,
             "lora_dropout": cfg.lora_dropout, "target_modules": modules, "use_rslora": cfg.lora_rslora,
-            "bias": "none", "fan_in_fan_out": family(mcfg) == "gpt2", "init_lora_weights": True,
+            "bias": "none", "fan_in_fan_out": mcfg.family == "gpt2", "init_lora_weights": True,
             "inference_mode": True, "modules_to_save": None, "use_dora": False, "layers_to_transform": None,
             "rank_pattern": {}, "alpha_pattern": {},
             "base_model_name_or_path": base_model_name_or_path if base_model_name_or_path is not None

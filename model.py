@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fused
 import moe
-from tp import IGNORE  # target id that contributes no loss (prompt tokens, padding): -100
+from fused import IGNORE  # target id that contributes no loss (prompt tokens, padding): -100
 
 try:  # optional: Tri Dao's kernels; SDPA is the always-available fallback
     from flash_attn import flash_attn_func
@@ -51,30 +51,29 @@ class ModelConfig:
     vocab_size: int = 50304        # tokenizer vocabulary (ids >= vocab_size never occur)
     pad_vocab_multiple: int = 64   # embedding/head rows padded to a multiple of this (speed)
     block_size: int = 1024         # longest sequence (learned positions / RoPE cache length)
-    n_layer: int = 12
-    n_head: int = 12
+    n_layer: int = 12              # Transformer blocks
+    n_head: int = 12               # query heads
     n_kv_head: int = 0             # 0 -> n_head (MHA); 1 -> MQA; in between -> GQA
-    n_embd: int = 768
+    n_embd: int = 768              # width of the residual stream
     ffn_hidden: int = 0            # 0 -> 4*n_embd (plain) or 8/3*n_embd rounded up to 64 (gated)
     activation: str = "swiglu"     # gelu | gelu_tanh | relu | relu2 | swiglu | geglu
     norm: str = "rmsnorm"          # layernorm | rmsnorm
-    norm_eps: float = 1e-5
+    norm_eps: float = 1e-5         # added to the variance in LayerNorm / RMSNorm
     prenorm: bool = True           # False -> post-norm (original Transformer / BERT)
     pos_emb: str = "rope"          # rope | learned
-    rope_theta: float = 10000.0
-    # {} or Llama-3.1 frequency scaling, in HF's form: {"rope_type": "llama3", "factor": 8.0,
-    # "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    rope_scaling: dict = field(default_factory=dict)
+    rope_theta: float = 10000.0    # RoPE's base frequency
+    rope_scaling: dict = field(default_factory=dict)  # {} or Llama-3.1's frequency scaling, in HF's form:
+                                   # {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   # "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     bias: bool = False             # biases in linears (and LayerNorm)
     qkv_bias: bool = False         # bias on the q/k/v projection only (Qwen2); implied by bias
-    tie_embeddings: bool = False
+    tie_embeddings: bool = False   # the head shares the token embedding's weight
     qk_norm: bool = False          # RMSNorm on q and k per head (OLMo-2 / Gemma-3 style)
-    dropout: float = 0.0
-    init_std: float = 0.02
+    dropout: float = 0.0           # on attention probabilities and residual branches (training only)
+    init_std: float = 0.02         # normal init of the weights (residual projections scaled by depth)
     grad_checkpoint: bool = False  # recompute each block in backward (activation checkpointing)
-    # False: under autocast the residual stream is kept in the autocast dtype (bf16), as Megatron-LM
-    # does by default; autocast alone keeps it fp32, as HF does. Less memory traffic (BENCHMARKS.md).
-    fp32_residual: bool = True
+    fp32_residual: bool = True     # False: the residual stream in the autocast dtype (bf16), as Megatron-LM
+                                   # (autocast alone keeps it fp32, as HF does); less memory traffic
     # mixture of experts (moe.py); n_experts = 0: dense MLP in every layer
     n_experts: int = 0             # routed experts per MoE layer
     moe_top_k: int = 2             # experts per token
@@ -152,6 +151,12 @@ class ModelConfig:
     @property
     def gated(self):
         return self.activation in ("swiglu", "geglu")
+
+    @property
+    def family(self):
+        """The HF family whose module names and layout this model takes: "gpt2" (learned positions)
+        or "llama" (LLaMA / Qwen2 / Mistral: rotary positions)."""
+        return "gpt2" if self.pos_emb == "learned" else "llama"
 
     @property
     def hidden(self):
@@ -244,7 +249,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.dropout = cfg.dropout
 
-    def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0):
+    def heads(self, x, cos=None, sin=None):
+        """x (B, T, C) -> q (B, T, H, D), k and v (B, T, KV, D): projected, q/k normed, rotated."""
         H, KV, D = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.qkv(x)  # (B, T, ...): the whole sequence also when x is a shard of it (tp.py)
         B, T, _ = qkv.shape
@@ -254,6 +260,20 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
+
+    def probs(self, x, cos=None, sin=None):
+        """(B, H, T, T) causal attention probabilities of x: what forward's softmax weighs (plots.py)."""
+        q, k, _ = self.heads(x, cos, sin)
+        k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=2)
+        scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) / math.sqrt(self.head_dim)
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
+        return scores.masked_fill(~causal, float("-inf")).softmax(-1)
+
+    def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0):
+        H, KV, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.heads(x, cos, sin)
+        B, T = q.shape[:2]
         p = self.dropout if self.training else 0.0
 
         if (HAS_FLASH_ATTN and cache is None and mask is None and is_causal

@@ -4,7 +4,7 @@
     model = Transformer(cfg)                          # the full model, same seed on every rank
     tp.tensor_parallel(model, grid)                   # optional: every expert cut like the dense MLP
     moe.expert_parallel(model, grid)                  # keep this rank's experts, set the groups
-    model = parallel.DataParallel(model, grid)        # experts synced over dp, the rest over dp x ep (or fsdp.FSDP)
+    model = dp.DataParallel(model, grid)        # experts synced over dp, the rest over dp x ep (or fsdp.FSDP)
     loss = model(x, y)                                # LM loss + every MoE layer's router losses
 (parallel.parallelize applies these in this order; parallel.clip_grad_norm_ counts expert shards over EP.)
 This module imports tp.py only: model.py imports it, and hands each layer its MLP class (for the
@@ -83,7 +83,7 @@ is the reverse exchange:
             sync for the split sizes), then tokens sorted by expert travel with uneven splits.
 Gradient normalisation: each rank's loss is the mean over its local batch; an expert on its owner
 receives the gradients of every EP rank's loss through the reverse exchange, so
-parallel.DataParallel sums expert gradients over dp_group and divides by dp * ep, like every
+dp.DataParallel sums expert gradients over dp_group and divides by dp * ep, like every
 other gradient: each equals the one-process gradient of the global-batch mean.
 TP x EP (grid dp x ep x tp, TP innermost): MoE.tensor_parallel (called by tp.tensor_parallel) cuts
 every expert's hidden units like the dense MLP (w1 rows [gate | up] column-parallel, w2 columns row-parallel, p.tp_split, so
@@ -91,9 +91,9 @@ checkpoints and Muon see whole matrices) and the shared expert like model.MLP; t
 replicated. Tokens travel over the ep group (ranks of one tp rank), identical on every TP rank;
 _ffn sums the partial expert outputs over TP once per slot, before the routing weights scale them.
 FSDP x EP (fsdp.py): non-expert parameters sharded over the data group, experts over dp_group.
-Checkpoints: gather_experts() (called by checkpoint.gather) all-gathers expert shards and the state
+Checkpoints: gather_experts() (called by parallel.Net.full_state) all-gathers expert shards and the state
 shaped like them (AdamW moments, Muon momentum) over EP: the one-process layout; cut_experts()
-(called by checkpoint.load) keeps this rank's experts, so a run resumes under any ep.
+(called by parallel.Net.load_full_state) keeps this rank's experts, so a run resumes under any ep.
 Muon trains the experts too (whole matrices per expert, gate|up split); the router stays on AdamW.
 """
 import math
@@ -167,7 +167,7 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(E, 2 * H if cfg.gated else H, C))
         self.w2 = nn.Parameter(torch.empty(E, C, H))
         for p in (self.w1, self.w2):
-            p.expert = True  # parallel.DataParallel syncs these over their replicas only
+            p.expert = True  # dp.DataParallel syncs these over their replicas only
         self.shared = (mlp(replace(cfg, n_experts=0, ffn_hidden=cfg.n_shared_experts * H))
                        if cfg.n_shared_experts else None)
         # layout, set by expert_parallel(): this rank holds experts [ep_rank * E/ep, ...)
@@ -377,7 +377,7 @@ def layers(model):
 def expert_parallel(model, grid):
     """Keep this rank's experts of every MoE layer (in place) and give the layers their groups.
     Call on the full model (same seed on every rank), after tp.tensor_parallel, before the
-    optimizer and parallel.DataParallel / fsdp.FSDP; also with ep = 1, so that the balance
+    optimizer and dp.DataParallel / fsdp.FSDP; also with ep = 1, so that the balance
     statistics span the data group."""
     for m in layers(model):
         if m.n_experts % grid.ep:
@@ -405,7 +405,7 @@ def _expert_names(model):
 
 
 def gather_experts(model, grid, weights, opt_state=None):
-    """checkpoint.gather()'s output with every expert shard replaced by the full (E, ...) tensor,
+    """Net.full_state()'s output with every expert shard replaced by the full (E, ...) tensor,
     all-gathered over the EP group in rank order (state tensors shaped like the weight too: AdamW
     moments, Muon momentum): one-process names and shapes. Tensors already full are left alone.
     Collective over the EP group; returns (weights, opt_state)."""

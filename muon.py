@@ -48,7 +48,7 @@ TP too) into a zero flat buffer, and one reduce-scatter hands each rank the upda
 The AdamW part runs on the shards.
 
 Checkpoints: full_optim_state() returns full tensors by one-process name (ZeRO-1 / FSDP owners
-broadcast their momentum, TP shards are gathered); checkpoint.load cuts them into any layout
+broadcast their momentum, TP shards are gathered); parallel.Net.load_full_state cuts them into any layout
 (FSDPMuon.load_full_optim_state for FSDP). ({name: {"momentum_buffer"}} for Muon matrices,
 {name: {"step", "exp_avg", "exp_avg_sq"}} for AdamW parameters, as torch's AdamW.) Not here:
 gathering expert state over EP in checkpoints (moe.gather_experts / cut_experts do that).
@@ -260,7 +260,7 @@ class Muon(torch.optim.Optimizer):
     def full_optim_state(self, model, grid):
         """{param name: {state key: full tensor / value}} on CPU, as a one-process run's optimizer:
         ZeRO-1 owners broadcast their state over dp, TP shards are gathered. Collective.
-        (Loading needs nothing of its own: checkpoint.load cuts the full state and load_state_dict
+        (Loading needs nothing of its own: Net.load_full_state cuts the full state and load_state_dict
         keeps what this rank owns.)"""
         names = {id(p): n for n, p in model.named_parameters()}
         out = {}
@@ -352,14 +352,14 @@ def build(model, cfg, grid=None):
         mark_splits(model)
     if any(hasattr(p, "tp_split") for p in model.parameters()) and grid is None:
         raise ValueError("a tensor-parallel model needs build_optimizer(model, cfg, grid)")
-    return Muon(param_groups(model, cfg, use_muon), grid=grid, zero1=getattr(cfg, "zero1", False), **_hyper(cfg))
+    return Muon(param_groups(model, cfg, use_muon), grid=grid, zero1=cfg.zero1, **_hyper(cfg))
 
 
 def _hyper(cfg):
     """Muon's keyword arguments from the config (shared by build and build_fsdp)."""
     return dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
-                momentum=getattr(cfg, "muon_momentum", 0.95), scale=getattr(cfg, "muon_scale", "rms"),
-                ns_dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[getattr(cfg, "ns_dtype", "bfloat16")])
+                momentum=cfg.muon_momentum, scale=cfg.muon_scale,
+                ns_dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.ns_dtype])
 
 
 # ----------------------------------------------------------------------------- FSDP: FSDPMuon
@@ -480,7 +480,7 @@ class FSDPMuon(Muon):
 def build_fsdp(wrapper, cfg, use_muon):
     """Under FSDP the optimizer sees each unit's flat shards: a block unit's decayed shard holds
     only hidden matrices (Muon, updated through whole-matrix owners), the rest is AdamW."""
-    if getattr(cfg, "zero1", False):
+    if cfg.zero1:
         raise ValueError("zero1 with FSDP: FSDP already shards the optimizer state")
     fsdp_muon, m, decay, no_decay = {}, [], [], []
     for ui, u in enumerate(wrapper.units):

@@ -27,13 +27,22 @@ def build_optimizer(model, cfg, grid=None):
     TP and ZeRO-1). Every group may carry "lr_scale": the loop sets lr = lr_at(step) * lr_scale."""
     if cfg.optimizer not in ("adamw", "muon"):
         raise ValueError(f"optimizer='{cfg.optimizer}' is not available (choose adamw or muon)")
-    if cfg.optimizer == "muon" or getattr(cfg, "zero1", False):
+    if cfg.optimizer == "muon" or cfg.zero1:
         return muon.build(model, cfg, grid)
     on_cuda = next(model.parameters()).is_cuda
     # fused AdamW: one kernel for all parameters on GPU; foreach on CPU
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              fused=on_cuda, foreach=None if on_cuda else True)
+
+
+def set_lr(optimizer, step, cfg):
+    """The learning rate of `step` (lr_at) into every parameter group, times its lr_scale (Muon's
+    group: muon_lr / lr). Returns it."""
+    lr = lr_at(step, cfg)
+    for g in optimizer.param_groups:
+        g["lr"] = lr * g.get("lr_scale", 1.0)
+    return lr
 
 
 def lr_at(step, cfg):

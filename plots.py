@@ -27,7 +27,6 @@ import torch
 
 import checkpoint
 import sample
-from model import apply_rope
 
 # (title, x axis, metrics); a panel is drawn when some run logged one of its metrics
 PANELS = [("loss", "step", ("loss", "val_loss")), ("loss", "tokens", ("loss", "val_loss")),
@@ -132,17 +131,7 @@ def attention_weights(model, ids, layer):
     finally:
         hook.remove()
     x, cos, sin = seen["args"][:3]
-    T, H, KV, D = x.shape[1], attn.n_head, attn.n_kv_head, attn.head_dim
-    q, k, _ = attn.qkv(x).split([H * D, KV * D, KV * D], dim=-1)
-    q, k = q.view(1, T, H, D), k.view(1, T, KV, D)
-    if attn.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    if cos is not None:
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k = k.repeat_interleave(H // KV, dim=2)
-    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) / math.sqrt(D)
-    causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-    return scores.masked_fill(~causal, float("-inf")).softmax(-1)[0]
+    return attn.probs(x, cos, sin)[0]
 
 
 def plot_attention(model, tok, prompt, layer, head, out):

@@ -30,11 +30,11 @@ import torch
 
 import chat
 import checkpoint
-import data
 import fim
 import generate
 import hf
-import hf_tokenizer
+import tokenizer
+import weights
 from corpus import DataError
 from model import ModelConfig, Transformer
 
@@ -43,7 +43,7 @@ def load(path, device="cpu"):
     """A run folder, a checkpoint folder or an HF model folder -> (model in eval mode, tokenizer, cfg)."""
     if hf.is_hf_folder(path):
         model = hf.load_hf(path, device)
-        return model, hf_tokenizer.load_hf_tokenizer(path), model.cfg
+        return model, tokenizer.load_hf_tokenizer(path), model.cfg
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         found = checkpoint.latest(path)
         if found is None:
@@ -52,16 +52,16 @@ def load(path, device="cpu"):
     with open(os.path.join(path, "config.json")) as f:
         cfg = SimpleNamespace(**json.load(f))
     model = Transformer(ModelConfig.from_cfg(cfg))
-    checkpoint.load_model(path, model)
-    tok = data.tokenizer_for(cfg)  # FIM sentinels when it was trained with fim_rate > 0
+    weights.load_model(path, model)
+    tok = tokenizer.for_cfg(cfg)  # FIM sentinels when it was trained with them
     return model.to(device).eval(), tok, cfg
 
 
 def chat_setup(path, cfg):
     """(tokenizer with the chat template's special tokens, template) of a model loaded by load()."""
     keys = dict(init_from=path, tokenizer=path, tokenizer_vocab=0) if hf.is_hf_folder(path) else {}
-    run = SimpleNamespace(**{**chat.CHAT_DEFAULTS, **vars(cfg), **keys})  # a pretraining checkpoint has no chat keys
-    tok, template = chat.setup(run)
+    settings = SimpleNamespace(**{**chat.CHAT_DEFAULTS, **vars(cfg), **keys})  # a pretraining checkpoint has no chat keys
+    tok, template = chat.setup(settings)
     if tok.n_vocab > cfg.vocab_size:
         raise SystemExit(f"error: {path} was not fine-tuned for chat (its vocabulary lacks the template's special "
                          f"tokens {template.special_tokens}): fine-tune it with sft.py first")

@@ -1,7 +1,7 @@
 """How a model's answers are scored: log-probs of given continuations (multiple choice as
 lm-evaluation-harness does it), bits per byte, generation to stop strings, exact match, pass@k.
 
-Plain functions over a parallel.Parallel `run` and a tokenizer, used by eval.py (the evaluation
+Plain functions over a parallel.Net `net` and a tokenizer, used by eval.py (the evaluation
 script: its tasks, prompts and CLI) and by pretrain.py (its validation logs val_bpb through
 nll_terms / bpb_of). Under data parallelism each rank scores whole batches (batch j on rank
 j % ranks) and the results are gathered, so numbers do not depend on the layout.
@@ -73,16 +73,16 @@ def my_batches(n_batches, grid):
 
 
 @torch.no_grad()
-def token_logprobs(run, rows, batch_size, autocast=None):
+def token_logprobs(net, rows, batch_size, autocast=None):
     """rows: (ids, mask) with mask[t] True where target ids[t + 1] is scored -> per row the log-probs
     of its scored targets (float64 tensor), from -model(x, y, reduction="none") (TP: the vocab-parallel
     loss, logits never gathered). Rows are sorted by length and batched (right padding, which causal
     attention never sees); the results are gathered from every data-parallel rank."""
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
     batches = [order[j:j + batch_size] for j in range(0, len(order), batch_size)]
-    device = run.grid.device
+    device = net.grid.device
     out = {}
-    for j in my_batches(len(batches), run.grid):
+    for j in my_batches(len(batches), net.grid):
         b = batches[j] if j is not None else []
         T = max((len(rows[i][0]) - 1 for i in b), default=1)
         x = torch.zeros(max(len(b), 1), T, dtype=torch.long)
@@ -92,18 +92,18 @@ def token_logprobs(run, rows, batch_size, autocast=None):
             x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
             y[r, :len(ids) - 1] = torch.where(torch.tensor(mask), torch.tensor(ids[1:]), IGNORE)
         with autocast or torch.autocast(device.type, enabled=False):
-            nll = run.fwd(x.to(device), y.to(device), reduction="none").double().cpu()
+            nll = net(x.to(device), y.to(device), reduction="none").double().cpu()
         for r, i in enumerate(b):
             out[i] = -nll[r][y[r] != IGNORE]
-    out = gather_rows(out, run.grid)
+    out = gather_rows(out, net.grid)
     return [out[i] for i in range(len(rows))]
 
 
-def multiple_choice(run, tok, docs, contexts, batch_size, autocast=None, add_bos=False):
+def multiple_choice(net, tok, docs, contexts, batch_size, autocast=None, add_bos=False):
     """lm-eval's multiple-choice scoring -> (metrics, per-doc results). Every (context, " " + choice)
     pair is one row, left-truncated to block_size + 1 tokens."""
     rows, owner = [], []
-    L = run.raw.cfg.block_size + 1
+    L = net.raw.cfg.block_size + 1
     for d, (doc, ctx) in enumerate(zip(docs, contexts)):
         for c, choice in enumerate(doc["choices"]):
             a, b = encode_pair(tok, ctx, " " + choice, add_bos)
@@ -112,7 +112,7 @@ def multiple_choice(run, tok, docs, contexts, batch_size, autocast=None, add_bos
             ids = (a + b)[-L:]
             rows.append((ids, [False] * (len(ids) - 1 - len(b)) + [True] * len(b)))
             owner.append(d)
-    lps = token_logprobs(run, rows, batch_size, autocast)
+    lps = token_logprobs(net, rows, batch_size, autocast)
     per_doc = [{"lls": [], "gold": doc["gold"]} for doc in docs]
     for d, lp in zip(owner, lps):
         per_doc[d]["lls"].append(float(lp.sum()))
@@ -164,11 +164,11 @@ def bpb_of(sums):
     return float(sums[0] / math.log(2) / sums[1]) if float(sums[1]) else float("nan")
 
 
-def bits_per_byte(run, tok, windows, batch_size, autocast=None, nbytes=None):
+def bits_per_byte(net, tok, windows, batch_size, autocast=None, nbytes=None):
     """windows: token lists (each predicts its tokens 1..) -> loss (nats per target token), perplexity,
     bits per byte (targets with bytes only: NLL / ln 2 / their UTF-8 bytes), tokens, bytes."""
     nbytes = token_bytes(tok) if nbytes is None else nbytes
-    lps = token_logprobs(run, [(w, [True] * (len(w) - 1)) for w in windows], batch_size, autocast)
+    lps = token_logprobs(net, [(w, [True] * (len(w) - 1)) for w in windows], batch_size, autocast)
     nll = tok_count = text_nll = n_bytes = 0.0
     for w, lp in zip(windows, lps):
         b = nbytes[torch.tensor(w[1:])].double()
@@ -190,29 +190,29 @@ def cut(text, stops):
 
 
 @torch.no_grad()
-def generate_texts(run, tok, prompts, max_new_tokens, *, n=1, temperature=0.0, top_p=1.0, seed=0,
+def generate_texts(net, tok, prompts, max_new_tokens, *, n=1, temperature=0.0, top_p=1.0, seed=0,
                    stops=(), batch_size=16, autocast=None):
     """Completions of text prompts by the fast decoder (generate.decode), n per prompt, cut at the
     first stop string (or EOS). Prompts are left-truncated to leave max_new_tokens. Global batch j of
     prompts draws with seed + j on rank j % ranks: the texts do not depend on the layout."""
-    L, device = run.raw.cfg.block_size, run.grid.device
+    L, device = net.raw.cfg.block_size, net.grid.device
     keep = L - max_new_tokens
     if keep < 1:
         raise EvalError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in block_size={L}")
     ids = [(tok.encode(p) or [tok.eos_id])[-keep:] for p in prompts]
     batches = [list(range(j, min(j + batch_size, len(ids)))) for j in range(0, len(ids), batch_size)]
     out = {}
-    with run.full_params(), autocast or torch.autocast(device.type, enabled=False):
-        for j in my_batches(len(batches), run.grid):
+    with net.full_params(), autocast or torch.autocast(device.type, enabled=False):
+        for j in my_batches(len(batches), net.grid):
             b = batches[j] if j is not None else []
-            r = generate.decode(run.raw, [ids[i] for i in b] or [[tok.eos_id]], max_new_tokens if b else 1,
+            r = generate.decode(net.raw, [ids[i] for i in b] or [[tok.eos_id]], max_new_tokens if b else 1,
                                 n=n, temperature=temperature, top_p=top_p, stop_tokens=[tok.eos_id],
                                 pad_id=tok.eos_id, seed=seed + (j or 0))
             gen = r.tokens[:, r.prompt_len:].tolist()
             for k, i in enumerate(b):
                 rows = [gen[k * n + s][:int(r.lengths[k * n + s])] for s in range(n)]
                 out[i] = [cut(tok.decode([t for t in row if t != tok.eos_id]), stops) for row in rows]
-    out = gather_rows(out, run.grid)
+    out = gather_rows(out, net.grid)
     return [out[i] for i in range(len(prompts))]
 
 

@@ -269,10 +269,3 @@ def get(name, **kw):
     if name not in tasks:
         raise TaskError(f"unknown task {name!r}: choose one of {', '.join(sorted(tasks))}")
     return tasks[name](**kw)
-
-
-def accuracy(model_fn, task, items):
-    """The mean reward of model_fn(prompt) -> completion over items."""
-    if not items:
-        raise ValueError("accuracy() needs at least one item")
-    return sum(task.reward(model_fn(it["prompt"]), it) for it in items) / len(items)

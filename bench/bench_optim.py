@@ -5,7 +5,7 @@
     python bench/bench_optim.py step --shape=tiny --device=cpu --steps=2 --warmup=1   # smoke test
     python bench/bench_optim.py curves out/adamw out/muon --png=muon_vs_adamw.png    # two pretrain runs
 
-step rows (same model, data and batch; bf16 autocast, torch.compile, parallel.DataParallel):
+step rows (same model, data and batch; bf16 autocast, torch.compile, dp.DataParallel):
 adamw (torch.optim.AdamW, fused), muon (muon.Muon: NS in bf16, batched over equal shapes; AdamW
 for embeddings/head/norms), and with 2+ GPUs adamw-zero1 / muon-zero1 (optimizer state sharded,
 gradients reduced to their owners, parameters all-gathered). Per row: training step time
@@ -36,6 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import config
+import dp
 import logs
 import optim
 import parallel
@@ -124,7 +125,7 @@ def step_rows(args):
             raw = Transformer(ModelConfig(**shape))
         cfg = SimpleNamespace(**{**config.defaults(), "optimizer": optimizer, "zero1": zero1, "lr": 1e-3})
         opt = optim.build_optimizer(raw, cfg, grid)
-        model = parallel.DataParallel(raw, grid, owner=getattr(opt, "grad_owner", None))
+        model = dp.DataParallel(raw, grid, owner=getattr(opt, "grad_owner", None))
         fwd = torch.compile(raw) if args.compile else raw
         g = torch.Generator(device=device).manual_seed(1 + grid.rank)
         data = [torch.randint(0, shape["vocab_size"], (B, T + 1), device=device, generator=g) for _ in range(3)]

@@ -11,7 +11,7 @@
 speed rows (same global batch: --batch sequences per GPU for the data-parallel forms, the same
 total on the TP group): ours-fsdp (fsdp.FSDP, bf16 compute, fp32 master shards and reduce) vs
 torch-fsdp2 (`fully_shard` per block and on the root, MixedPrecisionPolicy(bf16 params, fp32
-reduce)); ours-dp (parallel.DataParallel) vs torch-ddp (DistributedDataParallel, 25 MB buckets);
+reduce)); ours-dp (dp.DataParallel) vs torch-ddp (DistributedDataParallel, 25 MB buckets);
 ours-tp (tp.tensor_parallel over all GPUs, dp = 1); compiled: ours-fsdp-compiled (FSDP.compile:
 each block's forward, the final norm and the head's loss compiled, the gather hooks eager) vs
 torch-fsdp2-compiled (torchtitan's recipe: each block replaced by torch.compile(block), then
@@ -35,7 +35,7 @@ a row passes when --steps optimizer steps complete.
 
 moe: the shape with 8 experts, top-2, in every layer (1b: 16 layers of width 2048, experts of
 4096 hidden units: 3.6B parameters, 1.2B active). moe-dp: every GPU holds every expert
-(moe.expert_parallel with ep = 1, parallel.DataParallel over all GPUs); moe-ep: experts sharded
+(moe.expert_parallel with ep = 1, dp.DataParallel over all GPUs); moe-ep: experts sharded
 over all GPUs (ep = world, dp = 1), tokens exchanged with all_to_all; both dropless; moe-ep-cap:
 EP with capacity_factor 1.25 (static shapes, no host sync); moe-ep-loop (CUDA only): moe-ep with
 the experts as one matmul each (MoE.expert_mm = "loop") instead of grouped matmuls, which "auto"
@@ -66,6 +66,7 @@ import torch.distributed as dist
 # folder up: put the root first on sys.path so `python bench/bench_parallel.py` works from any folder.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import dp
 import fsdp
 import logs
 import moe
@@ -108,7 +109,7 @@ say = print if main else (lambda *a, **k: None)
 if cuda:
     torch.backends.cuda.matmul.allow_tf32 = True
 dtype = torch.bfloat16 if cuda else torch.float32
-opt_cfg = SimpleNamespace(optimizer="adamw", lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+opt_cfg = SimpleNamespace(optimizer="adamw", zero1=False, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 peak = logs.peak_tflops(device)
 
 
@@ -137,7 +138,7 @@ def torch_fsdp2(raw, compile_=False):
 
 
 def ours_dp(raw):
-    m = parallel.DataParallel(raw, grid)
+    m = dp.DataParallel(raw, grid)
     return raw, raw, m.finish, m.zero_grad
 
 
@@ -171,7 +172,7 @@ def combo(g, shard):
         if g.tp > 1:
             tp.tensor_parallel(raw, g)
         moe.expert_parallel(raw, g)  # (dense model: no-op)
-        m = fsdp.FSDP(raw, g, compute_dtype=dtype if cuda else None) if shard else parallel.DataParallel(raw, g)
+        m = fsdp.FSDP(raw, g, compute_dtype=dtype if cuda else None) if shard else dp.DataParallel(raw, g)
         return (m, m, m.finish, m.zero_grad) if shard else (raw, raw, m.finish, m.zero_grad)
     wrap.tp = g.tp
     return wrap
@@ -182,7 +183,7 @@ def moe_wrap(g, expert_mm="auto", compile_=False):
         moe.expert_parallel(raw, g)  # ep = 1: every expert here; ep = world: this rank's share
         for m in moe.layers(raw):
             m.expert_mm = expert_mm  # the experts' kernel (moe.py): grouped matmuls or a loop
-        m = parallel.DataParallel(raw, g)
+        m = dp.DataParallel(raw, g)
         return raw, torch.compile(raw) if compile_ else raw, m.finish, m.zero_grad  # as parallel.parallelize
     return wrap
 

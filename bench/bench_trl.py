@@ -38,10 +38,10 @@ VOCAB = {"1b": 50304, "124m": 50304, "tiny": 512}
 
 def make(a):
     import corpus
-    import data
     import hf
+    import tokenizer
     from model import ModelConfig, Transformer
-    tok = data.get_tokenizer("cl100k_base", VOCAB[a.shape])
+    tok = tokenizer.get_tokenizer("cl100k_base", VOCAB[a.shape])
     os.makedirs(a.out, exist_ok=True)
     if a.model_from:  # the same weights, other data: link the model files of an earlier `make`
         for f in os.listdir(a.model_from):

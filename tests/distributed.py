@@ -90,3 +90,14 @@ def global_batch(step, T, vocab, ignore=0):
     y = torch.randint(0, vocab, (G, T), generator=g)
     y[:, :ignore] = -100
     return x, y
+
+
+def full_state(raw, optimizer, grid, wrapper=None):
+    """parallel.Net.full_state of a model laid out by hand (no parallelize): (weights, optimizer state)."""
+    return parallel.Net(raw, wrapper, raw, optimizer, grid).full_state()
+
+
+def load_checkpoint(path, raw, optimizer, grid, wrapper=None):
+    """lifecycle.resume into a model laid out by hand: weights, optimizer state, RNG; the trainer dict."""
+    import lifecycle
+    return lifecycle.resume(lifecycle.Lease(None, path, None), parallel.Net(raw, wrapper, raw, optimizer, grid))

@@ -28,8 +28,7 @@ import pytest
 import torch
 
 import chat
-import data
-import hf_tokenizer
+import tokenizer
 from model import IGNORE, ModelConfig, Transformer
 
 TRL_TEMPLATES = ("qwen2_5", "qwen2_5_training", "llama3", "llama3_training", "llama3_2")
@@ -168,12 +167,12 @@ def test_bad_records(tmp_path):
 
 @pytest.fixture(scope="module")
 def hf_pair(tmp_path_factory):
-    """(ours, theirs): one byte-level BPE (Llama-3 split regex) built with `tokenizers`, read by hf_tokenizer.py
+    """(ours, theirs): one byte-level BPE (Llama-3 split regex) built with `tokenizers`, read by tokenizer.py
     and by transformers, with ChatML and Llama-3 special tokens."""
     transformers = pytest.importorskip("transformers")
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE(ignore_merges=True))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(hf_tokenizer.LLAMA3_PAT), behavior="isolated"),
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(tokenizer.LLAMA3_PAT), behavior="isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     text = ("You are a helpful assistant. Hello! How are you? What is 2+2? The answer is 4. Bonjour, ça va? "
@@ -187,7 +186,7 @@ def hf_pair(tmp_path_factory):
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": "<|begin_of_text|>",
          "chat_template": CHATML}))
-    return hf_tokenizer.load_hf_tokenizer(str(folder)), transformers.AutoTokenizer.from_pretrained(str(folder)), str(folder)
+    return tokenizer.load_hf_tokenizer(str(folder)), transformers.AutoTokenizer.from_pretrained(str(folder)), str(folder)
 
 
 def trl_template(name):
@@ -259,8 +258,8 @@ def test_special_text_in_messages_stays_text(hf_pair):
 
 def test_chat_tokens_past_vocab_and_bpe_boundary():
     for vocab in (0, 300):
-        tok = data.get_tokenizer("cl100k_base", vocab, chat=True)
-        base = data.get_tokenizer("cl100k_base", vocab)
+        tok = tokenizer.get_tokenizer("cl100k_base", vocab, chat=True)
+        base = tokenizer.get_tokenizer("cl100k_base", vocab)
         assert tok.special_ids == {"<|im_start|>": base.n_vocab, "<|im_end|>": base.n_vocab + 1}
         assert tok.n_vocab == base.n_vocab + 2 and tok.eot_id == base.n_vocab + 1 and tok.eos_id == base.eos_id
         assert tok.encode("a <|im_start|>") == base.encode("a <|im_start|>")  # plain text stays plain
@@ -271,7 +270,7 @@ def test_chat_tokens_past_vocab_and_bpe_boundary():
               "{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}")
     template = chat.ChatTemplate(source, ["<|im_end|>"], "<|im_end|>")
     for vocab, answer in ((0, "Hello there"), (300, "é🤖 ok")):  # 300: the emoji is several byte tokens
-        tok = data.get_tokenizer("cl100k_base", vocab, chat=True)
+        tok = tokenizer.get_tokenizer("cl100k_base", vocab, chat=True)
         conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}]
         ids, mask = chat.encode(tok, template, conv)
         text = template.render(conv)
@@ -309,7 +308,7 @@ def test_template_errors(hf_pair, tmp_path):
     reorder = "{% for m in messages|reverse %}{{ m.content }}{% endfor %}"
     with pytest.raises(chat.ChatDataError, match="generation"):
         chat.ChatTemplate(reorder, [], "").spans(conv)
-    tok = data.get_tokenizer("cl100k_base", 300)
+    tok = tokenizer.get_tokenizer("cl100k_base", 300)
     with pytest.raises(chat.ChatDataError, match="lacks.*chat.setup"):
         chat.encode(tok, chat.default_template(), conv)
 
@@ -317,7 +316,7 @@ def test_template_errors(hf_pair, tmp_path):
 # ----------------------------------------------------------------------------- setup
 
 def test_setup_and_export(hf_pair, tmp_path):
-    """setup() builds the run's tokenizer and template; hf_tokenizer.save_tokenizer writes both so that
+    """setup() builds the run's tokenizer and template; tokenizer.save_tokenizer writes both so that
     transformers reads the same ids (added chat tokens included) and renders the same template."""
     _, theirs, folder = hf_pair
     transformers = pytest.importorskip("transformers")
@@ -335,7 +334,7 @@ def test_setup_and_export(hf_pair, tmp_path):
                                         "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}"
                                         "{{ eos_token }}{% endif %}")
     cfg.chat_template = str(tmp_path / "phi.jinja")
-    base = hf_tokenizer.load_hf_tokenizer(folder)
+    base = tokenizer.load_hf_tokenizer(folder)
     phi_tok, phi = chat.setup(cfg)
     assert phi.special_tokens == ["<|end|>", "<|assistant|>", "<|im_end|>"] and phi.eos == "<|end|>"
     assert phi_tok.special_ids == {"<|end|>": base.n_vocab, "<|assistant|>": base.n_vocab + 1,
@@ -344,7 +343,7 @@ def test_setup_and_export(hf_pair, tmp_path):
     for k, (ours, template) in enumerate([(tok, chat.default_template()), (phi_tok, phi)]):
         out = tmp_path / f"export{k}"
         out.mkdir()
-        hf_tokenizer.save_tokenizer(ours, str(out))
+        tokenizer.save_tokenizer(ours, str(out))
         exported = transformers.AutoTokenizer.from_pretrained(str(out))
         for conv in CONVERSATIONS:
             assert chat.encode(ours, template, conv)[0] == exported.apply_chat_template(conv, return_dict=False)

@@ -8,6 +8,7 @@ import os
 import pytest
 
 import config
+import pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,7 +17,7 @@ def test_file_then_overrides(tmp_path):
     f = tmp_path / "c.py"
     f.write_text("import math\nn_layer = 3\nlr = 2 * 1e-3\n_private = 1\nout_dir = 'out/x'\n")
     cfg = config.load([str(f), "--lr=0.01", "--compile=True", "--data=/some/corpus", "--max_steps=7",
-                       "--progress"], world=1)
+                       "--progress"], extra=pretrain.EXTRA, world=1)
     assert cfg.n_layer == 3 and cfg.lr == 0.01 and cfg.compile is True and cfg.progress is True
     assert cfg.data == "/some/corpus" and cfg.max_steps == 7 and cfg.out_dir == "out/x"
     assert isinstance(cfg.lr, float)
@@ -26,10 +27,10 @@ def test_file_then_overrides(tmp_path):
 
 def stage_keys(path):
     """configs/<stage>_x.py configures <stage>.py (sft_tiny.py: sft.py): that script's own keys, its
-    EXTRA dict (what it passes to config.load); None for pretraining's configs."""
+    EXTRA dict (what it passes to config.load); pretrain.py's for pretraining's configs."""
     stage = os.path.basename(path).split("_")[0]
     if not os.path.isfile(os.path.join(ROOT, f"{stage}.py")):
-        return None
+        return pretrain.EXTRA
     return importlib.import_module(stage).EXTRA
 
 
@@ -85,7 +86,7 @@ def test_type_mismatch(arg, match):
 ])
 def test_invalid_values(args, world, match):
     with pytest.raises(config.ConfigError, match=match):  # a UserError that is also a ValueError
-        config.load(args, world=world)
+        pretrain.check(config.load(args, extra=pretrain.EXTRA, world=world))  # shared keys, then the stage's
 
 
 def test_run_prints_user_errors_once_without_traceback(capsys, monkeypatch):
@@ -96,21 +97,21 @@ def test_run_prints_user_errors_once_without_traceback(capsys, monkeypatch):
         config.load(argv + ["--lr=-1"], world=1)
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as e:
-        config.run(bad, ["--max_steps=3"])
+        config.cli(bad, ["--max_steps=3"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err == "error: lr=-1.0 must be positive\n"
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as e:
-        config.run(bad, [])
+        config.cli(bad, [])
     assert e.value.code == 0 and capsys.readouterr().err == ""
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(config.ConfigError, match="lr=-1.0"):
-        config.run(bad, ["--debug"])
+        config.cli(bad, ["--debug"])
 
     def bug(argv):
         raise ZeroDivisionError("a bug")
     with pytest.raises(ZeroDivisionError):
-        config.run(bug, [])
+        config.cli(bug, [])
 
 
 def test_missing_config_file():

@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import tokenizer  # noqa: E402
 import types
 
 import numpy as np
@@ -59,7 +60,7 @@ def test_import_has_no_side_effects():
 # ----------------------------------------------------------------------------- tokenizer
 
 def test_cl100k_published_ids():
-    tok = data.get_tokenizer("cl100k_base")
+    tok = tokenizer.get_tokenizer("cl100k_base")
     # tiktoken's README / OpenAI cookbook examples for cl100k_base
     assert tok.encode("hello world") == [15339, 1917]
     assert tok.encode("tiktoken is great!") == [83, 1609, 5963, 374, 2294, 0]
@@ -75,12 +76,12 @@ def test_bundled_equals_tiktoken_reference(name, tmp_path, monkeypatch):
     import tiktoken.load
     from tiktoken_ext import openai_public
     plain = tmp_path / f"{name}.tiktoken"
-    plain.write_bytes(gzip.decompress(open(data._bundled_path(name), "rb").read()))
+    plain.write_bytes(gzip.decompress(open(tokenizer._bundled_path(name), "rb").read()))
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # no caching of the local file
     monkeypatch.setattr(openai_public, "load_tiktoken_bpe",
                         lambda url, expected_hash: tiktoken.load.load_tiktoken_bpe(str(plain), expected_hash))
     ref = tiktoken.Encoding(**getattr(openai_public, name)())
-    ours = data.get_tokenizer(name)
+    ours = tokenizer.get_tokenizer(name)
     assert ours.enc._pat_str == ref._pat_str
     assert ours.enc._special_tokens == ref._special_tokens
     assert ours.enc._mergeable_ranks == ref._mergeable_ranks
@@ -92,23 +93,23 @@ def test_bundled_equals_tiktoken_reference(name, tmp_path, monkeypatch):
 
 
 def test_corrupt_bpe_file_raises(tmp_path, monkeypatch):
-    raw = gzip.decompress(open(data._bundled_path("cl100k_base"), "rb").read())
+    raw = gzip.decompress(open(tokenizer._bundled_path("cl100k_base"), "rb").read())
     bad = tmp_path / "cl100k_base.tiktoken.gz"
     bad.write_bytes(gzip.compress(raw.replace(b" 100\n", b" 101\n", 1)))
     with pytest.raises(ValueError, match="sha256"):
-        data.load_bpe_ranks(str(bad), data.BUNDLED["cl100k_base"][0])
-    monkeypatch.setattr(data, "_bundled_path", lambda name: str(bad))
-    data._encoding.cache_clear()
+        tokenizer.load_bpe_ranks(str(bad), tokenizer.BUNDLED["cl100k_base"][0])
+    monkeypatch.setattr(tokenizer, "_bundled_path", lambda name: str(bad))
+    tokenizer._encoding.cache_clear()
     try:
         with pytest.raises(ValueError, match="sha256.*corrupt"):
-            data.get_tokenizer("cl100k_base")
+            tokenizer.get_tokenizer("cl100k_base")
     finally:
-        data._encoding.cache_clear()
+        tokenizer._encoding.cache_clear()
 
 
 def test_truncated_vocab():
-    tok = data.get_tokenizer("cl100k_base", 4096)
-    full = data.get_tokenizer("cl100k_base")
+    tok = tokenizer.get_tokenizer("cl100k_base", 4096)
+    full = tokenizer.get_tokenizer("cl100k_base")
     assert tok.n_vocab == 4096 and tok.eos_id == 4095
     for text in TEXTS + ["".join(chr(c) for c in range(32, 2000)), "\x00\x01\xff"]:
         ids = tok.encode(text)
@@ -118,12 +119,12 @@ def test_truncated_vocab():
     # the first 256 ranks are the single bytes, so tokens below the cut are identical tokens
     assert all(tok.enc.decode_single_token_bytes(i) == full.enc.decode_single_token_bytes(i) for i in range(4095))
     with pytest.raises(ValueError, match="257"):
-        data.get_tokenizer("cl100k_base", 200)
+        tokenizer.get_tokenizer("cl100k_base", 200)
     # a BPE whose single bytes are not all among the first ranks cannot be cut there
     ranks = {bytes([b]): b for b in range(255)} | {b"ab": 255, b"\xff": 256, b"abc": 257}
     with pytest.raises(ValueError, match="single bytes"):
-        data.truncate_ranks(ranks, 257)
-    assert len(data.truncate_ranks(ranks, 258)) == 257
+        tokenizer.truncate_ranks(ranks, 257)
+    assert len(tokenizer.truncate_ranks(ranks, 258)) == 257
 
 
 def test_unknown_encoding_offline_error(tmp_path, monkeypatch):
@@ -136,9 +137,9 @@ def test_unknown_encoding_offline_error(tmp_path, monkeypatch):
     for name in ("r50k_base", "gpt2"):
         with pytest.raises(ValueError, match=r"(?s)not available.*network disabled.*cl100k_base.*o200k_base"
                                              r".*TIKTOKEN_CACHE_DIR"):
-            data.get_tokenizer(name)
+            tokenizer.get_tokenizer(name)
     with pytest.raises(ValueError, match="not available"):
-        data.get_tokenizer("no_such_encoding")
+        tokenizer.get_tokenizer("no_such_encoding")
 
 
 # ----------------------------------------------------------------------------- corpora
@@ -259,7 +260,7 @@ def _read_bin(out_dir, split, dtype):
 
 @pytest.mark.parametrize("vocab, dtype", [(4096, np.uint16), (0, np.uint32)])
 def test_prepare_tokens_exact(tmp_path, vocab, dtype):
-    tok = data.get_tokenizer("cl100k_base", vocab)
+    tok = tokenizer.get_tokenizer("cl100k_base", vocab)
     out = str(tmp_path / "out")
     for fraction, mode in [(0.4, "tokens"), (0.5, "documents")]:  # 8 documents: coarse for 40%
         meta = data.prepare(_folder(tmp_path), tok, out, val_fraction=fraction, verbose=False)
@@ -275,7 +276,7 @@ def test_prepare_tokens_exact(tmp_path, vocab, dtype):
 
 
 def test_prepare_reuse_and_rebuild(tmp_path, monkeypatch):
-    tok = data.get_tokenizer("cl100k_base", 4096)
+    tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     src, out = _folder(tmp_path), str(tmp_path / "out")
     meta = data.prepare(src, tok, out, val_fraction=0.25, verbose=False)
 
@@ -291,7 +292,7 @@ def test_prepare_reuse_and_rebuild(tmp_path, monkeypatch):
 
 
 def test_prepare_interrupted_is_not_reused(tmp_path, monkeypatch):
-    tok = data.get_tokenizer("cl100k_base", 4096)
+    tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     src, out = _folder(tmp_path), str(tmp_path / "out")
     good = data.prepare(src, tok, out, val_fraction=0.25, verbose=False)
     real = corpus.iter_documents
@@ -312,7 +313,7 @@ def test_prepare_interrupted_is_not_reused(tmp_path, monkeypatch):
 
 
 def test_prepare_split_edge_cases(tmp_path):
-    tok = data.get_tokenizer("cl100k_base", 4096)
+    tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     meta = data.prepare(_write(tmp_path / "one.md", "a"), tok, str(tmp_path / "o1"), verbose=False)  # "a" + EOS
     assert (meta["n_train"], meta["n_val"], meta["val_split"]) == (1, 1, "tokens")  # the smallest corpus
     assert _read_bin(str(tmp_path / "o1"), "val", np.uint16) == [tok.eos_id]
@@ -324,7 +325,7 @@ def test_prepare_split_edge_cases(tmp_path):
 
 
 def test_prepare_stdlib_max_docs(tmp_path):
-    tok = data.get_tokenizer("cl100k_base", 8192)
+    tok = tokenizer.get_tokenizer("cl100k_base", 8192)
     meta = data.prepare("stdlib", tok, str(tmp_path / "std"), max_docs=50, val_fraction=0.1, verbose=False)
     docs = list(itertools.islice(corpus.iter_documents("stdlib"), 50))
     want, mode, n_docs = _reference_split([tok.encode(d) + [tok.eos_id] for d in docs], 0.1, 0.1)
@@ -439,7 +440,7 @@ def test_eval_batches_deterministic(tmp_path):
 
 
 def test_loader_on_prepared_data(tmp_path):
-    tok = data.get_tokenizer("cl100k_base", 4096)
+    tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     out = str(tmp_path / "out")
     meta = data.prepare(_folder(tmp_path), tok, out, val_fraction=0.25, verbose=False)
     stream = np.fromfile(os.path.join(out, "train.bin"), dtype=np.uint16).astype(np.int64)
@@ -479,7 +480,7 @@ def test_val_split_by_hand():
 
 def test_single_text_file_is_a_corpus(tmp_path, capsys):
     """Finding: a single text file was refused ("need at least 2 documents")."""
-    tok = data.get_tokenizer("cl100k_base", 4096)
+    tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(300))
     meta = data.prepare(_write(tmp_path / "book.txt", text), tok, str(tmp_path / "out"), verbose=True)
     stream = tok.encode(text) + [tok.eos_id]
@@ -495,7 +496,7 @@ def test_single_text_file_is_a_corpus(tmp_path, capsys):
 
 def test_two_document_corpus_val_share(tmp_path):
     """Finding: a 2-document corpus put 50% of its tokens into validation."""
-    tok = data.get_tokenizer("cl100k_base", 4096)
+    tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     docs = ["def f(x):\n    return x * 2\n" * 20, "class A:\n    pass\n" * 30]
     meta = data.prepare(_folder(tmp_path, docs), tok, str(tmp_path / "out"), verbose=False)
     total = meta["n_train"] + meta["n_val"]
@@ -506,7 +507,7 @@ def test_two_document_corpus_val_share(tmp_path):
 def test_val_tokens_floor(tmp_path):
     """val_fraction=0.01 of 150 documents is under two documents; the floor of 200 tokens gives
     validation about that many (whole documents, within 10%), and meta.json says so."""
-    tok = data.get_tokenizer("cl100k_base", 4096)
+    tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     docs = [f"document {i}: " + "word " * (5 + i % 7) for i in range(150)]
     meta = data.prepare(_folder(tmp_path, docs), tok, str(tmp_path / "out"), val_tokens=200, verbose=False)
     total = meta["n_train"] + meta["n_val"]
@@ -521,7 +522,7 @@ def test_binary_and_undecodable_files_skipped_and_counted(tmp_path, capsys):
     (root / "b.txt").write_bytes(bytes(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8)))
     (root / "c.md").write_bytes("caf\u00e9 cr\u00e8me ".encode("latin-1") * 50)  # 2 of 12 bytes invalid
     (root / "d.py").write_bytes(b"x = 1  # one bad byte \xff here\n" + b"y = 2\n" * 20)
-    tok = data.get_tokenizer("cl100k_base", 4096)
+    tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     meta = data.prepare(str(root), tok, str(tmp_path / "out"), verbose=True)
     out = capsys.readouterr().out
     assert meta["intake"] == dict(files=4, binary=1, undecodable=1, replaced=1, unsupported=0, duplicates=0, capped=0)
@@ -543,7 +544,7 @@ def test_unsupported_files_named(tmp_path, capsys):
     _write(root / "a.txt", "text")
     for name in ("b.csv", "sub/c.csv", "d.xlsx", ".hidden", ".git/config"):
         _write(root / name, "x,y")
-    data.prepare(str(root), data.get_tokenizer("cl100k_base", 4096), str(tmp_path / "out"), verbose=True)
+    data.prepare(str(root), tokenizer.get_tokenizer("cl100k_base", 4096), str(tmp_path / "out"), verbose=True)
     assert "3 files with unsupported extensions .csv .xlsx were ignored: b.csv, d.xlsx, sub/c.csv" in capsys.readouterr().out
     only = tmp_path / "sheets"
     for name in ("b.csv", "d.xlsx"):
@@ -584,7 +585,7 @@ def test_bad_prepare_settings_fail_at_once(tmp_path, monkeypatch, call, match):
     """Finding: --max_docs=-1 failed late with an itertools/numpy error."""
     monkeypatch.setattr(corpus, "iter_documents", lambda *a, **k: pytest.fail("read the corpus first"))
     with pytest.raises(corpus.DataError, match=match):
-        call(_folder(tmp_path), data.get_tokenizer("cl100k_base", 4096), str(tmp_path / "out"))
+        call(_folder(tmp_path), tokenizer.get_tokenizer("cl100k_base", 4096), str(tmp_path / "out"))
 
 
 def test_bad_loader_settings_fail_at_once(tmp_path):
@@ -635,7 +636,7 @@ def test_pieces_encode_like_the_whole():
     text += "".join(open(os.path.join(corpus.python_roots(False)[0], m), encoding="utf-8").read()
                     for m in ("functools.py", "textwrap.py"))
     for name in ("cl100k_base", "o200k_base"):
-        tok = data.get_tokenizer(name)
+        tok = tokenizer.get_tokenizer(name)
         parts = data._pieces(text, size=37)
         assert len(parts) > 100 and "".join(parts) == text
         assert [t for p in parts for t in tok.encode(p)] == tok.encode(text)
@@ -695,7 +696,7 @@ def test_python_corpus_source(tmp_path, monkeypatch):
     monkeypatch.setitem(corpus.PYTHON_CORPORA, "python", (True, 0.25))
     docs = list(corpus.iter_documents("python"))
     assert docs == [open(f).read() for f in corpus.python_files([site], max_package_share=0.25)]
-    tok = data.get_tokenizer("cl100k_base", 4096)
+    tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     out = data.default_data_dir("python", tok.name, 4096, root=str(tmp_path / "d"))
     assert os.path.basename(out).startswith("python-cl100k_base-4096-")
     meta = data.prepare("python", tok, out, verbose=False)

@@ -49,7 +49,7 @@ from model import IGNORE, ModelConfig, Transformer
 
 V, N = 97, 24
 SMALL = dict(vocab_size=V, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=32,
-             batch_size=8, micro_batch_size=2, lr=1e-2, weight_decay=0.1, grad_clip=0.5, eps=1e-6, warmup_steps=0,
+             batch_size=8, micro_batch_size=2, lr=1e-2, weight_decay=0.1, grad_clip=0.5, eps=1e-4, warmup_steps=0,
              schedule="constant", seed=0, **dpo.EXTRA)
 
 
@@ -277,8 +277,8 @@ def train(name, grid=None):
                                     grid, nothing)
         rec["metrics"].append(torch.tensor(list(dpo.metrics(sums, grid.data_group).values())))
         rec["norms"].append(norm.reshape(1))
-    rec["weights"] = (lora.gather(run.raw, grid, run.model) if cfg.lora_r else
-                      checkpoint.gather(run.raw, None, grid, run.model)[0])
+    rec["weights"] = (lora.gather(run.raw, grid, run.wrapper) if cfg.lora_r else
+                      run.full_state(optimizer=False)[0])
     return rec
 
 

@@ -35,13 +35,13 @@ import pytest
 import torch
 
 import corpus
-import data
 import eval as ev
 import generate
 import hf
 import parallel
 import scoring
 import tasks
+import tokenizer
 from distributed import spawn
 from model import ModelConfig, Transformer
 
@@ -89,7 +89,7 @@ def write_jsonl(path, rows):
 
 @pytest.fixture(scope="module")
 def tok():
-    return data.get_tokenizer("cl100k_base", 512)
+    return tokenizer.get_tokenizer("cl100k_base", 512)
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +232,7 @@ def test_pretrain_then_cli(tmp_path, folders, capsys):
                    "--batch_size=4", "--micro_batch_size=2", "--max_steps=2", "--warmup_steps=1", "--eval_every=2",
                    "--eval_batches=3", "--val_tokens=600", "--sample_tokens=0", "--progress=False"])
     with open(os.path.join(run_dir, "train_metrics.jsonl")) as f:
-        val = next(r for r in map(json.loads, f) if "val_loss" in r)
+        val = [r for r in map(json.loads, f) if "val_loss" in r][-1]  # after the last step (the first: before training)
     out = tmp_path / "res.json"
     capsys.readouterr()
     results = ev.main([run_dir, "--device=cpu", f"--tasks=bpb,piqa={folders / 'piqa'},gsm8k={folders / 'gsm8k'}",
@@ -247,7 +247,7 @@ def test_pretrain_then_cli(tmp_path, folders, capsys):
     assert results["bpb"]["bpb"] == pytest.approx(val["val_bpb"], rel=1e-5)
     cfg = ev.load_config([run_dir, "--device=cpu", "--limit=3"])  # gsm8k: 5 shots from train.jsonl, greedy
     docs, contexts = ev.task_prompts("gsm8k", str(folders / "gsm8k"), cfg)
-    texts = scoring.generate_texts(ev.load_model(cfg, parallel.init(cfg)), data.tokenizer_for(cfg), contexts, 8,
+    texts = scoring.generate_texts(ev.load_model(cfg, parallel.init(cfg)), tokenizer.for_cfg(cfg), contexts, 8,
                               stops=ev.GSM8K_STOPS)
     assert results["gsm8k"] == scoring.gsm8k_scores([t[0] for t in texts], docs)[0] and results["gsm8k"]["n"] == 3
 
@@ -273,7 +273,7 @@ def test_humaneval_through_the_sandbox(tmp_path, folders, run, tok):
 
 
 def _layouts(rank, folder, corpus, out):
-    tok = data.get_tokenizer("cl100k_base", 512)
+    tok = tokenizer.get_tokenizer("cl100k_base", 512)
     for name, args in (("ddp", []), ("tp", ["--tp=2"]), ("fsdp", ["--data_parallel=fsdp"])):
         cfg = ev.load_config([folder, "--device=cpu"] + args)
         res = work(ev.load_model(cfg, parallel.init(cfg)), tok, folder, corpus)

@@ -44,6 +44,7 @@ import corpus
 import data
 import fim
 import sample
+import tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -123,7 +124,7 @@ def _layout_ids(tok, mode, text, a, b):
 
 @pytest.fixture(scope="module")
 def tok():
-    return data.get_tokenizer("cl100k_base", 4096, fim=True)
+    return tokenizer.get_tokenizer("cl100k_base", 4096, fim=True)
 
 
 def _prepare(tmp_path, docs, tok, name="out", **kw):
@@ -274,24 +275,24 @@ def test_prompt_is_the_training_context(tmp_path, tok):
 
 
 def test_sentinels_and_refusals(tmp_path):
-    full = data.get_tokenizer("cl100k_base", fim=True)
+    full = tokenizer.get_tokenizer("cl100k_base", fim=True)
     assert fim.sentinels(full) == (100258, 100259, 100260)  # tiktoken's published ids
     for vocab in (512, 4096, 32768):
-        t = data.get_tokenizer("cl100k_base", vocab, fim=True)
+        t = tokenizer.get_tokenizer("cl100k_base", vocab, fim=True)
         assert fim.sentinels(t) == (vocab - 4, vocab - 3, vocab - 2) and t.eos_id == vocab - 1 == t.n_vocab - 1
         assert t.decode([vocab - 4]) == "<|fim_prefix|>"
         assert t.enc.decode_single_token_bytes(vocab - 5) == full.enc.decode_single_token_bytes(vocab - 5)
-        plain = data.get_tokenizer("cl100k_base", vocab)
+        plain = tokenizer.get_tokenizer("cl100k_base", vocab)
         assert plain.special_tokens == {"<|endoftext|>": vocab - 1}  # unchanged without fim
         assert plain.enc.decode_single_token_bytes(vocab - 2) == full.enc.decode_single_token_bytes(vocab - 2)
         with pytest.raises(corpus.DataError, match="no fill-in-the-middle sentinels"):
             fim.sentinels(plain)
     with pytest.raises(corpus.DataError, match="needs 260 <= vocab"):
-        data.get_tokenizer("cl100k_base", 259, fim=True)  # 256 bytes + 3 sentinels + EOS do not fit
+        tokenizer.get_tokenizer("cl100k_base", 259, fim=True)  # 256 bytes + 3 sentinels + EOS do not fit
     for vocab in (0, 4096):
         with pytest.raises(corpus.DataError, match="o200k_base has no fill-in-the-middle sentinels.*fim_rate=0"):
-            data.get_tokenizer("o200k_base", vocab, fim=True)
-    o200k = data.get_tokenizer("o200k_base", 4096)
+            tokenizer.get_tokenizer("o200k_base", vocab, fim=True)
+    o200k = tokenizer.get_tokenizer("o200k_base", 4096)
     with pytest.raises(corpus.DataError, match="no fill-in-the-middle sentinels"):
         data.prepare(_jsonl(tmp_path / "c.jsonl", DOCS), o200k, str(tmp_path / "o"), fim_rate=0.5)
     assert not os.path.exists(tmp_path / "o")  # refused before any work
@@ -306,7 +307,7 @@ def test_settings_name_the_folder_and_old_meta_is_reused(tmp_path, tok):
     assert len(named) == 7 and base not in named
     assert data.default_data_dir("stdlib", "cl100k_base", 4096, clean=True, dedup="near", fim_rate=0.5) \
         .startswith("data/stdlib-cl100k_base-4096-clean-near-fim-")
-    plain = data.get_tokenizer("cl100k_base", 4096)
+    plain = tokenizer.get_tokenizer("cl100k_base", 4096)
     meta, _, _, out = _prepare(tmp_path, DOCS, plain)
     with open(os.path.join(out, "meta.json")) as f:
         old = json.load(f)

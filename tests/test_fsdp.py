@@ -273,13 +273,13 @@ def train_compiled(rank, world, out_dir):
                 loss = run.fwd(x[m * mb:(m + 1) * mb], y[m * mb:(m + 1) * mb]) / accum
                 loss.backward()
                 r["losses"].append(loss.detach())
-            run.model.finish()
+            run.wrapper.finish()
             run.clip_grad_norm_(cfg.grad_clip)
             run.optimizer.step()
-            run.model.zero_grad()
+            run.wrapper.zero_grad()
             r["graphs"].append(graphs[0])
             r["calls"].append(calls[0])
-        r["weights"] = fsdp.full_state_dict(run.model)
+        r["weights"] = fsdp.full_state_dict(run.wrapper)
     torch.save(rec, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

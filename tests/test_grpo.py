@@ -57,6 +57,13 @@ V = 64
 LLAMA = dict(vocab_size=V, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, init_std=0.2)
 
 
+
+def learn(net, batch, cfg, lr):
+    """grpo.learn at a fixed learning rate (the stage sets it with optim.set_lr first)."""
+    for g in net.optimizer.param_groups:
+        g["lr"] = lr * g.get("lr_scale", 1.0)
+    return grpo.learn(net, batch, cfg)
+
 def build(seed=0, **kw):
     torch.manual_seed(seed)
     return Transformer(ModelConfig(**{**LLAMA, **kw}))
@@ -239,10 +246,10 @@ def test_all_logprobs_use_the_temperature():
         assert (got - want).abs().max() <= 1e-5, name
     # inside learn(): the policy's ratio to the rollout is 1 (no token outside a 1e-4 clip range) and
     # k3 to the same weights is 0; rollout log-probs taken at T = 1 instead put tokens outside
-    sums, _ = grpo.learn(run, batch, cfg, lr=0.0)
+    sums, _ = learn(run, batch, cfg, 0.0)
     assert sums[0] <= 1e-6 * sums[3] and sums[1] == sums[2] == 0 and sums[3] == 64
     batch.old = at_one
-    sums, _ = grpo.learn(run, batch, cfg, lr=0.0)
+    sums, _ = learn(run, batch, cfg, 0.0)
     assert sums[1] + sums[2] > 10
 
 
@@ -288,7 +295,7 @@ def test_rollout_copy_refreshed_and_same_tokens():
     ptrs = [t.data_ptr() for t in copy.parameters()]
     r, rewards = synthetic(raw)
     batch, _ = grpo.score(r, rewards, run.grid, cfg, [STOP])
-    grpo.learn(run, batch, cfg, cfg.lr)
+    learn(run, batch, cfg, cfg.lr)
 
     def cast(name, t):
         return dict(raw.named_parameters(remove_duplicate=False))[name].detach().to(t.dtype)
@@ -364,7 +371,8 @@ def test_score_masks_and_normalisers():
     for i in range(12):  # the end-of-turn token is the completion's last counted token
         last = r.tokens[i, r.prompt_len + r.lengths[i] - 1]
         assert batch.loss_mask[i, r.lengths[i] - 1] and (last == STOP) == (i % 3 != 1)
-    assert stats == [6.0, 11.0, 1.0, 3.0, 4.0, float(r.lengths.sum())]  # reward sum, rewarded, equal groups, ...
+    assert stats == {"reward": 6.0, "rewarded": 11.0, "equal": 1.0, "groups": 3.0, "truncated": 4.0,
+                     "gen_tokens": float(r.lengths.sum())}
     batch, _ = grpo.score(r, rewards, grid, grpo_cfg(dynamic_sampling=True, mask_truncated=True), [STOP])
     want = gen.clone()
     want[:4] = False  # group 0: all rewards equal
@@ -378,7 +386,6 @@ def one_step(cfg, grid, r, rewards, out=None):
     """Rollouts r (this rank's rows) and rewards -> full weights after one GRPO step (2 epochs, KL to
     the initial weights), the gradient norm of its last epoch (AdamW would hide a gradient off by a
     factor), the sums it logs (KL, clipped tokens, tokens) over every rank."""
-    import checkpoint
     import parallel
     torch.manual_seed(0)
     run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg)
@@ -386,8 +393,8 @@ def one_step(cfg, grid, r, rewards, out=None):
     ref = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)).requires_grad_(False), grid, cfg, optimizer=False)
     batch, _ = grpo.score(r, rewards, grid, cfg, [STOP])
     batch.ref = grpo.reference_logprobs(ref.fwd, batch, cfg)
-    sums, norm = grpo.learn(run, batch, cfg, cfg.lr)
-    weights = checkpoint.gather(run.raw, None, grid, run.model)[0]
+    sums, norm = learn(run, batch, cfg, cfg.lr)
+    weights = run.full_state(optimizer=False)[0]
     return {"weights": weights, "grad_norm": norm.reshape(1), "sums": grpo.all_sum(sums, grid)}
 
 

@@ -35,10 +35,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may touch the netwo
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-import data  # noqa: E402
 import generate  # noqa: E402
 import hf  # noqa: E402
-import hf_tokenizer  # noqa: E402
+import tokenizer  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -293,7 +292,7 @@ def check_same(ours, theirs, text=SAMPLE):
 
 def test_vocab_json_merges_txt(byte_level, tmp_path):
     byte_level.save_model(str(tmp_path))
-    ours = hf_tokenizer.load_hf_tokenizer(str(tmp_path))
+    ours = tokenizer.load_hf_tokenizer(str(tmp_path))
     assert ours.ids is None  # ids follow merge order: tiktoken ranks are the ids
     check_same(ours, transformers.GPT2Tokenizer.from_pretrained(str(tmp_path)))
     assert ours.decode(ours.encode(MIXED)) == MIXED
@@ -307,14 +306,14 @@ def test_ids_out_of_merge_order(byte_level, tmp_path):
     a, b = ("".join(merges[i].split(" ")) for i in (3, 200))  # two merge results trade ids
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (tmp_path / "vocab.json").write_text(json.dumps(vocab))
-    ours = hf_tokenizer.load_hf_tokenizer(str(tmp_path))
+    ours = tokenizer.load_hf_tokenizer(str(tmp_path))
     assert ours.ids is not None
     check_same(ours, transformers.GPT2Tokenizer.from_pretrained(str(tmp_path)))
 
 
 def test_tokenizer_json_byte_level(byte_level, tmp_path):
     byte_level.save(str(tmp_path / "tokenizer.json"))
-    check_same(hf_tokenizer.load_hf_tokenizer(str(tmp_path)),
+    check_same(tokenizer.load_hf_tokenizer(str(tmp_path)),
                transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json")))
 
 
@@ -324,7 +323,7 @@ def test_tokenizer_json_split_regex_nfc_chat(texts, tmp_path):
     from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
     tok = tokenizers.Tokenizer(models.BPE(ignore_merges=True))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(hf_tokenizer.LLAMA3_PAT), behavior="isolated"),
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(tokenizer.LLAMA3_PAT), behavior="isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=800, min_frequency=2,
@@ -336,14 +335,14 @@ def test_tokenizer_json_split_regex_nfc_chat(texts, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": template}))
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
-    ours = hf_tokenizer.load_hf_tokenizer(str(tmp_path))
+    ours = tokenizer.load_hf_tokenizer(str(tmp_path))
     check_same(ours, theirs)
     assert ours.nfc and ours.chat_template == template
     assert ours.eos_id == theirs.convert_tokens_to_ids("<|im_end|>") == ours.special_tokens["<|im_end|>"]
     chat = theirs.apply_chat_template([{"role": "user", "content": "Wie geht's? 🤖"}], tokenize=False,
                                       add_generation_prompt=True)
     assert ours.encode(chat, special=True) == hf_ids(theirs, chat, special=True)
-    assert ours.encode(chat) == hf_ids(theirs, chat)  # special text read as text, like data.Tokenizer
+    assert ours.encode(chat) == hf_ids(theirs, chat)  # special text read as text, like tokenizer.Tokenizer
 
 
 def write_tiktoken_file(path, enc):
@@ -355,13 +354,13 @@ def write_tiktoken_file(path, enc):
 def test_tiktoken_rank_file(tmp_path):
     """Llama-3's tokenizer.model format, filled with cl100k's first 4095 ranks."""
     convert = pytest.importorskip("transformers.convert_slow_tokenizer")
-    cl = data.get_tokenizer("cl100k_base", 4096)
+    cl = tokenizer.get_tokenizer("cl100k_base", 4096)
     write_tiktoken_file(tmp_path / "tokenizer.model", cl.enc)
-    ours = hf_tokenizer.load_hf_tokenizer(str(tmp_path))
-    specials = hf_tokenizer.llama3_specials(4095)
+    ours = tokenizer.load_hf_tokenizer(str(tmp_path))
+    specials = tokenizer.llama3_specials(4095)
     assert ours.special_tokens == specials and ours.bos_id == 4095 and ours.eos_id == 4096
     theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=convert.TikTokenConverter(
-        vocab_file=str(tmp_path / "tokenizer.model"), pattern=hf_tokenizer.LLAMA3_PAT,
+        vocab_file=str(tmp_path / "tokenizer.model"), pattern=tokenizer.LLAMA3_PAT,
         extra_special_tokens=list(specials)).converted())
     check_same(ours, theirs)
     assert ours.encode(SAMPLE) == cl.encode(SAMPLE)  # Llama-3's split pattern = cl100k's on this text
@@ -372,16 +371,16 @@ def test_tiktoken_rank_file(tmp_path):
 def test_export_tokenizers(byte_level, tmp_path):
     """A tiktoken tokenizer is written as tokenizer.json that transformers reads with tiktoken's ids;
     an HF tokenizer's own files are copied."""
-    cl = data.get_tokenizer("cl100k_base", 4096)
+    cl = tokenizer.get_tokenizer("cl100k_base", 4096)
     model = Transformer(ModelConfig(vocab_size=cl.n_vocab, n_layer=1, n_head=2, n_embd=16, block_size=16))
     hf.export_hf(model, str(tmp_path / "a"), tokenizer=cl)
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "a"))
-    assert hf_ids(theirs, SAMPLE) == cl.encode(SAMPLE) == hf_tokenizer.load_hf_tokenizer(str(tmp_path / "a")).encode(SAMPLE)
+    assert hf_ids(theirs, SAMPLE) == cl.encode(SAMPLE) == tokenizer.load_hf_tokenizer(str(tmp_path / "a")).encode(SAMPLE)
     assert theirs.eos_token_id == cl.eos_id
     assert json.loads((tmp_path / "a" / "config.json").read_text())["eos_token_id"] == cl.eos_id
     byte_level.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    tok = hf_tokenizer.load_hf_tokenizer(str(tmp_path))
+    tok = tokenizer.load_hf_tokenizer(str(tmp_path))
     hf.export_hf(model, str(tmp_path / "b"), tokenizer=tok)
     assert os.path.isfile(tmp_path / "b" / "tokenizer.json")
     check_same(tok, transformers.AutoTokenizer.from_pretrained(str(tmp_path / "b")))
@@ -392,7 +391,7 @@ def test_unreadable_tokenizers(tmp_path):
     (tmp_path / "sp").mkdir()
     (tmp_path / "sp" / "tokenizer.model").write_bytes(b"\n\x0e\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02")
     with pytest.raises(ValueError, match="SentencePiece"):
-        hf_tokenizer.load_hf_tokenizer(str(tmp_path / "sp"))
+        tokenizer.load_hf_tokenizer(str(tmp_path / "sp"))
     cases = {"WordPiece": models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"),
              "Unigram": models.Unigram([("<unk>", 0.0), ("a", -1.0)], 0),
              "SentencePiece-style": models.BPE({"<unk>": 0, "a": 1}, [], byte_fallback=True)}
@@ -402,10 +401,10 @@ def test_unreadable_tokenizers(tmp_path):
         tok.pre_tokenizer = pre_tokenizers.Metaspace()
         tok.save(str(tmp_path / name / "tokenizer.json"))
         with pytest.raises(ValueError, match=name):
-            hf_tokenizer.load_hf_tokenizer(str(tmp_path / name))
+            tokenizer.load_hf_tokenizer(str(tmp_path / name))
     (tmp_path / "none").mkdir()
     with pytest.raises(FileNotFoundError, match="no tokenizer files"):
-        hf_tokenizer.load_hf_tokenizer(str(tmp_path / "none"))
+        tokenizer.load_hf_tokenizer(str(tmp_path / "none"))
 
 
 # ----------------------------------------------------------------------------- init_from

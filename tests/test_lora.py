@@ -28,11 +28,11 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import checkpoint
 import config
 import distributed
 import lora
 import parallel
+import tp
 from distributed import assert_close, spawn, train_cfg
 from model import ModelConfig, Transformer
 
@@ -94,10 +94,10 @@ def test_moe_adapts_attention_only():
     lora.load(model, run.grid, random_adapters(model, 1))
     for s in range(2):
         run.fwd(*distributed.global_batch(s, T, V)).backward()
-        run.model.finish()
+        run.wrapper.finish()
         run.clip_grad_norm_(1.0)
         run.optimizer.step()
-        run.model.zero_grad()
+        run.wrapper.zero_grad()
     after = model.state_dict()
     assert all(torch.equal(after[k], init[k]) for k in init)  # the base, experts and router included
     assert sum(len(g["params"]) for g in run.optimizer.param_groups) == len(adapters)
@@ -253,31 +253,31 @@ def train(cfg, grid, init_adapters, steps=STEPS):
     model = Transformer(ModelConfig.from_cfg(cfg))
     base = {k: v.clone() for k, v in model.state_dict().items()}
     run = parallel.parallelize(model, grid, cfg)
-    lora.load(run.raw, grid, init_adapters, run.model)
+    lora.load(run.raw, grid, init_adapters, run.wrapper)
     per = distributed.G // grid.data_world
     rec = {"adapters": [], "losses": []}
     for s in range(steps):
         x, y = (t[grid.data_rank * per:(grid.data_rank + 1) * per] for t in distributed.global_batch(s, T, V))
         loss = 0.0
         for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2))):  # two micro-steps: gradient accumulation
-            with run.model.no_sync() if i == 0 else contextlib.nullcontext():
+            with run.wrapper.no_sync() if i == 0 else contextlib.nullcontext():
                 micro = run.fwd(xm, ym) / 2
                 micro.backward()
             loss = loss + micro.detach()
-        run.model.finish()
+        run.wrapper.finish()
         run.clip_grad_norm_(cfg.grad_clip)
         run.optimizer.step()
-        run.model.zero_grad()
+        run.wrapper.zero_grad()
         rec["losses"].append(loss)
-        rec["adapters"].append(lora.gather(run.raw, grid, run.model))
+        rec["adapters"].append(lora.gather(run.raw, grid, run.wrapper))
     with run.full_params():
-        full = checkpoint.full_state_dict(run.raw, grid)
+        full = tp.full_state_dict(run.raw, grid)
     rec["base_same"] = all(torch.equal(full[k], base[k]) for k in base)
     rec["opt_numel"] = sum(v.numel() for st in run.optimizer.state.values() for k, v in st.items() if k == "exp_avg")
     if cfg.data_parallel == "fsdp":
-        rec["frozen_numel"] = sum(u.shard.numel() for u in run.model.frozen)
-        rec["unit_numel"] = sum(u.shard.numel() for u in run.model.units)
-        rec["units_adapters_only"] = all(lora.is_adapter(ns[0]) for u in run.model.units for ns, _, _ in u.params)
+        rec["frozen_numel"] = sum(u.shard.numel() for u in run.wrapper.frozen)
+        rec["unit_numel"] = sum(u.shard.numel() for u in run.wrapper.units)
+        rec["units_adapters_only"] = all(lora.is_adapter(ns[0]) for u in run.wrapper.units for ns, _, _ in u.params)
     return rec
 
 

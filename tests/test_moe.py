@@ -23,6 +23,7 @@ What these tests prove, on CPU in fp32 (gloo for the distributed ones):
   identical across their replicas.
 (EP with TP, FSDP, Muon and resuming across layouts: tests/test_moe_layouts.py.)
 """
+import dp
 import math
 import os
 from types import SimpleNamespace
@@ -30,13 +31,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import checkpoint
 import config
 import moe
 import optim
 import parallel
 import distributed
-from distributed import rel_err, spawn, train_cfg
+from distributed import full_state, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer, make_moe
 
 
@@ -384,7 +384,7 @@ def train(rank, world, accum, out_dir, cfg_kw):
     full = {k: v.clone() for k, v in raw.state_dict().items()}
     moe.expert_parallel(raw, grid)
     opt = optim.build_optimizer(raw, cfg)
-    model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)
+    model = dp.DataParallel(raw, grid, cfg.grad_bucket_mb)
     # _compile: as parallel.parallelize, the model compiled whole, DataParallel's hooks on the parameters
     fwd = torch.compile(raw, backend="aot_eager") if cfg_kw.get("_compile") else model
     names = dict(raw.named_parameters())
@@ -416,7 +416,7 @@ def train(rank, world, accum, out_dir, cfg_kw):
             from torch._dynamo.utils import counters
             rec.setdefault("graphs", []).append(counters["stats"]["unique_graphs"])
     rec["grid"] = (grid.dp_rank, grid.ep_rank)
-    w, o = checkpoint.gather(raw, opt, grid, model)  # checkpoint layout: full experts too
+    w, o = full_state(raw, opt, grid, model)  # checkpoint layout: full experts too
     rec["full"] = (w, {n: st["exp_avg_sq"] for n, st in o.items()})
     torch.save(rec, os.path.join(out_dir, f"rank{rank}.pt"))
 

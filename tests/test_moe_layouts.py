@@ -15,6 +15,7 @@ process too, each whole matrix orthogonalised by exactly one owner of its unit's
 in its own AdamW run of the flat buffer). config.validate accepts these combinations.
 """
 import collections
+import dp
 import os
 from types import SimpleNamespace
 
@@ -30,7 +31,7 @@ import optim
 import parallel
 import tp
 import distributed
-from distributed import assert_close, ns_calls, rel_err, spawn, train_cfg
+from distributed import assert_close, full_state, load_checkpoint, ns_calls, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,10 +69,10 @@ def layout(grid, kw, sharded, steps, load=None, save=None, seed=0):
         opt = optim.build_optimizer(model, cfg, grid)
     else:
         opt = optim.build_optimizer(raw, cfg, grid)
-        model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)
+        model = dp.DataParallel(raw, grid, cfg.grad_bucket_mb)
     wrapper = model if sharded else None
-    start = checkpoint.load(load, raw, opt, grid, wrapper)["step"] if load else 0
-    rec = {"init": checkpoint.gather(raw, None, grid, wrapper)[0], "losses": [], "norms": [], "steps": []}
+    start = load_checkpoint(load, raw, opt, grid, wrapper)["step"] if load else 0
+    rec = {"init": full_state(raw, None, grid, wrapper)[0], "losses": [], "norms": [], "steps": []}
     per = G // grid.data_world
     with ns_calls() as calls:
         for s in range(start, start + steps):
@@ -99,7 +100,7 @@ def layout(grid, kw, sharded, steps, load=None, save=None, seed=0):
             opt.step()
             model.zero_grad()
             if grid.world == 1 or s + 1 == start + steps or (save and s + 1 == save[1]):
-                rec["steps"].append(checkpoint.gather(raw, opt, grid, wrapper))
+                rec["steps"].append(full_state(raw, opt, grid, wrapper))
             if save and s + 1 == save[1]:
                 checkpoint.save(save[0], s + 1, *rec["steps"][-1], cfg, rank=grid.rank)
     rec["calls"], rec["dropped"] = calls, moe.metrics(raw)["dropped"]  # (of this rank's last micro-batch)

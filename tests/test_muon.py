@@ -11,6 +11,7 @@ state bytes per rank ~ 1/dp of the total; checkpoints resume exactly, in one pro
 layouts (one process -> each layout, each layout -> one process).
 """
 import collections
+import dp
 import os
 from types import SimpleNamespace
 
@@ -26,7 +27,7 @@ import optim
 import parallel
 import tp
 import distributed
-from distributed import assert_close, ns_calls, rel_err, spawn, train_cfg
+from distributed import assert_close, full_state, load_checkpoint, ns_calls, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer
 
 
@@ -156,9 +157,9 @@ def _layout(grid, kw, out_dir, tag, load_from=None, steps=STEPS, save=True):
         opt = optim.build_optimizer(model, cfg, grid)
     else:
         opt = optim.build_optimizer(raw, cfg, grid)
-        model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb, owner=getattr(opt, "grad_owner", None))
+        model = dp.DataParallel(raw, grid, cfg.grad_bucket_mb, owner=getattr(opt, "grad_owner", None))
     wrapper = model if cfg.data_parallel == "fsdp" else None
-    start = checkpoint.load(load_from, raw, opt, grid, wrapper)["step"] if load_from else 0
+    start = load_checkpoint(load_from, raw, opt, grid, wrapper)["step"] if load_from else 0
     with ns_calls() as calls:
         for s in range(start, start + steps):
             per = G // grid.dp
@@ -171,7 +172,7 @@ def _layout(grid, kw, out_dir, tag, load_from=None, steps=STEPS, save=True):
             parallel.clip_grad_norm_(model, cfg.grad_clip, grid, getattr(opt, "grad_owner", None))
             opt.step()
             model.zero_grad()
-    weights, ostate = checkpoint.gather(raw, opt, grid, wrapper)
+    weights, ostate = full_state(raw, opt, grid, wrapper)
     if save:
         checkpoint.save(os.path.join(out_dir, tag), start + steps, weights, ostate, cfg, rank=grid.rank)
     return dict(weights=weights, optim=ostate, calls=calls, bytes=opt.state_bytes(),
@@ -276,7 +277,7 @@ def _ep(rank, out_dir, ep, zero1=False):
     raw = Transformer(ModelConfig.from_cfg(cfg))
     moe.expert_parallel(raw, grid)
     opt = optim.build_optimizer(raw, cfg, grid)
-    model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)
+    model = dp.DataParallel(raw, grid, cfg.grad_bucket_mb)
     with ns_calls() as calls:
         for s in range(STEPS):
             per = G // grid.data_world

@@ -13,6 +13,7 @@ equals one process (frozen weights unchanged, the rest as a plain run training o
 gradient norm as torch's over the trainable ones); a frozen model gets no optimizer and stays
 replicated, also when fsdp is asked for.
 """
+import dp
 import gc
 import os
 import weakref
@@ -58,7 +59,7 @@ def train(rank, world, accum, out_dir, cfg_kw):
             for p in raw.parameters():
                 p.add_(1.0)
     opt = optim.build_optimizer(raw, cfg)
-    model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb, reduce_dtype=getattr(torch, cfg.grad_reduce_dtype))
+    model = dp.DataParallel(raw, grid, cfg.grad_bucket_mb, reduce_dtype=getattr(torch, cfg.grad_reduce_dtype))
     rec = {"init": {k: v.clone() for k, v in raw.state_dict().items()}, "steps": []}
     per_rank = G // world
     mb = per_rank // accum
@@ -154,7 +155,7 @@ def _ddp_style(rank, out_dir):
     cfg = small_cfg()
     grid = parallel.init(cfg)
     raw = Transformer(ModelConfig.from_cfg(cfg))
-    model = parallel.DataParallel(raw, grid, cfg.grad_bucket_mb)
+    model = dp.DataParallel(raw, grid, cfg.grad_bucket_mb)
     x, y = global_batch(0)
     model(x, y).backward()  # the last micro-step's backward launches the reductions ...
     with model.no_sync():   # ... and a DDP-style no_sync around the next forward only does not stop
@@ -223,15 +224,15 @@ def _frozen(rank, world, out_dir, data_parallel):
     for step in range(2):
         x, y = (t[rank * per:(rank + 1) * per] for t in global_batch(step))
         run.fwd(x, y).backward()
-        run.model.finish()
+        run.wrapper.finish()
         rec["norms"].append(run.clip_grad_norm_(cfg.grad_clip))
         run.optimizer.step()
-        run.model.zero_grad(set_to_none=True)
+        run.wrapper.zero_grad(set_to_none=True)
     with run.full_params():
         rec["weights"] = {k: v.clone() for k, v in run.raw.state_dict().items()}
     ref = Transformer(ModelConfig.from_cfg(cfg)).requires_grad_(False)  # a frozen reference model
     frozen = parallel.parallelize(ref, grid, cfg, optimizer=False)
-    assert frozen.optimizer is None and isinstance(frozen.model, parallel.DataParallel)
+    assert frozen.optimizer is None and isinstance(frozen.wrapper, dp.DataParallel)
     rec["ref_loss"] = frozen.fwd(*global_batch(0)).item()
     torch.save(rec, os.path.join(out_dir, f"{data_parallel}{rank}.pt"))
 

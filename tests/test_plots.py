@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import checkpoint
-import data
 import hf
 import logs
 import plots
+import tokenizer
 from distributed import train_cfg
 from model import ModelConfig, Transformer
 
@@ -92,14 +92,14 @@ def test_errors(tmp_path):
         plots.plot_runs([str(tmp_path)], str(tmp_path / "x.png"))
     model = Transformer(ModelConfig(vocab_size=300, **TINY))
     with pytest.raises(ValueError, match="layers 0..1 and heads 0..3"):
-        plots.plot_attention(model, data.get_tokenizer("cl100k_base", 300), "x", 2, 0, str(tmp_path / "a.png"))
+        plots.plot_attention(model, tokenizer.get_tokenizer("cl100k_base", 300), "x", 2, 0, str(tmp_path / "a.png"))
 
 
 @pytest.mark.parametrize("family", [dict(n_kv_head=2), dict(pos_emb="learned", norm="layernorm", activation="gelu",
                                                             bias=True, tie_embeddings=True)])
 def test_attention_equals_transformers(family, tmp_path):
     transformers = pytest.importorskip("transformers")
-    tok = data.get_tokenizer("cl100k_base", 300)
+    tok = tokenizer.get_tokenizer("cl100k_base", 300)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=tok.n_vocab, **TINY, **family)).eval()
     hf.export_hf(model, str(tmp_path / "hf"))

@@ -59,8 +59,8 @@ def test_small_validation_split_shrinks_evaluation(tmp_path, data_dir):
              "--max_steps=4", "--eval_every=2", "--eval_batches=40", "--ckpt_every=0"])
     assert r.stdout.count("evaluation:") == 1, r.stdout[-2000:]
     assert "instead of 40 x 2" in r.stdout
-    vals = [m["val_loss"] for m in metrics(out) if "val_loss" in m]
-    assert len(vals) == 2 and all(v == v and v < 10 for v in vals)
+    vals = [(m["step"], m["val_loss"]) for m in metrics(out) if "val_loss" in m]
+    assert [s for s, _ in vals] == [0, 2, 4] and all(v == v and v < 10 for _, v in vals)  # before training, then every 2
     assert os.path.isfile(os.path.join(out, "step_000004", "complete.json"))  # the final checkpoint
 
 

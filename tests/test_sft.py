@@ -18,7 +18,7 @@ Proves:
   restored by checkpoint.load), the same from a TP2 run; export_hf= writes a folder transformers
   loads with the same logits; a LoRA checkpoint as init_from starts from the merged weights;
   sample.py --chat answers with the eager generate()'s greedy tokens.
-- init_from: a run folder configures the model shape and tokenizer (hf.configure) and names its
+- init_from: a run folder configures the model shape and tokenizer (weights.configure) and names its
   newest checkpoint; new vocabulary rows are the mean of the old ones (ours and HF's).
 - bad input stops sft.main with one UserError before anything is written: a missing init_from, LoRA
   targets the model lacks, a malformed record (file and line named), merge without LoRA, data that
@@ -41,7 +41,8 @@ import lora
 import parallel
 import sample
 import sft
-from distributed import assert_close, spawn
+import weights
+from distributed import assert_close, load_checkpoint, spawn
 from model import IGNORE, ModelConfig, Transformer
 
 TINY = dict(tokenizer="cl100k_base", tokenizer_vocab=512, vocab_size=512, n_layer=2, n_head=4, n_kv_head=2,
@@ -74,7 +75,7 @@ def args(root, name, *extra):
     return [f"--init_from={root}/init", f"--out_dir={root}/{name}", *COMMON, *extra]
 
 
-def weights(root, name, step=STEPS):
+def saved_weights(root, name, step=STEPS):
     return load_file(str(root / name / f"step_{step:06d}" / "model.safetensors"))
 
 
@@ -97,7 +98,7 @@ def reference(init):
 
 
 def check_same(root, name, ref):
-    got, want = weights(root, name), weights(root, ref)
+    got, want = saved_weights(root, name), saved_weights(root, ref)
     assert_close(got, want, f"{name} vs {ref}")
     assert accuracies(root, name) == accuracies(root, ref), name
 
@@ -115,9 +116,9 @@ def test_layouts_and_resume_equal_one_process(reference):
     for kind in ("full", "lora"):
         for name in ("dp2", "fsdp2", "tp2", "tp2_dp2"):
             check_same(root, f"{name}_{kind}", f"ref_{kind}")
-        assert_close(weights(root, f"resume_{kind}"), weights(root, f"ref_{kind}"), f"resume_{kind}")
-    assert_close(weights(root, "merged_tp2"), weights(root, "merged"), "merge= under TP2")
-    full, ref = weights(root, "ref_lora"), weights(root, "ref_full")
+        assert_close(saved_weights(root, f"resume_{kind}"), saved_weights(root, f"ref_{kind}"), f"resume_{kind}")
+    assert_close(saved_weights(root, "merged_tp2"), saved_weights(root, "merged"), "merge= under TP2")
+    full, ref = saved_weights(root, "ref_lora"), saved_weights(root, "ref_full")
     init = checkpoint.read_weights(str(root / "init" / "step_000007"), ModelConfig.from_cfg(run_cfg(**TINY)))
     assert torch.equal(full["blocks.0.attn.qkv.weight"], init["blocks.0.attn.qkv.weight"])  # LoRA: base frozen
     assert not torch.equal(ref["blocks.0.attn.qkv.weight"], init["blocks.0.attn.qkv.weight"])
@@ -137,7 +138,7 @@ def test_lora_outputs(reference, capsys):
 
     grid = parallel.init(cfg)  # one process
     model = lora.apply(Transformer(mcfg), cfg, grid)  # adapters on the fly, restored with the base
-    checkpoint.load(str(ckpt), model, None, grid)
+    load_checkpoint(str(ckpt), model, None, grid)
     merged, _, merged_cfg = sample.load(str(root / "merged"))
     x = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -148,9 +149,9 @@ def test_lora_outputs(reference, capsys):
         assert_close(theirs(x).logits, want, "export_hf", tol=1e-5)
 
     start = run_cfg(init_from=str(root / "ref_lora"), vocab_size=cfg.vocab_size)  # a LoRA run as init_from
-    hf.configure(start)
+    weights.configure(start)
     fresh = Transformer(ModelConfig.from_cfg(start))
-    hf.init_loader(start, grid)(fresh)
+    weights.loader(start, grid)(fresh)
     assert_close(fresh.state_dict(), merged.state_dict(), "init_from a LoRA run")
 
     tok, template = sample.chat_setup(str(root / "merged"), merged_cfg)
@@ -165,13 +166,13 @@ def test_lora_outputs(reference, capsys):
 
 def test_init_from_run_folder_grows_vocabulary(init):
     cfg = run_cfg(init_from=str(init / "init"), n_layer=7, tokenizer="gpt2")
-    assert hf.configure(cfg) == f"model and tokenizer of checkpoint {init}/init/step_000007"
+    assert weights.configure(cfg) == f"model and tokenizer of checkpoint {init}/init/step_000007"
     assert (cfg.init_from, cfg.n_layer, cfg.n_embd, cfg.tokenizer, cfg.tokenizer_vocab) == \
         (str(init / "init" / "step_000007"), 2, 32, "cl100k_base", 512)
     tok, _ = chat.setup(cfg)
     assert cfg.vocab_size == tok.n_vocab == 514  # <|im_start|>, <|im_end|> added past the 512 ids
     model = Transformer(ModelConfig.from_cfg(cfg))
-    hf.init_loader(cfg, parallel.init(cfg))(model)
+    weights.loader(cfg, parallel.init(cfg))(model)
     old = checkpoint.read_weights(cfg.init_from, ModelConfig.from_cfg(run_cfg(**TINY)))
     for k in ("tok_emb.weight", "head.weight"):
         new = model.state_dict()[k]
@@ -233,14 +234,14 @@ def test_loss_equals_trl(hf_chat, tmp_path):
         trl_loss = trainer.compute_loss(trainer.model, trainer.data_collator(rows)).item()
 
     cfg = run_cfg(init_from=folder)
-    hf.configure(cfg)
+    weights.configure(cfg)
     tok, template = chat.setup(cfg)
     examples = [chat.encode(tok, template, c) for c in CONVERSATIONS]
     for (ids, mask), row in zip(examples, rows):  # the same ids, the same trained tokens
         assert ids == row["input_ids"]
         assert mask == [t != IGNORE for t in row["labels"]]
     grid = parallel.init(cfg)
-    run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg, load=hf.init_loader(cfg, grid))
+    run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg, load=weights.loader(cfg, grid))
     T = max(len(ids) for ids, _ in examples) - 1
     padded = chat.pack(examples, T, one_per_row=True)[0]
     packed = chat.pack(examples, 2 * T)[0]
@@ -248,9 +249,9 @@ def test_loss_equals_trl(hf_chat, tmp_path):
     for micro in ([padded], [packed], [padded[:1], padded[1:]]):
         nll, count = sft.train_step(run, [chat.batch(r) for r in micro], contextlib.nullcontext())
         assert abs(nll.item() / count.item() - trl_loss) <= 1e-5 * trl_loss, (micro, nll / count, trl_loss)
-        run.model.finish()
+        run.wrapper.finish()
         grads.append({n: p.grad.clone() for n, p in run.raw.named_parameters()})
-        run.model.zero_grad()
+        run.wrapper.zero_grad()
     assert len(packed) < len(padded)
     assert_close(grads[1], grads[0], "packed gradients")
     assert_close(grads[2], grads[0], "two micro-steps' gradients")
@@ -259,11 +260,11 @@ def test_loss_equals_trl(hf_chat, tmp_path):
 def test_hf_vocabulary_grows(hf_chat):
     folder, hf_tok = hf_chat
     cfg = run_cfg(init_from=folder)
-    hf.configure(cfg)
+    weights.configure(cfg)
     n = cfg.vocab_size
     cfg.vocab_size = n + 3  # as if the template had brought three new tokens
     model = Transformer(ModelConfig.from_cfg(cfg))
-    hf.init_loader(cfg, parallel.init(cfg))(model)
+    weights.loader(cfg, parallel.init(cfg))(model)
     ref = hf.load_hf(folder)
     for k in ("tok_emb.weight", "head.weight"):
         got, old = model.state_dict()[k], ref.state_dict()[k][:n]

