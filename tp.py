@@ -139,17 +139,6 @@ class Gather(torch.autograd.Function):
         return _split(g, ctx.group), None
 
 
-class Split(torch.autograd.Function):
-    """Keep this rank's slice of the last dim; backward all-gathers the gradient slices."""
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, group)
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, ctx.group), None
-
-
 def sequence_sharded(module):
     """A layer's sequence_parallel applies to forwards that record gradients (training): one rule
     every layer of a forward agrees on. Without gradients (evaluation, generation with a KV cache:

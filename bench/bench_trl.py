@@ -146,11 +146,15 @@ def sft(a):
     cfg = SFTConfig(**common_args(a, max_length=n_tokens, packing=False, completion_only_loss=True))
     trainer = SFTTrainer(model=a.model, args=cfg, train_dataset=ds, processing_class=tok,
                          peft_config=lora_config(a), callbacks=[clock])
+    train_and_report(a, trainer, clock, "trl-sft", n_tokens, lora_r=a.lora_r)
+
+
+def train_and_report(a, trainer, clock, name, n_tokens, **extra):
+    """Train, then report tokens/s of the timed steps (n_tokens per row, a.batch rows per rank)."""
     trainer.train()
-    s = clock.seconds_per_step()
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    report(a, dict(run="trl-sft" + ("-lora" if a.lora_r else ""), tokens_per_step=n_tokens * a.batch * world,
-                   tok_s=round(n_tokens * a.batch * world / s), s_per_step=round(s, 4), lora_r=a.lora_r))
+    s, world = clock.seconds_per_step(), int(os.environ.get("WORLD_SIZE", 1))
+    report(a, dict(run=name + ("-lora" if a.lora_r else ""), tokens_per_step=n_tokens * a.batch * world,
+                   tok_s=round(n_tokens * a.batch * world / s), s_per_step=round(s, 4), **extra))
 
 
 def dpo(a):
@@ -166,12 +170,7 @@ def dpo(a):
                                   precompute_ref_log_probs=a.precompute_ref))
     trainer = DPOTrainer(model=a.model, args=cfg, train_dataset=ds, processing_class=tok,
                          peft_config=lora_config(a), callbacks=[clock])
-    trainer.train()
-    s = clock.seconds_per_step()
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    report(a, dict(run="trl-dpo" + ("-lora" if a.lora_r else ""), tokens_per_step=n_tokens * a.batch * world,
-                   tok_s=round(n_tokens * a.batch * world / s), s_per_step=round(s, 4),
-                   precompute_ref=a.precompute_ref))
+    train_and_report(a, trainer, clock, "trl-dpo", n_tokens, precompute_ref=a.precompute_ref)
 
 
 def grpo(a):

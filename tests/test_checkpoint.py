@@ -11,7 +11,6 @@ are listed, refused where they break exactness, accepted with force_resume; bare
 user mistakes raise config.UserError subclasses that keep their built-in types."""
 import hashlib
 import json
-import lifecycle
 import os
 import pickle
 import subprocess
@@ -25,6 +24,7 @@ import torch
 
 import checkpoint
 import config
+import lifecycle
 import optim
 import parallel
 import weights

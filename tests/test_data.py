@@ -29,7 +29,6 @@ import json
 import os
 import subprocess
 import sys
-import tokenizer  # noqa: E402
 import types
 
 import numpy as np
@@ -40,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
 import corpus  # noqa: E402
 import data  # noqa: E402
+import tokenizer  # noqa: E402
 
 TEXTS = [
     "hello world",

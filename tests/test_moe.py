@@ -23,7 +23,6 @@ What these tests prove, on CPU in fp32 (gloo for the distributed ones):
   identical across their replicas.
 (EP with TP, FSDP, Muon and resuming across layouts: tests/test_moe_layouts.py.)
 """
-import dp
 import math
 import os
 from types import SimpleNamespace
@@ -32,6 +31,7 @@ import pytest
 import torch
 
 import config
+import dp
 import moe
 import optim
 import parallel

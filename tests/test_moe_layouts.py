@@ -15,7 +15,6 @@ process too, each whole matrix orthogonalised by exactly one owner of its unit's
 in its own AdamW run of the flat buffer). config.validate accepts these combinations.
 """
 import collections
-import dp
 import os
 from types import SimpleNamespace
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 
 import checkpoint
 import config
+import dp
 import fsdp
 import moe
 import optim

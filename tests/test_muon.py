@@ -11,7 +11,6 @@ state bytes per rank ~ 1/dp of the total; checkpoints resume exactly, in one pro
 layouts (one process -> each layout, each layout -> one process).
 """
 import collections
-import dp
 import os
 from types import SimpleNamespace
 
@@ -20,6 +19,7 @@ import torch
 
 import checkpoint
 import config
+import dp
 import fsdp
 import moe
 import muon

@@ -13,7 +13,6 @@ equals one process (frozen weights unchanged, the rest as a plain run training o
 gradient norm as torch's over the trainable ones); a frozen model gets no optimizer and stays
 replicated, also when fsdp is asked for.
 """
-import dp
 import gc
 import os
 import weakref
@@ -22,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import dp
 import optim
 import parallel
 import distributed

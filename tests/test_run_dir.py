@@ -8,7 +8,6 @@ continues its checkpoint's lineage (prunes it); steps sort numerically (step_999
 step_1000000); a save removes only temporary folders whose writer is gone, never a live run's;
 resuming an older checkpoint with newer ones beside it refuses rather than mixing two histories.
 """
-import lifecycle
 import os
 import signal
 import socket
@@ -20,6 +19,7 @@ import pytest
 
 import checkpoint
 import config
+import lifecycle
 from test_checkpoint import GRID, ROOT, make
 from distributed import full_state
 

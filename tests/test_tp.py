@@ -16,16 +16,17 @@ compiled over the steps. The autograd Functions reach no in-place torch.distribu
 (a static check: the in-place form trained wrongly compiled on torch 2.11, which CI does not run).
 """
 import copy
-import dp
 import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import config
+import dp
 import generate
 import hf
 import optim
@@ -71,12 +72,14 @@ def _layers(rank, out_dir):
     torch.manual_seed(0)  # same full layers and inputs on both ranks
     res = {}
 
-    def run(name, tp_fn, ref_fn, x):
+    def run(name, tp_fn, ref_fn, x, sliced=False):
         xt, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
         yt, yr = tp_fn(xt), ref_fn(xr)
         gy = torch.randn_like(yr)
         (yt * gy).sum().backward()
         (yr * gy).sum().backward()
+        if sliced:  # each rank's input slice has its gradient, zero elsewhere: together, the full one
+            dist.all_reduce(xt.grad, group=g)
         res[name] = (yt.detach(), yr.detach())
         res[name + " dx"] = (xt.grad, xr.grad)
 
@@ -88,7 +91,7 @@ def _layers(rank, out_dir):
 
     lin = nn.Linear(8, 6)
     row = tp.RowParallelLinear(copy.deepcopy(lin), grid)
-    run("row", lambda x: row(tp.Split.apply(x, g)), lin, torch.randn(3, 5, 8))
+    run("row", lambda x: row(x.chunk(grid.tp, -1)[grid.tp_rank]), lin, torch.randn(3, 5, 8), sliced=True)
     for n in ("weight", "bias"):
         res[f"row d{n}"] = (tp.full_tensor(getattr(row, n), getattr(row, n).grad, grid), getattr(lin, n).grad)
 
