@@ -112,16 +112,16 @@ def _layers(rank, out_dir):
     targets[1, 3] = 12
     for red in ("mean", "sum", "none"):
         run(f"cross-entropy {red}",
-            lambda z: tp.vocab_parallel_cross_entropy(tp.Split.apply(z, g), targets, g, 13, reduction=red),
+            lambda z: tp.vocab_parallel_cross_entropy(z.chunk(grid.tp, -1)[grid.tp_rank], targets, g, 13, reduction=red),
             lambda z: F.cross_entropy(z[..., :13].flatten(0, 1), targets.flatten(), reduction=red
-                                      ).view(targets.shape if red == "none" else ()), logits)
+                                      ).view(targets.shape if red == "none" else ()), logits, sliced=True)
     valid = targets != -100
 
     def ref_logprobs(z):
         lp = z[..., :13].log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
         return lp * valid
-    run("logprobs", lambda z: tp.vocab_parallel_logprobs(tp.Split.apply(z, g), targets, g, 13), ref_logprobs,
-        logits)
+    run("logprobs", lambda z: tp.vocab_parallel_logprobs(z.chunk(grid.tp, -1)[grid.tp_rank], targets, g, 13), ref_logprobs,
+        logits, sliced=True)
     if rank == 0:
         torch.save(res, os.path.join(out_dir, "layers.pt"))
 
