@@ -20,6 +20,7 @@ import io
 import json
 import os
 import sys
+import time
 import tokenize
 import traceback
 from dataclasses import asdict
@@ -406,7 +407,8 @@ def cli(main, argv):
     under torchrun (every rank meets the same error; the others leave quietly with status 0, so
     torchrun's own summary that follows names one failed process, and its error file carries the
     same line); `--debug` anywhere on the command line shows the traceback instead. Every other
-    exception is a bug and keeps its traceback on every rank that hits it.
+    exception is a bug and keeps its traceback on every rank that hits it. The process group, if
+    any, is destroyed on the way out.
     """
     debug = "--debug" in argv
     try:
@@ -419,8 +421,8 @@ def cli(main, argv):
         print(f"error: {e}", file=sys.stderr, flush=True)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary shows this instead of "no traceback"
             with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                json.dump({"message": {"message": f"error: {e}", "extraInfo": {"py_callstack": f"error: {e}",
-                                                                                "timestamp": "0"}}}, f)
+                json.dump({"message": {"message": f"error: {e}", "extraInfo": {
+                    "py_callstack": f"error: {e}", "timestamp": str(int(time.time()))}}}, f)
         sys.exit(2)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves: lifecycle.Interrupt)
         if debug:

@@ -66,11 +66,13 @@ DEFAULTS = dict(
     kl_ratio=True,            # the k3 term times the ratio (TRL's use_bias_correction_kl)
     dynamic_sampling=False,   # leave out groups whose rewards are all equal (DAPO, without refill)
     mask_truncated=False,     # completions cut at max_new_tokens count no token (DAPO's overlong filtering)
+    reward_truncated=False,   # a completion cut at max_new_tokens keeps its reward (False: it earns 0)
+    dead_steps=20,            # warn when no step of this many in a row had a learning signal (diagnose)
     rollout_copy=True,        # rollouts read a copy in the compute dtype (main; False: the trained weights)
     out_dir="out/grpo",       # checkpoints and metrics
 )
 EXTRA = {**chat.CHAT_DEFAULTS, **DEFAULTS}  # this script's keys beyond config.py's (config.load(extra=...))
-RESUME_FREE = ("eval_prompts",)  # a resumed run may change it (with config.RESUME_FREE)
+RESUME_FREE = ("eval_prompts", "dead_steps")  # a resumed run may change it (with config.RESUME_FREE)
 
 # ----------------------------------------------------------------------------- the math
 
@@ -189,11 +191,18 @@ class Batch:
 
 
 def score(r, rewards, grid, cfg, stops):
-    """A Rollout and this rank's rewards (NaN: none) -> (Batch, stats). Every data rank's rewards are gathered
-    before the group statistics; dynamic_sampling leaves out groups of equal rewards, mask_truncated completions
-    that did not stop. stats: global sums {reward, rewarded (completions with a reward), equal (groups of equal
+    """A Rollout and this rank's rewards (NaN: none) -> (Batch, stats). A completion cut at max_new_tokens
+    earns 0 unless reward_truncated (an answer that never ended is not an answer; rewarded, the policy
+    learns that stopping does not matter). Every data rank's rewards are gathered before the group
+    statistics; dynamic_sampling leaves out groups of equal rewards, mask_truncated completions that did
+    not stop. stats: global sums {reward, rewarded (completions with a reward), equal (groups of equal
     rewards), groups, truncated (completions that did not stop), gen_tokens (completion tokens)}."""
     G, R, dev = cfg.group_size, rewards.numel(), rewards.device
+    T = r.prompt_len
+    last = r.tokens.gather(1, (T + r.lengths - 1)[:, None]).squeeze(1)
+    stopped = torch.isin(last, torch.as_tensor(stops, device=dev))
+    if not cfg.reward_truncated:
+        rewards = torch.where(stopped | rewards.isnan(), rewards, torch.zeros_like(rewards))
     mine = slice(grid.data_rank * R, (grid.data_rank + 1) * R)
     every = torch.zeros(R * grid.data_world, device=dev)
     every[mine] = rewards  # each data rank fills its slot; the sum gathers them (NaN stays NaN)
@@ -201,9 +210,6 @@ def score(r, rewards, grid, cfg, stops):
     adv = advantages(every, G, cfg.scale_rewards)
     equal = ~(nanstd(every.view(-1, G)) > 0)  # all equal (or fewer than two rewards): no signal
     keep = (~equal).repeat_interleave(G) if cfg.dynamic_sampling else torch.ones_like(every, dtype=torch.bool)
-    T = r.prompt_len
-    last = r.tokens.gather(1, (T + r.lengths - 1)[:, None]).squeeze(1)
-    stopped = torch.isin(last, torch.as_tensor(stops, device=dev))
     loss_mask = r.mask[:, T:] & keep[mine, None]
     if cfg.mask_truncated:
         loss_mask &= stopped[:, None]
@@ -212,6 +218,25 @@ def score(r, rewards, grid, cfg, stops):
              "groups": equal.numel(), "truncated": counts[1].item(), "gen_tokens": counts[2].item()}
     return Batch(r.tokens, r.mask, T, r.logprobs, loss_mask, adv[mine].to(dev), keep.sum().item(),
                  counts[0].item()), stats
+
+
+def diagnose(m, cfg):
+    """What is wrong with a stretch of steps that cannot learn (their logged means m), and what to try;
+    None while the run has signal. Equal rewards in (nearly) every group give zero advantages: no gradient."""
+    if m["truncated"] >= 0.9:
+        return (f"{m['truncated']:.0%} of completions ran to max_new_tokens={cfg.max_new_tokens} without their end of "
+                "turn, so they earn nothing: raise max_new_tokens, lower lr, or start from a model that stops "
+                "(more SFT)")
+    if m["frac_equal_groups"] >= 0.95:
+        if m["reward"] <= 0.05:
+            return ("every sample of nearly every prompt earns 0: nothing to reinforce. The task is too hard for this "
+                    "model: fine-tune it first (sft.py), make the task easier (task_args), or sample more (group_size, "
+                    "temperature)")
+        if m["reward"] >= 0.95:
+            return "every sample of nearly every prompt is right: the task is solved; harder prompts (task_args)"
+        return ("the rewards of each group are all equal: check that the reward varies between completions "
+                "(a reward that only sees the prompt), or sample more (group_size, temperature)")
+    return None
 
 
 @torch.no_grad()
@@ -263,6 +288,7 @@ def check(cfg, grid):
         (min(cfg.max_new_tokens, cfg.grpo_epochs, cfg.train_prompts) < 1,
          "max_new_tokens, grpo_epochs and train_prompts must be >= 1"),
         (cfg.ep > 1, f"ep={cfg.ep}: expert-parallel ranks would stop decoding at different steps; use ep=1"),
+        (cfg.dead_steps < 1, f"dead_steps={cfg.dead_steps} must be >= 1"),
         (cfg.eval_every and cfg.eval_prompts < grid.data_world,
          f"eval_prompts={cfg.eval_prompts} must be >= the {grid.data_world} data ranks")]:
         if bad:
@@ -353,6 +379,7 @@ def main(argv):
         evaluate()
     last, interrupt, stopped = cfg.stop_at or cfg.max_steps, lifecycle.Interrupt(grid), False
     tally, first = {}, step + 1  # what the log line reports, summed over its steps
+    dead, logged, warned = 0, step, {}  # steps in a row without signal (diagnose), their warnings
     while step < last:
         t0 = clock.now()
         idx = [(step * P + i) % len(train) for i in range(P)]
@@ -387,7 +414,12 @@ def main(argv):
                  "t_reward": tally["t_reward"] / k, "t_learn": tally["t_learn"] / k,
                  "gen_tok_s": tally["gen_tokens"] / tally["t_rollout"]}
             logger.report(step, m, cfg.max_steps, say)
-            tally = {}
+            tally, why = {}, diagnose(m, cfg)
+            dead = dead + (step - logged) if why else 0
+            if why and dead >= cfg.dead_steps and not warned.get(why):
+                warned[why] = True
+                say(f"warning: no learning signal in the last {dead} steps: {why}")
+            logged = step
         stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate, say, clock)
         if stopped:
             break

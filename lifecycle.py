@@ -263,7 +263,7 @@ def resume(lease, net):
     if not lease.resume_from:
         return None
     weights, optim_state, trainer = checkpoint.load(lease.resume_from, net.raw.cfg, net.optimizer is not None)
-    have, got = ({k for k in sd if lora.is_adapter(k)} for sd in (net.raw.state_dict(), weights))
+    have, got = ({k for k in names if lora.is_adapter(k)} for names in (net.state_names(), weights))
     if have != got:  # (resume's config check refuses changed lora_* settings first)
         raise CheckpointError(f"'{lease.resume_from}' holds LoRA adapters {sorted(got)[:2]}, this model {sorted(have)[:2]}")
     net.load_full_state(weights, optim_state)

@@ -284,6 +284,10 @@ class Net:
             return self.wrapper.summon_full_params()
         return contextlib.nullcontext()
 
+    def state_names(self):
+        """The one-process state-dict names of this network, whatever the layout (FSDP's flat shards too)."""
+        return list(self.wrapper.sd_keys) if isinstance(self.wrapper, fsdp.FSDP) else list(self.raw.state_dict())
+
     def full_state(self, optimizer=True):
         """(weights, optimizer state or None) as full tensors on CPU under the one-process names, from
         any layout (DP, ZeRO-1, TP, FSDP, EP and their products). Collective: every rank calls it.

@@ -355,8 +355,9 @@ def part(r, rows):
 
 def grpo_cfg(**kw):
     from distributed import train_cfg
+    # reward_truncated=True: TRL's semantics (a cut completion keeps its reward), what the parity tests compare
     return train_cfg({**grpo.DEFAULTS, **LLAMA}, **{**dict(group_size=G, max_new_tokens=N, temperature=0.8,
-                                                           micro_batch_size=2), **kw})
+                                                           micro_batch_size=2, reward_truncated=True), **kw})
 
 
 def test_score_masks_and_normalisers():
@@ -381,6 +382,28 @@ def test_score_masks_and_normalisers():
 
 
 # ----------------------------------------------------------------------------- layouts
+
+
+def test_truncated_completions_earn_nothing_by_default():
+    """The default (reward_truncated=False): a completion cut at max_new_tokens earns 0 whatever its
+    reward said, a NaN (no reward) stays NaN, a completion that stopped keeps its reward; the
+    advantages are those of the zeroed rewards."""
+    import parallel
+    model = build()
+    prompts = [torch.randint(0, V, (4,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    r, _ = grpo.rollout(model, prompts, 4 * G, 0, 1, N, temperature=1.0, seed=3, stop_tokens=[STOP])
+    T = r.prompt_len
+    stopped = r.tokens.gather(1, (T + r.lengths - 1)[:, None]).squeeze(1) == STOP
+    assert stopped.any() and (~stopped).any()
+    rewards = torch.ones(r.tokens.shape[0])
+    rewards[0] = float("nan")
+    cfg = grpo_cfg(reward_truncated=False, group_size=4 * G)
+    batch, stats = grpo.score(r, rewards, parallel.init(cfg), cfg, [STOP])
+    want = torch.where(stopped, rewards, torch.zeros_like(rewards))
+    want[0] = float("nan")
+    assert torch.allclose(batch.adv, grpo.advantages(want, 4 * G))
+    assert stats["reward"] == float(want.nansum()) and stats["truncated"] == float((~stopped).sum())
+
 
 def one_step(cfg, grid, r, rewards, out=None):
     """Rollouts r (this rank's rows) and rewards -> full weights after one GRPO step (2 epochs, KL to
@@ -488,7 +511,7 @@ def test_main_rollout_copy_and_reward_plot(tmp_path, monkeypatch):
     args = ["--device=cpu", "--tokenizer_vocab=300", "--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=48",
             "--batch_size=8", "--group_size=4", "--micro_batch_size=8", "--max_steps=3", "--train_prompts=16",
             "--eval_prompts=4", "--eval_every=3", "--max_new_tokens=4", "--log_every=1", "--lr=3e-2",
-            "--warmup_steps=0", "--tie_embeddings=True", "--progress=False"]
+            "--warmup_steps=0", "--tie_embeddings=True", "--progress=False", "--reward_truncated=True"]
     logged = {}
     for copy in (True, False):
         grpo.main(args + [f"--rollout_copy={copy}", f"--out_dir={tmp_path / str(copy)}"])
