@@ -37,7 +37,7 @@ def _size(group):
 
 def _a2a(x, out_splits, in_splits, group):
     """all_to_all_single along dim 0 into a new tensor; splits None -> equal blocks. A functional
-    collective, as tp.py's are (the in-place form gave wrong gradients compiled: tp.py)."""
+    collective, for the reason tp._collective gives."""
     if out_splits is None:
         out_splits = in_splits = [x.shape[0] // _size(group)] * _size(group)
     ops = torch.ops._c10d_functional
