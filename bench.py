@@ -14,8 +14,8 @@ torch.cuda.max_memory_allocated, reset per row (dp mode: the largest over the ra
 single rows: ours eager / torch.compile(model), HF LlamaForCausalLM eager / compiled (SDPA,
 use_cache=False, labels=x). dp rows (torchrun): ours-1gpu (each rank alone, no communication:
 the scaling baseline, same run), ours-dp (dp.DataParallel around the model, compiled as one
-graph as pretrain.py does; per-block graphs measured no faster and were removed), torch-ddp (DDP, 25 MB buckets,
-gradient_as_bucket_view, then torch.compile: PyTorch's recommended order). A failing row prints
+graph as pretrain.py does: per-block graphs are no faster, BENCHMARKS.md), torch-ddp (DDP, 25 MB
+buckets, gradient_as_bucket_view, then torch.compile: PyTorch's recommended order). A failing row prints
 its error and the table goes on; a failure on one rank only leaves the other in a collective.
 """
 import argparse

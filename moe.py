@@ -8,93 +8,17 @@
     loss = model(x, y)                                # LM loss + every MoE layer's router losses
 (parallel.parallelize applies these in this order; parallel.clip_grad_norm_ counts expert shards over EP.)
 This module imports tp.py only: model.py imports it, and hands each layer its MLP class (for the
-shared expert) and activation function.
+shared expert) and activation function. Layer i is MoE when moe_layer(cfg, i); the others keep model.MLP.
 
-Which layers: layer i is MoE when n_experts > 0, i >= moe_first_dense and
-(i - moe_first_dense) % moe_every == 0; the others keep model.MLP.
+Where each part is explained: the layer (router, experts, shared experts, dtypes) in MoE; capacity
+and dropless routing in MoE.forward; the two expert kernels in MoE._ffn; the router losses and what
+they are invariant to in MoE._losses; expert parallelism (and TP x EP, FSDP x EP, gradient
+normalisation) in expert_parallel; the token exchanges in AllToAll; checkpoints in gather_experts.
 
-The layer, for x (B, T, C), N = B T tokens:
-  router   logits = x W_r^T in fp32 (autocast off, fp32 copies of x and W_r), probs = softmax;
-           the top moe_top_k probabilities are the weights (renormalised to sum to 1 when
-           moe_renorm), y = sum_j w_j FFN_{e_j}(x) + shared(x).
-  experts  one weight tensor per matrix, w1 (E, [2]H, C) (gated: rows [gate | up] like MLP.fc) and
-           w2 (E, C, H), no biases. Slot rows sorted by expert form one block per expert, each
-           multiplied by its expert's matrices: exactly the routed rows, no zero padding to the
-           busiest expert, whose padded rows (and their hidden activations, kept for backward) cost
-           up to E/k x the memory under imbalance. An expert without tokens gets an empty block
-           and an exact zero gradient. Two kernels compute the blocks (same numbers):
-             grouped  torch._grouped_mm: one kernel per matrix over all local experts; its fast
-                      path reads the block ends (offs) on the device: sizes never reach the host;
-             loop     one F.linear per expert (block sizes on the host: one sync per layer when
-                      dropless), or one torch.bmm per matrix when the blocks are equal (capacity).
-           MoE.expert_mm picks: "auto" (default) = grouped where its fast kernel runs, CUDA bf16
-           on compute capability 9.x (Hopper: H100/H200; sm100 is left out, its grouped kernel
-           gave non-zero gradients to empty experts, pytorch issue 172439), and only dropless
-           (equal capacity blocks keep bmm); loop everywhere else (on CPU and other GPUs
-           _grouped_mm is a per-group fallback that reads offs on the host). "grouped" forces it
-           for every block layout and device (eager fp32 works on CPU; under torch.compile its
-           meta function takes bf16 only), "loop" forces the loop. Grouped needs 16-byte aligned
-           rows: n_embd and the expert hidden size (per TP rank) multiples of 16 / element size.
-  shared   n_shared_experts always-on experts: one dense model.MLP of n_shared_experts * H units
-           (the class is passed in by model.Block).
-  dtypes   under autocast the slots are exchanged and multiplied in the autocast dtype (bf16);
-           only the router (and its losses) is fp32. Init as MLP: w1 N(0, init_std), w2 (an
-           output projection) N(0, init_std / sqrt(2 n_layer)).
-  eval     Transformer.forward adds the router losses in training mode only (reduction "mean");
-           capacity dropping applies in eval and generation too.
-  slots    a token's k choices are k slots; slots are ordered choice-major (every token's first
-           choice, then every second choice, ...), which is the order capacity is granted in.
-  capacity capacity_factor > 0: each expert takes at most cap = ceil(cf * T * k / E) slots from
-           each sequence of T tokens; later slots are dropped (their output is 0; a dropped slot
-           still counts in the balance statistics). Per sequence, not per rank, so what is
-           dropped depends on the sequence alone, never on micro-batch size or the EP/DP layout.
-           Shapes are static (E, B * cap, C): no host sync.
-           capacity_factor = 0: dropless. With the grouped kernel's fast path and ep = 1 no host
-           sync at all (MoE.sync_free(device, dtype) says so: a CUDA graph can capture the layer);
-           with the loop the per-expert block sizes cost one host sync per layer; under EP the
-           all_to_all split sizes need the counts on the host: one small count exchange and one
-           host sync per layer, either kernel.
-
-Router losses (both added to the training loss by Transformer.forward and logged):
-  balance  aux = aux_loss_coeff * E * sum_i f_i P_i. f_i = routed slots sent to expert i /
-           (tokens * top_k), counted before capacity drops and summed over the whole data group
-           (dp x ep ranks: the global micro-batch), no gradient; P_i = mean router probability of
-           expert i over this rank's tokens. A perfectly balanced router gives exactly aux_loss_coeff.
-  z-loss   z = z_loss_coeff * mean over this rank's tokens of logsumexp(logits)^2.
-  What a user gets: per micro-step, the router losses of the global micro-batch (every data
-  rank's current micro-batch together). Each rank's value uses the global f and its local P /
-  z, so the mean of the ranks' values is the one-process value of that global micro-batch and,
-  after the data-parallel gradient average, so are the gradients. Hence, for a fixed global
-  micro-batch (micro_batch_size x dp x ep sequences), values and gradients do not depend on how
-  it is split over EP / DP ranks, and a step with accumulation is the mean over its
-  micro-batches. Changing the number of accumulation steps at a fixed global batch changes the
-  micro-batch the balance is measured on (as in Megatron-LM / DeepSpeed): that is not invariant.
-  Logged per layer after each forward (detached, no host sync until read): aux_loss, z_loss,
-  load (fraction of routed slots per expert, global), dropped (fraction of slots dropped, global).
-
-Expert parallelism (grid.ep > 1): rank ep_rank of an EP group keeps experts
-[ep_rank * E/ep, (ep_rank + 1) * E/ep). EP ranks see different data, so the data-parallel world
-is dp x ep (grid.data_group): non-expert parameters are replicated on all of it; an expert's
-replicas are its dp_group. Tokens travel with an autograd-aware all_to_all_single whose backward
-is the reverse exchange:
-  capacity  each rank sends its (E, B * cap, C) buffer split by owner (equal splits, no counts,
-            no host sync), the owner runs its experts on (E/ep, ep * B * cap, C), sends results back.
-  dropless  token counts per (rank, expert) exchanged with a small all_to_all_single (one host
-            sync for the split sizes), then tokens sorted by expert travel with uneven splits.
-Gradient normalisation: each rank's loss is the mean over its local batch; an expert on its owner
-receives the gradients of every EP rank's loss through the reverse exchange, so
-dp.DataParallel sums expert gradients over dp_group and divides by dp * ep, like every
-other gradient: each equals the one-process gradient of the global-batch mean.
-TP x EP (grid dp x ep x tp, TP innermost): MoE.tensor_parallel (called by tp.tensor_parallel) cuts
-every expert's hidden units like the dense MLP (w1 rows [gate | up] column-parallel, w2 columns row-parallel, p.tp_split, so
-checkpoints and Muon see whole matrices) and the shared expert like model.MLP; the router stays
-replicated. Tokens travel over the ep group (ranks of one tp rank), identical on every TP rank;
-_ffn sums the partial expert outputs over TP once per slot, before the routing weights scale them.
-FSDP x EP (fsdp.py): non-expert parameters sharded over the data group, experts over dp_group.
-Checkpoints: gather_experts() (called by parallel.Net.full_state) all-gathers expert shards and the state
-shaped like them (AdamW moments, Muon momentum) over EP: the one-process layout; cut_experts()
-(called by parallel.Net.load_full_state) keeps this rank's experts, so a run resumes under any ep.
-Muon trains the experts too (whole matrices per expert, gate|up split); the router stays on AdamW.
+Invariants: for a fixed global micro-batch, outputs, router losses and gradients equal the one-process
+ones whatever the EP / DP / TP split; what capacity drops depends on the sequence alone; an expert
+without tokens gets an exact zero gradient; checkpoints hold the one-process layout, so a run
+resumes under any ep.
 """
 import math
 from dataclasses import replace
@@ -113,7 +37,7 @@ def _size(group):
 
 def _a2a(x, out_splits, in_splits, group):
     """all_to_all_single along dim 0 into a new tensor; splits None -> equal blocks. A functional
-    collective, as tp.py's are (the in-place form gave wrong gradients compiled: tp.py)."""
+    collective, for the reason tp._collective gives."""
     if out_splits is None:
         out_splits = in_splits = [x.shape[0] // _size(group)] * _size(group)
     ops = torch.ops._c10d_functional
@@ -122,7 +46,15 @@ def _a2a(x, out_splits, in_splits, group):
 
 class AllToAll(torch.autograd.Function):
     """Send row blocks of x to every rank of the group (in_splits rows to each, in rank order) and
-    receive out_splits rows from each; backward sends the gradients back the reverse way."""
+    receive out_splits rows from each; backward sends the gradients back the reverse way.
+
+    How MoE layers use it over the EP group (expert_parallel):
+      capacity  each rank sends its (E, B * cap, C) buffer split by owner (equal splits, no counts,
+                no host sync), the owner runs its experts on (E/ep, ep * B * cap, C), sends results
+                back (MoE._exchange).
+      dropless  token counts per (rank, expert) exchanged with a small all_to_all_single (one host
+                sync for the split sizes), then tokens sorted by expert travel with uneven splits
+                (MoE._host_sized)."""
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group):
@@ -152,6 +84,26 @@ def moe_layer(cfg, i):
 
 
 class MoE(nn.Module):
+    """A routed feed-forward layer, for x (B, T, C), N = B T tokens:
+      router   logits = x W_r^T in fp32 (autocast off, fp32 copies of x and W_r), probs = softmax;
+               the top moe_top_k probabilities are the weights (renormalised to sum to 1 when
+               moe_renorm), y = sum_j w_j FFN_{e_j}(x) + shared(x).
+      experts  one weight tensor per matrix, w1 (E, [2]H, C) (gated: rows [gate | up] like MLP.fc)
+               and w2 (E, C, H), no biases. Slot rows sorted by expert form one block per expert,
+               each multiplied by its expert's matrices: exactly the routed rows, no zero padding to
+               the busiest expert, whose padded rows (and their hidden activations, kept for
+               backward) cost up to E/k x the memory under imbalance. An expert without tokens gets
+               an empty block and an exact zero gradient. The kernels: _ffn.
+      shared   n_shared_experts always-on experts: one dense model.MLP of n_shared_experts * H units
+               (the class is passed in by model.Block).
+      dtypes   under autocast the slots are exchanged and multiplied in the autocast dtype (bf16);
+               only the router (and its losses) is fp32. Init as MLP: w1 N(0, init_std), w2 (an
+               output projection) N(0, init_std / sqrt(2 n_layer)).
+      eval     Transformer.forward adds the router losses in training mode only (reduction "mean");
+               capacity dropping applies in eval and generation too.
+    Logged per layer after each forward in `stats` (detached, no host sync until read): aux_loss,
+    z_loss, load (fraction of routed slots per expert, global), dropped (fraction of slots dropped,
+    global); metrics(model) reads them."""
     is_moe = True
 
     def __init__(self, cfg, mlp, act):
@@ -202,6 +154,20 @@ class MoE(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, x):
+        """x (B, T, C) -> (B, T, C); sets self.router_loss and self.stats.
+
+        Slots: a token's k choices are k slots, ordered choice-major (every token's first choice,
+        then every second choice, ...), which is the order capacity is granted in.
+        capacity_factor > 0: each expert takes at most cap = ceil(cf * T * k / E) slots from each
+          sequence of T tokens; later slots are dropped (their output is 0; a dropped slot still
+          counts in the balance statistics). Per sequence, not per rank, so what is dropped depends
+          on the sequence alone, never on micro-batch size or the EP/DP layout. Shapes are static
+          (E, B * cap, C): no host sync.
+        capacity_factor = 0: dropless. With the grouped kernel's fast path and ep = 1 no host sync
+          at all (sync_free(device, dtype) says so: a CUDA graph can capture the layer); with the
+          loop the per-expert block sizes cost one host sync per layer; under EP the all_to_all
+          split sizes need the counts on the host: one small count exchange and one host sync per
+          layer, either kernel."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         N, C = x.shape
@@ -257,7 +223,19 @@ class MoE(nn.Module):
         (the loop then reads it: one host sync); the grouped kernel reads counts on the device.
         Under TP every rank holds a slice of each expert's hidden units: Copy sums the input
         gradient over TP; Reduce sums the partial outputs once, per slot, before the routing
-        weights scale them, so the router's gradient is whole and the same on every TP rank."""
+        weights scale them, so the router's gradient is whole and the same on every TP rank.
+
+        Two kernels compute the blocks (same numbers), chosen by _grouped from MoE.expert_mm:
+          grouped  torch._grouped_mm: one kernel per matrix over all local experts; its fast path
+                   reads the block ends (offs) on the device: sizes never reach the host;
+          loop     one F.linear per expert (block sizes on the host: one sync per layer when
+                   dropless), or one torch.bmm per matrix when the blocks are equal (capacity).
+        "auto" (default) = grouped where its fast kernel runs (_fast_grouped), and only dropless
+        (equal capacity blocks keep bmm); loop everywhere else (on CPU and other GPUs _grouped_mm
+        is a per-group fallback that reads offs on the host). "grouped" forces it for every block
+        layout and device (eager fp32 works on CPU; under torch.compile its meta function takes
+        bf16 only), "loop" forces the loop. Grouped needs 16-byte aligned rows: n_embd and the
+        expert hidden size (per TP rank) multiples of 16 / element size."""
         if self.tp_group is not None:
             rows = tp.Copy.apply(rows, self.tp_group)
         equal = sizes is not None and len(set(sizes)) == 1
@@ -330,7 +308,7 @@ class MoE(nn.Module):
         if self.ep == 1 and self._grouped(xs.device, xs.dtype, False):
             return self._ffn(xs, None, counts)[inv]  # no host sync: torch.compile traces it whole
         host = self._host_sized
-        if torch.compiler.is_compiling():  # (a decorator would import torch._dynamo with this module: 1.4 s)
+        if torch.compiler.is_compiling():  # (a decorator would import torch._dynamo with this module)
             host = torch.compiler.disable(host)
         return host(xs, counts)[inv]
 
@@ -338,7 +316,7 @@ class MoE(nn.Module):
         """The dropless paths that read block sizes on the host: the loop's (ep = 1) and the
         all_to_all splits (ep > 1). They run eagerly under torch.compile (torch.compiler.disable: a
         graph break around them): traced, dynamo would specialise the graph on sizes that change
-        every step and recompile until its limit, ~350x slower than eager (measured on CPU)."""
+        every step and recompile until its limit, far slower than eager (BENCHMARKS.md, MoE)."""
         if self.ep == 1:
             return self._ffn(xs, None, counts)  # one host sync, for the block sizes
         ep, El, g = self.ep, self.n_experts // self.ep, self.ep_group
@@ -354,6 +332,22 @@ class MoE(nn.Module):
         return AllToAll.apply(yr, send, got, g)
 
     def _losses(self, logits, probs, counts, dropped):
+        """The router losses (added to the training loss by Transformer.forward, and logged):
+          balance  aux = aux_loss_coeff * E * sum_i f_i P_i. f_i = routed slots sent to expert i /
+                   (tokens * top_k), counted before capacity drops and summed over the whole data
+                   group (dp x ep ranks: the global micro-batch), no gradient; P_i = mean router
+                   probability of expert i over this rank's tokens. A perfectly balanced router
+                   gives exactly aux_loss_coeff.
+          z-loss   z = z_loss_coeff * mean over this rank's tokens of logsumexp(logits)^2.
+        What a user gets: per micro-step, the router losses of the global micro-batch (every data
+        rank's current micro-batch together). Each rank's value uses the global f and its local P /
+        z, so the mean of the ranks' values is the one-process value of that global micro-batch
+        and, after the data-parallel gradient average, so are the gradients. Hence, for a fixed
+        global micro-batch (micro_batch_size x dp x ep sequences), values and gradients do not
+        depend on how it is split over EP / DP ranks, and a step with accumulation is the mean over
+        its micro-batches. Changing the number of accumulation steps at a fixed global batch
+        changes the micro-batch the balance is measured on (as in Megatron-LM / DeepSpeed): that is
+        not invariant."""
         E = self.n_experts
         stats = torch.cat([counts, dropped.view(1)])  # global-batch statistics: sum over data ranks
         if _size(self.data_group) > 1:
@@ -378,7 +372,21 @@ def expert_parallel(model, grid):
     """Keep this rank's experts of every MoE layer (in place) and give the layers their groups.
     Call on the full model (same seed on every rank), after tp.tensor_parallel, before the
     optimizer and dp.DataParallel / fsdp.FSDP; also with ep = 1, so that the balance
-    statistics span the data group."""
+    statistics span the data group.
+
+    Rank ep_rank of an EP group keeps experts [ep_rank * E/ep, (ep_rank + 1) * E/ep). EP ranks see
+    different data, so the data-parallel world is dp x ep (grid.data_group): non-expert parameters
+    are replicated on all of it; an expert's replicas are its dp_group. Tokens travel with
+    AllToAll, whose backward is the reverse exchange.
+    Gradient normalisation: each rank's loss is the mean over its local batch; an expert on its
+    owner receives the gradients of every EP rank's loss through the reverse exchange, so
+    dp.DataParallel sums expert gradients over dp_group and divides by dp * ep, like every other
+    gradient: each equals the one-process gradient of the global-batch mean.
+    TP x EP (grid dp x ep x tp, TP innermost): MoE.tensor_parallel cuts every expert's hidden units
+    like the dense MLP (p.tp_split, so checkpoints and Muon see whole matrices); the router stays
+    replicated. Tokens travel over the ep group (ranks of one tp rank), identical on every TP rank.
+    FSDP x EP (fsdp.py): non-expert parameters sharded over the data group, experts over dp_group.
+    Muon trains the experts too (whole matrices per expert, gate|up split); the router stays on AdamW."""
     for m in layers(model):
         if m.n_experts % grid.ep:
             raise ValueError(f"n_experts={m.n_experts} is not divisible by ep={grid.ep}")
@@ -408,7 +416,8 @@ def gather_experts(model, grid, weights, opt_state=None):
     """Net.full_state()'s output with every expert shard replaced by the full (E, ...) tensor,
     all-gathered over the EP group in rank order (state tensors shaped like the weight too: AdamW
     moments, Muon momentum): one-process names and shapes. Tensors already full are left alone.
-    Collective over the EP group; returns (weights, opt_state)."""
+    Collective over the EP group; returns (weights, opt_state). Called by parallel.Net.full_state;
+    cut_experts (by load_full_state) is its inverse, so a run resumes under any ep."""
     def full(t):
         t = t.detach().to(grid.device).contiguous()
         parts = [torch.empty_like(t) for _ in range(grid.ep)]

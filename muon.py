@@ -3,55 +3,25 @@
     opt = optim.build_optimizer(raw, cfg, grid)   # cfg.optimizer == "muon" (or cfg.zero1)
     ...; model.finish(); parallel.clip_grad_norm_(...); opt.step()
 
-Groups: kind "muon" (2-D weights inside the blocks: attention and MLP matrices, expert stacks
-treated as a batch of matrices) and kind "adamw" (embeddings, the output head, norms, biases,
-scalars; decayed if >= 2-D, as optim.param_groups). Every group has `lr_scale`: the training loop
-sets g["lr"] = lr_at(step) * g["lr_scale"], so cfg.muon_lr follows the same schedule.
+Groups (param_groups): kind "muon" (2-D weights inside the blocks: attention and MLP matrices,
+expert stacks treated as a batch of matrices) and kind "adamw" (embeddings, the output head, norms,
+biases, scalars, MoE routers; decayed if >= 2-D, as optim.param_groups). Every group has
+`lr_scale`: the training loop sets g["lr"] = lr_at(step) * g["lr_scale"], so cfg.muon_lr follows
+the same schedule. The AdamW groups are stepped by torch.optim.AdamW itself.
 
 Muon, per matrix W with gradient G (momentum mu, Nesterov, as torch.optim.SGD(nesterov=True)):
-    B <- mu B + G;   U = G + mu B
-    O = NS5(U)                        per logical matrix: fused [q|k|v] rows and [gate|up] rows
-                                      are split by p.muon_split (set by build_optimizer)
-    W <- W (1 - lr wd) - lr s O       s = 0.2 sqrt(max(rows, cols))  (muon_scale "rms": the update's
-                                      RMS is AdamW's typical 0.2, so AdamW's lr and wd carry over)
-                                      s = sqrt(max(1, rows / cols))  (muon_scale "shape")
-NS5: X = U / (|U|_F + 1e-7), transposed when tall; 5 x { A = X X^T; X = a X + (b A + c A A) X }
-with (a, b, c) = (3.4445, -4.7750, 2.0315), in bf16 (ns_dtype; fp32 for exact tests).
+    B <- mu B + G;   U = G + mu B       (nesterov)
+    O = NS5(U)                          (newton_schulz, per logical matrix: orthogonalize)
+    W <- W (1 - lr wd) - lr s O         (s: shape_scale)
 
 Read top to bottom: the algorithm (newton_schulz, orthogonalize, nesterov), the Muon optimizer
-(plain, TP, ZeRO-1), parameter groups and build(); at the end, apart, FSDPMuon: the same
-update on fsdp.py's flat shards.
+(plain, TP, ZeRO-1, EP: its docstring), parameter groups and build(); at the end, apart, FSDPMuon:
+the same update on fsdp.py's flat shards.
 
-Newton-Schulz always sees a whole matrix; matrices of equal shape are stacked and run as one
-batched NS (tall ones transposed: a 124M LLaMA's 84 logical matrices make two batches). Under
-TP a sharded parameter (p.tp_split) has U gathered to its full form over the TP group (every TP
-rank computes the same O), and each rank keeps its own slice. Under ZeRO-1 (zero1=True, dp > 1)
-every parameter has one owner in the data-parallel group (greedy by size, largest first, onto
-the least loaded rank): DataParallel(owner=opt.grad_owner) reduces each gradient to its owner
-only (a reduce per owner and bucket, half an all-reduce), the owner keeps the optimizer state
-and updates the whole matrix, then the parameters are all-gathered from their owners (fp32):
-DDP's traffic in total, state memory ~1/dp per rank. parallel.clip_grad_norm_(owner=...) sums
-the owned gradients' norms over dp. With EP the owners are chosen within grid.dp_group (the
-replicas of one expert shard), and gradients stay all-reduced (non-expert ones span dp x ep
-ranks, not one owner's group). EP (moe.py): expert stacks (E_local, rows, cols) are whole per
-rank; NS runs batched per expert, gate|up split. The router stays on AdamW.
-
-The AdamW groups are stepped by torch.optim.AdamW itself (fused on GPU, foreach on CPU) over the
-parameters this rank owns; it shares this optimizer's `state`, so checkpoints see one optimizer.
-
-FSDPMuon (build_optimizer(fsdp_wrapper, cfg, grid)): a block unit's first run of flat shards holds
-only its hidden matrices, cut anywhere (fsdp.py puts MoE routers in a run of their own: AdamW).
-Each matrix has one owner in its unit's group (balanced by size; with EP an expert unit's group
-is dp, the others' dp x ep), which keeps its momentum as a whole matrix; per unit the step
-all-gathers the flat gradient, the owners orthogonalise their matrices (TP-gathered when cut by
-TP too) into a zero flat buffer, and one reduce-scatter hands each rank the update of its shard.
-The AdamW part runs on the shards.
-
-Checkpoints: full_optim_state() returns full tensors by one-process name (ZeRO-1 / FSDP owners
-broadcast their momentum, TP shards are gathered); parallel.Net.load_full_state cuts them into any layout
-(FSDPMuon.load_full_optim_state for FSDP). ({name: {"momentum_buffer"}} for Muon matrices,
-{name: {"step", "exp_avg", "exp_avg_sq"}} for AdamW parameters, as torch's AdamW.) Not here:
-gathering expert state over EP in checkpoints (moe.gather_experts / cut_experts do that).
+Invariants: Newton-Schulz always sees a whole logical matrix (gathered over TP, one expert, fused
+[q|k|v] and [gate|up] rows split), so every layout computes the one-process update; checkpoints
+hold the one-process state (full_optim_state), which parallel.Net.load_full_state cuts into any
+layout.
 """
 import torch
 import torch.distributed as dist
@@ -64,7 +34,9 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 def newton_schulz(G, steps=5, dtype=torch.bfloat16, eps=1e-7):
     """Approximately orthogonalise G (..., rows, cols): U V^T of its SVD, singular values pushed
-    into roughly [0.7, 1.2]. Returns G's dtype."""
+    into roughly [0.7, 1.2]. Returns G's dtype. NS5: X = G / (|G|_F + 1e-7), transposed when tall;
+    5 x { A = X X^T; X = a X + (b A + c A A) X } with (a, b, c) = NS_COEFFS, in bf16 (Muon's
+    ns_dtype; fp32 for exact tests)."""
     a, b, c = NS_COEFFS
     X = G.to(dtype)
     tall = X.size(-2) > X.size(-1)
@@ -82,13 +54,17 @@ def newton_schulz(G, steps=5, dtype=torch.bfloat16, eps=1e-7):
 
 
 def shape_scale(rows, cols, mode):
+    """The update's scale s: 0.2 sqrt(max(rows, cols)) for muon_scale "rms" (the update's RMS is
+    AdamW's typical 0.2, so AdamW's lr and wd carry over); sqrt(max(1, rows / cols)) for "shape"."""
     return 0.2 * max(rows, cols) ** 0.5 if mode == "rms" else max(1.0, rows / cols) ** 0.5
 
 
 def orthogonalize(us, splits, steps, dtype, mode):
     """Scaled NS updates of full tensors us (per logical matrix: rows split by splits[i]; expert
     stacks (E, rows, cols) are E matrices). Matrices of one shape run as one batched NS, so a
-    model's dozens of matrices cost a few kernels per iteration, not a few per matrix."""
+    model's dozens of matrices cost a few kernels per iteration, not a few per matrix (tall ones
+    transposed: a 124M LLaMA's 84 logical matrices make two batches). splits: p.muon_split, the row
+    sizes of fused [q|k|v] and [gate|up] weights (set by build / mark_splits)."""
     mats = []  # (tensor index, its logical matrices as one (n, rows, cols) batch, wide: rows <= cols)
     for i, (u, split) in enumerate(zip(us, splits)):
         for m in (u.split(split, dim=-2) if split else [u]):
@@ -123,7 +99,22 @@ def nesterov_ns(bufs, grads, mu, splits, steps, dtype, mode):
 
 class Muon(torch.optim.Optimizer):
     """param groups with "kind": "muon" | "adamw" (see the module docstring). grid: needed for TP
-    and ZeRO-1 (None: one process)."""
+    and ZeRO-1 (None: one process).
+
+    TP: a sharded parameter (p.tp_split) has U gathered to its full form over the TP group (every
+    TP rank computes the same O), and each rank keeps its own slice.
+    ZeRO-1 (zero1=True, dp > 1): every parameter has one owner in the data-parallel group (greedy by
+    size, largest first, onto the least loaded rank): DataParallel(owner=opt.grad_owner) reduces
+    each gradient to its owner only (a reduce per owner and bucket, half an all-reduce), the owner
+    keeps the optimizer state and updates the whole matrix, then the parameters are all-gathered
+    from their owners in fp32 (_sync_params): DDP's traffic in total, state memory ~1/dp per rank.
+    parallel.clip_grad_norm_(owner=...) sums the owned gradients' norms over dp.
+    EP (moe.py): expert stacks (E_local, rows, cols) are whole per rank; NS runs batched per
+    expert, gate|up split; the router stays on AdamW. With ZeRO-1 the owners are chosen within
+    grid.dp_group (the replicas of one expert shard), and gradients stay all-reduced (non-expert
+    ones span dp x ep ranks, not one owner's group).
+    The AdamW groups are stepped by torch.optim.AdamW (fused on GPU, foreach on CPU) over the
+    parameters this rank owns; it shares this optimizer's `state`, so checkpoints see one optimizer."""
 
     def __init__(self, groups, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, momentum=0.95,
                  scale="rms", ns_steps=5, ns_dtype=torch.bfloat16, grid=None, zero1=False, compile_ns=True):
@@ -260,8 +251,10 @@ class Muon(torch.optim.Optimizer):
     def full_optim_state(self, model, grid):
         """{param name: {state key: full tensor / value}} on CPU, as a one-process run's optimizer:
         ZeRO-1 owners broadcast their state over dp, TP shards are gathered. Collective.
-        (Loading needs nothing of its own: Net.load_full_state cuts the full state and load_state_dict
-        keeps what this rank owns.)"""
+        {name: {"momentum_buffer"}} for Muon matrices, {name: {"step", "exp_avg", "exp_avg_sq"}}
+        for AdamW parameters, as torch's AdamW. (Loading needs nothing of its own: Net.load_full_state
+        cuts the full state and load_state_dict keeps what this rank owns.) Not here: gathering
+        expert state over EP (moe.gather_experts / cut_experts do that)."""
         names = {id(p): n for n, p in model.named_parameters()}
         out = {}
         for group in self.param_groups:
@@ -365,10 +358,15 @@ def _hyper(cfg):
 # ----------------------------------------------------------------------------- FSDP: FSDPMuon
 
 class FSDPMuon(Muon):
-    """Muon on fsdp.FSDP's flat shards (the module docstring's last part): the muon group holds
-    the shard Parameters of each block unit's first run; the update of a whole matrix is computed
-    by its owner in the unit's group and reduce-scattered to the shards. fsdp_muon: {(unit index,
-    parameter index): True} for the unit parameters Muon trains."""
+    """Muon on fsdp.FSDP's flat shards (build_optimizer(fsdp_wrapper, cfg, grid)): the muon group
+    holds the shard Parameters of each block unit's first run, which holds only its hidden
+    matrices, cut anywhere (fsdp.py puts MoE routers in a run of their own: AdamW). Each matrix has
+    one owner in its unit's group (balanced by size; with EP an expert unit's group is dp, the
+    others' dp x ep), which keeps its momentum as a whole matrix; per unit the step all-gathers the
+    flat gradient, the owners orthogonalise their matrices (TP-gathered when cut by TP too) into a
+    zero flat buffer, and one reduce-scatter hands each rank the update of its shard. The AdamW
+    part runs on the shards. Checkpoints: full_optim_state / load_full_optim_state.
+    fsdp_muon: {(unit index, parameter index): True} for the unit parameters Muon trains."""
 
     def __init__(self, groups, wrapper, fsdp_muon, **kw):
         super().__init__(groups, grid=wrapper.grid, **kw)

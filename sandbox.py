@@ -1,36 +1,20 @@
 """The code sandbox: a candidate program and its tests in an isolated process (rewards.py's
 code_reward, eval.py's HumanEval pass@k, tasks.py's generated code tasks).
 
+    r = sandbox.run_code(program, tests, timeout=10.0)  # Result(passed, reason, output, seconds, isolation)
+    rs = sandbox.run_many(programs, tests)              # in parallel on a thread pool, a process each
+
 Why a file of its own: running hostile code safely is one concept, with its two halves here: the
 parent (run_code, run_many: limits, the wall-clock kill, the verdict) and the child it starts
 (sandbox_main: namespaces, the reaper, the harness). The child imports only this file.
+How, step by step: run_code (the process, its environment and limits), isolate (the Linux
+namespaces and what each one gives), run_candidate (the harness and its verdict).
 
-run_code(program, tests) runs the program, then its tests, in a fresh `python -I -S` process
-(all set-up happens in that child, no preexec_fn, so run_many's threads may start runs safely):
-    - a fresh temporary directory as cwd, a clean environment (nothing inherited), stdin closed,
-      RLIMIT_CPU/_AS/_FSIZE/_NPROC/_NOFILE, no core files, stdout+stderr capped (output_bytes);
-      its own session, killed whole on a wall-clock timeout;
-    - Linux namespaces where the OS allows (Result.isolation says what applied):
-        net       a new network namespace: no interface is up, no socket reaches anything;
-        pid       a new PID namespace: the program sees and can signal only its own processes,
-                  which all die with the sandbox (a fork bomb cannot outlive it);
-        readonly  every mount read-only except the temporary directory (private mount namespace);
-        proc      a fresh /proc showing only the sandbox's processes;
-        uid:N     (as root) a fresh random user id N: RLIMIT_NPROC counts only its processes (it
-                  does not apply to root), it cannot signal or read ours (/proc/<pid>/environ),
-                  and a directory only root may enter (/root) shows it only the Python install.
-      Without root, a user namespace gives net/pid/readonly/proc where unprivileged ones are
-      allowed (capabilities dropped before the program); RLIMIT_NPROC then counts all our
-      processes (set above today's count). With none (macOS, locked-down kernels) only rlimits,
-      the session kill and the clean environment remain: not a sandbox for hostile code.
-    - the verdict: only when program and tests finished without an exception does the harness
-      write a per-run random token (given on a pipe, never in a file, argv or the environment)
-      to a separate pipe. sys.exit() before the tests fails, os._exit() or a crash leaves no
-      token, and the harness keeps its own exec/compile/os.write and restores builtins and trace
-      hooks after the program, so patching them does not skip the tests. What the tests assert is
-      all that is checked: a program that returns an object equal to everything, or digs the token
-      out of the harness's frames, can still fool them; the host stays safe from any program.
-run_many() runs many programs in parallel on a thread pool (each one a process).
+Invariants: a run passes only when the program and then its tests finished without an exception,
+told by a per-run random token the harness writes after the tests; where the namespaces apply
+(Result.isolation says which did) the host stays safe from any program; without them (macOS,
+locked-down kernels) only rlimits, the session kill and the clean environment remain: not a
+sandbox for hostile code. What the tests assert is all that is checked.
 """
 import builtins
 import collections
@@ -101,7 +85,12 @@ def kill_all(proc, uid):
 def run_code(program, tests="", *, timeout=10.0, memory_mb=512, nproc=8, nofile=64, file_mb=16,
              output_bytes=1 << 16):
     """Run program, then tests (in the same namespace, as a script: HumanEval's check(f) style),
-    in the sandbox described in the module docstring. Returns Result(passed, reason, output, ...).
+    in a fresh `python -I -S` process. Returns Result(passed, reason, output, ...).
+    All set-up happens in that child (sandbox_main), no preexec_fn, so run_many's threads may start
+    runs safely: a fresh temporary directory as cwd, a clean environment (nothing inherited), stdin
+    closed, RLIMIT_CPU/_AS/_FSIZE/_NPROC/_NOFILE, no core files, stdout+stderr capped
+    (output_bytes); its own session, killed whole on a wall-clock timeout; Linux namespaces where
+    the OS allows (isolate).
 
     timeout: wall-clock seconds for the whole run (the CPU limit is ceil(timeout) + 1 s);
     memory_mb: address space per process; nproc: processes the program may have; nofile: open
@@ -282,7 +271,19 @@ def read_only_except(libc, work, root):
 
 
 def isolate(libc, settings):
-    """New namespaces as far as the OS allows; returns the list of what applied."""
+    """New namespaces as far as the OS allows; returns the list of what applied (Result.isolation):
+      net       a new network namespace: no interface is up, no socket reaches anything;
+      pid       a new PID namespace: the program sees and can signal only its own processes,
+                which all die with the sandbox (a fork bomb cannot outlive it);
+      readonly  every mount read-only except the temporary directory (private mount namespace);
+      proc      a fresh /proc showing only the sandbox's processes (mounted by sandbox_main);
+      uid:N     (as root) a fresh random user id N: RLIMIT_NPROC counts only its processes (it
+                does not apply to root), it cannot signal or read ours (/proc/<pid>/environ),
+                and a directory only root may enter (/root) shows it only the Python install.
+    Without root, a user namespace gives net/pid/readonly/proc where unprivileged ones are allowed
+    (capabilities dropped before the program); RLIMIT_NPROC then counts all our processes (set above
+    today's count). With none (macOS, locked-down kernels) only rlimits, the session kill and the
+    clean environment remain: not a sandbox for hostile code."""
     root, uid, gid, applied = os.geteuid() == 0, os.getuid(), os.getgid(), []
     for flags, names in ((CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID, ["net", "pid"]), (CLONE_NEWNET, ["net"])):
         if hasattr(libc, "unshare") and libc.unshare(flags | (0 if root else CLONE_NEWUSER)) == 0:
@@ -351,7 +352,14 @@ def drop_capabilities(libc):
 
 def run_candidate(libc, s, nproc, program, tests, token, in_user_namespace):
     """The worker: limits, a fresh user id (as root), then program + tests. Only this process,
-    and only when both finished, writes the passing verdict."""
+    and only when both finished, writes the passing verdict.
+    The verdict: only when program and tests finished without an exception does the harness write
+    a per-run random token (given on a pipe, never in a file, argv or the environment) to a
+    separate pipe. sys.exit() before the tests fails, os._exit() or a crash leaves no token, and the
+    harness keeps its own exec/compile/os.write and restores builtins and trace hooks after the
+    program, so patching them does not skip the tests. What the tests assert is all that is
+    checked: a program that returns an object equal to everything, or digs the token out of the
+    harness's frames, can still fool them; the host stays safe from any program."""
     write, leave, run, build, getpid = os.write, os._exit, exec, compile, os.getpid
     settrace, setprofile, vfd, me = sys.settrace, sys.setprofile, s["verdict_fd"], os.getpid()
     streams, explain, print_exception, flush_all = (sys.stdout, sys.stderr), describe, traceback.print_exception, flush

@@ -1,4 +1,4 @@
-"""Tensor parallelism (Megatron style), written with plain collectives (functional ops: see below).
+"""Tensor parallelism (Megatron style), written with plain collectives (functional ops: _collective).
 
     model = tp.tensor_parallel(Transformer(cfg), grid)  # full model (same seed on every rank), cut in place
     # (parallel.parallelize does this, then loading, EP, FSDP or DP; parallel.clip_grad_norm_ counts the slices)
@@ -6,7 +6,8 @@
 attn.qkv and mlp.fc are column-parallel (each rank computes its heads / its slice of the hidden
 units), attn.proj and mlp.proj row-parallel (each rank multiplies its input columns; one all-reduce
 sums the partial outputs): two all-reduces per block forward, two backward. Embedding and head are
-split over the (padded) vocabulary; the loss never gathers the logits.
+split over the (padded) vocabulary; the loss never gathers the logits. MoE layers cut their own
+experts (moe.MoE.tensor_parallel). Sequence parallelism (cfg.sequence_parallel): tensor_parallel.
 
 Every cut parameter carries `p.tp_split = (dim, segments)`: along `dim` the full tensor is the
 concatenation of segments (size, chunks); each is cut into `chunks` equal pieces, rank r holding
@@ -14,22 +15,13 @@ piece r * chunks // tp. chunks == tp: a plain shard; chunks < tp: ranks share a 
 replicated when n_kv_head < tp; chunks == 1: q/k-norm weights). Slicing, gathering, checkpoints,
 norm counting and the gradient sum of shared pieces all follow from it. Parameters without
 tp_split (norms, row-parallel biases, positions) are replicated with identical gradients.
-MoE layers cut their own experts (moe.MoE.tensor_parallel, called from tensor_parallel below).
+The full (layout-free) state of a TP model, for parallel.Net.full_state / load_full_state, is at
+the end (full_state_dict, full_optim_state and their loads).
 
-torch.compile (parallel.parallelize, cfg.compile) traces the collectives rather than breaking the
-graph around them: every collective inside the autograd Functions below is a functional one
-(torch.ops._c10d_functional: returns a new tensor, waited on at once; _collective), which dynamo
-records as a collective op and a wait, in forward and, through AOTAutograd, in backward. The
-training forward is one graph, no graph break, compiled once (tests/test_tp.py, with gloo on CPU;
-bench/bench_parallel.py check-compile, with NCCL on GPUs); inductor may move the waits to overlap
-compute. (The in-place dist.all_reduce these Functions used before gave wrong gradients compiled
-on torch 2.11, with NCCL and gloo alike; 2.13 traces it right: BENCHMARKS.md, 2026-12-01.) The
-gradient hooks of shared pieces (shard) and DataParallel's run outside the graph, as in eager.
-Sequence parallelism (tensor_parallel(..., sequence_parallel=True), cfg.sequence_parallel): the
-residual stream sharded over the sequence between the TP matmuls; see tensor_parallel.
-
+Invariants: parameter names stay those of the one-process model; forward, gradients and loss equal
+one process's; under torch.compile the training forward is one graph (_collective says how).
 Not here: attention dropout draws the same masks on every TP rank; the gradient norm over every
-layout (parallel.py); full (layout-free) checkpoint state (checkpoint.py).
+layout (parallel.py).
 """
 import torch
 import torch.distributed as dist
@@ -50,12 +42,15 @@ def _rank(group):
 
 def _collective(op, x, *args, group):
     """torch.ops._c10d_functional.<op>(x, *args, group's name), waited on at once: a new tensor.
-    Every collective that can run inside a compiled graph is one of these functional ops, which
-    torch.compile records as an op and a wait (the same ops on every torch version: funcol's
-    Python wrappers changed names between 2.11 and 2.13, and the newer names broke the graph on
-    2.11). The in-place dist.all_reduce they replace trained wrongly when compiled on torch 2.11
-    (the replicated parameters' gradients off by 100%, NCCL and gloo alike; right on 2.13:
-    BENCHMARKS.md). An autograd input or incoming gradient is never mutated."""
+    Every collective that can run inside a compiled graph (the autograd Functions below) is one of
+    these functional ops, which torch.compile records as a collective op and a wait, in forward and,
+    through AOTAutograd, in backward, rather than breaking the graph around them: the training
+    forward is one graph, compiled once (tests/test_tp.py, with gloo on CPU; bench/bench_parallel.py
+    check-compile, with NCCL on GPUs); inductor may move the waits to overlap compute. The ops
+    themselves, not funcol's Python wrappers, whose names differ between torch versions; not the
+    in-place dist.all_reduce, which compiled to wrong gradients on torch 2.11 (BENCHMARKS.md). An
+    autograd input or incoming gradient is never mutated. The gradient hooks of shared pieces
+    (shard) and DataParallel's run outside the graph, as in eager."""
     ops = torch.ops._c10d_functional
     return ops.wait_tensor(getattr(ops, op)(x.contiguous(), *args, group.group_name))
 

@@ -1,15 +1,13 @@
 # GRPO on the offline Arithmetic task (tasks.py) from the tiny model halfway through its SFT: CPU, minutes.
+# Each step: 16 questions x 16 sampled answers, rewarded 1 for the right number; every eval_every
+# steps the held-out questions (never trained on) are answered 16 times each and once greedily.
 #   python pretrain.py configs/tiny.py && python sft.py configs/sft_tiny.py     (or torchrun ... each)
 #   python grpo.py configs/grpo_tiny.py                    (or torchrun --nproc_per_node=2 grpo.py ...)
 #   python plots.py out/grpo_tiny                          # the reward curves: out/grpo_tiny/run.png
-# Each step: 16 questions x 16 sampled answers, rewarded 1 for the right number; every eval_every
-# steps the ~54 held-out questions (never trained on) are answered 16 times each at the sampling
-# temperature and once greedily. On a busy machine OMP_NUM_THREADS=1 runs it several times faster.
-# Why step 150 of sft_tiny (its halfway checkpoint, kept by ckpt_every=150) and not the finished
-# model: on the finished 1.3M-parameter model the held-out reward is sharp: a step of norm 0.003
-# along its exact gradient raises it 0.453 -> 0.460, one of 0.01 lowers it to 0.399, so no lr we
-# tried (AdamW 2e-5..1e-3, Adam eps up to 1e-2, LoRA, beta1 0.99) moved it by more than noise
-# (0.442 -> 0.43..0.47) or kept it from falling. Halfway through SFT it still has a skill to gain.
+# What to expect (README): the held-out reward rises at every evaluation to step 60. On a busy
+# machine OMP_NUM_THREADS=1 runs it several times faster.
+# Why sft_tiny's halfway checkpoint (step 150, kept by its ckpt_every): the finished model's held-out
+# reward is too sharp for GRPO to move (README); halfway through SFT it still has a skill to gain.
 init_from = "out/sft_tiny/step_000150"
 out_dir = "out/grpo_tiny"
 task = "arithmetic"
@@ -22,7 +20,7 @@ max_new_tokens = 8          # "71<|im_end|>" is 2 tokens
 temperature = 0.7
 loss_type = "dapo"
 clip_high = 0.28            # DAPO's clip-higher
-max_steps = 60               # the held-out reward peaks here; by step 100 it is back to 0.248 (README)
+max_steps = 60               # the held-out reward peaks here, then falls (README)
 lr = 1e-4
 warmup_steps = 5
 schedule = "constant"

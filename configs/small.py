@@ -1,20 +1,9 @@
-# GPT-2-small-class LLaMA-style model (about 125M parameters) for 2 GPUs.
+# GPT-2-small-class LLaMA-style model (about 125M parameters) for 2 GPUs, on every .py file this
+# interpreter can import (data="python": corpus.py), cleaned (clean.py), exactly deduplicated, half
+# the training documents in fill-in-the-middle layout in fragments of <= 2000 characters (fim.py).
 #   torchrun --nproc_per_node=2 pretrain.py configs/small.py
-# The corpus: every .py file this interpreter can import (standard library + installed packages),
-# deduplicated, in a fixed shuffled order, no top-level package above 10% of it (corpus.py). On the
-# CPU machine (Python 3.11, torch + transformers + ... installed) that is 16,516 files = 68.4M train
-# tokens with this tokenizer, 61.6M after cleaning (below): 2000 steps of 262k tokens repeat it ~8.5
-# times; slim installs give less.
 # Point `data` at a larger corpus (a folder of text/jsonl/parquet, or hf:<dataset>) for a real run.
-# Cleaned (clean.py) and exactly deduplicated before tokenization: on the CPU machine 850 of 16,516
-# files go (764 auto-generated, e.g. transformers' modeling files generated from modular ones; 32
-# encoded data; 20 lines over 1000 chars; ...): 61.6M instead of 68.4M train tokens, prepared in
-# 93 s instead of 72 s (2 busy cores). dedup="near" drops 375 more near-copies (2.3%) for 185 s:
-# prepared data is reused, but every fresh machine pays it. Half the training documents are in
-# fill-in-the-middle layout (fim.py; validation stays plain; ~5 more tokens per FIM sequence), in
-# fragments of <= 2000 characters (~530 tokens at 3.7 characters per token): whole files laid out
-# once (fim_fragment=0, 4.2k tokens on average) put only 7% of PSM middle tokens in a 1024-token
-# window that also holds the end of their prefix and the start of their suffix; fragments, 73%.
+# What to expect (README, BENCHMARKS.md): ~1.25M tokens/s on 2 H200s; the corpus is read several times.
 out_dir = "out/small"
 data = "python"
 clean = True
