@@ -124,3 +124,51 @@ def test_show_lists_every_key():
     text = config.show(cfg)
     for k in vars(cfg):
         assert f"  {k} " in text
+
+
+def test_each_stage_takes_its_own_keys():
+    """A stage accepts the keys it reads: a pretraining key given to sft.py is refused, naming where it
+    belongs; a typo names the closest key of that stage; --help lists the stage's keys with comments."""
+    import sft
+    with pytest.raises(KeyError, match="'dedup' is a setting of data.py"):
+        config.load(["--dedup=exact"], extra=sft.EXTRA, world=1)
+    with pytest.raises(KeyError, match="Did you mean n_train"):
+        config.load(["--n_trian=5"], extra=sft.EXTRA, world=1)
+    with pytest.raises(KeyError, match="Did you mean sample_tokens"):
+        config.load(["--sample_token=5"], extra=pretrain.EXTRA, world=1)
+    with pytest.raises(SystemExit) as e:
+        config.load(["--help"], extra=sft.EXTRA, world=1, script="sft.py")
+    assert e.value.code == 0
+
+
+def test_help_lists_keys_with_comments(capsys):
+    import sft
+    with pytest.raises(SystemExit):
+        config.load(["--help"], extra=sft.EXTRA, script=os.path.join(ROOT, "sft.py"))
+    out = capsys.readouterr().out
+    assert "sft.py's own keys" in out and "shared keys" in out and "model keys" in out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("n_train="))
+    assert "20000" in line and "conversations the task generates" in line
+    assert "dedup" not in out  # a pretraining key
+
+
+def test_no_arguments_asks_for_a_config():
+    with pytest.raises(config.UserError, match="no config: give one, e.g. `python pretrain.py configs/tiny.py`"):
+        config.load([], extra=pretrain.EXTRA, script="pretrain.py", example="configs/tiny.py")
+
+
+def test_resume_ignores_keys_this_stage_does_not_read(tmp_path):
+    """An SFT checkpoint whose config holds pretraining keys (older ingot saved every key) resumes
+    with this stage's config: keys only one side knows are listed, never refused."""
+    import checkpoint
+    import lifecycle
+    import sft
+    from types import SimpleNamespace
+    cfg = config.load(["--out_dir=" + str(tmp_path)], extra=sft.EXTRA, world=1)
+    old = SimpleNamespace(**{**vars(cfg), "dedup": "near", "fim_rate": 0.5})
+    path = checkpoint.save(str(tmp_path), 1, {"w": __import__("torch").zeros(1)}, None, old, run_id="A")
+    notes = lifecycle.check_resume(path, cfg)
+    assert any("dedup: 'near' in the checkpoint, not a setting now" in n for n in notes)
+    changed = SimpleNamespace(**{**vars(cfg), "lr": cfg.lr * 2})
+    with pytest.raises(lifecycle.ResumeMismatch, match="lr"):
+        lifecycle.check_resume(path, changed)

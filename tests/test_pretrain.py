@@ -99,3 +99,24 @@ def test_resume_across_layouts(tmp_path, data_dir):
     assert sorted(b) == [1, 2, 3, 4, 5, 6]
     for s in range(1, 7):
         assert abs(a[s] - b[s]) <= 1e-5 * abs(a[s]), f"step {s}: one process {a[s]!r} vs {b[s]!r}"
+
+
+def test_init_from_shape_the_layout_cannot_take(tmp_path):
+    """--init_from a checkpoint with 3 heads and --tp=2 on 2 ranks: the model keys come from the
+    checkpoint, validation runs again after them, so the user gets the one-line error (from rank
+    0, no traceback of ours) before anything is written, not tp.py's ValueError on both ranks."""
+    import torch
+    from types import SimpleNamespace
+    import checkpoint
+    import config
+    import pretrain as stage
+    from model import ModelConfig, Transformer
+    cfg = SimpleNamespace(**{**config.defaults(stage.EXTRA), "n_layer": 1, "n_head": 3, "n_embd": 24,
+                             "tokenizer_vocab": 512, "vocab_size": 512, "block_size": 32})
+    init = checkpoint.save(str(tmp_path / "init"), 1, Transformer(ModelConfig.from_cfg(cfg)).state_dict(), None, cfg,
+                           run_id="init")
+    out = tmp_path / "out"
+    r = pretrain(["configs/tiny.py", f"--init_from={init}", "--tp=2", f"--out_dir={out}"], nproc=2, check=False)
+    ours = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode != 0 and ours == ["error: n_head=3 is not divisible by tp=2: each rank needs whole heads"], r.stderr
+    assert "tp.py" not in r.stderr and not out.exists()
