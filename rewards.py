@@ -30,6 +30,12 @@ from fractions import Fraction
 import sandbox
 
 END_OF_TURN = re.compile(r"<\|[^|<>]*\|>")   # <|im_end|>, <|endoftext|>: a completion ends at the first
+# the formats an answer can be asked in (an item's answer_format column) -> the instruction that asks for it
+ANSWER_FORMATS = {
+    "####": "Give the final answer on the last line as: #### <answer>",
+    "boxed": "Put the final answer in \\boxed{}.",
+    "tags": "Think inside <think></think>, then give the final answer inside <answer></answer>.",
+}
 
 
 def completion_text(completion):
