@@ -527,6 +527,13 @@ class CodeTask(Task):
         task_reward.__name__ = f"{self.name}_reward"
         return task_reward
 
+    def accuracy_fn(self, **limits):
+        """strict = lenient = the reward (the tests pass), the programs run once, in parallel."""
+        def task_accuracy(prompts, completions, **columns):
+            r = self.reward_fn(**limits)(prompts, completions, **columns)
+            return {"strict": r, "lenient": list(r)}
+        return task_accuracy
+
     def sft_examples(self, n, seed=0):
         return [it["prompt"] + assistant(f"```python\n{it['answer']}```") for it in self.train(n, seed)]
 

@@ -87,6 +87,8 @@ def test_code_task_solutions_pass_and_wrong_ones_fail():
     prompts = [it["prompt"] for it in items]
     tests = [it["tests"] for it in items]
     assert t.reward_fn()(prompts + prompts, right + wrong, tests=tests + tests) == [1.0] * 9 + [0.0] * 9
+    assert t.accuracy_fn()(prompts[:2], [right[0], wrong[1]], tests=tests[:2]) == \
+        {"strict": [1.0, 0.0], "lenient": [1.0, 0.0]}
     assert t.reward(right[0], items[0]) == 1.0
     ex = t.sft_examples(2, seed=1)
     assert ex[0][1]["content"] == f"```python\n{items[0]['answer']}```"
