@@ -405,8 +405,10 @@ class Reward:
             if len(values) != len(completions):
                 raise reward_error(f"reward {name!r} gave {len(values)} values for {len(completions)} completions")
             each[name] = values
-        total = combine([lambda *a, v=v, **k: v for v in each.values()], [w for _, w, _ in self.parts])
-        return total(prompts, completions), each
+        weights = [w for _, w, _ in self.parts]
+        total = [sum(w * v for w, v in zip(weights, values) if v is not None)
+                 if any(v is not None for v in values) else None for values in zip(*each.values())]
+        return total, each
 
     def __call__(self, prompts, completions, **columns):
         return self.score(prompts, completions, **columns)[0]
@@ -455,6 +457,8 @@ def from_spec(spec, extra=None):
             if not math.isfinite(weight):
                 raise reward_error(f"reward weight {tail!r} of {head!r} must be finite")
             where = head
+        if any(where == name for name, _, _ in out):
+            raise reward_error(f"reward {where!r} is named twice in {spec!r}: give it once, with one weight")
         if ".py" in where:
             path, sep, fn = where.rpartition(".py:")
             if not sep or not fn:

@@ -83,6 +83,7 @@ def test_reward_from_a_user_file(tmp_path):
         ("math,format:lots", "reward weight 'lots' of 'format' is not a number"),
         ("format:inf", "reward weight 'inf' of 'format' must be finite"),
         ("", "reward='' names no reward"),
+        ("math,format,math:2", "reward 'math' is named twice in 'math,format,math:2'"),
         (f"{tmp_path}/gone.py:f", f"reward file '{tmp_path}/gone.py' not found"),
         (f"{path}", "name the function in the file, as path/to/file.py:function"),
         (f"{path}:closer", f"reward file '{path}' has no function 'closer' (it defines: close, helper, no_columns)"),
