@@ -13,9 +13,16 @@ hangs the trainer, from any thread (its own timeout is signal-based: main thread
 
 Code. code_reward() runs each completion's program and its tests in sandbox.py's sandbox
 (sandbox.run_many: many at once, each in its own isolated process); a test passes or it does not.
+
+Accuracy, strict and lenient. accuracy() -> {"strict", "lenient"} per completion: lenient finds the
+answer anywhere (its marker, else the last number), strict only in the item's answer_format column
+('####' last line, \\boxed{}, <think>/<answer> tags: ANSWER_FORMATS; None where none is asked).
+By name and by file. from_spec("math,format:0.2") or "path/to/my_reward.py:fn:0.5" -> a Reward: a
+weighted sum in the same form (REWARDS: math, strict, lenient, format, code; extra names from the caller).
 """
 import contextlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -30,6 +37,12 @@ from fractions import Fraction
 import sandbox
 
 END_OF_TURN = re.compile(r"<\|[^|<>]*\|>")   # <|im_end|>, <|endoftext|>: a completion ends at the first
+# the formats an answer can be asked in (an item's answer_format column) -> the instruction that asks for it
+ANSWER_FORMATS = {
+    "####": "Give the final answer on the last line as: #### <answer>",
+    "boxed": "Put the final answer in \\boxed{}.",
+    "tags": "Think inside <think></think>, then give the final answer inside <answer></answer>.",
+}
 
 
 def completion_text(completion):
@@ -287,3 +300,172 @@ def combine(fns, weights=None):
         return [sum(w * v for w, v in zip(weights, values) if v is not None)
                 if any(v is not None for v in values) else None for values in zip(*per_fn)]
     return combined
+
+
+# ----------------------------------------------------------------------------- strict and lenient accuracy
+
+NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+TAGGED = re.compile(r"\s*<think>(?:(?!</?think>).)*</think>\s*<answer>((?:(?!</?answer>).)*)</answer>\s*", re.S)
+
+
+def last_number(text):
+    """The last number (integer or decimal, thousands commas allowed) in a completion; None if none."""
+    found = NUMBER.findall(completion_text(text))
+    return found[-1] if found else None
+
+
+def strict_answer(text, fmt):
+    """A completion's answer only where it is given in the format fmt (ANSWER_FORMATS): '####' the last
+    line '#### <answer>', 'boxed' the last \\boxed{...}, 'tags' the <answer> of exactly <think>...</think>
+    <answer>...</answer>; None when it is not (or fmt is '': none asked)."""
+    text = completion_text(text)
+    if fmt == "####":
+        lines = text.strip().splitlines()
+        m = re.fullmatch(r"####\s*(.*?)\s*\.?\s*", lines[-1]) if lines else None
+        return (m.group(1) or None) if m else None
+    if fmt == "boxed":
+        return boxed(text)
+    if fmt == "tags":
+        m = TAGGED.fullmatch(text)
+        return (m.group(1).strip() or None) if m else None
+    if fmt:
+        raise ValueError(f"answer format {fmt!r} is not one of {', '.join(ANSWER_FORMATS)}")
+    return None
+
+
+def lenient_answer(text):
+    """A completion's answer wherever it is: its final-answer marker (extract_answer), else its last number."""
+    return extract_answer(text) or last_number(text)
+
+
+def golds_of(columns, n):
+    """The gold answers of n completions (column 'answer' or 'solution'; a solution's own \\boxed{} or '####'
+    answer where it has one), None where there is none."""
+    golds = column(columns, ("answer", "solution"), n) or [None] * n
+    return [None if g is None else (extract_answer(str(g)) or str(g).strip() or None) for g in golds]
+
+
+def accuracy(prompts, completions, *, timeout=5.0, **columns):
+    """{"strict": [...], "lenient": [...]}: 1.0 / 0.0 per completion. lenient: lenient_answer equals the
+    gold; strict: strict_answer in the item's answer_format (column; '' none asked) equals it. None where
+    there is no gold answer, and for strict where no format is asked."""
+    n = len(completions)
+    golds, fmts = golds_of(columns, n), column(columns, ("answer_format",), n) or [""] * n
+    pairs = [(g, lenient_answer(c)) for g, c in zip(golds, completions)]
+    pairs += [(g if f else None, strict_answer(c, f)) for g, f, c in zip(golds, fmts, completions)]
+    ok = iter(math_equal_many([p for p in pairs if p[0] is not None], timeout))
+    got = [None if g is None else float(next(ok)) for g, _ in pairs]
+    return {"strict": got[n:], "lenient": got[:n]}
+
+
+def strict_reward(prompts, completions, **columns):
+    """accuracy()'s strict: the right answer, given in the asked format (None where none is asked)."""
+    return accuracy(prompts, completions, **columns)["strict"]
+
+
+def lenient_reward(prompts, completions, **columns):
+    """accuracy()'s lenient: the right answer, found anywhere (None where there is no gold answer)."""
+    return accuracy(prompts, completions, **columns)["lenient"]
+
+
+def answer_format_reward(prompts, completions, **columns):
+    """1.0 when the completion gives an answer in its item's answer_format (column), else 0.0; where the
+    items ask no format, the <think>...</think><answer>...</answer> tags (format_reward's)."""
+    n = len(completions)
+    fmts = column(columns, ("answer_format",), n) or [""] * n
+    return [float(strict_answer(c, f or "tags") is not None) for c, f in zip(completions, fmts)]
+
+
+# ----------------------------------------------------------------------------- rewards by name and by file
+
+REWARDS = {"math": math_reward, "strict": strict_reward, "lenient": lenient_reward, "format": answer_format_reward,
+           "code": code_reward}
+
+
+def reward_error(message):
+    """A config.UserError: a reward setting that cannot work (config is imported here, not at the top: the
+    math-verify worker imports this file, and config imports torch)."""
+    from config import UserError
+    return UserError(message)
+
+
+class Reward:
+    """A weighted sum of reward functions, in TRL's form: reward(prompts, completions, **columns) -> the
+    sums (None where no part applies, as combine()). parts: [(name, weight, fn)]; score() also gives
+    each part's own values (for logging: rewards/<name>)."""
+
+    def __init__(self, parts):
+        self.parts = list(parts)
+
+    def score(self, prompts, completions, **columns):
+        """(the weighted sums, {name: that part's values})."""
+        each = {}
+        for name, _, fn in self.parts:
+            values = list(fn(prompts, completions, **columns))
+            if len(values) != len(completions):
+                raise reward_error(f"reward {name!r} gave {len(values)} values for {len(completions)} completions")
+            each[name] = values
+        weights = [w for _, w, _ in self.parts]
+        total = [sum(w * v for w, v in zip(weights, values) if v is not None)
+                 if any(v is not None for v in values) else None for values in zip(*each.values())]
+        return total, each
+
+    def __call__(self, prompts, completions, **columns):
+        return self.score(prompts, completions, **columns)[0]
+
+
+def load_function(path, name):
+    """The function `name` of the Python file at path, which must take the dataset's columns as **kwargs."""
+    if not os.path.isfile(path):
+        raise reward_error(f"reward file {path!r} not found")
+    module_name = "ingot_reward_" + re.sub(r"\W", "_", os.path.abspath(path))
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise reward_error(f"reward file {path}:{e.lineno}: {e.msg}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        defined = sorted(k for k, v in vars(module).items() if callable(v) and getattr(v, "__module__", "") == module_name)
+        raise reward_error(f"reward file {path!r} has no function {name!r} (it defines: {', '.join(defined) or 'none'})")
+    params = inspect.signature(fn).parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        raise reward_error(f"reward {path}:{name} must be f(prompts, completions, **columns): the dataset's columns "
+                          "arrive as keywords")
+    return fn
+
+
+def from_spec(spec, extra=None):
+    """A Reward from its setting: comma-separated parts, each a name (REWARDS, or extra's: e.g. "task") or
+    path/to/file.py:function, with an optional :weight (default 1): "math,format:0.2",
+    "my_reward.py:score:0.5,math"."""
+    names = {**REWARDS, **(extra or {})}
+    parts = [p.strip() for p in str(spec).split(",") if p.strip()]
+    if not parts:
+        raise reward_error(f"reward={spec!r} names no reward: give one of {', '.join(names)} or path/to/file.py:function")
+    out = []
+    for part in parts:
+        where, weight = part, 1.0
+        head, sep, tail = part.rpartition(":")
+        if sep and not tail.endswith(".py") and (".py:" in head or ".py" not in part):
+            try:
+                weight = float(tail)
+            except ValueError:
+                raise reward_error(f"reward weight {tail!r} of {head!r} is not a number (name:weight, e.g. "
+                                  "format:0.2)") from None
+            if not math.isfinite(weight):
+                raise reward_error(f"reward weight {tail!r} of {head!r} must be finite")
+            where = head
+        if any(where == name for name, _, _ in out):
+            raise reward_error(f"reward {where!r} is named twice in {spec!r}: give it once, with one weight")
+        if ".py" in where:
+            path, sep, fn = where.rpartition(".py:")
+            if not sep or not fn:
+                raise reward_error(f"reward {where!r}: name the function in the file, as path/to/file.py:function")
+            out.append((where, weight, load_function(path + ".py", fn)))
+        elif where in names:
+            out.append((where, weight, names[where]))
+        else:
+            raise reward_error(f"unknown reward {where!r}: choose one of {', '.join(names)} or path/to/file.py:function")
+    return Reward(out)
