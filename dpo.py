@@ -43,6 +43,7 @@ LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "cdpo", "simpo")
 REFERENCES = ("auto", "copy", "adapters", "precomputed")
 DPO_DEFAULTS = dict(
     task="arithmetic",       # tasks.get(task).pairs(): the pairs when chat_data (chat.CHAT_DEFAULTS) is ""
+    task_args={},            # the task's settings, e.g. dict(max_operand=999, worked=True) (tasks.settings(name))
     n_pairs=2000,            # training pairs drawn from the task (chat_data: 0 = all of its pairs)
     eval_pairs=200,          # held-out pairs (the task's test questions; chat_data: its last after a shuffle)
     beta=0.1,
@@ -252,7 +253,7 @@ def read_pairs(cfg):
         pairs = [(pairs[i].prompt, pairs[i].chosen, pairs[i].rejected) for i in torch.randperm(len(pairs), generator=g)]
         n_eval = min(cfg.eval_pairs, len(pairs) // 2)
         return pairs[:len(pairs) - n_eval][:cfg.n_pairs or None], pairs[len(pairs) - n_eval:], skipped
-    task = tasks.get(cfg.task)
+    task = tasks.get(cfg.task, cfg.task_args)
     train, held = task.pairs(cfg.n_pairs, cfg.seed), task.pairs(cfg.eval_pairs, cfg.seed, split="test")
     return [[(d["prompt"], d["chosen"], d["rejected"]) for d in ds] for ds in (train, held)] + [Counter()]
 

@@ -34,7 +34,7 @@ import logs
 import lora
 import optim
 import parallel
-import tasks
+import prompts
 import weights
 from model import IGNORE, ModelConfig, Transformer
 
@@ -44,8 +44,16 @@ SCALES = ("group", "batch", "none")
 # this stage's config keys (config.load(argv, extra=...)); batch_size counts completions per step
 DEFAULTS = dict(
     task="arithmetic",        # tasks.get(name): prompts with answers and the reward that checks them
+    task_args={},             # the task's settings, e.g. dict(max_operand=999, terms=3) (tasks.settings(name))
+    prompt_data="",           # your prompts instead of a task: .jsonl/.json/.parquet, a folder, hf:<name> (prompts.py:
+                              # GSM8K question/answer '#### N', MATH problem/solution \boxed{}, or prompt + answer)
+    eval_prompt_data="",      # held-out prompts from another source ("": eval_percent of prompt_data)
+    eval_percent=5.0,         # share of prompt_data held out (by a hash of the prompt: never trained on)
+    prompt_instruction="",    # appended to each prompt ("auto": the answer format's own instruction)
+    reward="",                # "" (the task's, or math on prompt_data) | math | strict | lenient | format | code |
+                              # path/to/file.py:function, weighted sums as "math,format:0.2"
     train_prompts=4096,       # task.train(n, seed): the prompts the steps cycle through
-    eval_prompts=128,         # task.test(n, seed): held-out prompts (mean reward: sampled and greedy)
+    eval_prompts=128,         # held-out prompts (reward sampled and greedy, strict and lenient accuracy)
     group_size=8,             # G samples per prompt: batch_size / G prompts per step
     max_new_tokens=32,        # longest completion (the end-of-turn token included)
     temperature=1.0,          # sampling; every log-prob is of logits / temperature
@@ -66,7 +74,7 @@ DEFAULTS = dict(
     out_dir="out/grpo",       # checkpoints and metrics
 )
 EXTRA = {**chat.CHAT_DEFAULTS, **DEFAULTS}  # this script's keys beyond config.py's (config.load(extra=...))
-RESUME_FREE = ("eval_prompts", "dead_steps")  # a resumed run may change it (with config.RESUME_FREE)
+RESUME_FREE = ("eval_prompts", "dead_steps", "eval_prompt_data", "eval_percent")  # a resumed run may change it (with config.RESUME_FREE)
 
 # ----------------------------------------------------------------------------- the math
 
@@ -288,6 +296,8 @@ def check(cfg, grid):
         (cfg.beta < 0 or cfg.temperature <= 0, f"beta={cfg.beta} must be >= 0 and temperature={cfg.temperature} > 0"),
         (min(cfg.max_new_tokens, cfg.grpo_epochs, cfg.train_prompts) < 1,
          "max_new_tokens, grpo_epochs and train_prompts must be >= 1"),
+        (cfg.prompt_data and cfg.task_args, "task_args set the task; prompt_data replaces the task: give one"),
+        (cfg.eval_prompt_data and not cfg.prompt_data, "eval_prompt_data is held out from prompt_data: set both"),
         (cfg.ep > 1, f"ep={cfg.ep}: expert-parallel ranks would stop decoding at different steps; use ep=1"),
         (cfg.dead_steps < 1, f"dead_steps={cfg.dead_steps} must be >= 1"),
         (cfg.eval_every and cfg.eval_prompts < grid.data_world,
@@ -309,8 +319,7 @@ def main(argv):
         cfg.vocab_size = tok.n_vocab
     config.validate(cfg, grid.world)  # the model keys just changed
     check(cfg, grid)
-    task = tasks.get(cfg.task)
-    train, test = task.train(cfg.train_prompts, cfg.seed), task.test(cfg.eval_prompts, cfg.seed)
+    train, test, reward, accuracy_fn, note = prompts.for_run(cfg)  # a task's, or prompt_data's
     train_ids, test_ids = ([chat.encode(tok, template, it["prompt"], add_generation_prompt=True)[0] for it in items]
                            for items in (train, test))
     longest = max(map(len, train_ids + test_ids))
@@ -323,8 +332,7 @@ def main(argv):
         sampling.update(compile=cfg.compile)
     lease = lifecycle.claim(cfg, grid, free=RESUME_FREE)  # out_dir locked, resume picked, settings checked
     for line in [started, *lease.notes, f"config:\n{config.show(cfg)}",
-                 f"data: {task.name}: {len(train)} train / {len(test)} held-out prompts; {P} prompts x {G} samples "
-                 f"per step", lifecycle.layout(cfg, grid)]:
+                 f"data: {note}; {P} prompts x {G} samples per step", lifecycle.layout(cfg, grid)]:
         say(line)
 
     # ------------------------------------------------------------------------ policy, reference, resume
@@ -345,32 +353,35 @@ def main(argv):
         step = trainer["step"]
         say(f"resumed from {lease.resume_from} at step {step}")
     logger = logs.Logger(cfg, grid)
-    reward_fn = task.reward_fn()  # f(prompts, completions, **columns), batched (code: sandboxes in parallel)
     held, saved = {}, {}  # the held-out metric at the first and latest evaluation; the latest checkpoint
 
     def rewards_of(r, items, which):
-        """The task's rewards of the completions (their text without the stop token); None -> NaN."""
-        rows, gen = [items[i] for i in which], zip(r.tokens[:, r.prompt_len:].tolist(), r.lengths.tolist())
+        """prompts.judge of the completions of r (as text, without their stop token): (rewards (N,), NaN where
+        none; {key: [sum, count]} to log)."""
+        gen = zip(r.tokens[:, r.prompt_len:].tolist(), r.lengths.tolist())
         texts = [tok.decode(t[:n - (t[n - 1] in stops)]) for t, n in gen]  # n - 1 tokens when it stopped
-        columns = {k: [it[k] for it in rows] for k in rows[0] if k != "prompt"}  # "answer", "tests", ...
-        got = reward_fn([it["prompt"] for it in rows], texts, **columns)
-        return torch.tensor([float("nan") if v is None else float(v) for v in got], device=device)
+        total, sums = prompts.judge(reward, accuracy_fn, [items[i] for i in which], texts)
+        return torch.tensor([float("nan") if v is None else float(v) for v in total], device=device), sums
 
     def evaluate():
-        """Held-out prompts (split over data ranks): mean reward of G samples each (fixed seed), and greedy."""
+        """Held-out prompts (split over data ranks): G samples each (fixed seed) and the greedy answer: their mean
+        reward and, greedy, strict and lenient accuracy."""
         mine = list(range(grid.data_rank, len(test), grid.data_world))
         with net.full_params(), autocast:
-            model, prompts = generate.refresh(policy, raw), [test_ids[i] for i in mine]
-            sampled = generate.decode(model, prompts, cfg.max_new_tokens, n=G,
+            model, prompts_ = generate.refresh(policy, raw), [test_ids[i] for i in mine]
+            sampled = generate.decode(model, prompts_, cfg.max_new_tokens, n=G,
                                       **{**sampling, "seed": rollout_seed(cfg.seed, -1, grid)})
-            greedy = generate.decode(model, prompts, cfg.max_new_tokens, **{**sampling, "temperature": 0})
-        got = [rewards_of(sampled, test, [i for i in mine for _ in range(G)]).nan_to_num(0.0).mean() * len(mine),
-               rewards_of(greedy, test, mine).nan_to_num(0.0).sum(), torch.tensor(float(len(mine)), device=device)]
-        s, g, n = all_sum(torch.stack(got), grid).tolist()
-        logger.log(step, {"heldout_reward": s / n, "heldout_greedy": g / n})
-        held.setdefault("before", (step, g / n))
-        held["after"] = (step, g / n)
-        say(f"step {step} | held-out reward {s / n:.4f} sampled, {g / n:.4f} greedy ({len(test)} prompts)")
+            greedy = generate.decode(model, prompts_, cfg.max_new_tokens, **{**sampling, "temperature": 0})
+        (s, _), (g, judged) = (rewards_of(out, test, [i for i in mine for _ in range(k)]) for out, k in ((sampled, G), (greedy, 1)))
+        m = logs.means({"heldout_reward": [s.nan_to_num(0.0).sum().item(), s.numel()],
+                        "heldout_greedy": [g.nan_to_num(0.0).sum().item(), g.numel()],
+                        **{k.replace("accuracy", "heldout"): v for k, v in judged.items() if k.startswith("accuracy_")}},
+                       grid.data_group, device)
+        logger.log(step, m)
+        key = "heldout_lenient" if "heldout_lenient" in m else "heldout_greedy"
+        held.setdefault("before", (step, m[key]))
+        held["after"] = (step, m[key])
+        say(f"step {step} | held-out ({len(test)} prompts) | " + logs.fmt(m))
 
     def save():
         saved["path"] = lifecycle.save(net, cfg, lease, step, {})[0]
@@ -379,7 +390,7 @@ def main(argv):
     if cfg.eval_every and step == 0:
         evaluate()
     last, interrupt, stopped = cfg.stop_at or cfg.max_steps, lifecycle.Interrupt(grid), False
-    tally, first = {}, step + 1  # what the log line reports, summed over its steps
+    tally, judged_tally, first = {}, {}, step + 1  # what the log line reports, summed over its steps
     dead, logged, warned = 0, step, {}  # steps in a row without signal (diagnose), their warnings
     while step < last:
         t0 = clock.now()
@@ -389,7 +400,8 @@ def main(argv):
                                grid.data_world, cfg.max_new_tokens, seed=rollout_seed(cfg.seed, step, grid), keep=keep,
                                **sampling)
         t1 = clock.now()
-        batch, stats = score(r, rewards_of(r, [train[i] for i in idx], which), grid, cfg, stops)
+        got, judged = rewards_of(r, [train[i] for i in idx], which)
+        batch, stats = score(r, got, grid, cfg, stops)
         t2 = clock.now()
         if cfg.beta:
             with (contextlib.nullcontext() if ref else lora.disabled(raw)), net.full_params(), autocast:
@@ -400,9 +412,9 @@ def main(argv):
             sums, norm = learn(net, batch, cfg, autocast)
         kl, low, high, tokens = all_sum(sums.detach().float(), grid).tolist()
         t3 = clock.now()
-        for k, v in {**stats, "kl": kl, "clip_low": low, "clip_high": high, "tokens": tokens, "t_rollout": t1 - t0,
-                     "t_reward": t2 - t1, "t_learn": t3 - t2, "steps": 1}.items():
-            tally[k] = tally.get(k, 0.0) + v
+        logs.add(tally, {**stats, "kl": kl, "clip_low": low, "clip_high": high, "tokens": tokens, "t_rollout": t1 - t0,
+                         "t_reward": t2 - t1, "t_learn": t3 - t2, "steps": 1})
+        logs.add(judged_tally, judged)  # reward parts, accuracy: this rank's [sum, count]
         step += 1
         if step == first:
             say(f"first step done {clock.since_start():.1f} s after start")
@@ -413,9 +425,9 @@ def main(argv):
                  "kl": tally["kl"] / tokens, "clip_low": tally["clip_low"] / tokens, "clip_high": tally["clip_high"] /
                  tokens, "grad_norm": float(norm), "lr": lr, "t_rollout": tally["t_rollout"] / k,
                  "t_reward": tally["t_reward"] / k, "t_learn": tally["t_learn"] / k,
-                 "gen_tok_s": tally["gen_tokens"] / tally["t_rollout"]}
+                 "gen_tok_s": tally["gen_tokens"] / tally["t_rollout"], **logs.means(judged_tally, grid.data_group, device)}
             logger.report(step, m, cfg.max_steps, say)
-            tally, why = {}, diagnose(m, cfg)
+            tally, judged_tally, why = {}, {}, diagnose(m, cfg)
             dead = dead + (step - logged) if why else 0
             if why and dead >= cfg.dead_steps and not warned.get(why):
                 warned[why] = True

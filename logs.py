@@ -95,6 +95,25 @@ class Logger:
             self.wandb.finish()
 
 
+def add(tally, values):
+    """Sum a step's values into tally (a dict, in place): numbers add, [sum, count] pairs add per entry."""
+    for k, v in values.items():
+        if isinstance(v, list):
+            tally[k] = [a + b for a, b in zip(tally.get(k, [0] * len(v)), v)]
+        else:
+            tally[k] = tally.get(k, 0) + v
+    return tally
+
+
+def means(counted, group=None, device="cpu"):
+    """{key: [sum, count]} of this rank -> {key: sum / count over every rank of group} (one all-reduce;
+    keys whose count is 0 left out)."""
+    flat = torch.tensor([x for v in counted.values() for x in v], device=device, dtype=torch.float64)
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(flat, group=group)
+    return {k: s / n for k, (s, n) in zip(counted, flat.view(-1, 2).tolist()) if n}
+
+
 def fmt(metrics):
     """One log line: 'loss 3.2104 | lr 6.00e-04 | ...'."""
     parts = []

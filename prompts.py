@@ -30,6 +30,7 @@ import json
 
 import chat
 import rewards
+import tasks
 
 FORMATS = ("gsm8k", "math", "qa", "prompt")
 
@@ -184,3 +185,31 @@ def train_and_eval(source, eval_source="", eval_percent=5.0, seed=0, **read_kw):
         raise chat.ChatDataError(f"no held-out prompt from {eval_source or source!r} ({len(items)} records at "
                                  f"eval_percent={eval_percent:g}): raise eval_percent, or give eval_prompt_data")
     return train, held, note
+
+
+def for_run(cfg):
+    """What a GRPO run samples and scores -> (train items, held-out items, reward, accuracy_fn, note):
+    prompt_data's items (the split as train_and_eval states it; reward "" = math) or the task's
+    (tasks.get(task, task_args); reward "" = the task's own). reward: rewards.from_spec(cfg.reward);
+    accuracy_fn(prompts, completions, **columns) -> {"strict": [...], "lenient": [...]}."""
+    if cfg.prompt_data:
+        train, held, note = train_and_eval(cfg.prompt_data, cfg.eval_prompt_data, cfg.eval_percent, cfg.seed,
+                                           skip_bad=cfg.skip_bad_records, limit=cfg.chat_limit,
+                                           instruction=cfg.prompt_instruction)
+        return train, held[:cfg.eval_prompts], rewards.from_spec(cfg.reward or "math"), rewards.accuracy, note
+    task = tasks.get(cfg.task, cfg.task_args)
+    train, held = task.train(cfg.train_prompts, cfg.seed), task.test(cfg.eval_prompts, cfg.seed)
+    note = f"{task.name}: {len(train):,} train prompts (drawn from the task's train split) / {len(held):,} held out"
+    return train, held, rewards.from_spec(cfg.reward or "task", extra={"task": task.reward_fn()}), task.accuracy_fn(), note
+
+
+def judge(reward, accuracy_fn, rows, texts):
+    """The completions `texts` of items `rows` scored: (rewards, one per text, None where none applies;
+    {key: [sum, count]} of what to log: each part of a weighted reward (rewards/<name>) and the strict /
+    lenient accuracy (accuracy_<kind>), over the values that are not None)."""
+    columns = {k: [it[k] for it in rows] for k in rows[0] if k != "prompt"}  # "answer", "tests", ...
+    asked = [it["prompt"] for it in rows]
+    total, parts = reward.score(asked, texts, **columns)
+    judged = {**({f"rewards/{k}": v for k, v in parts.items()} if len(parts) > 1 else {}),
+              **{f"accuracy_{k}": v for k, v in accuracy_fn(asked, texts, **columns).items()}}
+    return total, {k: [sum(x for x in v if x is not None), sum(x is not None for x in v)] for k, v in judged.items()}

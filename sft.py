@@ -43,6 +43,7 @@ from model import IGNORE, ModelConfig, Transformer
 SFT_DEFAULTS = dict(
     out_dir="out/sft",  # checkpoints and metrics
     task="arithmetic",  # tasks.get(task): the default training data and the held-out accuracy ("": neither)
+    task_args={},       # the task's settings, e.g. dict(max_operand=999, worked=True) (tasks.settings(name))
     n_train=20000,      # conversations the task generates for training (when chat_data is "")
     n_eval=200,         # held-out task items answered before and after training (0: no accuracy)
     held_out=0.02,      # share of chat_data's conversations held out for a validation loss (0: none)
@@ -181,7 +182,7 @@ def main(argv):
     config.validate(cfg, grid.world)  # the model keys just changed
     check(cfg, grid)
     T = cfg.seq_len or cfg.block_size
-    task = tasks.get(cfg.task) if cfg.task else None
+    task = tasks.get(cfg.task, cfg.task_args) if cfg.task else None
     rows, held_rows, counts, convs = load_data(cfg, task, tok, template, T)
     items = task.test(cfg.n_eval, cfg.seed) if task and cfg.n_eval else []
     accum = cfg.batch_size // (cfg.micro_batch_size * grid.data_world)

@@ -105,7 +105,6 @@ def test_init_from_shape_the_layout_cannot_take(tmp_path):
     """--init_from a checkpoint with 3 heads and --tp=2 on 2 ranks: the model keys come from the
     checkpoint, validation runs again after them, so the user gets the one-line error (from rank
     0, no traceback of ours) before anything is written, not tp.py's ValueError on both ranks."""
-    import torch
     from types import SimpleNamespace
     import checkpoint
     import config

@@ -282,9 +282,9 @@ def test_probe_rewards_its_first_character():
         [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
     items = t.test(100)
     # chance for a model that answers right: the share of the held-out answers that start with '1'
-    assert tasks.accuracy(lambda prompt: next(it["answer"] for it in items if it["prompt"] == prompt), t, items) == \
+    assert sum(t.reward(it["answer"], it) for it in items) / len(items) == \
         sum(it["answer"].startswith("1") for it in items) / len(items)
-    assert tasks.accuracy(lambda prompt: "1", t, items) == 1.0                    # the known optimum
+    assert all(t.reward("1", it) == 1.0 for it in items)                          # the known optimum
     for task in (t, tasks.get("probe", {"chars": "01"})):
         for p in task.pairs(20) + task.pairs(5, split="test"):
             assert task.reward(p["chosen"], item) == 1.0 and task.reward(p["rejected"], item) == 0.0

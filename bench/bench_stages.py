@@ -1,0 +1,76 @@
+"""The stage scripts' own throughput (SFT, DPO, GRPO), for one or more source trees in the same call.
+
+    python bench/bench_trl.py make --shape=124m --out=/tmp/m124                # a model folder and data
+    python bench/bench_stages.py --model=/tmp/m124 --tree=. --tree=/tmp/old --json=stages.json
+
+Each stage script of each tree runs as its users run it (`python <tree>/sft.py ...`) on the same model
+folder and data, the trees alternating (A B ... A B) for --rounds, and reports what it logs itself:
+SFT tok_s and DPO pairs_s of the last log interval, GRPO's median step time (rollout + reward + learn)
+and rollout tokens/s over its steps after the first. Comparing a tree with another one (a commit before
+a refactor) in one call is what the house issue's "no throughput loss" asks for.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+STAGES = {
+    "sft": ["--chat_data={model}/sft.jsonl", "--task=", "--pack=False", "--batch_size=8", "--micro_batch_size=8",
+            "--n_eval=0", "--lr=1e-5", "--warmup_steps=0", "--max_steps=24", "--log_every=8"],
+    "dpo": ["--chat_data={model}/dpo.jsonl", "--batch_size=8", "--micro_batch_size=8", "--eval_every=0",
+            "--lr=1e-6", "--warmup_steps=0", "--max_steps=24", "--log_every=8"],
+    "grpo": ["--task=arithmetic", "--batch_size=64", "--group_size=8", "--micro_batch_size=16",
+             "--max_new_tokens=128", "--top_k=50", "--eval_every=0", "--lr=1e-6", "--warmup_steps=0",
+             "--max_steps=8", "--log_every=1", "--reward_truncated=True"],
+}
+
+
+def run(tree, stage, model, out, extra):
+    args = [a.format(model=model) for a in STAGES[stage]] + extra
+    if stage == "grpo" and not os.path.isfile(os.path.join(tree, "lifecycle.py")):
+        args.remove("--reward_truncated=True")  # a tree from before that key (it kept truncated rewards)
+    cmd = [sys.executable, os.path.join(tree, f"{stage}.py"), f"--init_from={model}", f"--out_dir={out}",
+           "--progress=False", "--ckpt_every=0", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tree)
+    if r.returncode:
+        return {"error": (r.stderr or r.stdout)[-1500:]}
+    with open(os.path.join(out, "train_metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    rows = [m for m in rows if "lr" in m]
+    if stage == "sft":
+        return {"tok_s": rows[-1]["tok_s"]}
+    if stage == "dpo":
+        return {"pairs_s": rows[-1]["pairs_s"]}
+    later = rows[1:]
+    return {"s_per_step": statistics.median(m["t_rollout"] + m["t_reward"] + m["t_learn"] for m in later),
+            "rollout_tok_s": statistics.median(m["gen_tok_s"] for m in later)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="bench/bench_trl.py make's folder")
+    p.add_argument("--tree", action="append", required=True, help="a source tree (repeat to compare)")
+    p.add_argument("--stages", default="sft,dpo,grpo")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--extra", default="", help="more --key=value for every stage (space separated)")
+    p.add_argument("--json", default="")
+    a = p.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(a.rounds):
+            for stage in a.stages.split(","):
+                for i, tree in enumerate(a.tree):
+                    got = run(os.path.abspath(tree), stage, a.model, os.path.join(tmp, f"{stage}_{i}_{k}"),
+                              a.extra.split())
+                    results.append({"stage": stage, "tree": tree, "round": k, **got})
+                    print(json.dumps(results[-1]), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
