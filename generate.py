@@ -271,7 +271,8 @@ def pad_prompts(prompts, pad_id=0, device=None):
 def cuda_graph(fn, state, warmup=3, pool=None):
     """Capture fn() (it reads and writes only tensors it closes over) as one CUDA graph; return
     its replay. The warm-up runs torch.cuda.graph needs (on a side stream; compilation happens
-    here) advance the state: `state` tensors are restored after them. Graphs that share a pool
+    here) would advance the state: `state` tensors are restored after each, so every warm-up runs
+    the same step and none writes past the buffers (a decode of 2 new tokens has 2 columns). Graphs that share a pool
     (torch.cuda.graph_pool_handle()) share their temporaries' memory: replay them one at a time.
     Under autocast the graph casts the weights itself: autocast's cached casts are freed when its
     context exits, and the graph may be replayed after that (decode's keep=)."""
@@ -283,6 +284,8 @@ def cuda_graph(fn, state, warmup=3, pool=None):
         with torch.cuda.stream(side):
             for _ in range(warmup):
                 fn()
+                for t, s in zip(state, saved):
+                    t.copy_(s)
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(graph, pool=pool):
             fn()  # recorded, not run

@@ -336,11 +336,12 @@ def end_of_step(step, last, cfg, interrupt, save, evaluate=None, say=print, cloc
         return True
     do_save = (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last
     do_eval = evaluate is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == last)
-    with clock.paused() if clock is not None else contextlib.nullcontext():
-        if do_save:
-            save()
-        if do_eval:
-            evaluate()
+    if do_save or do_eval:  # (the clock waits for the GPU: never on a plain step)
+        with clock.paused() if clock is not None else contextlib.nullcontext():
+            if do_save:
+                save()
+            if do_eval:
+                evaluate()
     return False
 
 

@@ -5,7 +5,8 @@
 
 Each stage script of each tree runs as its users run it (`python <tree>/sft.py ...`) on the same model
 folder and data, the trees alternating (A B ... A B) for --rounds, and reports what it logs itself:
-SFT tok_s and DPO pairs_s of the last log interval, GRPO's median step time (rollout + reward + learn)
+SFT tok_s (on the folder's DPO prompts and chosen answers) and DPO pairs_s of the last log interval,
+GRPO's median step time (rollout + reward + learn)
 and rollout tokens/s over its steps after the first. Comparing a tree with another one (a commit before
 a refactor) in one call is what the house issue's "no throughput loss" asks for.
 """
@@ -18,7 +19,7 @@ import sys
 import tempfile
 
 STAGES = {
-    "sft": ["--chat_data={model}/sft.jsonl", "--task=", "--pack=False", "--batch_size=8", "--micro_batch_size=8",
+    "sft": ["--chat_data={sft}", "--task=", "--pack=False", "--batch_size=8", "--micro_batch_size=8",
             "--n_eval=0", "--lr=1e-5", "--warmup_steps=0", "--max_steps=24", "--log_every=8"],
     "dpo": ["--chat_data={model}/dpo.jsonl", "--batch_size=8", "--micro_batch_size=8", "--eval_every=0",
             "--lr=1e-6", "--warmup_steps=0", "--max_steps=24", "--log_every=8"],
@@ -28,8 +29,18 @@ STAGES = {
 }
 
 
-def run(tree, stage, model, out, extra):
-    args = [a.format(model=model) for a in STAGES[stage]] + extra
+def sft_data(model, folder):
+    """prompt / completion records from the model folder's DPO pairs (chosen answers): rows that fit its context."""
+    path = os.path.join(folder, "sft.jsonl")
+    with open(os.path.join(model, "dpo.jsonl")) as f, open(path, "w") as out:
+        for line in f:
+            r = json.loads(line)
+            out.write(json.dumps({"prompt": r["prompt"], "completion": r["chosen"]}) + "\n")
+    return path
+
+
+def run(tree, stage, model, out, extra, sft):
+    args = [a.format(model=model, sft=sft) for a in STAGES[stage]] + extra
     if stage == "grpo" and not os.path.isfile(os.path.join(tree, "lifecycle.py")):
         args.remove("--reward_truncated=True")  # a tree from before that key (it kept truncated rewards)
     cmd = [sys.executable, os.path.join(tree, f"{stage}.py"), f"--init_from={model}", f"--out_dir={out}",
@@ -60,11 +71,12 @@ def main():
     a = p.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
+        sft = sft_data(a.model, tmp)
         for k in range(a.rounds):
             for stage in a.stages.split(","):
                 for i, tree in enumerate(a.tree):
                     got = run(os.path.abspath(tree), stage, a.model, os.path.join(tmp, f"{stage}_{i}_{k}"),
-                              a.extra.split())
+                              a.extra.split(), sft)
                     results.append({"stage": stage, "tree": tree, "round": k, **got})
                     print(json.dumps(results[-1]), flush=True)
     if a.json:
