@@ -80,7 +80,8 @@ def read_manifest(folder):
     return m
 
 
-def _read(path):
+def read_bytes(path):
+    """A file's bytes; b"" when it is missing."""
     try:
         with open(path, "rb") as f:
             return f.read()
@@ -96,11 +97,12 @@ def verify(folder):
         raise ShardError(f"{folder}: no {MANIFEST} (prepare it with python shards.py prepare)")
     for entry in m["shards"]:
         base = os.path.join(folder, entry["name"])
-        check_shard(entry, _read(base + ".bin"), _read(base + ".idx"), m["settings"]["dtype"], f"{folder}/")
+        check_shard(entry, read_bytes(base + ".bin"), read_bytes(base + ".idx"), m["settings"]["dtype"], f"{folder}/")
     return m
 
 
-def _write_atomic(path, raw):
+def write_atomic(path, raw):
+    """Write via a temporary file, synced, renamed: readers see the old file or the whole new one."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(raw)
@@ -110,7 +112,7 @@ def _write_atomic(path, raw):
 
 
 def _write_manifest(folder, m):
-    _write_atomic(os.path.join(folder, MANIFEST), json.dumps(m, indent=1).encode())
+    write_atomic(os.path.join(folder, MANIFEST), json.dumps(m, indent=1).encode())
 
 
 def is_val(i, val_fraction):
@@ -187,7 +189,7 @@ def _resumed(out, settings, verbose):
     for k, entry in enumerate(m["shards"]):
         base = os.path.join(out, entry["name"])
         try:
-            check_shard(entry, _read(base + ".bin"), _read(base + ".idx"), settings["dtype"], f"{out}/")
+            check_shard(entry, read_bytes(base + ".bin"), read_bytes(base + ".idx"), settings["dtype"], f"{out}/")
         except ShardError as e:
             if verbose:
                 print(f"shards: {e}; preparing again from shard {k}")
@@ -237,8 +239,8 @@ def prepare(source, out, tokenizer="cl100k_base", vocab=0, shard_tokens=SHARD_TO
         idx = np.array([s for s in starts if s < n], np.int64).tobytes()
         k = len(m["shards"])
         base = os.path.join(out, shard_name(k))
-        _write_atomic(base + ".idx", idx)
-        _write_atomic(base + ".bin", raw)
+        write_atomic(base + ".idx", idx)
+        write_atomic(base + ".bin", raw)
         vf.flush()
         os.fsync(vf.fileno())
         m["n_tokens"] += n
