@@ -171,7 +171,7 @@ def _encoded(chunks, spec, vocab, processes):
 
 def _settings(source, tok, spec, vocab, shard_tokens, text_field, max_docs, val_fraction):
     return dict(source=corpus.source_key(source), fingerprint=corpus.source_fingerprint(source, FORMAT),
-                text_field=text_field, max_docs=max_docs, tokenizer=spec if os.path.isdir(spec) else tok.name,
+                text_field=text_field, max_docs=max_docs, tokenizer=tok.name,
                 vocab=vocab, n_vocab=tok.n_vocab, eos_id=tok.eos_id,
                 dtype=np.dtype(np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32).name,
                 shard_tokens=shard_tokens, val_fraction=val_fraction)
