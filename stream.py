@@ -27,6 +27,8 @@ import collections
 import concurrent.futures
 import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 
@@ -81,9 +83,10 @@ class Store:
 
 
 class Cache:
-    """Remote shards on local disk, least recently used evicted past max_bytes. Files are named by
-    sha256 (several processes may share the folder: same name, same bytes); an evicted file stays
-    readable through a memmap already open on it."""
+    """Remote shards on local disk, least recently used evicted past max_bytes. One folder per
+    process (the accounting is this process'); files are named by their sha256, and a previous
+    run's files are taken in (oldest first) at the start. An evicted file stays readable through
+    a memmap already open on it."""
 
     def __init__(self, folder, max_bytes):
         self.folder, self.max_bytes = folder, max_bytes
@@ -91,6 +94,25 @@ class Cache:
         self.files = collections.OrderedDict()  # sha256 -> bytes, least recently used first
         self.lock = threading.Lock()
         self.evicted = 0
+        found = sorted((e.stat().st_mtime, e.name[:-4], e.stat().st_size) for e in os.scandir(folder)
+                       if e.name.endswith(".bin") and len(e.name) == 68)
+        for _, sha, size in found:  # a previous run's shards, oldest first: kept within max_bytes
+            self.files[sha] = size
+        self._evict(keep=())
+
+    def _evict(self, keep):
+        # least recently used first, never one in keep, until the cache fits max_bytes (lock held or unshared)
+        for sha in list(self.files):
+            if sum(self.files.values()) <= self.max_bytes:
+                break
+            if sha in keep:
+                continue
+            del self.files[sha]
+            self.evicted += 1
+            try:
+                os.remove(os.path.join(self.folder, sha + ".bin"))
+            except FileNotFoundError:
+                pass
 
     def path(self, entry):
         return os.path.join(self.folder, entry["sha256"] + ".bin")
@@ -98,9 +120,10 @@ class Cache:
     def get(self, entry):
         """The local path of a cached shard, or None (and marks it used)."""
         with self.lock:
-            if entry["sha256"] in self.files:
+            if entry["sha256"] in self.files and os.path.exists(self.path(entry)):
                 self.files.move_to_end(entry["sha256"])
                 return self.path(entry)
+            self.files.pop(entry["sha256"], None)
         return None
 
     def put(self, entry, raw, keep=()):
@@ -111,17 +134,7 @@ class Cache:
         with self.lock:
             self.files[entry["sha256"]] = len(raw)
             self.files.move_to_end(entry["sha256"])
-            for sha in list(self.files):
-                if sum(self.files.values()) <= self.max_bytes:
-                    break
-                if sha in keep or sha == entry["sha256"]:
-                    continue
-                del self.files[sha]
-                self.evicted += 1
-                try:
-                    os.remove(os.path.join(self.folder, sha + ".bin"))
-                except FileNotFoundError:
-                    pass
+            self._evict(set(keep) | {entry["sha256"]})
         return path
 
     def nbytes(self):
@@ -218,8 +231,9 @@ class Loader:
 
     sources: a folder / URL, or a dict name -> folder / URL (then weights: a dict or a schedule,
     see mix.Mixture; samples_per_step: the global batch, for a schedule over steps). cache_dir /
-    cache_bytes: where remote shards are kept (default: ~/.cache/ingot/shards, 8 GiB) and how much;
-    it must hold two blocks of every remote source. prefetch_threads: parallel shard fetches.
+    cache_bytes: where remote shards are kept (one folder per process, e.g. .../rank3; default: a
+    temporary folder removed by close()) and how much (default 8 GiB); it must hold two blocks of
+    every remote source. prefetch_threads: parallel shard fetches.
     verify: check local shards' sha256 on first use (remote ones are always checked)."""
 
     def __init__(self, sources, B, T, rank=0, world=1, seed=0, device="cpu", weights=None, samples_per_step=1,
@@ -252,8 +266,8 @@ class Loader:
                        for s in remote)
             _need(cache_bytes >= need, f"cache_bytes={cache_bytes:,} cannot hold two blocks of shards of every remote "
                   f"source ({need:,} bytes): raise it or lower shuffle_block")
-        folder = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "ingot", "shards")
-        self.cache = Cache(folder, cache_bytes) if remote else None
+        self.tmp_cache = tempfile.mkdtemp(prefix="ingot-shards-") if remote and not cache_dir else None
+        self.cache = Cache(cache_dir or self.tmp_cache, cache_bytes) if remote else None
         self.pool = concurrent.futures.ThreadPoolExecutor(prefetch_threads, thread_name_prefix="shards")
         self.fetching = {}   # (source, shard) -> Future of its local path
         self.keep = set()    # sha256 of the shards in use: the cache keeps them
@@ -388,3 +402,22 @@ class Loader:
 
     def close(self):
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.tmp_cache:
+            shutil.rmtree(self.tmp_cache, ignore_errors=True)
+
+
+def validation_file(url, folder, storage_options=None):
+    """The local path of a shard set's val.bin (shards.prepare with val_fraction > 0), which
+    data.eval_plan / eval_batches read: the set's own file when local, else downloaded with its
+    meta.json into `folder`."""
+    store = Store(url, storage_options)
+    if not store.remote:
+        path = os.path.join(store.root, "val.bin")
+    else:
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, "val.bin")
+        for name in ("meta.json", "val.bin"):
+            shards.write_atomic(os.path.join(folder, name), store.read(name))
+    if not (os.path.exists(path) and os.path.getsize(path)):
+        raise corpus.DataError(f"{url}: no validation split (prepare it with --val_fraction > 0)")
+    return path

@@ -1,6 +1,6 @@
 """Benchmark (not a test) of shards.py and stream.py on this machine's CPU.
 
-    python bench/bench_shards.py [--corpus=stdlib] [--processes=1,2] [--steps=60] [--json=PATH]
+    python bench/bench_shards.py [--corpus=stdlib] [--processes=1,2] [--steps=30] [--rounds=3] [--json=PATH]
 
 1. Preparation: MB/s (10^6 bytes of UTF-8 document text in, wall time) of data.prepare (one memmap,
    tiktoken's threads) and of shards.prepare with each --processes, the same corpus and tokenizer
@@ -10,7 +10,8 @@
    the loader's rate (tokens/s of next() batches of the tiny config's B x T) for data.Loader
    (memmap), stream.Loader on the local folder and on s3:// (cache empty at the start).
 3. Step rate: the tiny config's model (configs/tiny.py's shape, AdamW, one process, fp32) trained
-   --steps steps from each loader; median step time after 5 warm-up steps.
+   from each loader, --rounds rounds of --steps steps with the loaders taking turns; median step
+   time and median time inside next() (3 warm-up steps per round left out).
 4. Resume cost of mixing: mix.Mixture(3 sources).counts(10^7).
 """
 import argparse
@@ -112,28 +113,35 @@ def reading(args, tmp, sets, B, T):
 
 
 def steps(args, tmp, sets, B, T):
+    # one model + optimizer + loader per kind; --rounds rounds of --steps steps, the kinds taking turns
+    # (a shared machine's noise then falls on every kind alike)
     cfg = config_tiny()
-    rows = []
+    runs = {}
     for kind in ("memmap", "local", "s3"):
         torch.manual_seed(0)
         model = Transformer(ModelConfig.from_cfg(cfg))
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        cache = os.path.join(tmp, f"steps_{kind}")
-        ld = loader_for(kind, sets["mm"] if kind == "memmap" else sets["shards"], B, T, cache)
-        times = []
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            x, y = ld.next()
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - t)
-        med = statistics.median(times[5:])
+        runs[kind] = dict(model=model, opt=torch.optim.AdamW(model.parameters(), lr=cfg.lr), step=[], next=[],
+                          loader=loader_for(kind, sets["mm"] if kind == "memmap" else sets["shards"], B, T,
+                                            os.path.join(tmp, f"steps_{kind}")))
+    for _ in range(args.rounds):
+        for kind, r in runs.items():
+            for i in range(args.steps):
+                t0 = time.perf_counter()
+                x, y = r["loader"].next()
+                t1 = time.perf_counter()
+                r["model"](x, y).backward()
+                r["opt"].step()
+                r["opt"].zero_grad(set_to_none=True)
+                if i >= 3:  # warm-up steps of each round left out
+                    r["step"].append(time.perf_counter() - t0)
+                    r["next"].append(t1 - t0)
+    rows = []
+    for kind, r in runs.items():
+        med = statistics.median(r["step"])
         rows.append(dict(run=f"tiny step, {kind}", median_step_s=med, tokens_per_s=B * T / med,
-                         waited_s=getattr(ld, "waited_s", None)))
+                         median_next_s=statistics.median(r["next"]), steps=len(r["step"])))
         if kind != "memmap":
-            ld.close()
+            r["loader"].close()
     return rows
 
 
@@ -153,7 +161,8 @@ def main():
     p.add_argument("--processes", default="1,2")
     p.add_argument("--shard_tokens", type=int, default=1 << 20)
     p.add_argument("--batches", type=int, default=300)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=30, help="timed steps per kind and round (3 more warm up)")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default="")
     args = p.parse_args()
     args.processes = [int(x) for x in args.processes.split(",")]
@@ -185,7 +194,8 @@ def main():
                                       f"{r['tokens_per_s']:12,.0f} tokens/s"))
     print(f"tiny config steps (B={B}, T={T}, 1 process):")
     for r in rep["steps"]:
-        print(f"  {r['run']:<32} {r['median_step_s'] * 1e3:7.1f} ms/step  {r['tokens_per_s']:9,.0f} tokens/s")
+        print(f"  {r['run']:<32} {r['median_step_s'] * 1e3:7.1f} ms/step  {r['tokens_per_s']:9,.0f} tokens/s  "
+              f"next() {r['median_next_s'] * 1e3:6.2f} ms")
     print(f"mix counts over 10^7 samples (a resume's recount): {s:.2f} s")
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

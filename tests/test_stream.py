@@ -7,9 +7,10 @@
 - preparation and training overlap: on a set whose manifest grows shard by shard, the first batch
   is read before the set is complete, and the ids equal those read from the complete set;
 - a real S3 API (moto's server, started here) serves the same ids as the local folder, through a
-  cache that never holds more than cache_bytes and evicts the least recently used shards; an
-  altered object in the bucket is named and refused; a 2-process gloo run reading from it equals
-  the 1-process local run;
+  cache that never holds more than cache_bytes and evicts the least recently used shards (and takes in
+  a previous run's files, oldest evicted first); an altered object in the bucket is named and
+  refused; the validation file comes down whole; a 2-process gloo run reading from it equals the
+  1-process local run;
 - two sources mixed 0.7 / 0.3: each sample comes from the source the mixture names, the report's
   shares match its counts."""
 import json
@@ -33,12 +34,12 @@ T = 16
 
 @pytest.fixture(scope="module")
 def sets(tmp_path_factory):
-    """Two complete shard sets (a and b) on local disk."""
+    """Two complete shard sets on local disk: a, and b with a validation split."""
     root = tmp_path_factory.mktemp("sets")
     out = {}
-    for name, seed, n in (("a", 0, 24), ("b", 1, 12)):
+    for name, seed, n, val in (("a", 0, 24, 0.0), ("b", 1, 12, 0.2)):
         src = make_corpus(root / f"corpus_{name}", n_files=n, seed=seed)
-        shards.prepare(src, str(root / name), *TOK, shard_tokens=300, processes=1, verbose=False)
+        shards.prepare(src, str(root / name), *TOK, shard_tokens=300, processes=1, val_fraction=val, verbose=False)
         out[name] = str(root / name)
     return out
 
@@ -152,7 +153,8 @@ def s3(sets):
         boto3.client("s3").create_bucket(Bucket="ingot")
         import fsspec
         fs = fsspec.filesystem("s3")
-        fs.put(sets["a"] + "/", "ingot/a", recursive=True)
+        for name in ("a", "b"):
+            fs.put(sets[name] + "/", f"ingot/{name}", recursive=True)
         yield fs
     finally:
         for k, v in old.items():
@@ -195,6 +197,11 @@ def test_s3_equals_local_with_bounded_cache(sets, s3, tmp_path):
         for _ in range(n):
             bad.next()
     loader.close(), local.close(), bad.close()
+    path = stream.validation_file("s3://ingot/b", str(tmp_path / "val"))
+    assert open(path, "rb").read() == open(os.path.join(sets["b"], "val.bin"), "rb").read() and os.path.getsize(path)
+    assert stream.validation_file(sets["b"], "unused") == os.path.join(sets["b"], "val.bin")
+    with pytest.raises(ValueError, match="no validation split"):
+        stream.validation_file("s3://ingot/a", str(tmp_path / "val_a"))
 
 
 def test_cache_evicts_least_recently_used(tmp_path):
@@ -208,6 +215,9 @@ def test_cache_evicts_least_recently_used(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{i:064x}.bin" for i in (0, 2, 3))
     cache.put(e[1], b"y" * 10, keep={e[2]["sha256"]})  # 2 is in use: 0 goes instead
     assert list(cache.files) == [e[2]["sha256"], e[3]["sha256"], e[1]["sha256"]] and cache.nbytes() == 30
+    os.utime(tmp_path / f"{3:064x}.bin", (1, 1))  # the oldest file on disk
+    again = stream.Cache(str(tmp_path), max_bytes=20)  # a restart with less room: the oldest file goes
+    assert set(again.files) == {e[1]["sha256"], e[2]["sha256"]} and not (tmp_path / f"{3:064x}.bin").exists()
 
 
 def _gloo_rank(rank, out, cache):
