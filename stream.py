@@ -192,22 +192,36 @@ class Source:
                 self._perms.popitem(last=False)
         return self._perms[key]
 
-    def locate(self, j):
-        """(shard, window, block, epoch) of the source's j-th sample; None while its block is not written."""
+    def locate_many(self, js):
+        """(n, 4) int64 rows (shard, window, block, epoch) of the source's samples js; None while the
+        block of one of them is not written yet."""
+        js = np.asarray(js, dtype=np.int64)
         if self.complete:
             if self.n_windows == 0:
                 raise shards.ShardError(f"{self.store.url}: no shard holds a window of T+1={self.T + 1} tokens")
-            epoch, r = divmod(j, self.n_windows)
+            epochs, r = np.divmod(js, self.n_windows)
         else:
-            epoch, r = 0, j
-        order, before = self._order(epoch)
-        if r >= before[-1]:
-            return None
-        q = int(np.searchsorted(before, r, side="right")) - 1
-        b = int(order[q])
-        w = int(self._perm(epoch, b)[r - before[q]]) + int(self.shard_start[b * self.K])
-        k = int(np.searchsorted(self.shard_start, w, side="right")) - 1
-        return k, w - int(self.shard_start[k]), b, epoch
+            epochs, r = np.zeros_like(js), js
+        out = np.empty((len(js), 4), dtype=np.int64)
+        for epoch in np.unique(epochs).tolist():
+            sel = epochs == epoch
+            order, before = self._order(epoch)
+            if len(js) and r[sel].max() >= before[-1]:
+                return None
+            q = np.searchsorted(before, r[sel], side="right") - 1
+            blocks = order[q]
+            w = np.empty(len(q), dtype=np.int64)
+            for b in np.unique(blocks).tolist():
+                at = blocks == b
+                w[at] = self._perm(epoch, b)[r[sel][at] - before[q[at]]] + self.shard_start[b * self.K]
+            k = np.searchsorted(self.shard_start, w, side="right") - 1
+            out[sel] = np.stack([k, w - self.shard_start[k], blocks, np.full(len(q), epoch)], axis=1)
+        return out
+
+    def locate(self, j):
+        """(shard, window, block, epoch) of the source's j-th sample; None while its block is not written."""
+        rows = self.locate_many([j])
+        return None if rows is None else tuple(int(x) for x in rows[0])
 
     def next_block(self, block, epoch):
         """The (block, epoch) read after `block` of `epoch`, or None when not known yet."""
@@ -322,12 +336,14 @@ class Loader:
         return self.opened[key]
 
     def _in_use(self, blocks):
-        # fetch / keep open the shards of the blocks being read and of the block after each; forget the others
+        # fetch / keep open the shards of the blocks being read and of the next one; forget the others
         keep = set()
-        for si, block, epoch in sorted(blocks):
-            src = self.sources[si]
-            nxt = src.next_block(block, epoch)
-            keep |= {(si, k) for b in [block] + ([nxt[0]] if nxt else []) for k in src.block_shards(b)}
+        for si in {si for si, _, _ in blocks}:
+            src, mine = self.sources[si], [(b, e) for s, b, e in blocks if s == si]
+            if len(mine) == 1:  # a batch across two blocks waits with the next one: two blocks at most
+                nxt = src.next_block(*mine[0])
+                mine += [nxt] if nxt else []
+            keep |= {(si, k) for b, _ in mine for k in src.block_shards(b)}
         for key in [key for key in self.fetching if key not in keep]:
             self.fetching.pop(key)
             self.opened.pop(key, None)
@@ -338,22 +354,23 @@ class Loader:
     # ---------------------------------------------------------------- batches
 
     def locate(self, i0, i1):
-        """(source, shard, window) of each global sample i0 .. i1-1 (waits for shards not yet
-        prepared). Advances nothing; i0 must be >= pos, the running counts being kept for pos."""
+        """(n, 5) int64 rows (source, shard, window, block, epoch) of global samples i0 .. i1-1 (waits for
+        shards not yet prepared). Advances nothing; the running counts are kept for pos (i0 < pos recounts)."""
         if i0 < self.pos:
             self.counts, self.pos = np.zeros_like(self.counts), 0
         srcs = self.mixture.sources(self.pos, i1)
         before = self.counts + np.bincount(srcs[:i0 - self.pos], minlength=len(self.sources))
-        out = []
-        for s in srcs[i0 - self.pos:]:
-            j = int(before[s])
-            before[s] += 1
-            where = self.sources[s].locate(j)
-            if where is None:
-                self._wait(lambda: self.sources[s].locate(j) is not None, f"the shard of sample {j} of source "
-                           f"{self.sources[s].name}")
-                where = self.sources[s].locate(j)
-            out.append((int(s), *where))
+        srcs = srcs[i0 - self.pos:]
+        out = np.empty((len(srcs), 5), dtype=np.int64)
+        out[:, 0] = srcs
+        for s in np.unique(srcs).tolist():
+            at = srcs == s
+            js = before[s] + np.arange(int(at.sum()))
+            src = self.sources[s]
+            if src.locate_many(js) is None:
+                self._wait(lambda: src.locate_many(js) is not None, f"the shards of samples {js[0]}..{js[-1]} of "
+                           f"source {src.name}")
+            out[at, 1:] = src.locate_many(js)
         return out
 
     def next_samples(self):
@@ -367,9 +384,9 @@ class Loader:
 
     def next(self):
         samples = self.next_samples()
-        self._in_use({(s, b, e) for s, _, _, b, e in samples})
+        self._in_use(set(map(tuple, samples[:, [0, 3, 4]].tolist())))
         buf = np.empty((self.B, self.T + 1), dtype=np.int64)
-        for row, (s, k, w, _, _) in enumerate(samples):
+        for row, (s, k, w) in enumerate(samples[:, :3].tolist()):
             buf[row] = self._tokens(s, k)[w * self.T: w * self.T + self.T + 1]
         xy = torch.from_numpy(buf)
         x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
