@@ -6,7 +6,8 @@
     m.sources(i0, i1)   # source index (into m.names) of global samples i0 .. i1-1
     m.counts(i)         # samples of each source among 0 .. i-1: where each source's own order is at i
 
-Weights: a dict (constant), or a schedule of (step, dict) points, linear in between and held
+Weights: a dict (constant), or a schedule of (step, dict) points (a list, or a dict step -> dict:
+what a config file holds), linear in between and held
 before the first and after the last. Each step's weights are normalised to sum to 1; a source
 may have weight 0 at some steps. The step of sample i is i // samples_per_step (the global batch).
 
@@ -48,6 +49,8 @@ class Mixture:
     """Deterministic assignment of global samples to named sources (module docstring)."""
 
     def __init__(self, weights, seed=0, samples_per_step=1):
+        if isinstance(weights, dict) and weights and all(isinstance(w, dict) for w in weights.values()):
+            weights = sorted(weights.items())  # {step: {source: weight}}: a schedule too
         points = [(0, weights)] if isinstance(weights, dict) else [(int(s), w) for s, w in weights]
         _need(points and all(isinstance(w, dict) and w for _, w in points),
               f"mixture weights {weights!r}: give a dict {{source: weight}} or a list of (step, dict) points")
@@ -74,6 +77,8 @@ class Mixture:
 
     def sources(self, start, stop):
         """int8 source index of each global sample in start .. stop-1."""
+        if len(self.names) == 1:
+            return np.zeros(max(stop - start, 0), dtype=np.int8)
         u = uniform(self.seed, start, stop)
         if len(self.steps) == 1:
             edges = np.cumsum(self.table[0])[:-1]

@@ -166,14 +166,11 @@ class Source:
         n_blocks = -(-len(wins) // self.K) if self.complete else len(wins) // self.K
         edges = np.minimum(np.arange(n_blocks + 1) * self.K, len(wins))
         self.block_windows = self.shard_start[edges[1:]] - self.shard_start[edges[:-1]]
+        self.n_windows = int(self.block_windows.sum()) if self.complete else None  # per epoch, once complete
         self._orders = {}
         self.grew += (len(self.entries), self.complete) != before and before != (0, False)
         return (len(self.entries), self.complete) != before
 
-    @property
-    def n_windows(self):
-        """Windows per epoch once complete (else None)."""
-        return int(self.block_windows.sum()) if self.complete else None
 
     def _order(self, epoch):
         # (block order, windows before each position in it) for an epoch
@@ -203,7 +200,7 @@ class Source:
         else:
             epochs, r = np.zeros_like(js), js
         out = np.empty((len(js), 4), dtype=np.int64)
-        for epoch in np.unique(epochs).tolist():
+        for epoch in sorted(set(epochs.tolist())):  # small arrays: a set is faster than np.unique
             sel = epochs == epoch
             order, before = self._order(epoch)
             if len(js) and r[sel].max() >= before[-1]:
@@ -211,7 +208,7 @@ class Source:
             q = np.searchsorted(before, r[sel], side="right") - 1
             blocks = order[q]
             w = np.empty(len(q), dtype=np.int64)
-            for b in np.unique(blocks).tolist():
+            for b in sorted(set(blocks.tolist())):
                 at = blocks == b
                 w[at] = self._perm(epoch, b)[r[sel][at] - before[q[at]]] + self.shard_start[b * self.K]
             k = np.searchsorted(self.shard_start, w, side="right") - 1
@@ -263,6 +260,7 @@ class Loader:
         _need(weights is not None, f"sources {sorted(sources)}: give their weights (a dict or a schedule)")
         self.B, self.T, self.rank, self.world, self.seed = B, T, rank, world, seed
         self.device, self.poll_s, self.wait_s, self.verify = torch.device(device), poll_s, wait_s, verify
+        self.waited_s = 0.0  # time spent waiting for shards: being prepared, or being fetched
         self.mixture = mix_mod.Mixture(weights, seed, samples_per_step)
         _need(sorted(self.mixture.names) == sorted(sources),
               f"weights name {sorted(self.mixture.names)}, sources are {sorted(sources)}: name the same ones")
@@ -285,10 +283,10 @@ class Loader:
         self.pool = concurrent.futures.ThreadPoolExecutor(prefetch_threads, thread_name_prefix="shards")
         self.fetching = {}   # (source, shard) -> Future of its local path
         self.keep = set()    # sha256 of the shards in use: the cache keeps them
+        self.blocks = None   # the (source, block, epoch) of the last batch
         self.opened = {}     # (source, shard) -> memmap, the shards of the blocks in use
         self.pos = 0         # global samples consumed (all ranks)
         self.counts = np.zeros(len(self.sources), dtype=np.int64)  # samples per source among 0 .. pos-1
-        self.waited_s = 0.0  # time next() spent waiting for shards (fetch or preparation)
 
     # ---------------------------------------------------------------- shards
 
@@ -301,6 +299,7 @@ class Loader:
             time.sleep(self.poll_s)
             for s in self.sources:
                 s.refresh()
+        self.waited_s += time.monotonic() - t0
 
     def _fetch(self, si, k):
         # runs in a pool thread: the local path of shard k of source si, its bytes checked
@@ -332,12 +331,15 @@ class Loader:
             t0 = time.monotonic()
             path = self.fetching[key].result()
             self.waited_s += time.monotonic() - t0
-            self.opened[key] = np.memmap(path, dtype=np.dtype(self.sources[si].settings["dtype"]), mode="r")
+            mm = np.memmap(path, dtype=np.dtype(self.sources[si].settings["dtype"]), mode="r")
+            self.opened[key] = mm.view(np.ndarray)  # plain array slices: no memmap object per window
         return self.opened[key]
 
     def _in_use(self, blocks):
         # fetch / keep open the shards of the blocks being read and of the next one; forget the others
-        keep = set()
+        if blocks == self.blocks:
+            return
+        self.blocks, keep = blocks, set()
         for si in {si for si, _, _ in blocks}:
             src, mine = self.sources[si], [(b, e) for s, b, e in blocks if s == si]
             if len(mine) == 1:  # a batch across two blocks waits with the next one: two blocks at most
@@ -353,32 +355,38 @@ class Loader:
 
     # ---------------------------------------------------------------- batches
 
-    def locate(self, i0, i1):
-        """(n, 5) int64 rows (source, shard, window, block, epoch) of global samples i0 .. i1-1 (waits for
-        shards not yet prepared). Advances nothing; the running counts are kept for pos (i0 < pos recounts)."""
-        if i0 < self.pos:
-            self.counts, self.pos = np.zeros_like(self.counts), 0
-        srcs = self.mixture.sources(self.pos, i1)
-        before = self.counts + np.bincount(srcs[:i0 - self.pos], minlength=len(self.sources))
-        srcs = srcs[i0 - self.pos:]
+    def _rows(self, srcs, before):
+        # (n, 5) rows (source, shard, window, block, epoch) of samples of sources srcs, the first of
+        # source s being its before[s]-th; waits for shards still being prepared
         out = np.empty((len(srcs), 5), dtype=np.int64)
         out[:, 0] = srcs
-        for s in np.unique(srcs).tolist():
+        for s in sorted(set(srcs.tolist())):
             at = srcs == s
             js = before[s] + np.arange(int(at.sum()))
             src = self.sources[s]
-            if src.locate_many(js) is None:
+            rows = src.locate_many(js)
+            if rows is None:
                 self._wait(lambda: src.locate_many(js) is not None, f"the shards of samples {js[0]}..{js[-1]} of "
                            f"source {src.name}")
-            out[at, 1:] = src.locate_many(js)
+                rows = src.locate_many(js)
+            out[at, 1:] = rows
         return out
 
+    def locate(self, i0, i1):
+        """(n, 5) int64 rows (source, shard, window, block, epoch) of global samples i0 .. i1-1 (waits for
+        shards not yet prepared). Advances nothing; from i0 < pos it recounts the sources from 0."""
+        if i0 < self.pos:
+            self.counts, self.pos = np.zeros_like(self.counts), 0
+        srcs = self.mixture.sources(self.pos, i1)
+        return self._rows(srcs[i0 - self.pos:], self.counts + np.bincount(srcs[:i0 - self.pos],
+                                                                          minlength=len(self.sources)))
+
     def next_samples(self):
-        """This rank's B (source, shard, window, block, epoch) of the next global batch; advances the stream."""
-        G = self.B * self.world
-        start = self.pos + self.rank * self.B
-        mine = self.locate(start, start + self.B)
-        self.counts += self.mixture.counts(self.pos + G, self.pos)
+        """This rank's B rows (source, shard, window, block, epoch) of the next global batch; advances the stream."""
+        G, a = self.B * self.world, self.rank * self.B
+        srcs = self.mixture.sources(self.pos, self.pos + G)  # every rank draws the whole global batch
+        mine = self._rows(srcs[a:a + self.B], self.counts + np.bincount(srcs[:a], minlength=len(self.sources)))
+        self.counts += np.bincount(srcs, minlength=len(self.sources))
         self.pos += G
         return mine
 

@@ -55,6 +55,8 @@ def test_schedule_honoured():
     # steps 20..119: b's weight (step - 20) / 100, mean 0.495 worked by hand
     assert m.expected(120 * per, 20 * per)[1] == pytest.approx(0.495)
     assert m.expected(steps * per)[1] == pytest.approx((20 * 0 + 100 * 0.495 + 80 * 1) / 200)
+    as_dict = mix.Mixture({120: sched[1][1], 20: sched[0][1]}, seed=0, samples_per_step=per)  # a config's form
+    assert np.array_equal(as_dict.sources(0, steps * per), src)
 
 
 def test_counts_any_chunking(monkeypatch):
