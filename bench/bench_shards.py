@@ -7,7 +7,8 @@
 1. Preparation: MB/s (10^6 bytes of UTF-8 document text in, wall time; the best of --prep_rounds
    runs taking turns) of data.prepare (one memmap, tiktoken's threads) and of shards.prepare with
    each --processes, the same corpus and the config's tokenizer (no cleaning, no FIM), into fresh
-   folders; the cores this process may use.
+   folders; the CPU seconds of this process and of its workers (getrusage) in that best run; the
+   cores this process may use.
 2. Reading: the shard set from 1 served by moto's S3 server in its own process on 127.0.0.1:
    whole-shard fetch MB/s from S3 and from local disk (page cache warm), and the loader's rate
    (tokens/s of next() batches of the config's micro_batch_size x block_size) for data.Loader
@@ -23,6 +24,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -61,15 +63,20 @@ def prep(args, cfg, tmp):
         runs[f"shards.prepare processes={p}"] = lambda out, p=p: shards.prepare(
             args.corpus, out, cfg.tokenizer, cfg.tokenizer_vocab, shard_tokens=args.shard_tokens, processes=p,
             verbose=False)
-    best = {}
+    best, cpu = {}, {}
     for _ in range(args.prep_rounds):
         for i, (name, fn) in enumerate(runs.items()):
             out = os.path.join(tmp, f"prep{i}")  # fresh each time; the last round's stay for 2 and 3
             shutil.rmtree(out, ignore_errors=True)
+            before = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
             _, s = timed(lambda: fn(out))
-            best[name] = min(best.get(name, s), s)
+            after = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+            if s < best.get(name, float("inf")):  # CPU seconds (user + system) of the best run
+                best[name] = s
+                cpu[name] = [a.ru_utime - b.ru_utime + a.ru_stime - b.ru_stime for a, b in zip(after, before)]
     m = shards.read_manifest(os.path.join(tmp, "prep1"))
-    rows = [dict(run=name, seconds=s, mb_per_s=mb / s) for name, s in best.items()]
+    rows = [dict(run=name, seconds=s, mb_per_s=mb / s, cpu_s_this_process=cpu[name][0], cpu_s_workers=cpu[name][1])
+            for name, s in best.items()]
     return dict(corpus=args.corpus, mb=mb, cores=len(os.sched_getaffinity(0)), rounds=args.prep_rounds,
                 tokens=m["n_tokens"], shards=len(m["shards"]), rows=rows)
 
@@ -217,7 +224,8 @@ def main():
     print(f"prepare {pr['corpus']} ({pr['mb']:.1f} MB -> {pr['tokens']:,} tokens, {pr['shards']} shards; "
           f"{pr['cores']} cores; best of {pr['rounds']}):")
     for r in pr["rows"]:
-        print(f"  {r['run']:<32} {r['mb_per_s']:7.2f} MB/s  ({r['seconds']:.1f} s)")
+        print(f"  {r['run']:<32} {r['mb_per_s']:7.2f} MB/s  ({r['seconds']:.1f} s; CPU s: this process "
+              f"{r['cpu_s_this_process']:.1f}, workers {r['cpu_s_workers']:.1f})")
     print("read:")
     for r in rep["read"]:
         print(f"  {r['run']:<32} " + (f"{r['mb_per_s']:9.1f} MB/s" if "mb_per_s" in r else
