@@ -78,7 +78,8 @@ class Store:
             return None
         m = json.loads(raw)
         if m.get("format") != shards.FORMAT:
-            raise shards.ShardError(f"{self.url}: manifest format {m.get('format')!r}, this code reads {shards.FORMAT!r}")
+            raise shards.ShardError(f"{self.url}: manifest format {m.get('format')!r}, this code reads "
+                                    f"{shards.FORMAT!r}")
         return m
 
 
@@ -264,7 +265,8 @@ class Loader:
         self.mixture = mix_mod.Mixture(weights, seed, samples_per_step)
         _need(sorted(self.mixture.names) == sorted(sources),
               f"weights name {sorted(self.mixture.names)}, sources are {sorted(sources)}: name the same ones")
-        self.sources = [Source(n, Store(sources[n], storage_options), T, seed, shuffle_block) for n in self.mixture.names]
+        self.sources = [Source(n, Store(sources[n], storage_options), T, seed, shuffle_block)
+                        for n in self.mixture.names]
         self._wait(lambda: all(s.settings is not None for s in self.sources), "a manifest.json")
         first = self.sources[0].settings
         for s in self.sources[1:]:

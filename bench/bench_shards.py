@@ -116,7 +116,8 @@ def loader_for(kind, sets, B, T, cache, device="cpu"):
 def reading(args, tmp, sets, B, T, kinds):
     m = shards.read_manifest(sets["shards"])
     rows = []
-    stores = [("local", stream.Store(sets["shards"]))] + ([("s3", stream.Store("s3://bench/set"))] if "s3" in kinds else [])
+    stores = [("local", stream.Store(sets["shards"]))]
+    stores += [("s3", stream.Store("s3://bench/set"))] if "s3" in kinds else []
     for kind, store in stores:
         n, s = timed(lambda: sum(len(store.read(e["name"] + ".bin")) for e in m["shards"]))
         rows.append(dict(run=f"fetch whole shards, {kind}", mb_per_s=n / 1e6 / s, seconds=s))
