@@ -6,7 +6,7 @@
 
 OUT gets tokenizer.json (a byte-level BPE: cl100k_base's split pattern, then GPT-2's byte-to-character
 map; ids 0..vocab-2 the 256 bytes and the merges in the order learned, <|endoftext|> = vocab-1) and
-tokenizer_config.json: what hf_tokenizer.load_hf_tokenizer reads (so data.get_tokenizer(OUT), a
+tokenizer_config.json: what tokenizer.load_hf_tokenizer reads (so tokenizer.get_tokenizer(OUT), a
 folder, gives the same ids through tiktoken) and what transformers' PreTrainedTokenizerFast
 loads (AutoTokenizer.from_pretrained(OUT)): the HF export is the folder itself.
 
@@ -22,17 +22,16 @@ import re
 import sys
 
 import corpus
-import data
-import hf_tokenizer
 import shards
+import tokenizer
 
-EOS = data.ENDOFTEXT
+EOS = tokenizer.ENDOFTEXT
 
 
 def split_pattern():
     """cl100k_base's pre-tokenizer regex as Oniguruma (tokenizers) reads it: 'x{1,3}+' -> 'x{1,3}'
-    (hf_tokenizer.save_tokenizer's rewrite: the same meaning, as that repetition never backtracks)."""
-    return re.sub(r"(\{\d+(,\d*)?\})\+", r"\1", data.CL100K_PAT)
+    (tokenizer.save_tokenizer's rewrite: the same meaning, as that repetition never backtracks)."""
+    return re.sub(r"(\{\d+(,\d*)?\})\+", r"\1", tokenizer.CL100K_PAT)
 
 
 def train(source, out, vocab=32768, held_out=0.01, max_docs=0, text_field="text", verbose=True):
@@ -65,7 +64,7 @@ def train(source, out, vocab=32768, held_out=0.01, max_docs=0, text_field="text"
     tok.add_special_tokens([EOS])  # after the merges: id vocab-1 when the corpus gave every merge
     os.makedirs(out, exist_ok=True)
     tok.save(os.path.join(out, "tokenizer.json"))
-    hf_tokenizer.write_json(os.path.join(out, "tokenizer_config.json"), {
+    tokenizer.write_json(os.path.join(out, "tokenizer_config.json"), {
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": None,
         "clean_up_tokenization_spaces": False, "model_max_length": 1 << 30})
     n = tok.get_vocab_size()
@@ -91,7 +90,7 @@ def compare(folder, docs, reference="cl100k_base", verbose=True):
     """Bytes per token of the tokenizer in `folder` and of `reference` on docs (a list of texts or a
     corpus source)."""
     docs = list(corpus.iter_documents(docs) if isinstance(docs, str) else docs)
-    ours, ref = data.get_tokenizer(folder), data.get_tokenizer(reference)
+    ours, ref = tokenizer.get_tokenizer(folder), tokenizer.get_tokenizer(reference)
     report = {"documents": len(docs)}
     for name, tok in (("ours", ours), (reference, ref)):
         b, t, r = bytes_per_token(tok, docs)

@@ -32,7 +32,7 @@ import sys
 import numpy as np
 
 import corpus
-import data
+import tokenizer as tokenizer_mod
 
 FORMAT = "ingot-shards-v1"
 SHARD_TOKENS = 1 << 25            # 32M tokens: 64 MB of uint16 per shard
@@ -126,7 +126,7 @@ def is_val(i, val_fraction):
 def encode_documents(args):
     """A worker's task: (tokenizer, vocab, texts) -> (ids of every text followed by EOS, one array; lengths)."""
     spec, vocab, texts = args
-    tok = data.get_tokenizer(spec, vocab)  # data caches the BPE per process
+    tok = tokenizer_mod.get_tokenizer(spec, vocab)  # the BPE is cached per process
     ids = [tok.encode(t) for t in texts]
     lens = np.array([len(x) + 1 for x in ids], dtype=np.int64)
     out = np.empty(int(lens.sum()), dtype=np.uint32)
@@ -201,14 +201,14 @@ def _resumed(out, settings, verbose):
 def prepare(source, out, tokenizer="cl100k_base", vocab=0, shard_tokens=SHARD_TOKENS, processes=None,
             text_field="text", max_docs=0, val_fraction=0.0, chunk_chars=1 << 22, verbose=True):
     """Tokenize `source` (any corpus.iter_documents source) into token shards in the local folder `out`
-    (see the module docstring). tokenizer / vocab: as data.get_tokenizer. processes: tokenizing
+    (see the module docstring). tokenizer / vocab: as tokenizer.get_tokenizer. processes: tokenizing
     workers (default: the cores). max_docs > 0: only the first max_docs documents. Resumes an
     interrupted preparation; returns the manifest (a dict)."""
     if not (isinstance(shard_tokens, int) and shard_tokens >= 2):
         raise ShardError(f"shard_tokens={shard_tokens} must be an integer >= 2")
     if not 0 <= val_fraction < 1:
         raise ShardError(f"val_fraction={val_fraction} must be in [0, 1)")
-    tok = data.get_tokenizer(tokenizer, vocab)
+    tok = tokenizer_mod.get_tokenizer(tokenizer, vocab)
     settings = _settings(source, tok, tokenizer, vocab, shard_tokens, text_field, max_docs, val_fraction)
     os.makedirs(out, exist_ok=True)
     m = _resumed(out, settings, verbose)

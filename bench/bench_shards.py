@@ -41,8 +41,10 @@ import config  # noqa: E402  (the repository root is not on sys.path when run as
 import corpus  # noqa: E402
 import data  # noqa: E402
 import mix  # noqa: E402
+import pretrain  # noqa: E402
 import shards  # noqa: E402
 import stream  # noqa: E402
+import tokenizer  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
 KINDS = ("memmap", "local", "s3")  # s3 left out where moto or s3fs is not installed (a GPU box without network)
@@ -56,7 +58,7 @@ def timed(fn):
 
 def prep(args, cfg, tmp):
     mb = sum(len(d.encode()) for d in corpus.iter_documents(args.corpus)) / 1e6
-    tok = data.get_tokenizer(cfg.tokenizer, cfg.tokenizer_vocab)
+    tok = tokenizer.get_tokenizer(cfg.tokenizer, cfg.tokenizer_vocab)
     runs = {"data.prepare (memmap)": lambda out: data.prepare(args.corpus, tok, out, val_fraction=0.0, val_tokens=0,
                                                               verbose=False)}
     for p in args.processes:
@@ -192,10 +194,10 @@ def main():
     args.processes = [int(x) for x in args.processes.split(",")]
     if args.device == "cpu":
         torch.set_num_threads(1)
-    d = config.defaults()
+    d = config.defaults(pretrain.EXTRA)  # a pretraining config: its data and sample keys too
     d.update(config.read_file(args.config, d))
     cfg = SimpleNamespace(**d)
-    cfg.vocab_size = data.get_tokenizer(cfg.tokenizer, cfg.tokenizer_vocab).n_vocab
+    cfg.vocab_size = tokenizer.get_tokenizer(cfg.tokenizer, cfg.tokenizer_vocab).n_vocab
     B, T = cfg.micro_batch_size, cfg.block_size
     rep = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, config=args.config, B=B, T=T,
                device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", compile=args.compile,

@@ -1,6 +1,6 @@
 """bpe.py: a byte-level BPE trained with HF `tokenizers` on part of the standard library gives the
 same ids through three readers (tokenizers' own Tokenizer, transformers' PreTrainedTokenizerFast,
-and hf_tokenizer / tiktoken, the reader data.get_tokenizer and pretraining use) on held-out code and
+and tokenizer.py's reader through tiktoken, which pretraining uses) on held-out code and
 on text of many scripts, decodes back to the text, has exactly `vocab` ids with EOS at vocab-1 and
 the 256 bytes; the compression report equals bytes / tokens counted here for both tokenizers;
 shards.prepare tokenizes with it by path; pretrain.py trains two steps with --tokenizer=<folder>."""
@@ -15,8 +15,8 @@ import pytest
 
 import bpe
 import corpus
-import data
 import shards
+import tokenizer
 
 LIB = sysconfig.get_paths()["stdlib"]
 TEXTS = ["naïve café — 東京 🙂 12345 don't  \n\n\tx = {'a': [1, 2]}", "Ünïcödé ελληνικά русский العربية", "", " "]
@@ -33,7 +33,7 @@ def test_same_ids_three_readers(trained):
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer
     out, _ = trained
-    ours = data.get_tokenizer(out)
+    ours = tokenizer.get_tokenizer(out)
     hf = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
     fast = transformers.PreTrainedTokenizerFast.from_pretrained(out)
     assert ours.n_vocab == hf.get_vocab_size() == len(fast) == 1000
@@ -52,7 +52,7 @@ def test_compression_report(trained):
     held = [d for i, d in enumerate(corpus.iter_documents(os.path.join(LIB, "json"))) if shards.is_val(i, 0.2)]
     assert report["documents"] == len(held) > 0
     n_bytes = sum(len(d.encode()) for d in held)
-    for name, tok in (("ours", data.get_tokenizer(out)), ("cl100k_base", data.get_tokenizer("cl100k_base"))):
+    for name, tok in (("ours", tokenizer.get_tokenizer(out)), ("cl100k_base", tokenizer.get_tokenizer("cl100k_base"))):
         n_tokens = sum(len(tok.encode(d)) for d in held)
         assert report[name]["bytes"] == n_bytes and report[name]["tokens"] == n_tokens
         assert report[name]["bytes_per_token"] == pytest.approx(n_bytes / n_tokens)
@@ -65,7 +65,7 @@ def test_compression_report(trained):
 def test_shards_and_pretraining_by_path(trained, tmp_path):
     out, _ = trained
     src = os.path.join(LIB, "json")
-    tok = data.get_tokenizer(out)
+    tok = tokenizer.get_tokenizer(out)
     shards.prepare(src, str(tmp_path / "sh"), tokenizer=out, shard_tokens=5000, processes=1, verbose=False)
     ref = [t for d in corpus.iter_documents(src) for t in tok.encode(d) + [tok.eos_id]]
     assert np.array_equal(shards.tokens(str(tmp_path / "sh")), np.array(ref, np.uint16))

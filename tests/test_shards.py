@@ -13,8 +13,10 @@ import random
 import numpy as np
 import pytest
 
+import corpus
 import data
 import shards
+import tokenizer
 
 TOK = ("cl100k_base", 4096)
 
@@ -47,7 +49,7 @@ def shard_hashes(out):
 
 
 def test_tokens_equal_data_prepare(src, tmp_path):
-    tok = data.get_tokenizer(*TOK)
+    tok = tokenizer.get_tokenizer(*TOK)
     meta = data.prepare(src, tok, str(tmp_path / "mm"), val_fraction=0.0, val_tokens=0, verbose=False)
     ref = np.fromfile(tmp_path / "mm" / "train.bin", dtype=meta["dtype"])
     m = shards.prepare(src, str(tmp_path / "sh"), *TOK, shard_tokens=997, processes=1, verbose=False)
@@ -57,7 +59,7 @@ def test_tokens_equal_data_prepare(src, tmp_path):
     sizes = [e["tokens"] for e in m["shards"]]
     assert sizes[:-1] == [997] * (len(sizes) - 1) and 0 < sizes[-1] <= 997 and len(sizes) > 5
     # document starts: an independent encode of each document, + EOS
-    lens = [len(tok.encode(d)) + 1 for d in data.corpus.iter_documents(src)]
+    lens = [len(tok.encode(d)) + 1 for d in corpus.iter_documents(src)]
     want = np.concatenate([[0], np.cumsum(lens)[:-1]])
     starts = np.concatenate([np.fromfile(tmp_path / "sh" / f"{e['name']}.idx", np.int64) + 997 * k
                              for k, e in enumerate(m["shards"])])
@@ -128,9 +130,9 @@ def test_bad_shard_named_and_redone(src, tmp_path, capsys):
 
 def test_validation_documents(src, tmp_path):
     out = str(tmp_path / "out")
-    tok = data.get_tokenizer(*TOK)
+    tok = tokenizer.get_tokenizer(*TOK)
     m = shards.prepare(src, out, *TOK, shard_tokens=900, processes=1, val_fraction=0.25, verbose=False)
-    docs = list(data.corpus.iter_documents(src))
+    docs = list(corpus.iter_documents(src))
     picked = [shards.is_val(i, 0.25) for i in range(len(docs))]
     assert 0 < sum(picked) < len(docs)
     enc = lambda ds: np.array([t for d in ds for t in tok.encode(d) + [tok.eos_id]], np.uint16)  # noqa: E731
