@@ -95,6 +95,8 @@ class Mixture:
 
     def expected(self, stop, start=0):
         """The shares the weights ask for over samples start .. stop-1 (their mean weights)."""
+        if len(self.steps) == 1:
+            return self.table[0].copy()
         total = np.zeros(len(self.names))
         for a in range(start, stop, CHUNK):
             total += self.weights_at(np.arange(a, min(a + CHUNK, stop)) // self.samples_per_step).sum(axis=0)

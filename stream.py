@@ -31,6 +31,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -281,6 +282,8 @@ class Loader:
             _need(cache_bytes >= need, f"cache_bytes={cache_bytes:,} cannot hold two blocks of shards of every remote "
                   f"source ({need:,} bytes): raise it or lower shuffle_block")
         self.tmp_cache = tempfile.mkdtemp(prefix="ingot-shards-") if remote and not cache_dir else None
+        # removed by close(), or when the loader is collected or the interpreter exits (a run that failed)
+        self._remove_tmp = weakref.finalize(self, shutil.rmtree, self.tmp_cache, True) if self.tmp_cache else None
         self.cache = Cache(cache_dir or self.tmp_cache, cache_bytes) if remote else None
         self.pool = concurrent.futures.ThreadPoolExecutor(prefetch_threads, thread_name_prefix="shards")
         self.fetching = {}   # (source, shard) -> Future of its local path
@@ -429,8 +432,8 @@ class Loader:
 
     def close(self):
         self.pool.shutdown(wait=True, cancel_futures=True)
-        if self.tmp_cache:
-            shutil.rmtree(self.tmp_cache, ignore_errors=True)
+        if self._remove_tmp:
+            self._remove_tmp()
 
 
 def validation_file(url, folder, storage_options=None):
@@ -446,5 +449,6 @@ def validation_file(url, folder, storage_options=None):
         for name in ("meta.json", "val.bin"):
             shards.write_atomic(os.path.join(folder, name), store.read(name))
     if not (os.path.exists(path) and os.path.getsize(path)):
-        raise corpus.DataError(f"{url}: no validation split (prepare it with --val_fraction > 0)")
+        raise corpus.DataError(f"{url}: no validation split (prepare the shards with --val_fraction > 0, "
+                               "or train with eval_every=0)")
     return path
