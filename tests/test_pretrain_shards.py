@@ -6,6 +6,8 @@
   the end report names each source's share;
 - the mixed stream stopped at step N on 2 ranks and resumed on 1 rank and on 4 ranks reads exactly
   the ids of the uninterrupted 1-process stream (the mixture's recount included);
+- the same run reading its shards from a real S3 API (moto's server, started here) logs the losses of
+  the local run; its cache holds shards named by their manifest sha256, its val.bin comes down whole;
 - eval.py's bits-per-byte split of such a run is the first source's val.bin, window by window;
 - shards tokenized by another tokenizer, and the data keys that cannot work together, stop the
   run before training with a message saying what to change."""
@@ -101,6 +103,43 @@ def test_mixed_stream_resumes_on_other_world_sizes(sets):
         for ld in loaders:
             ld.load_state_dict(state)
         assert all(torch.equal(g, r) for g, r in zip(ids(loaders, M), ref[N:])), f"{world} rank(s)"
+
+
+@pytest.fixture
+def s3_url(sets, monkeypatch):
+    """Set a under s3://ingot/a on moto's S3 server (127.0.0.1), found through the AWS_* variables."""
+    s3fs = pytest.importorskip("s3fs")
+    server_mod = pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    for k, v in dict(AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", AWS_DEFAULT_REGION="us-east-1",
+                     AWS_ENDPOINT_URL=f"http://{host}:{port}").items():
+        monkeypatch.setenv(k, v)
+    s3fs.S3FileSystem.clear_instance_cache()  # none made for another server earlier in this process
+    try:
+        boto3.client("s3").create_bucket(Bucket="ingot")
+        s3fs.S3FileSystem().put(sets["a"] + "/", "ingot/a", recursive=True)
+        yield "s3://ingot/a"
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
+
+
+def test_s3_run_equals_local_run(sets, s3_url, tmp_path):
+    args = RUN + ["--max_steps=4", "--eval_every=2"]
+    pretrain.main(args + [f"--data=shards:{sets['a']}", f"--out_dir={tmp_path / 'local'}"])
+    pretrain.main(args + [f"--data=shards:{s3_url}", f"--out_dir={tmp_path / 's3'}", f"--shard_cache={tmp_path / 'c'}"])
+    a, b = metrics(tmp_path / "local"), metrics(tmp_path / "s3")
+    assert len(a) == 4 and [r["loss"] for r in a] == [r["loss"] for r in b]
+    with open(tmp_path / "local" / "train_metrics.jsonl") as f, open(tmp_path / "s3" / "train_metrics.jsonl") as g:
+        val = [[r["val_loss"] for r in map(json.loads, h) if "val_loss" in r] for h in (f, g)]
+    assert len(val[0]) == 3 and val[0] == val[1]
+    cached = sorted(p.name[:-4] for p in (tmp_path / "c" / "rank0").glob("*.bin"))
+    assert cached and set(cached) <= {e["sha256"] for e in shards.read_manifest(sets["a"])["shards"]}
+    with open(tmp_path / "s3" / "val" / "val.bin", "rb") as f, open(os.path.join(sets["a"], "val.bin"), "rb") as g:
+        assert f.read() == g.read()
 
 
 def test_eval_bpb_split_is_the_first_sources_val(sets, tmp_path):
