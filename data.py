@@ -630,11 +630,11 @@ def make_loader(cfg, grid, tok, T):
         s = loader.sources[0].settings
         fim = getattr(tok, "fim", False) and getattr(tok, "vocab", 0)  # a truncated vocabulary with FIM sentinels
         if (s["tokenizer"], s["n_vocab"], s["eos_id"], False) != (tok.name, tok.n_vocab, tok.eos_id, bool(fim)):
+            named = s["tokenizer"] if not s["tokenizer"].startswith("hf-") else f"<the folder {s['tokenizer']} was read from>"
             raise config.ConfigError(
                 f"the shards were tokenized by {s['tokenizer']} (n_vocab {s['n_vocab']}, EOS {s['eos_id']}), this run's "
                 f"tokenizer is {tok.name} (n_vocab {tok.n_vocab}, EOS {tok.eos_id}{', FIM sentinels' if fim else ''}): "
-                f"set tokenizer / tokenizer_vocab as shards.py prepare had them (tokenizer={s['tokenizer']!r} "
-                f"tokenizer_vocab={s['vocab']})")
+                f"set them as shards.py prepare had them: --tokenizer={named} --tokenizer_vocab={s['vocab']}")
         val_path = _shard_validation(grid, next(iter(sources.values())), os.path.join(cfg.out_dir, "val")) \
             if cfg.eval_every else None
     except BaseException:
@@ -651,7 +651,7 @@ def make_loader(cfg, grid, tok, T):
         epochs = share * n_samples * T / max(r["available_tokens"], 1)
         parts.append(f"{name} = {sources[name]}: {size}, {share:.1%} of the samples = {epochs:.2f} epochs"
                      if len(report) > 1 else f"{sources[name]}: {size}")
-    about = (f"shards {'; '.join(parts)}; {n_val:,} validation tokens"
+    about = (f"shards {'; '.join(parts)}; " + (f"{n_val:,} validation tokens" if val_path else "no evaluation")
              + (f" ({next(iter(sources))}'s)" if len(sources) > 1 and val_path else "")
              + (f" (not applied to shards, shards.py prepared them: {', '.join(unused)})" if unused else ""))
     return loader, val_path, dict(n_train=sum(r["available_tokens"] for r in report.values()), n_val=n_val, about=about)

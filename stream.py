@@ -439,15 +439,19 @@ class Loader:
 def validation_file(url, folder, storage_options=None):
     """The local path of a shard set's val.bin (shards.prepare with val_fraction > 0), which
     data.eval_plan / eval_batches read: the set's own file when local, else downloaded with its
-    meta.json into `folder`."""
+    meta.json into `folder`. The split is whole once the preparation has ended (meta.json, written
+    last): before, a DataError."""
     store = Store(url, storage_options)
+    meta = store.read("meta.json")
+    _need(meta, f"{url}: still being prepared, and its validation split is whole only when the preparation ends: "
+          "train with eval_every=0 until then (eval.py scores it afterwards)")
     if not store.remote:
         path = os.path.join(store.root, "val.bin")
     else:
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, "val.bin")
-        for name in ("meta.json", "val.bin"):
-            shards.write_atomic(os.path.join(folder, name), store.read(name))
+        shards.write_atomic(os.path.join(folder, "val.bin"), store.read("val.bin"))
+        shards.write_atomic(os.path.join(folder, "meta.json"), meta)
     if not (os.path.exists(path) and os.path.getsize(path)):
         raise corpus.DataError(f"{url}: no validation split (prepare the shards with --val_fraction > 0, "
                                "or train with eval_every=0)")
