@@ -1,5 +1,6 @@
-"""Data: a corpus as tokenized memmaps, and the pretraining loaders over them.
+"""Data: a corpus as tokenized memmaps, the pretraining loaders over them, or streamed token shards.
 
+    loader, val_path, meta = data.make_loader(cfg, grid, tok, T)   # what pretraining calls: either kind
     settings = data.data_settings(cfg)            # prepare()'s keywords from DATA_DEFAULTS' keys
     meta = data.prepare_everywhere(grid, cfg.data, tok, data_dir, **settings)  # rank 0 tokenizes, once
     loader = data.Loader(train_bin, B, T, rank, world, seed); x, y = loader.next()  # state_dict(): resume
@@ -19,7 +20,8 @@ fingerprint (corpus.source_fingerprint) match, and the settings name the folder 
 so changing one prepares other files; bins are written before meta.json, so a crash leaves no
 meta.json that matches; validation is always plain text; data-parallel ranks read disjoint
 windows whose union is what one process reads (Loader); user errors are corpus.DataError with one
-message saying what to change.
+message saying what to change. data="shards:<folder or URL>" or data_sources: stream.Loader over
+shards.py's token shards instead (make_loader).
 """
 import hashlib
 import itertools
@@ -35,13 +37,15 @@ import clean as clean_mod
 import config
 import corpus
 import fim as fim_mod
+import mix
 import parallel
+import stream
 
 
 # The data pipeline's config keys (pretraining and eval.py read them; config.load(extra=...))
 DATA_DEFAULTS = dict(
     data="stdlib",           # "stdlib" | "python" (stdlib + site-packages) | a local file/folder (.txt .md .py .jsonl
-                             # .parquet) | "hf:<name>[:<config>][@<split>]"
+                             # .parquet) | "hf:<name>[:<config>][@<split>]" | "shards:<folder or URL>" (shards.py's)
     text_field="text",       # the field holding a document's text in .jsonl / .parquet / hf: records
     data_dir="",             # where the tokenized memmaps go ("" -> data/<name>)
     val_fraction=0.01,       # validation share of the corpus: at least val_tokens, at most 10% (val_split)
@@ -50,12 +54,24 @@ DATA_DEFAULTS = dict(
     # data quality and Fill-in-the-Middle (prepare(); each changes the prepared folder's name)
     clean=False,             # clean.py's normalisation + quality filters before tokenization
     dedup="none",            # "none" | "exact" (normalised content hash) | "near" (exact + MinHash LSH at Jaccard 0.8)
+    toxicity="",             # clean=True: toxicity.py's scorer ("wordlist", "wordlist:<file>", "module:fn", an HF folder)
+    toxicity_threshold=0.0,  # drop documents scoring above it (0 with "wordlist": any listed word, C4's rule)
+    toxicity_keep=0.0,       # keep this share of those instead (down-weighting; chosen by a hash of the text)
     fim_rate=0.0,            # share of training documents in FIM layout (fim.py; 0.5 as Bavarian et al. 2022)
     fim_spm_rate=0.5,        # share of those in SPM order (the rest PSM)
     fim_seed=0,              # FIM draws are BLAKE2b(fim_seed, document index): fixed data across training seeds
     fim_fragment=0,          # >0: FIM per fragment of at most this many characters (fim.py), so that a FIM
                              # sequence fits a training window (small.py: 2000 ~ 600 of 1024 tokens); 0: whole documents
+    # streamed token shards (shards.py prepares them, stream.py reads them): data="shards:..." or data_sources
+    data_sources={},         # several shard sets, mixed: {name: folder or URL}, e.g. {"code": "s3://b/code", "prose": "d/p"}
+    data_weights={},         # their proportions {name: weight}, or a schedule {step: {name: weight}} (linear between)
+    shuffle_block=8,         # shards whose windows are shuffled together (blocks of consecutive shards)
+    shard_cache="",          # local folder for remote shards, a subfolder per rank ("": a temporary one per process)
+    shard_cache_gb=8.0,      # its bound per process: it must hold 2 x shuffle_block shards of every remote source
+    shard_wait_s=3600.0,     # how long to wait for a shard still being prepared before giving up
 )
+RESUME_FREE = ("data_dir", "shard_cache", "shard_cache_gb", "shard_wait_s")  # data keys a resumed run may change
+SHARDS = "shards:"  # data="shards:<folder or URL>": a shard set streamed, not a corpus to prepare
 
 
 def check_settings(cfg):
@@ -72,6 +88,31 @@ def check_settings(cfg):
     need(0 <= cfg.val_fraction < 1, f"val_fraction={cfg.val_fraction} must be in [0, 1)")
     need(cfg.val_tokens >= 0, f"val_tokens={cfg.val_tokens} must be >= 0")
     need(cfg.max_docs >= 0, f"max_docs={cfg.max_docs} must be >= 0 (0: all documents)")
+    need(not cfg.toxicity or cfg.clean, f"toxicity={cfg.toxicity!r} runs inside clean.py's cleaning: set clean=True")
+    need(cfg.toxicity or not (cfg.toxicity_threshold or cfg.toxicity_keep),
+         "toxicity_threshold / toxicity_keep need a scorer: set toxicity (e.g. toxicity=wordlist)")
+    need(0 <= cfg.toxicity_keep < 1, f"toxicity_keep={cfg.toxicity_keep} must be in [0, 1)")
+    need(isinstance(cfg.shuffle_block, int) and cfg.shuffle_block >= 1, f"shuffle_block={cfg.shuffle_block} must be >= 1")
+    need(cfg.shard_cache_gb > 0, f"shard_cache_gb={cfg.shard_cache_gb} must be > 0")
+    need(cfg.shard_wait_s >= 0, f"shard_wait_s={cfg.shard_wait_s} must be >= 0")
+    sources = cfg.data_sources
+    need(not (sources and cfg.data.startswith(SHARDS)),
+         f"data={cfg.data!r} and data_sources={sources!r}: name the shard sets in one of them")
+    need(not cfg.data_weights or sources, "data_weights mixes data_sources: set data_sources={name: folder or URL}")
+    need(all(isinstance(k, str) and isinstance(v, str) and v for k, v in sources.items()),
+         f"data_sources={sources!r} must map names to folders or URLs (strings)")
+    need(len(sources) < 2 or cfg.data_weights, f"data_sources {sorted(sources)}: give data_weights={{name: weight}}")
+    if cfg.data_weights:
+        w = cfg.data_weights
+        if all(isinstance(v, dict) for v in w.values()):  # a schedule: steps as strings, as config.json holds them
+            need(all(str(k).isdigit() for k in w), f"data_weights' steps {sorted(map(str, w))} must be integers >= 0")
+            cfg.data_weights = w = {str(k): v for k, v in sorted(w.items(), key=lambda kv: int(kv[0]))}
+        names = mix.Mixture(mixture_weights(cfg)).names  # a DataError (one line) when the weights cannot work
+        need(sorted(names) == sorted(sources), f"data_weights name {sorted(names)}, data_sources {sorted(sources)}: "
+             "name the same sources")
+    if streamed(cfg):
+        need(cfg.fim_rate == 0, f"fim_rate={cfg.fim_rate}: FIM is laid out when pretraining prepares a corpus; "
+             "shards.py writes plain documents: set fim_rate=0")
 
 
 # -----------------------------------------------------------------------------
@@ -82,7 +123,8 @@ VAL_TOKENS = 1 << 20        # prepare()'s default floor of validation tokens (up
 
 
 # prepare()'s settings that change the tokens (besides source and tokenizer), with their defaults
-VARIANT_DEFAULTS = dict(fim_rate=0.0, fim_spm_rate=0.5, fim_seed=0, fim_fragment=0, clean=False, dedup="none")
+VARIANT_DEFAULTS = dict(fim_rate=0.0, fim_spm_rate=0.5, fim_seed=0, fim_fragment=0, clean=False, dedup="none",
+                        toxicity="", toxicity_threshold=0.0, toxicity_keep=0.0)
 
 
 def data_settings(cfg):
@@ -94,7 +136,7 @@ def data_settings(cfg):
 def default_data_dir(source, tokenizer_name, vocab=0, root="data", **settings):
     """Readable and unique: e.g. data/stdlib-cl100k_base-8192-1a2b3c4d. The VARIANT_DEFAULTS keys among
     `settings` (others are ignored) that differ from their default are in the hash, and named
-    (-clean, -exact / -near, -fim): data/stdlib-cl100k_base-8192-clean-near-fim-5e6f7a8b. Changing
+    (-clean, -exact / -near, -tox, -fim): data/stdlib-cl100k_base-8192-clean-near-fim-5e6f7a8b. Changing
     them prepares another folder; switching back reuses the first."""
     key = corpus.source_key(source)
     readable = key if key in corpus.PYTHON_CORPORA or key.startswith("hf:") else os.path.basename(key.rstrip(os.sep))
@@ -102,7 +144,7 @@ def default_data_dir(source, tokenizer_name, vocab=0, root="data", **settings):
     changed = {k: settings[k] for k, v in sorted(VARIANT_DEFAULTS.items()) if settings.get(k, v) != v}
     digest = hashlib.sha1(f"{key}|{tokenizer_name}|{vocab}{f'|{changed}' if changed else ''}".encode()).hexdigest()[:8]
     tags = "".join(f"-{t}" for t, on in (("clean", changed.get("clean")), (changed.get("dedup"), "dedup" in changed),
-                                          ("fim", changed.get("fim_rate"))) if on)
+                                          ("tox", changed.get("toxicity")), ("fim", changed.get("fim_rate"))) if on)
     return os.path.join(root, f"{slug}-{tokenizer_name}{f'-{vocab}' if vocab else ''}{tags}-{digest}")
 
 
@@ -193,12 +235,14 @@ def _tokenize(docs, tokenizer, paths, dtype, num_threads, bar, transform=None):
     return [np.array(x, dtype=np.int64) for x in lens], np.array(modes, dtype=np.int8)
 
 
-def _cleaned(docs, source, clean_docs, dedup, stats):
-    # clean.py between intake and tokenization: normalisation + quality filters (clean_docs) and
-    # dedup ("exact" or "near", which is exact then MinHash near-duplicates), counted in stats
+def _cleaned(docs, source, clean_docs, dedup, stats, toxicity="", toxicity_threshold=0.0, toxicity_keep=0.0):
+    # clean.py between intake and tokenization: normalisation + quality filters (clean_docs), then
+    # the toxicity filter (with clean_docs), and dedup ("exact" or "near", which is exact then
+    # MinHash near-duplicates), counted in stats
     if not clean_docs and dedup == "none":
         return docs
-    cfg = replace(clean_mod.CleanConfig(), exact_dedup=dedup != "none", near_dedup=dedup == "near")
+    cfg = replace(clean_mod.CleanConfig(), exact_dedup=dedup != "none", near_dedup=dedup == "near",
+                  toxicity=toxicity, toxicity_threshold=toxicity_threshold, toxicity_keep=toxicity_keep)
     if clean_docs:
         return clean_mod.documents(docs, cfg, stats, kind="code" if source in corpus.PYTHON_CORPORA else "auto")
 
@@ -243,16 +287,17 @@ def _need(ok, message):
 
 def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", max_docs=0, num_proc=None,
             verbose=True, val_tokens=VAL_TOKENS, max_val_share=0.1, fim_rate=0.0, fim_spm_rate=0.5, fim_seed=0,
-            fim_fragment=0, clean=False, dedup="none"):
+            fim_fragment=0, clean=False, dedup="none", toxicity="", toxicity_threshold=0.0, toxicity_keep=0.0):
     """Tokenize `source` into out_dir/train.bin, val.bin (each document's tokens then EOS, in corpus
     order; validation chosen by val_split) and meta.json. Reuses a finished matching preparation.
     num_proc: tokenizer threads (default: all cores). clean / dedup: clean.py between intake and
-    tokenization (_cleaned; max_docs counts the documents that pass). fim_rate > 0: the training
+    tokenization (_cleaned; max_docs counts the documents that pass; toxicity: toxicity.py's scorer, with
+    clean, drops or keeps toxicity_keep of the documents above toxicity_threshold). fim_rate > 0: the training
     documents in FIM layout (fim.py; fim_fragment > 0: per fragment of that many characters).
     Returns the meta dict, which holds n_docs, n_train / n_val tokens, n_train_docs / n_val_docs (a
     document cut by a "tokens" split counts in both), val_split (the mode), intake
     (Intake.counts(): files read, skipped, repaired), cleaned (clean.Stats: documents in, kept,
-    removed per reason) and fim_docs (train documents per FIM mode). A finished preparation is
+    removed and flagged per reason) and fim_docs (train documents per FIM mode). A finished preparation is
     rebuilt when corpus.source_fingerprint() changes.
 
     Fill-in-the-Middle (fim.py) is baked into train.bin here, per document, before the documents
@@ -270,6 +315,7 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
     _need(isinstance(val_tokens, int) and val_tokens >= 0, f"val_tokens={val_tokens} must be an integer >= 0")
     _need(0 <= max_val_share < 1, f"max_val_share={max_val_share} must be in [0, 1)")
     _need(dedup in ("none", "exact", "near"), f"dedup={dedup!r} must be 'none', 'exact' or 'near'")
+    _need(not toxicity or clean, f"toxicity={toxicity!r} runs inside the cleaning: set clean=True")
     transform = fim_mod.Transform(tokenizer, fim_rate, fim_spm_rate, fim_seed, fim_fragment) if fim_rate > 0 else None
     dtype = np.dtype(np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32)
     meta = dict(format=FORMAT, source=corpus.source_key(source), text_field=text_field, tokenizer=tokenizer.name,
@@ -277,7 +323,8 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
                 val_fraction=val_fraction, val_tokens=val_tokens, max_val_share=max_val_share,
                 max_docs=max_docs, fingerprint=corpus.source_fingerprint(source, FORMAT),
                 fim_rate=fim_rate, fim_spm_rate=fim_spm_rate, fim_seed=fim_seed, fim_fragment=fim_fragment,
-                clean=clean, dedup=dedup)
+                clean=clean, dedup=dedup, toxicity=toxicity, toxicity_threshold=toxicity_threshold,
+                toxicity_keep=toxicity_keep)
     old = _read_meta(out_dir)
     bins = {s: os.path.join(out_dir, f"{s}.bin") for s in ("train", "val")}
     if old is not None and all(old.get(k, VARIANT_DEFAULTS.get(k)) == v for k, v in meta.items()) and all(
@@ -289,7 +336,7 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
 
     report, stats = corpus.Intake(), clean_mod.Stats()
     docs = corpus.iter_documents(source, text_field, report)  # a bad source fails here, before anything is written
-    docs = _cleaned(docs, meta["source"], clean, dedup, stats)
+    docs = _cleaned(docs, meta["source"], clean, dedup, stats, toxicity, toxicity_threshold, toxicity_keep)
     os.makedirs(out_dir, exist_ok=True)
     if old is not None:  # the bins are about to change: never let an old meta.json describe them
         os.remove(os.path.join(out_dir, "meta.json"))
@@ -311,7 +358,7 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
         meta.update(n_docs=len(ends), n_train=n_train, n_val=n_val, n_train_docs=n_train_docs,
                     n_val_docs=n_val_docs, val_split=mode, intake=report.counts(),
                     cleaned=dict(docs=stats.docs, kept=stats.kept, chars_in=stats.chars_in, chars_out=stats.chars_out,
-                                 removed=dict(stats.removed.most_common())),
+                                 removed=dict(stats.removed.most_common()), flagged=dict(stats.flagged)),
                     fim_docs=fim_docs)
         # Bins first, meta.json last: a crash at any point leaves no meta.json that matches.
         for split in ("train", "val"):
@@ -473,6 +520,9 @@ class Loader:
         self.epoch, self.pos, self.seed = d["epoch"], d["pos"], d["seed"]
         self._perm_epoch = -1
 
+    def close(self):
+        """Nothing to release (stream.Loader's: its fetching threads and temporary cache)."""
+
 
 def _eval_layout(path, B, T, world, n_batches):
     # (tokens, windows, sequences per rank per batch, batches) of an evaluation: B per rank while
@@ -516,3 +566,127 @@ def eval_batches(path, B, T, rank=0, world=1, n_batches=0, device="cpu"):
             start = j * b * world + rank * b
             yield _batch(tokens, range(start, start + b), T, device)
     return gen()
+
+
+# -----------------------------------------------------------------------------
+# A pretraining run's data: memmaps prepared here, or token shards streamed (stream.py)
+
+def streamed(cfg):
+    """{name: folder or URL} of the shard sets a config streams (data_sources, or data="shards:..."
+    as the one source "data"), or None: a corpus that prepare() tokenizes."""
+    if cfg.data_sources:
+        return dict(cfg.data_sources)
+    return {"data": cfg.data[len(SHARDS):]} if cfg.data.startswith(SHARDS) else None
+
+
+def mixture_weights(cfg):
+    """cfg.data_weights as mix.Mixture takes them: {name: weight} or a schedule {step: {name: weight}}
+    (steps as ints); one source and no weights: {name: 1.0}."""
+    w = cfg.data_weights or {name: 1.0 for name in cfg.data_sources}
+    return {int(k): v for k, v in w.items()} if w and all(isinstance(v, dict) for v in w.values()) else w
+
+
+def _shard_validation(grid, url, folder):
+    # stream.validation_file on rank 0 (a DataError stops every rank), then on the first rank of every
+    # other node (a download of the same file where the file system is not shared)
+    path = parallel.on_main(grid, lambda: stream.validation_file(url, folder))
+    if grid.local_rank == 0 and grid.rank != 0:
+        stream.validation_file(url, folder)
+    if grid.world > 1:
+        torch.distributed.barrier()
+    return path
+
+
+def validation_split(cfg, grid, tok, folder):
+    """The path of a run's validation split (a val.bin that eval_plan / eval_batches read), on every
+    rank: the prepared corpus' (prepare_everywhere: a finished preparation is reused) or, streaming,
+    the first shard set's (downloaded into `folder` when remote)."""
+    sources = streamed(cfg)
+    if sources:
+        return _shard_validation(grid, next(iter(sources.values())), folder)
+    settings = data_settings(cfg)
+    data_dir = cfg.data_dir or default_data_dir(cfg.data, tok.name, cfg.tokenizer_vocab, **settings)
+    prepare_everywhere(grid, cfg.data, tok, data_dir, **settings)
+    return os.path.join(data_dir, "val.bin")
+
+
+def make_loader(cfg, grid, tok, T):
+    """A pretraining run's data: (training loader, its validation split's path, meta), on every rank.
+
+    A corpus (cfg.data) is tokenized once into memmaps (prepare_everywhere; reused after) and read
+    by Loader; the path is its val.bin. Shard sets (data="shards:<folder or URL>", or data_sources
+    mixed by data_weights) are streamed by stream.Loader from where they are (remote ones through
+    a cache of shard_cache_gb per process in shard_cache/rank<r>); the path is the first set's
+    val.bin (downloaded into out_dir/val when remote), None with eval_every=0. The shards must have
+    been tokenized by the run's tokenizer (else ConfigError). meta: n_train (tokens; of shards, those
+    prepared so far), n_val, and `about`: one line saying what is read."""
+    sources = streamed(cfg)
+    B, rank, world = cfg.micro_batch_size, grid.data_rank, grid.data_world
+    if sources is None:
+        settings = data_settings(cfg)
+        data_dir = cfg.data_dir or default_data_dir(cfg.data, tok.name, cfg.tokenizer_vocab, **settings)
+        meta = prepare_everywhere(grid, cfg.data, tok, data_dir, **settings)
+        loader = Loader(os.path.join(data_dir, "train.bin"), B, T, rank, world, seed=cfg.seed, device=grid.device)
+        about = f"{meta['n_docs']:,} documents, {meta['n_train']:,} train / {meta['n_val']:,} validation tokens"
+        return loader, os.path.join(data_dir, "val.bin"), dict(meta, about=about)
+    loader = stream.Loader(
+        sources if cfg.data_sources else sources["data"], B, T, rank, world, seed=cfg.seed, device=grid.device,
+        weights=mixture_weights(cfg) if cfg.data_sources else None, samples_per_step=cfg.batch_size,
+        shuffle_block=cfg.shuffle_block, cache_dir=cfg.shard_cache and os.path.join(cfg.shard_cache, f"rank{grid.rank}"),
+        cache_bytes=int(cfg.shard_cache_gb * 2 ** 30), wait_s=cfg.shard_wait_s)
+    try:
+        s = loader.sources[0].settings
+        fim = getattr(tok, "fim", False) and getattr(tok, "vocab", 0)  # a truncated vocabulary with FIM sentinels
+        if (s["tokenizer"], s["n_vocab"], s["eos_id"], False) != (tok.name, tok.n_vocab, tok.eos_id, bool(fim)):
+            named = s["tokenizer"] if not s["tokenizer"].startswith("hf-") else f"<the folder {s['tokenizer']} was read from>"
+            raise config.ConfigError(
+                f"the shards were tokenized by {s['tokenizer']} (n_vocab {s['n_vocab']}, EOS {s['eos_id']}), this run's "
+                f"tokenizer is {tok.name} (n_vocab {tok.n_vocab}, EOS {tok.eos_id}{', FIM sentinels' if fim else ''}): "
+                f"set them as shards.py prepare had them: --tokenizer={named} --tokenizer_vocab={s['vocab']}")
+        val_path = _shard_validation(grid, next(iter(sources.values())), os.path.join(cfg.out_dir, "val")) \
+            if cfg.eval_every else None
+    except BaseException:
+        loader.close()
+        raise
+    n_val = _read_meta(os.path.dirname(val_path))["n_val"] if val_path else 0
+    unused = [f"{k}={getattr(cfg, k)!r}" for k in ("data", "text_field", "val_fraction", "val_tokens", "max_docs",
+                                                   "data_dir", *VARIANT_DEFAULTS)
+              if getattr(cfg, k) != DATA_DEFAULTS[k] and not (k == "data" and cfg.data.startswith(SHARDS))]
+    report, n_samples = loader.report(), cfg.max_steps * cfg.batch_size
+    expected = loader.mixture.expected(n_samples)
+    parts = []
+    for (name, r), share in zip(report.items(), expected):
+        size = f"{r['available_tokens']:,} tokens ({'complete' if r['complete'] else 'so far: still being prepared'})"
+        epochs = share * n_samples * T / max(r["available_tokens"], 1)
+        parts.append(f"{name} = {sources[name]}: {size}, {share:.1%} of the samples = {epochs:.2f} epochs"
+                     if len(report) > 1 else f"{sources[name]}: {size}")
+    about = (f"shards {'; '.join(parts)}; " + (f"{n_val:,} validation tokens" if val_path else "no evaluation")
+             + (f" ({next(iter(sources))}'s)" if len(sources) > 1 and val_path else "")
+             + (f" (not applied to shards, shards.py prepared them: {', '.join(unused)})" if unused else ""))
+    return loader, val_path, dict(n_train=sum(r["available_tokens"] for r in report.values()), n_val=n_val, about=about)
+
+
+def read_metrics(loader):
+    """A log step's data metrics (all ranks' samples): of streamed shards the seconds this rank waited
+    for them, and with several sources each one's tokens read so far and its share; {} otherwise."""
+    if not isinstance(loader, stream.Loader):
+        return {}
+    m = {"data/wait_s": loader.waited_s}
+    if len(loader.sources) > 1:
+        total = max(int(loader.counts.sum()), 1)
+        for src, n in zip(loader.sources, loader.counts.tolist()):
+            m[f"data/{src.name}_tokens"] = n * loader.T
+            m[f"data/{src.name}_share"] = n / total
+    return m
+
+
+def read_report(loader):
+    """The lines a run ends with about its streamed data: per source the tokens read, their share of
+    the samples and the share the weights asked for, and the time waited; [] for a memmap."""
+    if not isinstance(loader, stream.Loader):
+        return []
+    report = loader.report()
+    lines = [f"data read: {name} {r['tokens']:,} tokens, {r['share']:.2%} of the samples (asked {r['target']:.2%})"
+             for name, r in report.items()] if len(report) > 1 else []
+    total = sum(r["tokens"] for r in report.values())
+    return lines + [f"data: {total:,} tokens read from shards; rank 0 waited {loader.waited_s:.1f} s for them"]

@@ -66,7 +66,8 @@ EVAL_DEFAULTS = dict(
 # what a checkpoint's config.json contributes: the model's shape, its tokenizer, its corpus and split
 CKPT_KEYS = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "grad_checkpoint", "init_std")] + [
     "tokenizer", "tokenizer_vocab", "tokenizer_fim", "fim_rate", "fim_spm_rate", "fim_seed", "data", "text_field", "data_dir",
-    "val_fraction", "val_tokens", "max_docs", "clean", "dedup", "seq_len"]
+    "val_fraction", "val_tokens", "max_docs", "clean", "dedup", "seq_len", "fim_fragment", "toxicity",
+    "toxicity_threshold", "toxicity_keep", "data_sources"]
 CODE_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # Codex's (Chen et al. 2021)
 GSM8K_STOPS = ("Question:", "</s>", "<|im_end|>")              # lm-eval's gsm8k `until`
 
@@ -237,12 +238,11 @@ def corpus_windows(tok, source, T, max_tokens=0, text_field="text"):
 
 
 def split_windows(cfg, grid, tok, T):
-    """The run's validation split (prepared as pretraining prepares it, if not yet) as windows
-    of T + 1 tokens, in data.eval_batches' order, at most bpb_tokens / T of them."""
-    settings = data.data_settings(cfg)
-    data_dir = cfg.data_dir or data.default_data_dir(cfg.data, tok.name, cfg.tokenizer_vocab, **settings)
-    data.prepare_everywhere(grid, cfg.data, tok, data_dir, **settings)  # reuses a finished preparation
-    path = os.path.join(data_dir, "val.bin")
+    """The run's validation split (prepared as pretraining prepares it, if not yet; of streamed shards,
+    the first set's, a remote one downloaded into the run folder's val/) as windows of T + 1 tokens,
+    in data.eval_batches' order, at most bpb_tokens / T of them."""
+    run_dir = os.path.dirname(os.path.abspath(cfg.init_from))  # a checkpoint's folder: step_N in the run folder
+    path = data.validation_split(cfg, grid, tok, os.path.join(run_dir, "val"))
     n = cfg.bpb_tokens // T if cfg.bpb_tokens else 0
     if cfg.bpb_tokens and n == 0:
         raise EvalError(f"bpb_tokens={cfg.bpb_tokens} is less than one window of T={T} tokens: raise it")

@@ -12,7 +12,6 @@ data -> model -> parallelize -> resume -> loop (lr, micro-steps, net.step, log, 
 summary. Importing this file runs nothing: main() does the work.
 """
 import contextlib
-import os
 import sys
 
 import torch
@@ -40,7 +39,7 @@ PRETRAIN_DEFAULTS = dict(
     sample_top_k=50,         # its top-k filter (0: none)
 )
 EXTRA = {**data.DATA_DEFAULTS, **PRETRAIN_DEFAULTS}  # this script's keys beyond config.py's shared ones
-RESUME_FREE = ("data_dir", "eval_batches", "sample_tokens", "sample_prompt", "sample_temperature", "sample_top_k")
+RESUME_FREE = (*data.RESUME_FREE, "eval_batches", "sample_tokens", "sample_prompt", "sample_temperature", "sample_top_k")
 
 
 def check(cfg, tok=None):
@@ -76,21 +75,16 @@ def main(argv):
     lease = lifecycle.claim(cfg, grid, free=RESUME_FREE)
 
     # ------------------------------------------------------------------------ data
-    settings = data.data_settings(cfg)  # prepare()'s keywords; cleaning, dedup and FIM name the folder too
-    data_dir = cfg.data_dir or data.default_data_dir(cfg.data, tok.name, cfg.tokenizer_vocab, **settings)
-    meta = data.prepare_everywhere(grid, cfg.data, tok, data_dir, **settings)
     T, accum = cfg.seq_len or cfg.block_size, cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
-    # both splits checked now, not at the first evaluation: the loader needs one global batch of
-    # windows, the evaluation shrinks to what validation holds (and says so)
-    loader = data.Loader(os.path.join(data_dir, "train.bin"), cfg.micro_batch_size, T,
-                         grid.data_rank, grid.data_world, seed=cfg.seed, device=grid.device)
-    val_path = os.path.join(data_dir, "val.bin")
+    # the corpus tokenized once into memmaps (data.prepare: cleaning, dedup and FIM name its folder), or
+    # token shards streamed (data="shards:..." or data_sources: stream.py). Both splits checked now, not at
+    # the first evaluation: the evaluation shrinks to what validation holds (and says so)
+    loader, val_path, meta = data.make_loader(cfg, grid, tok, T)
     n_eval, note = (data.eval_plan(val_path, cfg.micro_batch_size, T, grid.data_world, cfg.eval_batches)
                     if cfg.eval_every else (0, None))
-    epochs = cfg.max_steps * cfg.batch_size * T / meta["n_train"]
+    epochs = cfg.max_steps * cfg.batch_size * T / max(meta["n_train"], 1)
     for line in [started, *lease.notes, f"config:\n{config.show(cfg)}", note,
-                 f"corpus: {meta['n_docs']:,} documents, {meta['n_train']:,} train / {meta['n_val']:,} validation "
-                 f"tokens; {cfg.max_steps} steps read {epochs:.2f} epochs" + (
+                 f"corpus: {meta['about']}; {cfg.max_steps} steps read {epochs:.2f} epochs" + (
                      " (warning: past ~10 epochs a model memorises its corpus: more data or fewer steps)"
                      if epochs > 10 else ""),
                  f"{lifecycle.layout(cfg, grid)} | global batch {cfg.batch_size} x {T} tokens = "
@@ -174,6 +168,7 @@ def main(argv):
                  "mfu": tok_s * flops_per_token / (peak * 1e12 * grid.world) if peak else "n/a",
                  "mem_gb": logs.peak_memory_gb(grid.device)}
             m.update(moe.metrics(raw, grid.data_group))  # MoE: router losses, busiest expert, dropped slots
+            m.update(data.read_metrics(loader))  # streamed shards: time waited; per source tokens read, share
             logger.report(step, m, cfg.max_steps, write)
             bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tok_s:.3g}")
             loss_sum.zero_()
@@ -183,6 +178,9 @@ def main(argv):
             break
     bar.close()
     interrupt.restore()
+    loader.close()
+    for line in data.read_report(loader):  # streamed shards: each source's share of what was read
+        say(line)
 
     # ------------------------------------------------------------------------ sample, summary
     if cfg.sample_tokens > 0 and not stopped:  # every rank generates (TP shards need all), same seed
