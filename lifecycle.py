@@ -57,7 +57,8 @@ def say(grid):
 def layout(cfg, grid):
     """One line: the world, its layout, the device (CPU: threads per process) and the compute dtype."""
     where = f"{grid.device}" + (f" ({torch.get_num_threads()} threads per process)" if grid.device.type == "cpu" else "")
-    return (f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {where} | "
+    pipe = f"pp {grid.pp} {cfg.pp_schedule}, " if grid.pp > 1 else ""
+    return (f"world {grid.world} ({pipe}dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {where} | "
             f"{parallel.amp_dtype(cfg, grid.device)}")
 
 
@@ -263,7 +264,7 @@ def resume(lease, net):
     if not lease.resume_from:
         return None
     weights, optim_state, trainer = checkpoint.load(lease.resume_from, net.raw.cfg, net.optimizer is not None)
-    have, got = ({k for k in sd if lora.is_adapter(k)} for sd in (net.raw.state_dict(), weights))
+    have, got = ({k for k in sd if lora.is_adapter(k)} for sd in (net.state_names(), weights))
     if have != got:  # (resume's config check refuses changed lora_* settings first)
         raise CheckpointError(f"'{lease.resume_from}' holds LoRA adapters {sorted(got)[:2]}, this model {sorted(have)[:2]}")
     net.load_full_state(weights, optim_state)
