@@ -263,6 +263,8 @@ def check(cfg, grid):
         (min(cfg.max_new_tokens, cfg.grpo_epochs, cfg.train_prompts) < 1,
          "max_new_tokens, grpo_epochs and train_prompts must be >= 1"),
         (cfg.ep > 1, f"ep={cfg.ep}: expert-parallel ranks would stop decoding at different steps; use ep=1"),
+        (cfg.pp > 1, f"pp={cfg.pp}: GRPO's rollouts decode with the whole model every step, which a pipeline "
+                     f"stage does not hold (pp.py); use pp=1"),
         (cfg.eval_every and cfg.eval_prompts < grid.data_world,
          f"eval_prompts={cfg.eval_prompts} must be >= the {grid.data_world} data ranks")]:
         if bad:
