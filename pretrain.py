@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=2 pretrain.py configs/small.py      # data parallel over 2 GPUs
     torchrun --nproc_per_node=2 pretrain.py configs/tiny.py --max_steps=50 --lr=1e-3
     torchrun --nproc_per_node=4 pretrain.py configs/small.py --tp=2 --data_parallel=fsdp --compile=False
+    torchrun --nproc_per_node=2 pretrain.py configs/small.py --pp=2 --compile=False   # two pipeline stages
     python pretrain.py --help                                     # every key, its default and comment
 
 The spine (sft.py, dpo.py and grpo.py follow it and differ in their data and loss): config ->

@@ -7,13 +7,14 @@ balanced and uneven explicit cuts (pp_cut), micro-batch counts not divisible by 
 on the stage holding it; the last stage's tied copy the sum of both uses), gradient norms, losses and
 weights and optimizer state after 3 steps (Net.full_state: every stage's tensors, one-process names);
 the same with LoRA (pp=2); pp2 x dp2 (ddp and ZeRO-1), pp2 x tp2 (also sequence-parallel) and pp2 x
-FSDP2 (both schedules) too; evaluation through the stages (net(x, y) without gradients: every rank
-gets the last stage's loss) and greedy generation under net.full_params() equal one process's, and
-the model is cut again after it; under bf16 autocast (the residual stream in bf16 or fp32: what
-travels between stages) pp=2 equals one process on the same micro-batches. A pp=2 checkpoint (step 2) holds the one-process state and resumes
-into one process and into dp=2 to the one-process step 3, and a one-process checkpoint resumes into
-pp2 x dp2. Activation memory, measured by the bytes of the tensors autograd saves that are alive
-(parameters excluded): GPipe holds all m micro-batches' on every stage, 1F1B min(pp - s, m) on stage s.
+FSDP2 (both schedules) too. Evaluation through the stages (net(x, y) without gradients: every rank
+gets the last stage's loss) and greedy generation under net.full_params() equal one process's (pp=2;
+pp2 x tp2; pp2 x FSDP2), and the model is cut again after it. Under bf16 autocast (the residual
+stream in bf16 or fp32: what travels between stages) pp=2 equals one process on the same
+micro-batches. A pp=2 checkpoint (step 2) holds the one-process state and resumes into one process
+and into dp=2 to the one-process step 3; a one-process checkpoint resumes into pp2 x dp2. Activation
+memory, measured as the bytes of the tensors autograd saves that are alive (parameters excluded):
+GPipe holds all m micro-batches' on every stage, 1F1B min(pp - s, m) on stage s (pp=2, pp=4).
 pretrain.py, sft.py (full and LoRA) and dpo.py (frozen copy and adapters-off references) under pp=2
 log the one-process metrics (losses, held-out loss, SFT's accuracy from greedy answers) and end with
 its weights; grpo.py refuses pp > 1 with one line; config errors are one line each.
@@ -242,6 +243,18 @@ def check_memory(path, stages, micro):
             assert abs(held - want) < 0.02, f"stage {s} {schedule}: {held:.3f} micro-batches in flight, not {want}"
 
 
+def check_sample(rec, ref, what):
+    """evaluate_and_sample's record against the one-process model after STEPS steps."""
+    x, y = batch(STEPS)
+    with torch.no_grad():
+        want = ref(x, y, reduction="none"), ref(x, y)
+        tokens = generate.decode(ref.eval(), x[:2, :4], 6, temperature=0.0).tokens
+    ref.train()
+    assert_close(rec["eval_none"], want[0], f"{what}: evaluation, per token")
+    assert_close(rec["eval_mean"], want[1], f"{what}: evaluation, mean")
+    assert torch.equal(rec["sample"], tokens) and rec["cut_again"], what
+
+
 def test_pp2_equals_one_process(tmp_path, refs):
     """pp=2 (both schedules, cuts, LoRA, tied), evaluation, sampling, memory; a pp=2 checkpoint into dp=2."""
     ckpt = str(tmp_path / "ckpt")
@@ -265,15 +278,8 @@ def test_pp2_equals_one_process(tmp_path, refs):
         if name != "dp2_resumed":  # the stages' gradients: every parameter, the tied one on both
             held = set(recs[name][0]["grads"]) | set(recs[name][1]["grads"])
             assert held == set(refs[case["model"]]["grads"]) | ({"head.weight"} if case["model"] == "gpt2" else set())
-    ref = refs["gpt2"]["model"]
-    x, y = batch(STEPS)
-    with torch.no_grad():
-        want = ref(x, y, reduction="none"), ref(x, y)
-        tokens = generate.decode(ref.eval(), x[:2, :4], 6, temperature=0.0).tokens
     for rec in recs["1f1b_cut"]:
-        assert_close(rec["eval_none"], want[0], "evaluation, per token")
-        assert_close(rec["eval_mean"], want[1], "evaluation, mean")
-        assert torch.equal(rec["sample"], tokens) and rec["cut_again"]
+        check_sample(rec, refs["gpt2"]["model"], "pp=2")
     check_memory(tmp_path, 2, 4)
     # the pp=2 checkpoint: the one-process state after 2 steps; it resumes in one process to step 3
     two = reference("llama", steps=2)
@@ -293,10 +299,10 @@ def test_pp4_and_products_equal_one_process(tmp_path, refs):
              "pp4_1f1b": dict(model="gpt2", micro=6, cfg=dict(pp=4)),
              "pp2_dp2": dict(model="gpt2", micro=3, cfg=dict(pp=2)),
              "pp2_zero1": dict(model="gpt2", micro=3, cfg=dict(pp=2, zero1=True, pp_schedule="gpipe")),
-             "pp2_tp2": dict(model="gpt2", micro=3, cfg=dict(pp=2, tp=2)),
+             "pp2_tp2": dict(model="gpt2", micro=3, cfg=dict(pp=2, tp=2), sample=True),
              "pp2_tp2_sp": dict(model="llama", micro=3, cfg=dict(pp=2, tp=2, sequence_parallel=True,
                                                                 pp_schedule="gpipe")),
-             "pp2_fsdp2": dict(model="gpt2", micro=3, cfg=dict(pp=2, data_parallel="fsdp")),
+             "pp2_fsdp2": dict(model="gpt2", micro=3, cfg=dict(pp=2, data_parallel="fsdp"), sample=True),
              "pp2_fsdp2_gpipe": dict(model="llama", micro=3, cfg=dict(pp=2, data_parallel="fsdp", pp_schedule="gpipe")),
              "pp2_dp2_resumed": dict(model="gpt2", micro=3, cfg=dict(pp=2), run=dict(resume=f"{ckpt}/step_000002",
                                                                                    first=2))}
@@ -305,6 +311,8 @@ def test_pp4_and_products_equal_one_process(tmp_path, refs):
         for r in range(4):
             rec = torch.load(tmp_path / f"{name}_{r}.pt")
             check(rec, refs[case["model"]], f"{name} rank {r}", case["model"] == "gpt2", case.get("run", {}).get("first", 0))
+            if case.get("sample"):
+                check_sample(rec, refs["gpt2"]["model"], f"{name} rank {r}")
     check_memory(tmp_path, 4, 6)
 
 
