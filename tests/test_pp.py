@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 import checkpoint
 import config
 import dpo
+import fsdp
 import generate
 import grpo
 import lifecycle
@@ -105,7 +106,7 @@ def micro_batches(x, y, grid, m):
 
 def local_grads(net):
     """{name: full gradient} of the parameters this rank holds reduced gradients of (not FSDP)."""
-    if isinstance(net.wrapper, parallel.fsdp.FSDP):
+    if isinstance(net.wrapper, fsdp.FSDP):
         return {}
     return {n: tp.full_tensor(p, p.grad, net.grid) for n, p in net.raw.named_parameters() if p.grad is not None}
 
