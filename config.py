@@ -106,6 +106,11 @@ SHARED_DEFAULTS = dict(
     sequence_parallel=False,  # tp > 1: norms, residual and dropout on T/tp positions (tp.py); dense, ddp
     data_parallel="ddp",     # how the world // tp replicas split the batch: ddp (replicated) | fsdp (sharded)
     ep=1,                    # expert-parallel size: experts sharded over ep ranks that see different data (moe.py)
+    pp=1,                    # pipeline stages (pp.py): blocks cut into pp stages, outermost in the grid
+    pp_schedule="1f1b",      # 1f1b (<= pp micro-batches' activations in flight per stage) | gpipe (all of them)
+    pp_cut="",               # where stages 1.. start, e.g. "3,5" for pp=3 ("": blocks split evenly)
+    pp_micro=0,              # micro-batches per step and data rank (0: batch_size / (micro_batch_size x data
+                             # ranks)); > 0 sets micro_batch_size to batch_size / (pp_micro x data ranks)
     # LoRA (lora.py): lora_r > 0 freezes the base and trains rank-r adapters
     lora_r=0,                # adapter rank (0: no LoRA)
     lora_alpha=16.0,         # adapter scale alpha / r
@@ -133,6 +138,7 @@ SHARED_DEFAULTS = dict(
 RESUME_FREE = frozenset("""
     out_dir init_from ckpt_every keep_last stop_at
     device dtype compile threads grad_bucket_mb grad_reduce_dtype tp sequence_parallel data_parallel ep zero1
+    pp pp_schedule pp_cut pp_micro
     micro_batch_size ns_dtype grad_checkpoint fp32_residual
     eval_every log_every progress peak_tflops tensorboard wandb wandb_project
 """.split())
@@ -298,8 +304,11 @@ def validate(cfg, world=1):
          f"sequence_parallel=True: the sequence length {cfg.seq_len or cfg.block_size} (seq_len, or block_size) "
          f"must be divisible by tp={cfg.tp}")
     need(cfg.n_head % cfg.tp == 0, f"n_head={cfg.n_head} is not divisible by tp={cfg.tp}: each rank needs whole heads")
-    need(world % (cfg.tp * cfg.ep) == 0, f"world size {world} is not divisible by tp*ep={cfg.tp * cfg.ep}")
-    dp = world // (cfg.tp * cfg.ep) * cfg.ep  # data-parallel ranks: EP ranks see different data too
+    need(cfg.pp >= 1, f"pp={cfg.pp} must be >= 1")
+    need(world % (cfg.pp * cfg.tp * cfg.ep) == 0,
+         f"world size {world} is not divisible by pp*tp*ep={cfg.pp * cfg.tp * cfg.ep}")
+    dp = world // (cfg.pp * cfg.tp * cfg.ep) * cfg.ep  # data-parallel ranks: EP ranks see different data too
+    _check_pipeline(cfg, dp, need)
     need(cfg.micro_batch_size > 0 and cfg.batch_size > 0, "batch_size and micro_batch_size must be positive")
     need(cfg.batch_size % (cfg.micro_batch_size * dp) == 0,
          f"batch_size={cfg.batch_size} must be divisible by micro_batch_size*data_parallel="
@@ -321,6 +330,34 @@ def validate(cfg, world=1):
     need(cfg.grad_bucket_mb > 0, f"grad_bucket_mb={cfg.grad_bucket_mb} must be positive")
     # found here, not after training: numpy's generators take seeds in [0, 2**32)
     need(0 <= cfg.seed < 2**32, f"seed={cfg.seed} must be in [0, 2**32)")
+
+
+def _check_pipeline(cfg, dp, need):
+    """The pipeline keys (pp.py). pp_micro > 0 sets micro_batch_size (the micro-batch count fixes its size)."""
+    need(cfg.pp_schedule in ("1f1b", "gpipe"), f"pp_schedule='{cfg.pp_schedule}' must be 1f1b or gpipe")
+    need(cfg.n_layer >= cfg.pp, f"pp={cfg.pp} stages need n_layer >= pp blocks (n_layer={cfg.n_layer})")
+    need(not cfg.pp_cut or cfg.pp > 1, f"pp_cut='{cfg.pp_cut}' cuts a pipeline: set pp > 1, or pp_cut=''")
+    if cfg.pp_cut:
+        try:
+            cut = [int(b) for b in cfg.pp_cut.split(",")]
+        except ValueError:
+            cut = None
+        need(cut is not None and len(cut) == cfg.pp - 1 and all(0 < a < b < cfg.n_layer for a, b in
+                                                                zip(cut, cut[1:] + [cfg.n_layer])),
+             f"pp_cut='{cfg.pp_cut}' must be {cfg.pp - 1} increasing block indices in 1..{cfg.n_layer - 1}, "
+             f"where stages 1..{cfg.pp - 1} start, e.g. pp_cut='{','.join(str(cfg.n_layer * s // cfg.pp) for s in range(1, cfg.pp))}'")
+    need(cfg.pp == 1 or not cfg.n_experts, "pp > 1 works with dense models (n_experts=0): MoE router losses "
+         "on every stage are not summed yet")
+    need(cfg.pp == 1 or not cfg.compile, "pp > 1 with compile=True is untested: set --compile=False")
+    need(cfg.pp_micro >= 0, f"pp_micro={cfg.pp_micro} must be >= 0 (0: from the batch split)")
+    if cfg.pp_micro:
+        need(cfg.batch_size % (cfg.pp_micro * dp) == 0,
+             f"batch_size={cfg.batch_size} must be divisible by pp_micro*data_parallel={cfg.pp_micro}*{dp}")
+        mbs = cfg.batch_size // (cfg.pp_micro * dp)
+        need("micro_batch_size" not in getattr(cfg, "given", ()) or cfg.micro_batch_size == mbs,
+             f"pp_micro={cfg.pp_micro} sets micro_batch_size={mbs}: drop micro_batch_size={cfg.micro_batch_size}, "
+             f"or pp_micro")
+        cfg.micro_batch_size = mbs
 
 
 def show(cfg):

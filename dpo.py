@@ -16,7 +16,6 @@ micro-batching (every micro-step's and rank's terms are divided by the global ba
 reference never gets a gradient, and resume rebuilds it as DPO started (never from the resumed
 policy) and checks it: its held-out log-probs are saved in every checkpoint.
 """
-import contextlib
 import hashlib
 import os
 import sys
@@ -224,19 +223,18 @@ def train_step(net, reference, seqs, batch, cfg, grid, autocast):
     mb, dw = cfg.micro_batch_size, grid.data_world
     accum, n_pairs, n_tokens = cfg.batch_size // (mb * dw), cfg.batch_size / dw, sum(len(seqs[i][1]) for i in batch) / dw
     mine = batch[grid.data_rank * mb * accum:(grid.data_rank + 1) * mb * accum]
-    sums = None
-    for micro in range(accum):
-        ids = mine[micro * mb:(micro + 1) * mb]
+    micro, refs = [], []
+    for k in range(accum):  # the reference's log-probs first (no gradient), then the policy's micro-steps
+        ids = mine[k * mb:(k + 1) * mb]
         x, y = collate([seqs[i] for i in ids], grid.device)
         with autocast:
-            ref = reference(x, y, ids).float()
-        # communicate only on the last micro-step; earlier ones accumulate gradients locally
-        with net.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-            with autocast:
-                logps = sequence_logps(net, x, y)
-            loss, s = objective(logps, ref, (y != IGNORE).sum(-1), cfg, n_pairs, n_tokens)
-            loss.backward()
-        sums = add(sums, s)
+            refs.append(reference(x, y, ids).float())
+        micro.append((x, y, dict(reduction="none")))
+
+    def loss_fn(i, nll):  # nll (2b, T): the policy's -log-probs, sequence_logps' path; pp > 1: the last stage's
+        y = micro[i][1]
+        return objective(-nll.float().sum(-1), refs[i], (y != IGNORE).sum(-1), cfg, n_pairs, n_tokens)
+    sums = net.train_step(micro, loss_fn, autocast)  # gradients reduced on the last (pp > 1: the schedule)
     return sums, net.step(cfg.grad_clip)
 
 

@@ -49,6 +49,8 @@ def run_of(name, ndim):
 
 def _counted(p, grid):
     """Bool mask, p's local shape: the elements this TP rank counts in the gradient norm."""
+    if getattr(p, "pp_copy", False):  # a tied embedding's last pipeline stage copy: the first stage counts it
+        return torch.zeros(p.shape, dtype=torch.bool)
     if grid.tp == 1 or not hasattr(p, "tp_split"):  # TP-replicated: TP rank 0 counts it
         return torch.full(p.shape, grid.tp_rank == 0, dtype=torch.bool)
     mask = torch.zeros(p.shape, dtype=torch.bool)
@@ -253,16 +255,20 @@ class FSDP(nn.Module):
     finish() or at the next forward.
     Gradient accumulation: every micro-step reduce-scatters and adds into the fp32 shard gradient,
     so no rank ever holds a full gradient between micro-steps (ZeRO-3's point); the price is one
-    reduce-scatter per micro-step. no_sync() is a no-op, kept for the stage scripts.
+    reduce-scatter per micro-step. no_sync() changes nothing, except under reshard_after_forward=False
+    (a pipeline stage, pp.py, whose forwards of several micro-batches run before their backwards):
+    each unit stays gathered from its first forward of a step until its backward outside no_sync()
+    (the step's last), as torchtitan's FSDP under PP; gradients are still reduce-scattered every backward.
     Overlap: an async NCCL collective runs on the process group's internal stream after the work
     already queued on the compute stream, and work.wait() makes the compute stream (not the host)
     wait for it: that internal stream is the side stream prefetches run on, and the process group
     keeps a pending collective's tensors alive until it is waited for. On CPU (gloo) the same code
     is plain and synchronous."""
 
-    def __init__(self, module, grid, compute_dtype=None):
+    def __init__(self, module, grid, compute_dtype=None, reshard_after_forward=True):
         super().__init__()
         self.module, self.grid = module, grid
+        self.reshard, self.sync = reshard_after_forward, True
         self.summoned = False
         self.pending = []  # [(unit, work, out)]: issued reduce-scatters, oldest first
         self.sd_keys = list(module.state_dict().keys())
@@ -303,10 +309,12 @@ class FSDP(nn.Module):
     def forward(self, *args, **kwargs):
         if self.summoned:
             return self.module(*args, **kwargs)
-        self._drop_frozen()  # what the last backward left gathered (gradient accumulation)
+        if self.reshard:
+            self._drop_frozen()  # what the last backward left gathered (gradient accumulation)
         for u in self.slots[0]:
-            u.drop()
-            u.gather(fresh=True)
+            if self.reshard or not u.ready:  # (kept: gathered once a step)
+                u.drop()
+                u.gather(fresh=True)
         for u in self.slots[0]:
             u.wait()
             u.install(functools.partial(self._post_backward, u))
@@ -345,7 +353,7 @@ class FSDP(nn.Module):
         if self.summoned or us[0].in_backward:
             return out
         if torch.is_grad_enabled() and out.requires_grad:
-            for u in us:
+            for u in us if self.reshard else []:
                 u.release()  # reshard after forward; backward gathers again
             return _PreBackward.apply(self, i, out)
         for u in us:
@@ -353,8 +361,8 @@ class FSDP(nn.Module):
         return out
 
     def _pre_backward(self, i):
-        if i + 1 < len(self.slots):  # the next block's backward is over (it produced this gradient):
-            self._drop_frozen(i + 1)  # its frozen weights, read only for its input's gradient, are done
+        if i + 1 < len(self.slots) and self.reshard:  # the next block's backward is over (it produced this
+            self._drop_frozen(i + 1)  # gradient): its frozen weights, read only for its input's gradient, are done
         for u in self.slots[i]:
             if not u.ready:
                 u.gather(fresh=False)
@@ -367,7 +375,8 @@ class FSDP(nn.Module):
         g, full.grad = full.grad, None
         work, out = u.reduce_scatter(g)
         del g
-        u.drop()  # the full weights are not needed again this micro-step
+        if self.reshard or self.sync:
+            u.drop()  # the full weights are not needed again this micro-step (kept: this step)
         self.pending.append((u, work, out))
         self._drain(keep=1)  # the older one had a block's backward to finish in
 
@@ -403,13 +412,21 @@ class FSDP(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """A no-op: every micro-step reduce-scatters into the shard gradients (memory-lean)."""
-        yield
+        """Every micro-step reduce-scatters into the shard gradients (memory-lean) all the same; without
+        reshard_after_forward the backwards inside keep the weights gathered for the next micro-batch."""
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
 
     def finish(self):
         """Wait for the outstanding reduce-scatters: before clipping and the optimizer step."""
         self._drain()
         self._drop_frozen()
+        for u in [] if self.reshard else self.units:  # (a step whose every backward ran inside no_sync)
+            if u.full is not None:
+                u.drop()
 
     def zero_grad(self, set_to_none=True):
         for u in self.units:  # the next reduce-scatter's output becomes the gradient: nothing to zero

@@ -300,6 +300,8 @@ def check(cfg, grid):
         (cfg.eval_prompt_data and not cfg.prompt_data, "eval_prompt_data is held out from prompt_data: set both"),
         (cfg.ep > 1, f"ep={cfg.ep}: expert-parallel ranks would stop decoding at different steps; use ep=1"),
         (cfg.dead_steps < 1, f"dead_steps={cfg.dead_steps} must be >= 1"),
+        (cfg.pp > 1, f"pp={cfg.pp}: GRPO's rollouts decode with the whole model every step, which a pipeline "
+                     f"stage does not hold (pp.py); use pp=1"),
         (cfg.eval_every and cfg.eval_prompts < grid.data_world,
          f"eval_prompts={cfg.eval_prompts} must be >= the {grid.data_world} data ranks")]:
         if bad:

@@ -57,7 +57,8 @@ def say(grid):
 def layout(cfg, grid):
     """One line: the world, its layout, the device (CPU: threads per process) and the compute dtype."""
     where = f"{grid.device}" + (f" ({torch.get_num_threads()} threads per process)" if grid.device.type == "cpu" else "")
-    return (f"world {grid.world} (dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {where} | "
+    pipe = f"pp {grid.pp} {cfg.pp_schedule}, " if grid.pp > 1 else ""
+    return (f"world {grid.world} ({pipe}dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {where} | "
             f"{parallel.amp_dtype(cfg, grid.device)}")
 
 

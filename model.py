@@ -390,6 +390,7 @@ class Transformer(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.layers = range(cfg.n_layer)  # the blocks this process runs: a pipeline stage's only (pp.py)
         # post-norm already ends every block with a norm
         self.norm_f = make_norm(cfg, C) if cfg.prenorm else nn.Identity()
         self.head = nn.Linear(C, V, bias=False)
@@ -439,7 +440,8 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, idx, targets=None, *, reduction="mean", cache=None, pos=None, attn_mask=None, temperature=1.0):
+    def forward(self, idx, targets=None, *, reduction="mean", cache=None, pos=None, attn_mask=None, temperature=1.0,
+                hidden=None):
         """idx (B, T) token ids -> logits (B, T, vocab_size), or the loss when targets are given.
 
         targets: (B, T) ids, IGNORE (-100) where no loss is wanted; reduction "mean" | "sum" |
@@ -456,8 +458,12 @@ class Transformer(nn.Module):
           causality; or a ready (B, [1,] T, S) boolean mask (True = attend) used as is, or a float
           one added to the scores (0 / -inf; generate.decode's steps: no per-layer conversion).
         Padded vocabulary rows are sliced off, so they are never sampled nor part of the loss.
+        hidden: a pipeline stage's input (pp.py): the hidden states the previous stage's last block
+          gave; a stage before the last returns its own last block's (no head, no loss).
         """
-        x = self.hidden_states(idx, cache=cache, pos=pos, attn_mask=attn_mask)
+        x = self.hidden_states(idx, cache=cache, pos=pos, attn_mask=attn_mask, hidden=hidden)
+        if self.layers.stop < self.cfg.n_layer:  # a pipeline stage before the last: on to the next stage
+            return x
         if targets is None:
             return self.logits(x)
         loss = self.head_loss(x, targets, reduction, temperature)
@@ -494,8 +500,10 @@ class Transformer(nn.Module):
                                ignore_index=IGNORE, reduction=reduction)
         return loss.view(targets.shape) if reduction == "none" else loss
 
-    def hidden_states(self, idx, *, cache=None, pos=None, attn_mask=None):
-        """The final-normalised hidden states (B, T, C), before the head."""
+    def hidden_states(self, idx, *, cache=None, pos=None, attn_mask=None, hidden=None):
+        """The final-normalised hidden states (B, T, C), before the head. A pipeline stage (pp.py) runs
+        only its blocks (self.layers), from `hidden` (the previous stage's output; the first stage
+        embeds idx), and only the last stage applies the final norm."""
         cfg = self.cfg
         B, T = idx.shape
         start = cache.length if cache is not None else 0  # a Python int: no host sync
@@ -505,12 +513,15 @@ class Transformer(nn.Module):
         if pos is None and attn_mask is not None and attn_mask.dim() == 2:
             pos = position_ids(attn_mask)[:, start:]
 
-        x = self.tok_emb(idx)
-        if cfg.pos_emb == "learned":
-            x = x + self.pos_emb(pos if pos is not None else torch.arange(start, start + T, device=idx.device))
-        x = self.drop(x)
-        if not cfg.fp32_residual and torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))  # blocks add bf16 outputs: x stays bf16
+        if hidden is None:
+            x = self.tok_emb(idx)
+            if cfg.pos_emb == "learned":
+                x = x + self.pos_emb(pos if pos is not None else torch.arange(start, start + T, device=idx.device))
+            x = self.drop(x)
+            if not cfg.fp32_residual and torch.is_autocast_enabled(x.device.type):
+                x = x.to(torch.get_autocast_dtype(x.device.type))  # blocks add bf16 outputs: x stays bf16
+        else:
+            x = hidden
         cos = sin = None
         if cfg.pos_emb == "rope":
             if pos is None:  # static slice: the training path compiles to no gather
@@ -519,14 +530,15 @@ class Transformer(nn.Module):
                 cos, sin = self.rope_cos[pos][:, :, None], self.rope_sin[pos][:, :, None]
 
         mask, is_causal = self._attention_mask(attn_mask, T, start, idx.device)
-        for i, block in enumerate(self.blocks):
+        for i in self.layers:
+            block = self.blocks[i]
             if cfg.grad_checkpoint and self.training and cache is None:
                 x = checkpoint(block, x, cos, sin, mask, is_causal, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, is_causal, cache, i)
         if cache is not None:
             cache.length += T
-        return self.norm_f(x)
+        return self.norm_f(x) if self.layers.stop == cfg.n_layer else x
 
     @staticmethod
     def _attention_mask(attn_mask, T, start, device):

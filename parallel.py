@@ -2,22 +2,25 @@
 
     grid = parallel.init(cfg)                        # from torchrun's environment (or one plain process)
     net = parallel.parallelize(Transformer(mcfg), grid, cfg, load=weights.loader(cfg, grid))
-    with net.no_sync(): net(x, y).backward()         # every micro-step but the last
-    net(x, y).backward(); grad_norm = net.step(cfg.grad_clip)   # reduce, clip, optimizer step, zero
+    tally = net.train_step(micro, loss_fn, autocast)  # every micro-step's forward and backward (pp: the schedule)
+    grad_norm = net.step(cfg.grad_clip)               # reduce, clip, optimizer step, zero
     weights, optim_state = net.full_state()          # layout-free: full tensors, one-process names
 
-Ranks form arange(world).view(dp, ep, tp) with TP innermost, so tensor-parallel partners are
-neighbouring GPUs. EP ranks see different data: the data-parallel world (loader shards, gradient
-averaging of non-expert parameters) is dp x ep (grid.data_group / data_rank / data_world); dp_group
-holds the replicas of one expert shard (= data_group when ep = 1).
+Ranks form arange(world).view(pp, dp, ep, tp): TP innermost, so tensor-parallel partners are
+neighbouring GPUs; pipeline stages outermost (stage s: ranks s * world/pp ...). EP ranks see different
+data: the data-parallel world (loader shards, gradient averaging of non-expert parameters) is dp x ep
+(grid.data_group / data_rank / data_world); dp_group holds the replicas of one expert shard (=
+data_group when ep = 1). The stages of one pipeline read the same data (grid.pp_group).
 
 parallelize() applies, in the one order that works: the TP cut (tp.py); the initial weights (read
 after the cut, so each rank reads only its slices, and before the EP cut, which drops other ranks'
-experts); LoRA adapters (lora.py: on the cut, loaded base); the EP cut (moe.py); then FSDP
-(fsdp.py) and its optimizer, or the optimizer and DataParallel (dp.py; its ZeRO-1 owner map comes
-from the optimizer); then torch.compile (the whole model under DataParallel, each block's compute
-under FSDP). Net is the one handle a loop needs, and the one home of layout-free state: every
-form's full-state functions are called from Net.full_state / load_full_state and nowhere else.
+experts); LoRA adapters (lora.py: on the cut, loaded base); the EP cut (moe.py); the pipeline cut
+(pp.py: after the forms that rewrite modules in place, which then need not know of stages; before the
+ones that wrap, reduce and optimise what a rank keeps); then FSDP (fsdp.py) and its optimizer, or the
+optimizer and DataParallel (dp.py; its ZeRO-1 owner map comes from the optimizer); then torch.compile
+(the whole model under DataParallel, each block's compute under FSDP). Net is the one handle a loop
+needs, and the one home of layout-free state: every form's full-state functions are called from
+Net.full_state / load_full_state and nowhere else.
 """
 import contextlib
 import datetime
@@ -34,6 +37,7 @@ import fsdp
 import lora
 import moe
 import optim
+import pp
 import tp
 
 
@@ -53,6 +57,10 @@ class Grid:
     ep_group: object
     device: torch.device
     data_group: object = None  # dp x ep ranks sharing tp_rank: they all see different data
+    pp: int = 1                # pipeline stages (pp.py), outermost: a stage is pp_rank's dp x ep x tp ranks
+    pp_rank: int = 0
+    pp_group: object = None    # the pp ranks sharing (dp, ep, tp) coordinates: one pipeline
+    tie_group: object = None   # the first and the last stage's dp ranks sharing (ep, tp): tied embeddings
 
     @property
     def is_main(self):
@@ -67,15 +75,18 @@ class Grid:
         return self.dp_rank * self.ep + self.ep_rank
 
 
-def _groups(world, rank, dp, ep, tp):
+def _groups(world, rank, pp, dp, ep, tp):
     """Every rank must create every group (new_group is collective); keep the ones it is in."""
-    ranks = torch.arange(world).view(dp, ep, tp)
+    ranks = torch.arange(world).view(pp, dp, ep, tp)
     mine = {}
     groups = [("tp", ranks.reshape(-1, tp)),
-              ("ep", ranks.transpose(1, 2).reshape(-1, ep)),
-              ("dp", ranks.permute(1, 2, 0).reshape(-1, dp))]
+              ("ep", ranks.transpose(2, 3).reshape(-1, ep)),
+              ("dp", ranks.permute(0, 2, 3, 1).reshape(-1, dp))]
     if ep > 1:  # ordered by data_rank = dp_rank * ep + ep_rank
-        groups.append(("data", ranks.permute(2, 0, 1).reshape(tp, dp * ep)))
+        groups.append(("data", ranks.permute(0, 3, 1, 2).reshape(pp * tp, dp * ep)))
+    if pp > 1:  # one pipeline (ordered by stage); the first and last stages' replicas of a tied embedding
+        groups.append(("pp", ranks.permute(1, 2, 3, 0).reshape(-1, pp)))
+        groups.append(("tie", ranks[[0, pp - 1]].permute(2, 3, 0, 1).reshape(ep * tp, 2 * dp)))
     for name, lines in groups:
         for line in lines.tolist():
             g = dist.new_group(line)
@@ -110,16 +121,18 @@ def init(cfg, threads=None):
         torch.backends.cudnn.allow_tf32 = True
     else:
         device = torch.device("cpu")
-    tp, ep = cfg.tp, cfg.ep
-    dp = world // (tp * ep)
+    tp, ep, pp = cfg.tp, cfg.ep, getattr(cfg, "pp", 1)  # (a bare namespace without pp: no pipeline)
+    dp = world // (pp * tp * ep)
     if world > 1:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(minutes=30),
                                     device_id=device if use_cuda else None)
-        g = _groups(world, rank, dp, ep, tp)
+        g = _groups(world, rank, pp, dp, ep, tp)
+        none = (None, 0)
         return Grid(world, rank, local_rank, dp, tp, ep, g["dp"][1], g["tp"][1], g["ep"][1],
-                    g["dp"][0], g["tp"][0], g["ep"][0], device, g.get("data", g["dp"])[0])
+                    g["dp"][0], g["tp"][0], g["ep"][0], device, g.get("data", g["dp"])[0],
+                    pp, g.get("pp", none)[1], g.get("pp", none)[0], g.get("tie", none)[0])
     return Grid(1, 0, 0, 1, 1, 1, 0, 0, 0, None, None, None, device)
 
 
@@ -196,6 +209,7 @@ def grad_sq_norm(params, grid):
 def clip_grad_norm_(model, max_norm, grid, owner=None):
     """torch.nn.utils.clip_grad_norm_ over the full model under any layout: every parameter counted
     once, every rank gets the same norm, hence the same scale. Returns the total norm (no host sync).
+    Pipeline stages (pp.py) add their squares over grid.pp_group.
 
     model: the (TP / EP cut) module or its DataParallel: grad_sq_norm over its parameters. ZeRO-1
     (owner = the optimizer's grad_owner, {id(param): dp rank}): only owners hold reduced gradients
@@ -217,10 +231,12 @@ def clip_grad_norm_(model, max_norm, grid, owner=None):
     else:
         params = [p for p in model.parameters() if p.grad is not None
                   and (owner is None or owner[id(p)] == grid.dp_rank)]
-        sq = grad_sq_norm(params, grid)
+        sq = grad_sq_norm([p for p in params if not getattr(p, "pp_copy", False)], grid)
         if owner is not None:
             dist.all_reduce(sq, group=grid.dp_group)
         grads = [p.grad for p in params]
+    if grid.pp > 1:  # every stage's parameters (a tied embedding's last-stage copy, p.pp_copy, not counted)
+        dist.all_reduce(sq, group=grid.pp_group)
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch's: multiply even when it is 1
     if grads:
@@ -251,15 +267,36 @@ def autocast(cfg, device):
 @dataclass
 class Net:
     """What parallelize() returns: the network in its layout, the one handle a training loop needs.
-    net(x, y, ...) runs the forward (compiled, FSDP-gathered or plain, as laid out)."""
+    net(x, y, ...) runs the forward (compiled, FSDP-gathered or plain, as laid out; a pipeline's
+    without gradients, through its stages: train with train_step)."""
     raw: nn.Module      # the cut module (this rank's TP slices and experts): generation, metrics, hooks
     wrapper: nn.Module  # dp.DataParallel or fsdp.FSDP around raw: gradient synchronisation
-    fwd: object         # what net(...) calls: torch.compile(raw), raw, or the FSDP wrapper
+    fwd: object         # what net(...) calls: torch.compile(raw), raw, or the FSDP wrapper (a stage's part under pp)
     optimizer: object   # None when built without one (e.g. a frozen reference model)
     grid: Grid
+    pipe: object = None  # pp.Pipeline: this rank's pipeline stage (pp > 1), else None
 
     def __call__(self, *args, **kwargs):
+        if self.pipe is not None:  # evaluation through the stages (training: train_step)
+            return self.pipe.forward(self.fwd, *args, **kwargs)
         return self.fwd(*args, **kwargs)
+
+    def train_step(self, micro, loss_fn, autocast=contextlib.nullcontext()):
+        """The forwards and backwards of one optimizer step over this rank's micro-batches, gradients
+        left for step(). micro: [(x, y, kwargs)], each net(x, y, **kwargs); loss_fn(i, out) -> (the loss
+        to backward, a tally: a tensor or a dict of tensors) for micro-batch i's output. Returns the
+        tallies' sum (on every rank). Under a pipeline the schedule runs them (pp.train_step); otherwise
+        one after the other, gradients reduced during the last backward."""
+        if self.pipe is not None:
+            return pp.train_step(self, micro, loss_fn, autocast)
+        tallies = []
+        for i, (x, y, kwargs) in enumerate(micro):
+            with self.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+                with autocast:
+                    loss, tally = loss_fn(i, self(x, y, **kwargs))
+                loss.backward()
+            tallies.append(tally)
+        return pp.add_up(tallies)
 
     def no_sync(self):
         """Gradients accumulate locally: wrap every micro-step's forward and backward but the last."""
@@ -273,19 +310,26 @@ class Net:
         """The end of an optimizer step: wait for the gradient reductions, clip to max_norm (0: no
         clipping), step the optimizer, zero the gradients. Returns the gradient norm (no host sync)."""
         self.wrapper.finish()
+        if self.pipe is not None:  # tied embeddings: the first and last stage's gradients summed
+            pp.sum_tied_grads(self)
         norm = self.clip_grad_norm_(max_norm or float("inf"))
         self.optimizer.step()
         self.wrapper.zero_grad(set_to_none=True)
         return norm
 
+    @contextlib.contextmanager
     def full_params(self):
-        """A context in which raw holds full parameters (FSDP gathers them: for generation)."""
-        if isinstance(self.wrapper, fsdp.FSDP):
-            return self.wrapper.summon_full_params()
-        return contextlib.nullcontext()
+        """A context in which raw holds the full model (FSDP gathers its shards; a pipeline stage
+        receives every other stage's modules): for generation. Collective."""
+        with self.wrapper.summon_full_params() if isinstance(self.wrapper, fsdp.FSDP) else contextlib.nullcontext():
+            with pp.summon(self.pipe, self.raw) if self.pipe is not None else contextlib.nullcontext():
+                yield self.raw
 
     def state_names(self):
-        """The one-process state-dict names of this network, whatever the layout (FSDP's flat shards too)."""
+        """The one-process model's state-dict names, whatever the layout (a pipeline stage holds only
+        some of them, FSDP holds flat shards)."""
+        if self.pipe is not None:
+            return list(self.pipe.names)
         return list(self.wrapper.sd_keys) if isinstance(self.wrapper, fsdp.FSDP) else list(self.raw.state_dict())
 
     def full_state(self, optimizer=True):
@@ -301,13 +345,16 @@ class Net:
             state = opt.full_optim_state(self.raw, grid)
         else:
             state = fsdp.full_optim_state(w, opt) if sharded else tp.full_optim_state(self.raw, opt, grid)
-        return moe.gather_experts(self.raw, grid, weights, state)  # EP: every rank's experts
+        weights, state = moe.gather_experts(self.raw, grid, weights, state)  # EP: every rank's experts
+        return (weights, state) if self.pipe is None else pp.gather_stages(self.pipe, weights, state)  # every stage's
 
     def load_full_state(self, weights, optim_state=None):
         """full_state()'s output (saved by any layout) into this one: experts cut to this EP rank's
         first (with their optimizer state), then TP slices / FSDP shards. Collective under FSDP."""
         w, opt, grid = self.wrapper, self.optimizer, self.grid
         weights, optim_state = moe.cut_experts(self.raw, grid, weights, optim_state)
+        if self.pipe is not None:  # each stage loads the tensors it holds (a tied copy: the first stage's state)
+            optim_state = pp.stage_state(self.pipe, optim_state)
         sharded = isinstance(w, fsdp.FSDP)
         if sharded:
             fsdp.load_full_state_dict(w, weights)
@@ -324,7 +371,7 @@ class Net:
 
 
 def parallelize(model, grid, cfg, load=None, optimizer=True, compile_kwargs=None):
-    """Apply the layout of cfg (grid's tp / ep, cfg.data_parallel) to a full model built from the
+    """Apply the layout of cfg (grid's pp / tp / ep, cfg.data_parallel) to a full model built from the
     same seed on every rank, in place, and build its optimizer (optimizer=False: none) -> Net.
 
     load(model): the initial weights (weights.loader), called on the TP-cut model before the EP cut.
@@ -346,8 +393,13 @@ def parallelize(model, grid, cfg, load=None, optimizer=True, compile_kwargs=None
     moe.expert_parallel(model, grid)  # EP: keep this rank's experts, set the groups (dense: no-op)
     trainable = any(p.requires_grad for p in model.parameters())
     dtype = amp_dtype(cfg, grid.device)
+    # PP: keep this stage's blocks (the forms above rewrite whole modules and need not know of stages;
+    # the data-parallel forms below wrap, reduce and optimise only what this stage keeps)
+    pipe = pp.cut(model, grid, cfg, pp.activation_dtype(cfg, dtype)) if grid.pp > 1 else None
     if cfg.data_parallel == "fsdp" and trainable:  # shard what TP left over the data-parallel ranks
-        wrapper = fsdp.FSDP(model, grid, compute_dtype=dtype if dtype != torch.float32 else None)
+        # (a pipeline stage runs several forwards before their backwards: it keeps the weights gathered)
+        wrapper = fsdp.FSDP(model, grid, compute_dtype=dtype if dtype != torch.float32 else None,
+                            reshard_after_forward=pipe is None)
         opt = optim.build_optimizer(wrapper, cfg, grid) if optimizer else None
         fwd = wrapper  # gathers each block's shards around its forward
         if cfg.compile:
@@ -358,4 +410,4 @@ def parallelize(model, grid, cfg, load=None, optimizer=True, compile_kwargs=None
                                   reduce_dtype=getattr(torch, cfg.grad_reduce_dtype))
         # DataParallel's hooks live on the parameters, outside the graph; TP's collectives inside it
         fwd = torch.compile(model, **(compile_kwargs or {})) if cfg.compile else model
-    return Net(model, wrapper, fwd, opt, grid)
+    return Net(model, wrapper, fwd, opt, grid, pipe)

@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=2 pretrain.py configs/small.py      # data parallel over 2 GPUs
     torchrun --nproc_per_node=2 pretrain.py configs/tiny.py --max_steps=50 --lr=1e-3
     torchrun --nproc_per_node=4 pretrain.py configs/small.py --tp=2 --data_parallel=fsdp --compile=False
+    torchrun --nproc_per_node=2 pretrain.py configs/small.py --pp=2 --compile=False   # two pipeline stages
     python pretrain.py --help                                     # every key, its default and comment
 
 The spine (sft.py, dpo.py and grpo.py follow it and differ in their data and loss): config ->
@@ -11,7 +12,6 @@ grid -> init_from's model and tokenizer -> validate -> the stage's checks -> cla
 data -> model -> parallelize -> resume -> loop (lr, micro-steps, net.step, log, end_of_step) ->
 summary. Importing this file runs nothing: main() does the work.
 """
-import contextlib
 import sys
 
 import torch
@@ -146,14 +146,10 @@ def main(argv):
     clock.lap()
     while step < last:
         lr = optim.set_lr(net.optimizer, step, cfg)
-        for micro in range(accum):
-            x, y = loader.next()
-            # communicate only on the last micro-step; earlier ones accumulate gradients locally
-            with net.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-                with autocast:
-                    loss = net(x, y) / accum  # mean over the global batch = sum of per-micro-step means / accum
-                loss.backward()
-            loss_sum += loss.detach()
+        # the step's micro-batches, forward and backward (gradients reduced on the last; pp > 1: the
+        # pipeline schedule); mean over the global batch = the sum of per-micro-step means / accum
+        micro = [(*loader.next(), {}) for _ in range(accum)]
+        loss_sum += net.train_step(micro, lambda i, loss: (loss / accum, loss.detach() / accum), autocast)
         grad_norm = net.step(cfg.grad_clip)  # reductions, clipping (every layout: each slice counted once), step
         step, t_steps = step + 1, t_steps + 1
         bar.update(1)

@@ -18,7 +18,6 @@ hold the adapter in PEFT's format); merge=<folder> writes the merged model as on
 checkpoints at the end, export_hf=<folder> the final model as an HF folder.
 """
 import collections
-import contextlib
 import sys
 from types import SimpleNamespace
 
@@ -156,16 +155,14 @@ def train_step(net, micro, autocast, router=False):
     count = sum((y != IGNORE).sum() for _, y, _, _ in micro).float()  # all micro-steps, before the first forward
     if grid.data_world > 1:
         dist.all_reduce(count, group=grid.data_group)
-    total = torch.zeros((), device=count.device)
-    for i, (x, y, pos, mask) in enumerate(micro):
-        with net.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():  # reduce on the last
-            with autocast:
-                nll = net(x, y, reduction="sum", pos=pos, attn_mask=mask)
-                loss = nll * (grid.data_world / count.clamp(min=1))  # DataParallel / FSDP divide by data_world
-                if router:
-                    loss = loss + net.raw.router_loss() / len(micro)
-            loss.backward()
-        total += nll.detach().float()
+
+    def loss_fn(i, nll):  # (gradients reduced on the last micro-step; pp > 1: the pipeline schedule runs them)
+        loss = nll * (grid.data_world / count.clamp(min=1))  # DataParallel / FSDP divide by data_world
+        if router:
+            loss = loss + net.raw.router_loss() / len(micro)
+        return loss, nll.detach().float()
+    total = net.train_step([(x, y, dict(reduction="sum", pos=pos, attn_mask=mask)) for x, y, pos, mask in micro],
+                           loss_fn, autocast)
     return total, count
 
 
