@@ -385,7 +385,7 @@ def main(argv):
                  "pairs_s": (step - logged) * cfg.batch_size / clock.lap(), "mem_gb": logs.peak_memory_gb(grid.device)}
             logger.report(step, m, cfg.max_steps, say)
             sums, logged = None, step
-        stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate, say, clock)
+        stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate if cfg.eval_every else None, say, clock)
         if stopped:
             break
     interrupt.restore()

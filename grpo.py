@@ -435,7 +435,7 @@ def main(argv):
                 warned[why] = True
                 say(f"warning: no learning signal in the last {dead} steps: {why}")
             logged = step
-        stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate, say, clock)
+        stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate if cfg.eval_every else None, say, clock)
         if stopped:
             break
     interrupt.restore()

@@ -328,7 +328,8 @@ class Interrupt:
 def end_of_step(step, last, cfg, interrupt, save, evaluate=None, say=print, clock=None):
     """A stage script's work after optimizer step `step` (of `last`), in this order: a signal
     (every rank agrees) saves and stops; the checkpoint cadence (cfg.ckpt_every, and the last step);
-    the evaluation (cfg.eval_every, and the last step) after the checkpoint, so that an evaluation
+    the evaluation (every cfg.eval_every steps, and always at the last step: pass evaluate=None for
+    none) after the checkpoint, so that an evaluation
     that fails never costs the steps before it. Both stay off clock (the throughput timer). Returns
     True when the run must stop."""
     if interrupt.requested():
@@ -336,7 +337,7 @@ def end_of_step(step, last, cfg, interrupt, save, evaluate=None, say=print, cloc
         say(f"{interrupt.name()}: saved step {step} in {cfg.out_dir}; continue with --resume")
         return True
     do_save = (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last
-    do_eval = evaluate is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == last)
+    do_eval = evaluate is not None and (step == last or (cfg.eval_every and step % cfg.eval_every == 0))
     if do_save or do_eval:  # (the clock waits for the GPU: never on a plain step)
         with clock.paused() if clock is not None else contextlib.nullcontext():
             if do_save:

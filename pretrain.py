@@ -169,7 +169,7 @@ def main(argv):
             bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tok_s:.3g}")
             loss_sum.zero_()
             t_steps = 0
-        stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate, write, clock)
+        stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate if cfg.eval_every else None, write, clock)
         if stopped:
             break
     bar.close()

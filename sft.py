@@ -272,8 +272,7 @@ def main(argv):
             bar.set_postfix(loss=f"{m['loss']:.4f}")
             tally.zero_()
             logged = step
-        evaluate_now = evaluate if (cfg.eval_every and step % cfg.eval_every == 0) or step == last else None
-        stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate_now, write, clock)
+        stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate, write, clock)  # and at the end
         if stopped:
             break
     bar.close()

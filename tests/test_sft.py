@@ -103,6 +103,11 @@ def check_same(root, name, ref):
     assert accuracies(root, name) == accuracies(root, ref), name
 
 
+def test_accuracy_before_and_after(reference):
+    """The task's held-out accuracy is scored before the first step and after the last (eval_every=0)."""
+    assert len(accuracies(reference, "ref_full")) == 2 and len(accuracies(reference, "ref_lora")) == 2
+
+
 def test_layouts_and_resume_equal_one_process(reference):
     root = reference
     two = [args(root, f"{name}_{kind}", *LAYOUTS[name], *extra) for name in ("dp2", "fsdp2")
