@@ -69,14 +69,14 @@ def compute_dtype(x, fallback):
 class QLoRALinear(lora.LoRALinear):
     """A lora.LoRALinear whose frozen base weight is NF4 (built from one: from_lora)."""
 
-    def __init__(self, m, block=64, double=True):
+    def __init__(self, m, block=64, double=True, device=None):
         nn.Module.__init__(self)
         for k in ("row", "group", "scale", "merged", "disabled", "rows"):  # LoRALinear's plain attributes
             setattr(self, k, getattr(m, k))
         self.drop, self.lora_A, self.lora_B, self.bias = m.drop, m.lora_A, m.lora_B, m.bias
         if m.merged:
             raise ValueError("qlora: the adapters are merged into the base; unmerge() first")
-        w = m.weight.detach()
+        w = m.weight.detach().to(device or m.weight.device)  # quantised where it will live (one weight at a time)
         self.weight_dtype, self.weight_shape = w.dtype, tuple(w.shape)  # compute dtype outside autocast; shape
         packed, absmax = quant.nf4_quantize(w, block)
         self.register_buffer("weight_nf4", packed, persistent=False)
@@ -108,21 +108,23 @@ class QLoRALinear(lora.LoRALinear):
     unmerge = merge
 
 
-def quantize(model, block=64, double=True, rest_dtype=torch.bfloat16):
+def quantize(model, block=64, double=True, rest_dtype=torch.bfloat16, device=None):
     """Every lora.LoRALinear of model -> QLoRALinear (NF4 base), in place; the other frozen floating
-    tensors cast to rest_dtype (None: left alone). Call after lora.apply, before FSDP / DataParallel."""
+    tensors cast to rest_dtype (None: left alone). device: where the model goes (each base weight is
+    moved there and quantised one at a time: a base built on the host, materialize.build's
+    linear_device, never reaches the GPU in bf16). Call after lora.apply, before FSDP / DataParallel."""
     mods = lora.adapted(model)
     if not mods:
         raise ValueError("qlora.quantize: no LoRA adapters in this model: lora.apply() first")
     for name, parent in list(model.named_modules()):
         for attr, child in list(parent.named_children()):
             if isinstance(child, lora.LoRALinear) and not isinstance(child, QLoRALinear):
-                setattr(parent, attr, QLoRALinear(child, block, double))
+                setattr(parent, attr, QLoRALinear(child, block, double, device))
     if rest_dtype is not None:
         for n, p in model.named_parameters():
             if not p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(rest_dtype)
-    return model
+    return model if device is None else model.to(device)
 
 
 def dequantized_state(model, grid=None, dtype=torch.float32):
