@@ -1,10 +1,9 @@
 """AdamW with less on the GPU: 8-bit block-wise state (AdamW8bit), or state and master weights in
 CPU memory with the update on the CPU (OffloadAdamW). Both are torch AdamW in every other respect.
 
-    opt = optim_memory.AdamW8bit(optim.param_groups(model, wd), lr, betas, eps)   # 2 bytes/param of state
-    opt = optim_memory.OffloadAdamW(optim.param_groups(model, wd), lr, betas, eps) # 0 bytes/param on the GPU
-    muon.Muon(groups, ..., zero1=True, adamw=optim_memory.AdamW8bit)   # ZeRO-1: each owner's AdamW part
-    optim_memory.AdamW8bit(optim.param_groups(wrapper, wd), ..., wrapper=wrapper)  # FSDP's flat shards
+    opt = optim_memory.build("8bit" | "offload", optim.param_groups(model, wd), lr, betas, eps)  # DP, one GPU
+    muon.Muon(groups, ..., zero1=True, adamw=optim_memory.factory("8bit"))    # ZeRO-1: each owner's AdamW part
+    optim_memory.build("8bit", optim.param_groups(wrapper, wd), ..., wrapper=wrapper)   # FSDP's flat shards
 
 AdamW8bit (bitsandbytes' block-wise 8-bit Adam, Dettmers et al. 2022): each moment is quant.py's
 uint8 codes (same shape as the parameter) plus one fp32 absmax per block of 256 elements; m uses
@@ -14,8 +13,7 @@ corrections as Python floats) and quantises the new moments back; parameters und
 elements (norms, biases) keep fp32 state and step exactly as torch.optim.AdamW.
 
 OffloadAdamW (ZeRO-Offload's idea): exp_avg, exp_avg_sq and an fp32 master copy of every parameter
-live in CPU memory (pinned on a CUDA machine), updated by torch's own AdamW (functional, foreach) on
-the CPU. step() copies the gradients to the host bucket by bucket on a side stream, updates each
+live in (pinned) CPU memory, updated there by torch's own AdamW (functional, foreach). step() copies the gradients to the host bucket by bucket on a side stream, updates each
 bucket as soon as its copy has landed (the next buckets' copies run meanwhile) and copies the new
 parameters back on a second stream, so the transfers overlap the CPU's arithmetic. A parameter kept
 in bf16 on the GPU (a pure-bf16 model) is updated through its fp32 master ("master" in its state).

@@ -25,7 +25,6 @@ import copy
 import io
 import os
 
-import pytest
 import torch
 
 import checkpoint
