@@ -132,16 +132,18 @@ def activations(cfg, tokens, tp=1, compute=2):
     return saved, tokens * redo
 
 
-def logits_bytes(cfg, tokens, tp=1, compute=2, head_trains=True):
-    """The loss's peak: logits kept for backward and their gradient (or one chunk of them)."""
+def logits_bytes(cfg, tokens, tp=1, compute=2, head_trains=True, buckets=False):
+    """The loss's peak: logits kept for backward and their gradient (or one chunk of them), and the
+    head weight's gradient being made (buckets: DataParallel already holds its fp32 .grad)."""
     m = ModelConfig.from_cfg(cfg)
-    Vp, V = m.padded_vocab // tp, -(-m.vocab_size // tp)
+    Vp, V, C = m.padded_vocab // tp, -(-m.vocab_size // tp), m.n_embd
     chunk = get(cfg, "loss_chunk")
     if chunk:  # one chunk's logits and their gradient (fused.py's kernels on a GPU), the fp32 lse; dW in fp32
-        return min(chunk, tokens) * Vp * 2 * compute + 4 * tokens + (4 * m.n_embd * Vp if head_trains else 0)
+        return min(chunk, tokens) * Vp * 2 * compute + 4 * tokens + (4 * C * Vp if head_trains else 0)
+    dw = (compute + (0 if buckets else 4)) * C * Vp if head_trains else 0  # dW in the compute dtype (+ the fp32 .grad)
     if tp > 1:  # tp.py's vocab-parallel loss: the local logits, an fp32 softmax saved, the gradient
-        return tokens * (compute * Vp + 4 * Vp + compute * Vp)
-    return tokens * (compute * Vp + compute * V)  # the head's output (kept for backward) + its gradient (fused.py)
+        return tokens * (compute * Vp + 4 * Vp + compute * Vp) + dw
+    return tokens * (compute * Vp + compute * V) + dw  # the head's output (kept for backward) + its gradient (fused.py)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -207,7 +209,7 @@ def predict(cfg, world=1, decode=None):
     rows.append(("activations", saved, f"{tokens} tokens x {ModelConfig.from_cfg(cfg).n_layer} blocks, "
                  + (f"checkpointed: {mode}, every {every}" if mode else "no checkpointing")))
     head_trains = not cfg.lora_r
-    logit = logits_bytes(cfg, tokens, tp, a, head_trains)
+    logit = logits_bytes(cfg, tokens, tp, a, head_trains, buckets=dp > 1 or fsdp)
     rows.append(("logits", logit, f"chunked, {get(cfg, 'loss_chunk')} tokens at a time" if get(cfg, "loss_chunk")
                  else "materialised: the head's output and its gradient"))
     if redo:

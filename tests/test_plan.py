@@ -48,7 +48,8 @@ def test_full_fine_tuning_by_hand():
     assert r["compute copies"] == 2 * (L * BLOCK_MATS + V * C)  # block matrices and the head, bf16
     assert r["gradients"] == 4 * P and r["optimizer state"] == 8 * P
     assert r["activations"] == TOK * (L * (ATTN + MLP) + FINAL)
-    assert r["logits"] == TOK * (2 * V + 2 * V)  # the head's bf16 output and its gradient
+    # the head's bf16 output and its gradient; the head weight's gradient in bf16 and its fp32 .grad
+    assert r["logits"] == TOK * (2 * V + 2 * V) + (2 + 4) * C * V
     # one process: gradients appear as backward frees activations; the peak takes the larger side
     static = 4 * P + 2 * (L * BLOCK_MATS + V * C) + 8 * P
     assert t["total"] == static + max(r["activations"] + r["logits"], 4 * P)
@@ -72,6 +73,7 @@ def test_checkpointing_chunking_fsdp_cache_by_hand():
     assert r["weights"] == 4 * P / 2 and r["optimizer state"] == 8 * P / 2
     assert r["compute copies"] == 2 * (2 * unit + root)  # two blocks and the root gathered in bf16
     assert r["gradients"] == 4 * P / 2 + (4 + 2) * unit
+    assert r["logits"] == TOK * (2 * V + 2 * V) + 2 * C * V  # (FSDP's shard gradients hold the fp32 part)
     assert t["total"] == sum(r[k] for k in ("weights", "compute copies", "gradients", "optimizer state",
                                             "activations")) + r["logits"]
     r, _ = rows({}, decode=(8, 32))
