@@ -166,12 +166,15 @@ class LoRALinear(nn.Module):
         """scale * B A for this rank's slice of the weight (its rows or its columns)."""
         return self.b_matrix() @ torch.cat(list(self.lora_A.values())) * self.scale
 
-    def forward(self, x):
+    def base_forward(self, x):
+        """The frozen base's output (qlora.QLoRALinear overrides it: a 4-bit weight)."""
         if self.row:  # tp.RowParallelLinear's forward (group None: one process)
             y = tp.Reduce.apply(F.linear(x, self.weight), self.group)
-            y = y if self.bias is None else y + self.bias
-        else:  # tp.ColumnParallelLinear's (or nn.Linear's)
-            y = F.linear(tp.Copy.apply(x, self.group), self.weight, self.bias)
+            return y if self.bias is None else y + self.bias
+        return F.linear(tp.Copy.apply(x, self.group), self.weight, self.bias)  # tp.ColumnParallelLinear's (or nn.Linear's)
+
+    def forward(self, x):
+        y = self.base_forward(x)
         if self.merged or self.disabled or not self.lora_A:
             return y
         h = F.linear(self.drop(x), torch.cat(list(self.lora_A.values())))  # (..., adapted modules * r)

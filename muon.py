@@ -126,7 +126,10 @@ class Muon(torch.optim.Optimizer):
     and ZeRO-1 (None: one process)."""
 
     def __init__(self, groups, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, momentum=0.95,
-                 scale="rms", ns_steps=5, ns_dtype=torch.bfloat16, grid=None, zero1=False, compile_ns=True):
+                 scale="rms", ns_steps=5, ns_dtype=torch.bfloat16, grid=None, zero1=False, compile_ns=True,
+                 adamw=None):
+        # adamw: None (torch.optim.AdamW) or a factory (groups, lr, betas, eps) -> the optimizer of the
+        # AdamW groups, e.g. optim_memory.AdamW8bit / OffloadAdamW (its standard_state(p) gives checkpoints)
         if scale not in ("rms", "shape"):
             raise ValueError(f"muon scale '{scale}' must be rms or shape")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
@@ -157,8 +160,10 @@ class Muon(torch.optim.Optimizer):
         if pairs:
             cuda = pairs[0][1][0].is_cuda
             self.adamw_groups = [g for g, _ in pairs]
-            self.adamw = torch.optim.AdamW([dict(params=ps, weight_decay=g["weight_decay"]) for g, ps in pairs],
-                                           lr=lr, betas=betas, eps=eps, fused=cuda or None, foreach=None if cuda else True)
+            inner = [dict(params=ps, weight_decay=g["weight_decay"]) for g, ps in pairs]
+            self.adamw = (adamw(inner, lr=lr, betas=betas, eps=eps) if adamw is not None else
+                          torch.optim.AdamW(inner, lr=lr, betas=betas, eps=eps, fused=cuda or None,
+                                            foreach=None if cuda else True))
             self.adamw.state = self.state
 
     # ------------------------------------------------------------------ ownership
@@ -246,7 +251,7 @@ class Muon(torch.optim.Optimizer):
         super().load_state_dict(state_dict)  # (a new self.state: share it with the inner AdamW again)
         if self.adamw is not None:
             self.adamw.state = self.state
-            if self.adamw.defaults["fused"]:  # fused AdamW keeps its step count on the parameter's device
+            if self.adamw.defaults.get("fused"):  # fused AdamW keeps its step count on the parameter's device
                 for g in self.adamw.param_groups:
                     for p in g["params"]:
                         if "step" in self.state.get(p, {}):
@@ -266,18 +271,24 @@ class Muon(torch.optim.Optimizer):
         out = {}
         for group in self.param_groups:
             for p in group["params"]:
-                st = self._from_owner(p, group, grid) if self.zero1 else self.state.get(p, {})
+                st = self._from_owner(p, group, grid) if self.zero1 else self.state_of(p, group)
                 for k, v in st.items():
                     full = tp.full_tensor(p, v, grid) if torch.is_tensor(v) and v.shape == p.shape else v
                     out.setdefault(names[id(p)], {})[k] = full.detach().clone().cpu() if torch.is_tensor(full) else full
         return out
+
+    def state_of(self, p, group):
+        """p's state in torch's form: an AdamW part that stores it otherwise (8-bit, on the host) converts."""
+        if group["kind"] == "adamw" and hasattr(self.adamw, "standard_state"):
+            return self.adamw.standard_state(p)
+        return self.state.get(p, {})
 
     def _from_owner(self, p, group, grid):
         """ZeRO-1: p's state (local shapes) on every dp rank, broadcast by its owner; {} before the
         first step."""
         keys = ["momentum_buffer"] if group["kind"] == "muon" else ["step", "exp_avg", "exp_avg_sq"]
         src = dist.get_global_rank(grid.dp_group, self.owner[id(p)])
-        st = self.state.get(p, {}) if self.owns(p) else {}
+        st = self.state_of(p, group) if self.owns(p) else {}
         has = torch.tensor([1.0 if st else 0.0], device=p.device)
         dist.broadcast(has, src=src, group=grid.dp_group)
         if not has.item():
