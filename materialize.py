@@ -2,7 +2,7 @@
 
     model = materialize.build(mcfg, device, torch.bfloat16, init=False)   # LoRA over init_from: weights come next
     model = materialize.build(mcfg, device, torch.bfloat16, init=False, linear_device="cpu")  # QLoRA: see below
-    run = parallel.parallelize(model, grid, cfg, load=hf.init_loader(cfg, grid))
+    net = parallel.parallelize(model, grid, cfg, load=weights.loader(cfg, grid))
 
 Today a stage builds Transformer(cfg) on the CPU in fp32 and moves it to the GPU, so an 8B LoRA run
 peaks at the fp32 model (32 GB) before lora.apply casts the base to bf16. build() instead creates

@@ -302,14 +302,14 @@ def main(argv):
     import importlib
 
     import config
-    import hf
+    import weights
     stage = next((a.split("=", 1)[1] for a in argv if a.startswith("--stage=")), "pretrain")
     argv = [a for a in argv if not a.startswith("--stage=")]
     extra = dict(getattr(importlib.import_module(stage), "EXTRA", {}), **DEFAULTS, gpu_memory=24.0, world=1,
                  decode_rows=0, decode_len=0)
     cfg = config.load(argv, extra=extra, world=1)
     if cfg.init_from:
-        hf.configure(cfg)
+        weights.configure(cfg)
     decode = (cfg.decode_rows, cfg.decode_len) if cfg.decode_rows else None
     table = predict(cfg, cfg.world, decode)
     print("\n".join(show(table, cfg.gpu_memory)))
@@ -324,4 +324,4 @@ def main(argv):
 
 if __name__ == "__main__":
     import config
-    config.run(main, sys.argv[1:])
+    config.cli(main, sys.argv[1:])

@@ -129,7 +129,7 @@ def quantize(model, block=64, double=True, rest_dtype=torch.bfloat16, device=Non
 
 def dequantized_state(model, grid=None, dtype=torch.float32):
     """{'<linear>.weight': full dequantised base weight on CPU} for every QLoRALinear (TP slices
-    gathered when grid has tp > 1: collective): with checkpoint.gather's weights, what
+    gathered when grid has tp > 1: collective): with parallel.Net.full_state's weights, what
     lora.merge_weights needs to write the plain model."""
     out = {}
     for n, m in model.named_modules():

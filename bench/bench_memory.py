@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import chunked  # noqa: E402
 import config  # noqa: E402
+import dp  # noqa: E402
 import lora  # noqa: E402
 import materialize  # noqa: E402
 import muon  # noqa: E402
@@ -110,7 +111,7 @@ def ours(cfg):
     else:
         groups = optim.param_groups(model, cfg.weight_decay)
         opt = optim_memory.build(cfg.adamw_state, groups, **h) or optim.build_optimizer(model, cfg, grid)
-    wrapper = parallel.DataParallel(model, grid)
+    wrapper = dp.DataParallel(model, grid)
     autocast = torch.autocast(dev.type, torch.bfloat16, enabled=cfg.dtype == "bfloat16")
 
     def step(x, y):

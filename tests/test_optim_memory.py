@@ -11,10 +11,10 @@ Proves:
   10% (of the fp32 run's total weight change) of the fp32 run's, its losses within 0.01, and its
   state takes under 30% of fp32 AdamW's bytes (measured 3.8%, 0.003 and 26%: the bound's margin);
   state_dict / load_state_dict round-trips bitwise; the layout-free (dequantised) state loaded
-  through checkpoint.load_full_optim_state trains on within 1e-5 of the original;
+  through tp.load_full_optim_state trains on within 1e-5 of the original;
 - layouts (2 gloo processes), each optimizer: DP2, ZeRO-1 over DP2 (muon.Muon's owners with
   adamw=...) and FSDP2 (the flat shards) equal one process after 3 steps with gradient clipping:
-  full weights and checkpoint.gather's layout-free optimizer state; offloaded: within 1e-5; 8-bit
+  full weights and parallel.Net.full_state's layout-free optimizer state; offloaded: within 1e-5; 8-bit
   DP2 and ZeRO-1: weights within 1e-5, state within 5e-3 (a gradient summed in another order flips
   a code now and then: measured 9e-4); 8-bit FSDP2, whose quantisation blocks follow the shards,
   not the parameters: within twice the distance of one process's 8-bit run from fp32 AdamW
@@ -27,11 +27,12 @@ import os
 
 import torch
 
-import checkpoint
+import dp
 import muon
 import optim
 import optim_memory
 import parallel
+import tp
 import distributed
 from distributed import assert_close, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer
@@ -147,7 +148,7 @@ def test_8bit_state_round_trips():
     assert set(next(iter(full.values()))) == {"step", "exp_avg", "exp_avg_sq"}
     third = copy.deepcopy(model)
     tho = make("8bit", optim.param_groups(third, 0.1))
-    checkpoint.load_full_optim_state(third, tho, grid, full)
+    tp.load_full_optim_state(third, tho, grid, full)
     assert train(twin, to, 2, start=3) == train(model, mo, 2, start=3) and params_equal(twin, model)
     train(third, tho, 2, start=3)
     assert_close(dict(third.named_parameters()), dict(model.named_parameters()), "resumed from the layout-free state")
@@ -167,10 +168,9 @@ def run_layout(kind, layout, cfg, grid):
     if layout == "zero1":
         opt = muon.Muon(muon.param_groups(model, cfg, use_muon=False), weight_decay=cfg.weight_decay, grid=grid,
                         zero1=True, adamw=optim_memory.factory(kind), **h)
-        wrapper, owner = parallel.DataParallel(model, grid, cfg.grad_bucket_mb, owner=opt.grad_owner), opt.grad_owner
+        wrapper, owner = dp.DataParallel(model, grid, cfg.grad_bucket_mb, owner=opt.grad_owner), opt.grad_owner
     else:
-        run = parallel.parallelize(model, grid, cfg, optimizer=False)
-        wrapper, owner = run.model, None
+        wrapper, owner = parallel.parallelize(model, grid, cfg, optimizer=False).wrapper, None
         groups = optim.param_groups(wrapper if layout == "fsdp2" else model, cfg.weight_decay)
         opt = optim_memory.build(kind, groups, wrapper=wrapper if layout == "fsdp2" else None, **h)
     per = distributed.G // grid.data_world
@@ -181,7 +181,7 @@ def run_layout(kind, layout, cfg, grid):
         parallel.clip_grad_norm_(wrapper, cfg.grad_clip, grid, owner)
         opt.step()
         wrapper.zero_grad()
-    weights, state = checkpoint.gather(model, opt, grid, wrapper)
+    weights, state = distributed.full_state(model, opt, grid, wrapper)
     return weights, state, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -205,7 +205,7 @@ def one_process(kind):
         parallel.clip_grad_norm_(model, cfg.grad_clip, grid)
         opt.step()
         opt.zero_grad()
-    return checkpoint.gather(model, opt, grid)
+    return distributed.full_state(model, opt, grid)
 
 
 def worst(got, ref):

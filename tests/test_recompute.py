@@ -17,7 +17,6 @@ import os
 import pytest
 import torch
 
-import checkpoint
 import generate
 import lora
 import parallel
@@ -122,17 +121,13 @@ def test_eval_and_generation_run_plain():
 def train(cfg, grid, mode, every):
     torch.manual_seed(0)
     model = recompute.apply(Transformer(ModelConfig.from_cfg(cfg)), mode, every)
-    run = parallel.parallelize(model, grid, cfg)
+    net = parallel.parallelize(model, grid, cfg)
     per = distributed.G // grid.data_world
     for s in range(2):
         x, y = (t[grid.data_rank * per:(grid.data_rank + 1) * per] for t in distributed.global_batch(s, 16, 97))
-        run.fwd(x, y).backward()
-        run.model.finish()
-        run.clip_grad_norm_(cfg.grad_clip)
-        run.optimizer.step()
-        run.model.zero_grad()
-    with run.full_params():
-        return checkpoint.full_state_dict(run.raw, grid)
+        net(x, y).backward()
+        net.step(cfg.grad_clip)
+    return net.full_state(optimizer=False)[0]
 
 
 def _layouts(rank, out_dir):

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import config
+import dp
 import fsdp
 import parallel
 import scaler
@@ -125,9 +126,9 @@ def test_grads_of_layouts_and_refusals():
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_cfg(cfg))
     x = torch.randint(0, 97, (2, 8))
-    dp = parallel.DataParallel(model, grid)
-    dp(x, x).backward()
-    assert len(scaler.LossScaler.grads(dp)) == len(list(model.parameters()))
+    ddp = dp.DataParallel(model, grid)
+    ddp(x, x).backward()
+    assert len(scaler.LossScaler.grads(ddp)) == len(list(model.parameters()))
     wrapper = fsdp.FSDP(Transformer(ModelConfig.from_cfg(cfg)), grid)
     wrapper(x, x).backward()
     wrapper.finish()
