@@ -36,13 +36,6 @@ import qlora
 from model import ModelConfig, Transformer
 
 GiB = 2 ** 30
-DEFAULTS = dict(loss_chunk=0, adamw_state="fp32", checkpoint="", checkpoint_every=1)  # keys the lead adds to config
-
-
-def get(cfg, key):
-    return getattr(cfg, key, DEFAULTS.get(key))
-
-
 def compute_bytes(cfg, cuda=True):
     return 4 if cfg.dtype == "float32" or (cfg.dtype == "auto" and not cuda) else 2
 
@@ -106,17 +99,17 @@ def block_bytes(cfg, tp=1, compute=2, part="all"):
     return {"attn": attn, "mlp": mlp, "norm": norm, "all": attn + mlp}[part]
 
 
-def checkpoint_of(cfg):
+def recompute_of(cfg):
     """(mode, every): mode '' | 'block' | 'attn' | 'mlp' (grad_checkpoint=True is 'block' every block)."""
     if cfg.grad_checkpoint:
         return "block", 1
-    return get(cfg, "checkpoint"), max(1, get(cfg, "checkpoint_every"))
+    return cfg.recompute, max(1, cfg.recompute_every)
 
 
 def activations(cfg, tokens, tp=1, compute=2):
     """(bytes saved over every block and the final norm, bytes of one part recomputed in backward)."""
     m = ModelConfig.from_cfg(cfg)
-    mode, every = checkpoint_of(cfg)
+    mode, every = recompute_of(cfg)
     full = block_bytes(cfg, tp, compute)
     res = 4 if (m.fp32_residual or compute == 4) else 2
     n_ck = -(-m.n_layer // every) if mode else 0  # blocks 0, every, 2 every, ... are checkpointed
@@ -137,7 +130,7 @@ def logits_bytes(cfg, tokens, tp=1, compute=2, head_trains=True, buckets=False):
     head weight's gradient being made (buckets: DataParallel already holds its fp32 .grad)."""
     m = ModelConfig.from_cfg(cfg)
     Vp, V, C = m.padded_vocab // tp, -(-m.vocab_size // tp), m.n_embd
-    chunk = get(cfg, "loss_chunk")
+    chunk = cfg.loss_chunk
     if chunk:  # one chunk's logits and their gradient (fused.py's kernels on a GPU), the fp32 lse; dW in fp32
         return min(chunk, tokens) * Vp * 2 * compute + 4 * tokens + (4 * C * Vp if head_trains else 0)
     dw = (compute + (0 if buckets else 4)) * C * Vp if head_trains else 0  # dW in the compute dtype (+ the fp32 .grad)
@@ -160,7 +153,7 @@ def predict(cfg, world=1, decode=None):
     a = compute_bytes(cfg)
     T = cfg.seq_len or cfg.block_size
     tokens = cfg.micro_batch_size * T
-    kind = get(cfg, "adamw_state")
+    kind = cfg.adamw_state
     shard = dp if fsdp else 1
     trained, frozen = n["trained"] / (tp if not cfg.lora_r else 1), n["frozen"] / tp
     rows = []
@@ -178,9 +171,9 @@ def predict(cfg, world=1, decode=None):
     # bf16 compute copies of fp32 matrices (autocast: kept for backward), or FSDP's gathered units
     fp32_mats = n["matrices"] / tp if not cfg.lora_r or cfg.lora_base_dtype == "float32" else 0
     if a == 2 and fsdp:
-        copies, note = 2 * (2 * n["unit"] + n["root"]) / tp, "FSDP: two blocks and the root gathered in bf16"
+        copies, note = 2 * (2 * n["unit"] + n["root"]) / tp, "FSDP: two blocks and the root gathered in 16 bits"
     elif a == 2 and fp32_mats:
-        copies, note = 2 * fp32_mats, "autocast's bf16 copy of every fp32 matrix, kept for backward"
+        copies, note = 2 * fp32_mats, "autocast's 16-bit copy of every fp32 matrix, kept for backward"
     elif cfg.lora_r and cfg.lora_base_dtype == "nf4":
         copies, note = 8 * n["largest_base"] / tp, "one NF4 weight dequantised at a time (fp32 values, index, bf16)"
     else:
@@ -205,12 +198,12 @@ def predict(cfg, world=1, decode=None):
     rows.append(("optimizer state", opt, onote))
     # activations, logits, cache
     saved, redo = activations(cfg, tokens, tp, a)
-    mode, every = checkpoint_of(cfg)
+    mode, every = recompute_of(cfg)
     rows.append(("activations", saved, f"{tokens} tokens x {ModelConfig.from_cfg(cfg).n_layer} blocks, "
                  + (f"checkpointed: {mode}, every {every}" if mode else "no checkpointing")))
     head_trains = not cfg.lora_r
     logit = logits_bytes(cfg, tokens, tp, a, head_trains, buckets=dp > 1 or fsdp)
-    rows.append(("logits", logit, f"chunked, {get(cfg, 'loss_chunk')} tokens at a time" if get(cfg, "loss_chunk")
+    rows.append(("logits", logit, f"chunked, {cfg.loss_chunk} tokens at a time" if cfg.loss_chunk
                  else "materialised: the head's output and its gradient"))
     if redo:
         rows.append(("recompute", redo, "one checkpointed part rebuilt in backward (when the logits are gone)"))
@@ -260,20 +253,20 @@ def _halve_batch(cfg):
 
 # (knob, applies to cfg, change): cheapest in speed first
 LADDER = [
-    ("loss_chunk=1024 (chunked loss, no logits)", lambda c, w: not get(c, "loss_chunk"), _set(loss_chunk=1024)),
+    ("loss_chunk=1024 (chunked loss, no logits)", lambda c, w: not c.loss_chunk, _set(loss_chunk=1024)),
     ("fp32_residual=False (bf16 residual stream)", lambda c, w: c.fp32_residual and c.dtype != "float32",
      _set(fp32_residual=False)),
     ("lora_base_dtype=bfloat16", lambda c, w: c.lora_r and c.lora_base_dtype == "float32", _set(lora_base_dtype="bfloat16")),
     ("data_parallel=fsdp", lambda c, w: w // c.tp > 1 and c.data_parallel != "fsdp" and not c.zero1,
      _set(data_parallel="fsdp")),
-    ("adamw_state=8bit", lambda c, w: not c.lora_r and get(c, "adamw_state") == "fp32", _set(adamw_state="8bit")),
-    ("checkpoint=mlp (recompute the MLPs)", lambda c, w: not c.grad_checkpoint and not get(c, "checkpoint"),
-     _set(checkpoint="mlp", checkpoint_every=1)),
+    ("adamw_state=8bit", lambda c, w: not c.lora_r and c.adamw_state == "fp32", _set(adamw_state="8bit")),
+    ("recompute=mlp (recompute the MLPs)", lambda c, w: not c.grad_checkpoint and not c.recompute,
+     _set(recompute="mlp", recompute_every=1)),
     ("grad_checkpoint=True (recompute whole blocks)", lambda c, w: not c.grad_checkpoint,
-     _set(grad_checkpoint=True, checkpoint="")),
+     _set(grad_checkpoint=True, recompute="")),
     ("micro_batch_size halved (more accumulation steps)", lambda c, w: c.micro_batch_size > 1, _halve_batch),
     ("lora_base_dtype=nf4 (QLoRA)", lambda c, w: c.lora_r and c.lora_base_dtype != "nf4", _set(lora_base_dtype="nf4")),
-    ("adamw_state=offload (update on the CPU)", lambda c, w: not c.lora_r and get(c, "adamw_state") != "offload",
+    ("adamw_state=offload (update on the CPU)", lambda c, w: not c.lora_r and c.adamw_state != "offload",
      _set(adamw_state="offload")),
 ]
 
@@ -297,29 +290,40 @@ def fit(cfg, gpu_gb, world=1, decode=None):
     return steps
 
 
+def advice(cfg, world=1, gpu_gb=0.0, decode=None):
+    """Lines to print: the table for cfg on `world` GPUs and, when gpu_gb is given and the plan does
+    not fit it, fit()'s knobs in their order, each with the peak it leads to (and what to try when
+    even the last does not fit). A mixture-of-experts model: config.UserError (not modelled)."""
+    import config
+    try:
+        table = predict(cfg, world, decode)
+    except NotImplementedError as e:
+        raise config.UserError(f"gpu_memory: {e}; drop --gpu_memory") from e
+    out = show(table, gpu_gb or None)
+    if gpu_gb and table["total"] > gpu_gb * GiB:
+        steps = fit(cfg, gpu_gb, world, decode)
+        out.append(f"to fit {gpu_gb:g} GiB, in order of expected cost in speed:")
+        out += [f"  + {knob:<50} -> {t['total'] / GiB:6.2f} GiB" for knob, _, t in steps]
+        if not steps or steps[-1][2]["total"] > gpu_gb * GiB:
+            out.append("  still too large: more GPUs (data_parallel=fsdp, tp), a shorter seq_len, or a smaller model")
+    return out
+
+
 def main(argv):
-    """python plan.py [--stage=sft] config.py [--key=value ...] [--gpu_memory=24] [--world=2]"""
+    """python plan.py [--stage=sft] config.py [--key=value ...] [--gpu_memory=24] [--world=2]: the plan for
+    `world` GPUs without starting them (a stage's own --gpu_memory plans for the world it runs in)."""
     import importlib
 
     import config
     import weights
     stage = next((a.split("=", 1)[1] for a in argv if a.startswith("--stage=")), "pretrain")
     argv = [a for a in argv if not a.startswith("--stage=")]
-    extra = dict(getattr(importlib.import_module(stage), "EXTRA", {}), **DEFAULTS, gpu_memory=24.0, world=1,
-                 decode_rows=0, decode_len=0)
+    extra = dict(getattr(importlib.import_module(stage), "EXTRA", {}), gpu_memory=24.0, world=1, decode_rows=0,
+                 decode_len=0)
     cfg = config.load(argv, extra=extra, world=1)
-    if cfg.init_from:
-        weights.configure(cfg)
+    weights.configure(cfg)
     decode = (cfg.decode_rows, cfg.decode_len) if cfg.decode_rows else None
-    table = predict(cfg, cfg.world, decode)
-    print("\n".join(show(table, cfg.gpu_memory)))
-    if cfg.gpu_memory and table["total"] > cfg.gpu_memory * GiB:
-        steps = fit(cfg, cfg.gpu_memory, cfg.world, decode)
-        print(f"to fit {cfg.gpu_memory:g} GiB, in order of expected cost in speed:")
-        for knob, _, t in steps:
-            print(f"  + {knob:<50} -> {t['total'] / GiB:6.2f} GiB")
-        if not steps or steps[-1][2]["total"] > cfg.gpu_memory * GiB:
-            print("  still too large: more GPUs (data_parallel=fsdp, tp), a shorter seq_len, or a smaller model")
+    print("\n".join(advice(cfg, cfg.world, cfg.gpu_memory, decode)))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 for every k-th block, or only the attention or only the MLP of those blocks.
 
     recompute.apply(model, mode="mlp", every=1)   # in place, after the TP cut / LoRA, before FSDP, DP, compile
+    python sft.py configs/sft_small.py --recompute=mlp --recompute_every=2    # parallelize calls it
 
-Modes (plan.py's `checkpoint` / `checkpoint_every`; per token and block it predicts what each keeps):
+Modes (config keys recompute / recompute_every; plan.py predicts per token and block what each keeps):
   "block"  the whole block keeps only its input (model.py's grad_checkpoint=True is this at every=1)
   "mlp"    the MLP keeps only its input: it holds most of a block's activations (gate, act(gate), up
            and their product, 4 x hidden values per token), for the price of recomputing its matmuls
@@ -44,9 +45,9 @@ class Checkpointed:
 def targets(model, mode, every):
     """The modules apply() wraps: mode's part of blocks 0, every, 2 every, ..."""
     if mode not in MODES:
-        raise ValueError(f"checkpoint='{mode}' must be one of {', '.join(MODES)} (or '' for none)")
+        raise ValueError(f"recompute='{mode}' must be one of {', '.join(MODES)} (or '' for none)")
     if every < 1:
-        raise ValueError(f"checkpoint_every={every} must be >= 1")
+        raise ValueError(f"recompute_every={every} must be >= 1")
     blocks = [b for i, b in enumerate(model.blocks) if i % every == 0]
     return [b if mode == "block" else getattr(b, mode) for b in blocks]
 
@@ -57,7 +58,7 @@ def apply(model, mode="block", every=1):
     if not mode:
         return model
     if model.cfg.grad_checkpoint:
-        raise ValueError("grad_checkpoint=True already recomputes every block: drop it, or set checkpoint=''")
+        raise ValueError("grad_checkpoint=True already recomputes every block: drop it, or set recompute=''")
     for m in targets(model, mode, every):
         if isinstance(m.forward, Checkpointed):
             raise ValueError("recompute.apply: this model is checkpointed already")

@@ -63,7 +63,7 @@ def test_checkpointing_chunking_fsdp_cache_by_hand():
     r, t = rows(dict(grad_checkpoint=True))
     assert r["activations"] == TOK * (L * 4 * C + FINAL)  # each block keeps its fp32 input only
     assert r["recompute"] == TOK * (ATTN + MLP)
-    r, _ = rows(dict(checkpoint="mlp"))
+    r, _ = rows(dict(recompute="mlp"))
     assert r["activations"] == TOK * (L * (ATTN + NORM + 4 * C) + FINAL)  # the MLP's norm and its input
     assert r["recompute"] == TOK * (MLP - NORM)
     r, _ = rows(dict(loss_chunk=16))

@@ -5,10 +5,10 @@ Proves:
   the loss and every parameter's gradient are bitwise those of the plain model (fp32, CPU), also for
   a LoRA model (adapters' gradients); model.py's grad_checkpoint=True is "block" at every = 1;
 - what autograd keeps (saved-tensor hooks, bf16 autocast) is what plan.activations predicts for
-  checkpoint = mlp / attn / block at every 1 and 2 (within 1%), and less than without;
+  recompute = mlp / attn / block at every 1 and 2 (within 1%), and less than without;
 - evaluation and KV-cache generation run the plain forward (no checkpoint under no_grad or with a
   cache: the same greedy tokens); a deepcopy keeps its wrappers on the copy; bad settings refuse;
-- FSDP2 and DP2 (2 gloo processes) with checkpoint=mlp every 2 / block every 2 equal one process
+- FSDP2 and DP2 (2 gloo processes) with recompute=mlp every 2 / block every 2 equal one process
   (weights after 2 AdamW steps with clipping, relative error <= 1e-5).
 """
 import copy
@@ -86,7 +86,7 @@ def kept_bytes(model, T=12):
 
 @pytest.mark.parametrize("mode, every", [("mlp", 1), ("attn", 1), ("block", 2), ("mlp", 2)])
 def test_memory_is_plans(mode, every):
-    cfg = train_cfg(SMALL, dtype="bfloat16", checkpoint=mode, checkpoint_every=every)
+    cfg = train_cfg(SMALL, dtype="bfloat16", recompute=mode, recompute_every=every)
     model = recompute.apply(model_of(), mode, every)
     tokens = 24
     saved, _ = plan.activations(cfg, tokens, 1, 2)
@@ -107,7 +107,7 @@ def test_eval_and_generation_run_plain():
     assert torch.equal(generate.generate(model, x, 6, temperature=0.0), generate.generate(ref, x, 6, temperature=0.0))
     twin = copy.deepcopy(model)
     assert twin.blocks[0].forward.module is twin.blocks[0]
-    with pytest.raises(ValueError, match="checkpoint='ffn'"):
+    with pytest.raises(ValueError, match="recompute='ffn'"):
         recompute.apply(model_of(), "ffn")
     with pytest.raises(ValueError, match="grad_checkpoint=True"):
         recompute.apply(model_of(grad_checkpoint=True), "mlp")
