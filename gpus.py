@@ -32,8 +32,9 @@ def check_local_ranks(local_world, visible, use_cuda=True):
                            f"(CUDA_VISIBLE_DEVICES): use {fix} (or --nproc_per_node={visible})")
 
 
-def describe():
-    """{"gpus": [{index, name, capability, memory_gib, bf16, peak_tflops}], "p2p": {(i, j): bool}}."""
+def describe(peers=True):
+    """{"gpus": [{index, name, capability, memory_gib, bf16, peak_tflops}], "p2p": {(i, j): bool}}
+    (peers=False: p2p left empty)."""
     out = {"gpus": [], "p2p": {}}
     if not torch.cuda.is_available():
         return out
@@ -41,12 +42,17 @@ def describe():
     for i in range(n):
         p = torch.cuda.get_device_properties(i)
         out["gpus"].append(dict(index=i, name=p.name, capability=(p.major, p.minor), memory_gib=p.total_memory / 2**30,
-                                bf16=p.major >= 8, peak_tflops=peak(p.name)))
-    for i in range(n):
+                                bf16=has_bf16(i), peak_tflops=peak(p.name)))
+    for i in range(n if peers else 0):
         for j in range(n):
             if i != j:
                 out["p2p"][(i, j)] = bool(torch.cuda.can_device_access_peer(i, j))
     return out
+
+
+def has_bf16(device):
+    """bf16 arithmetic in hardware: compute capability 8.0 (Ampere) or newer."""
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def peak(name):

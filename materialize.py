@@ -55,7 +55,10 @@ def build(mcfg, device, dtype=torch.float32, init=True, linear_device=None):
     return m
 
 
-def storage_dtype(cfg):
+def storage_dtype(cfg, compute=torch.bfloat16):
     """The dtype a stage should build its model in: the frozen base's (LoRA with lora_base_dtype
-    bfloat16 or nf4: bf16; the adapters lora.apply adds stay fp32), else fp32."""
+    bfloat16: bf16; nf4: the compute dtype, which its 4-bit codes are made from; the adapters
+    lora.apply adds stay fp32), else fp32."""
+    if cfg.lora_r and cfg.lora_base_dtype == "nf4" and compute != torch.float32:
+        return compute
     return torch.bfloat16 if cfg.lora_r and cfg.lora_base_dtype in ("bfloat16", "nf4") else torch.float32

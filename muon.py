@@ -57,6 +57,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp
+import gpus
+import optim_memory
 import tp
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -363,14 +365,17 @@ def build(model, cfg, grid=None):
         mark_splits(model)
     if any(hasattr(p, "tp_split") for p in model.parameters()) and grid is None:
         raise ValueError("a tensor-parallel model needs build_optimizer(model, cfg, grid)")
-    return Muon(param_groups(model, cfg, use_muon), grid=grid, zero1=cfg.zero1, **_hyper(cfg))
+    return Muon(param_groups(model, cfg, use_muon), grid=grid, zero1=cfg.zero1,
+                adamw=optim_memory.factory(cfg.adamw_state), **_hyper(cfg, next(model.parameters()).device))
 
 
-def _hyper(cfg):
-    """Muon's keyword arguments from the config (shared by build and build_fsdp)."""
+def _hyper(cfg, device):
+    """Muon's keyword arguments from the config (shared by build and build_fsdp). Newton-Schulz runs in
+    fp32 on a GPU without bf16 (V100, T4, RTX 20xx), whatever ns_dtype says."""
+    ns = "float32" if device.type == "cuda" and not gpus.has_bf16(device) else cfg.ns_dtype
     return dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
                 momentum=cfg.muon_momentum, scale=cfg.muon_scale,
-                ns_dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.ns_dtype])
+                ns_dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[ns])
 
 
 # ----------------------------------------------------------------------------- FSDP: FSDPMuon
@@ -514,4 +519,4 @@ def build_fsdp(wrapper, cfg, use_muon):
     if use_muon:  # present (maybe empty) on every rank: its lr / momentum drive the owners
         groups.insert(0, dict(params=m, kind="muon", weight_decay=cfg.weight_decay, lr=muon_lr,
                               lr_scale=muon_lr / cfg.lr))
-    return FSDPMuon(groups, wrapper, fsdp_muon, **_hyper(cfg))
+    return FSDPMuon(groups, wrapper, fsdp_muon, **_hyper(cfg, wrapper.units[0].device))

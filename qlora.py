@@ -127,14 +127,15 @@ def quantize(model, block=64, double=True, rest_dtype=torch.bfloat16, device=Non
     return model if device is None else model.to(device)
 
 
-def dequantized_state(model, grid=None, dtype=torch.float32):
+def dequantized_state(model, grid=None, dtype=None):
     """{'<linear>.weight': full dequantised base weight on CPU} for every QLoRALinear (TP slices
-    gathered when grid has tp > 1: collective): with parallel.Net.full_state's weights, what
-    lora.merge_weights needs to write the plain model."""
+    gathered when grid has tp > 1: collective), in dtype (None: the dtype it was quantised from);
+    {} for a model without one. parallel.Net.full_state adds it to the weights, so a QLoRA
+    checkpoint is a complete model (init_from, sample.py, lora.merge_weights read it as any other)."""
     out = {}
     for n, m in model.named_modules():
         if isinstance(m, QLoRALinear):
-            w = m.dequantized(dtype)
+            w = m.dequantized(dtype or m.weight_dtype)
             out[f"{n}.weight"] = (tp.full_tensor(m, w, grid) if grid is not None else w).cpu()
     return out
 

@@ -2,12 +2,15 @@
 
     scaler = LossScaler(device=grid.device)                 # scale 2^16, x2 after 2000 clean steps, /2 on overflow
     scaler.scale(loss / accum).backward()                   # every micro-step
-    model.finish()                                          # gradients reduced (DP / ZeRO-1 / FSDP)
-    overflow = scaler.unscale_(scaler.grads(model))         # collective: True on every rank if any rank overflowed
+    wrapper.finish()                                        # gradients reduced (DP / ZeRO-1 / FSDP)
+    overflow = scaler.unscale_(scaler.grads(wrapper))       # collective: True on every rank if any rank overflowed
     if not overflow:
-        run.clip_grad_norm_(cfg.grad_clip); optimizer.step()
-    scaler.update(overflow); model.zero_grad()
-    checkpoint extra: scaler.state_dict() / scaler.load_state_dict(d)
+        clip, optimizer.step()
+    scaler.update(overflow); wrapper.zero_grad()
+    trainer.pt: scaler.state_dict() / scaler.load_state_dict(d)
+
+A stage never calls it: parallelize gives the Net a LossScaler when the compute dtype is fp16, and
+net.backward(loss) / net.step(max_norm) do the above; lifecycle.save / resume keep its state.
 
 Why: fp16 holds magnitudes down to 6e-8 (subnormal) and up to 65504. Small activation gradients
 underflow to zero in fp16 backward, so the loss is multiplied by a large scale first and the
@@ -82,11 +85,12 @@ class LossScaler:
         self.growth_interval = state["growth_interval"]
 
 
-def fp16_refusals(cfg):
-    """Raise config.ConfigError for settings that cannot train under fp16 autocast (cfg.dtype == 'float16')."""
-    if getattr(cfg, "dtype", "") != "float16":
+def fp16_refusals(cfg, dtype=None):
+    """Raise config.ConfigError for settings that cannot train under fp16 autocast. dtype: the compute
+    dtype's name (parallel.amp_dtype's; None: cfg.dtype, which may say 'auto')."""
+    if (dtype or getattr(cfg, "dtype", "")) != "float16":
         return
-    if getattr(cfg, "lora_base_dtype", "float32") == "bfloat16":
+    if getattr(cfg, "lora_r", 1) and getattr(cfg, "lora_base_dtype", "float32") == "bfloat16":
         raise config.ConfigError("dtype='float16' with lora_base_dtype='bfloat16': a bf16 base needs bf16 autocast; "
                                  "set lora_base_dtype='float32' (or use a 4-bit base: lora_base_dtype='nf4')")
     if getattr(cfg, "grad_reduce_dtype", "float32") == "bfloat16":
