@@ -31,9 +31,20 @@ def peak_tflops(device, override=0.0):
 
 
 def peak_memory_gb(device):
+    """A log line's mem_gb: on a GPU the peak memory allocated since the previous call (the steps
+    since the previous log line; checkpoints and evaluations left out: lifecycle.Clock.paused), in
+    GB; the peak counter then starts again. On the CPU: the process's peak RSS since its start."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
+        peak = torch.cuda.max_memory_allocated(device) / 1e9
+        reset_peak_memory(device)
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # CPU: peak RSS (kB on Linux)
+
+
+def reset_peak_memory(device):
+    """The GPU's peak-memory counter starts again from what is allocated now (CPU: nothing to do)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 class NonFiniteLoss(UserError, FloatingPointError):
