@@ -30,18 +30,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import chunked  # noqa: E402
 import config  # noqa: E402
-import dp  # noqa: E402
-import lora  # noqa: E402
 import materialize  # noqa: E402
-import muon  # noqa: E402
-import optim  # noqa: E402
-import optim_memory  # noqa: E402
 import parallel  # noqa: E402
 import plan  # noqa: E402
-import qlora  # noqa: E402
-import recompute  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
 SHAPES = {
@@ -63,8 +55,8 @@ CASES = {  # case -> [(row, shape, knobs)]; "fit" rows take plan.fit's knobs for
     "pretrain1b": [("pretrain1b muon fit", "1b", dict(optimizer="muon", fit=True))],
     "ladder": [("1b full", "1b", {}), ("+ chunked loss", "1b", CHUNK),
                ("+ bf16 residual", "1b", {**CHUNK, "fp32_residual": False}),
-               ("+ checkpoint mlp", "1b", {**CHUNK, "fp32_residual": False, "checkpoint": "mlp"}),
-               ("+ checkpoint blocks", "1b", {**CHUNK, "fp32_residual": False, **CK}),
+               ("+ recompute mlp", "1b", {**CHUNK, "fp32_residual": False, "recompute": "mlp"}),
+               ("+ recompute blocks", "1b", {**CHUNK, "fp32_residual": False, **CK}),
                ("+ 8-bit AdamW", "1b", {**CHUNK, "fp32_residual": False, **CK, "adamw_state": "8bit"}),
                ("offloaded AdamW instead", "1b", {**CHUNK, "fp32_residual": False, **CK, "adamw_state": "offload"})],
     "hf8b": [("hf lora8b", "8b", dict(hf=True, **LORA)), ("hf lora8b+ckpt", "8b", dict(hf=True, **LORA, **CK)),
@@ -74,7 +66,7 @@ CASES = {  # case -> [(row, shape, knobs)]; "fit" rows take plan.fit's knobs for
 
 
 def make_cfg(shape, knobs, args):
-    d = {**config.defaults(plan.DEFAULTS), **SHAPES[shape], "micro_batch_size": args.batch, "batch_size": args.batch,
+    d = {**config.defaults(), **SHAPES[shape], "micro_batch_size": args.batch, "batch_size": args.batch,
          "seq_len": 0, "dtype": "bfloat16", "device": args.device,
          "lr": 1e-5, "warmup_steps": 0, "weight_decay": 0.0}
     d.update({k: v for k, v in knobs.items() if k not in ("fit", "hf")})
@@ -90,40 +82,25 @@ def fitted(cfg, args):
 
 
 def ours(cfg):
-    """(model, step function) for our model under cfg on one device."""
+    """(step function, device) for our model under cfg on one device: built as weights.build_model builds
+    a LoRA run from init_from (materialize.build; random weights here, init=True), laid out by
+    parallel.parallelize (chunked loss, LoRA / NF4, recompute, the optimizer, DataParallel), stepped as a
+    stage steps (net.backward, net.step)."""
     grid = parallel.init(cfg)
-    dev = grid.device
-    mcfg = ModelConfig.from_cfg(cfg)
     nf4 = cfg.lora_r and cfg.lora_base_dtype == "nf4"
     torch.manual_seed(0)
-    model = materialize.build(mcfg, dev, materialize.storage_dtype(cfg), init=True,
-                              linear_device="cpu" if nf4 and dev.type == "cuda" else None)
-    if cfg.lora_r:
-        lora.apply(model, cfg, grid)
-        if nf4:
-            qlora.quantize(model, device=dev)
-        model.to(dev)
-    chunked.use(model, cfg.loss_chunk)
-    recompute.apply(model, cfg.checkpoint, cfg.checkpoint_every)
-    h = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    if cfg.optimizer == "muon":
-        opt = muon.build(model, cfg, grid)
-    else:
-        groups = optim.param_groups(model, cfg.weight_decay)
-        opt = optim_memory.build(cfg.adamw_state, groups, **h) or optim.build_optimizer(model, cfg, grid)
-    wrapper = dp.DataParallel(model, grid)
-    autocast = torch.autocast(dev.type, torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    model = materialize.build(ModelConfig.from_cfg(cfg), grid.device, materialize.storage_dtype(cfg), init=True,
+                              linear_device="cpu" if nf4 and grid.device.type == "cuda" else None)
+    net = parallel.parallelize(model, grid, cfg)
+    autocast = parallel.autocast(cfg, grid.device)
 
     def step(x, y):
         with autocast:
-            loss = model(x, y)
-        loss.backward()
-        wrapper.finish()
-        parallel.clip_grad_norm_(wrapper, 1.0, grid)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            loss = net(x, y)
+        net.backward(loss)
+        net.step(1.0)
         return loss.detach()
-    return step, dev
+    return step, grid.device
 
 
 def theirs(cfg):
@@ -195,7 +172,7 @@ def child(row, shape, knobs, args):
         out["plan_fit_knobs"] = fit_knobs
     if not knobs.get("hf"):
         out["predicted_gib"] = round(plan.predict(cfg)["total"] / 2**30, 3)
-    out["knobs"] = {k: getattr(cfg, k) for k in ("lora_r", "lora_base_dtype", "loss_chunk", "grad_checkpoint", "checkpoint",
+    out["knobs"] = {k: getattr(cfg, k) for k in ("lora_r", "lora_base_dtype", "loss_chunk", "grad_checkpoint", "recompute",
                                                  "fp32_residual", "adamw_state", "optimizer", "micro_batch_size")}
     try:
         step, dev = theirs(cfg) if knobs.get("hf") else ours(cfg)
