@@ -11,12 +11,14 @@ report() and nccl_env() take its plain dict, so they run, and are tested, withou
 compute capability 8.0 (Ampere) or newer: on a V100, T4 or RTX 20xx train with dtype float16 and
 loss scaling (scaler.py) or float32. Consumer cards (RTX 3090 / 4090) often have no peer-to-peer
 path between them; NCCL may then hang unless NCCL_P2P_DISABLE=1, which nccl_env() sets only where
-a pair of visible GPUs has no peer access and the user has not set it. Peaks: logs.PEAK_TFLOPS.
+a pair of visible GPUs has no peer access and the user has not set it. Peaks: PEAK_TFLOPS.
 """
 import torch
 
 import config
-import logs
+
+# dense bf16 tensor-core peak, TFLOP/s per GPU (no sparsity): what MFU is measured against
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
 
 
 def check_local_ranks(local_world, visible, use_cuda=True):
@@ -56,8 +58,8 @@ def has_bf16(device):
 
 
 def peak(name):
-    """Dense bf16 peak TFLOP/s of a GPU by name (logs.PEAK_TFLOPS), or None when unknown."""
-    return next((v for k, v in logs.PEAK_TFLOPS.items() if k in name), None)
+    """Dense bf16 peak TFLOP/s of a GPU by name (PEAK_TFLOPS), or None when unknown."""
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
 def report(info):

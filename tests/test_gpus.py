@@ -3,7 +3,7 @@ descriptions of machines (no GPU needed).
 
 Proves: more torchrun processes than visible GPUs (1 or 2 visible, or none) raise a UserError that
 names the command to type; enough GPUs, or CPU processes, pass. Two RTX 4090s without peer access
-are reported once as one kind, with 165 TFLOP/s (logs.PEAK_TFLOPS) and the missing peer-to-peer
+are reported once as one kind, with 165 TFLOP/s (gpus.PEAK_TFLOPS) and the missing peer-to-peer
 path, and nccl_env sets NCCL_P2P_DISABLE=1 unless the user set it; a T4 is reported without bf16
 with what to use instead, and auto_dtype picks float16 for it; peer-connected H200s need nothing.
 """
