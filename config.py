@@ -91,7 +91,7 @@ SHARED_DEFAULTS = dict(
     muon_lr=0.0,             # 0 -> lr (with muon_scale="rms" AdamW's lr and weight decay carry over)
     muon_momentum=0.95,      # Nesterov momentum
     muon_scale="rms",        # rms: update * 0.2*sqrt(max(rows, cols)) | shape: * sqrt(max(1, rows/cols))
-    ns_dtype="bfloat16",     # Newton-Schulz precision: bfloat16 | float32 (exact tests)
+    ns_dtype="bfloat16",     # Newton-Schulz precision: bfloat16 (float32 on GPUs without bf16) | float32 (exact tests)
     zero1=False,             # ZeRO-1: optimizer state sharded over data-parallel ranks (ddp only)
     # system
     seed=1337,               # weights, data order and sampling follow from it

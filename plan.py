@@ -3,7 +3,8 @@
     table = plan.predict(cfg, world=2)                 # cfg: a flat training config (config.load)
     print("\n".join(plan.show(table)))
     steps = plan.fit(cfg, gpu_gb=24, world=2)          # [(knob, new cfg, new table)], cheapest first
-    python plan.py configs/sft_small.py --init_from=models/Llama-3.1-8B --lora_r=16 --gpu_memory=24 --world=1
+    python sft.py configs/sft_small.py --lora_r=16 --gpu_memory=24         # any stage: advice(), then exit
+    python plan.py --stage=sft configs/sft_small.py --lora_r=16 --gpu_memory=24 --world=2   # other GPU counts
 
 What is predicted: torch.cuda.max_memory_allocated() of one steady-state step (optimizer state
 exists, a step after the first), per GPU. Not included: the CUDA context and allocator slack (what
