@@ -252,7 +252,10 @@ def amp_dtype(cfg, device):
 def check_precision(cfg, device):
     """Refuse (one line) what cfg's compute dtype on this device cannot run: an NF4 base computed in
     fp32 (dtype auto on the CPU; lora.apply refuses a bf16 base there), and the settings fp16 cannot
-    work with (scaler.fp16_refusals; dtype auto on a GPU without bf16 is fp16 too)."""
+    work with (scaler.fp16_refusals; dtype auto on a GPU without bf16 is fp16 too). A bare grid
+    config (tests: device, tp, ep and no dtype) has nothing to check."""
+    if not hasattr(cfg, "dtype"):
+        return
     dtype = amp_dtype(cfg, device)
     if dtype == torch.float32 and getattr(cfg, "lora_r", 0) and getattr(cfg, "lora_base_dtype", "") == "nf4":
         raise config.ConfigError(f"lora_base_dtype='nf4' computes in 16 bits, but dtype='{cfg.dtype}' is fp32 on "
@@ -304,7 +307,8 @@ class Net:
         """The end of an optimizer step: wait for the gradient reductions, clip to max_norm (0: no
         clipping), step the optimizer, zero the gradients. Returns the gradient norm (no host sync).
         Under fp16 the gradients are unscaled first; an inf or NaN on any rank skips the step on
-        every rank (the norm returned is then inf) and the scale backs off (scaler.py)."""
+        every rank (the norm returned is then inf) and the scale backs off (scaler.py; its flag,
+        all-reduced, is read on the host: one sync a step)."""
         self.wrapper.finish()
         skip = self.scaler is not None and self.scaler.unscale_(self.scaler.grads(self.wrapper))  # collective
         if skip:
