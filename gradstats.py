@@ -40,6 +40,7 @@ import tp
 
 KINDS = ("embedding", "q", "k", "v", "attn_proj", "mlp", "router", "experts", "norm", "head", "lora", "other")
 BLOCK = re.compile(r"blocks\.(\d+)\.(.*)")
+LAYER = re.compile(r"emb|out|L\d+")  # the layer labels
 
 
 def classify(name):
@@ -325,7 +326,7 @@ class RatioWatch:
         lines = []
         for key, r in metrics.items():
             layer = key[len("update_ratio/"):] if key.startswith("update_ratio/") else ""
-            if not re.fullmatch(r"emb|out|L\d+", layer):
+            if not LAYER.fullmatch(layer):
                 continue
             bad = not (self.low <= r <= self.high)  # NaN is outside too
             n = self.outside[layer] = self.outside.get(layer, 0) + 1 if bad else 0
