@@ -183,7 +183,8 @@ def plot(data, out, title=""):
     t = data["tokens"]
     xy = t["coords"].numpy()
     ax = fig.add_subplot(rows, cols, 1)
-    for c in CLASSES:
+    counts = {c: t["classes"].count(c) for c in CLASSES}
+    for c in sorted(CLASSES, key=lambda c: -counts[c]):  # the rarer classes drawn on top
         m = [i for i, k in enumerate(t["classes"]) if k == c]
         if m:
             ax.scatter(xy[m, 0], xy[m, 1], s=3, c=COLORS[c], label=f"{c} ({len(m)})")

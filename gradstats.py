@@ -1,34 +1,29 @@
 """Gradient statistics: per-layer and per-kind gradient norms, update-to-weight ratios, activations.
 
     stats = gradstats.GradStats(run.model, grid, owner=getattr(run.optimizer, "grad_owner", None))
-    acts = gradstats.Activations(run.raw, grid)        # (both built once, after parallelize)
-    acts.arm()                                         # a statistics step only: hooks on, then the micro-steps
+    acts, watch = gradstats.Activations(run.raw, grid), gradstats.RatioWatch(band=(1e-5, 1e-1))
+    acts.arm()                           # a statistics step only, before its micro-steps
     ...forward / backward...; run.model.finish()
-    m = stats.grads()                                  # before clipping: grad_norm/<group>
-    before = stats.snapshot()                          # a copy of this rank's parameters
+    m = stats.grads(); before = stats.snapshot()       # before clipping / before the optimizer step
     run.clip_grad_norm_(...); run.optimizer.step()
-    m |= stats.updates(before) | acts.collect()        # update_ratio/..., weight_norm/..., act/... (hooks off)
-    for line in watch.check(step, m): print(line)      # watch = RatioWatch(band, patience)
+    m |= stats.updates(before) | acts.collect()        # hooks removed: other steps pay nothing
+    for line in watch.check(step, m): print(line)
 
-Groups: a layer ("emb": token and position tables; "L<i>": block i; "out": final norm and head)
-times a kind (q, k, v from the rows of attn.qkv, attn_proj, mlp (dense MLP, shared expert),
-router, experts, norm, embedding, head, lora, other). Keys: <metric>/<layer>.<kind>, per layer
-<metric>/<layer>, per kind <metric>/<kind>, all <metric>/total; update_ratio = ||W_after - W_before||
-/ ||W_before|| of the optimizer step. Only trainable parameters count; a tied head is the embedding.
+Groups: a layer (emb: token and position tables; L<i>: block i; out: final norm and head) x a kind
+(q, k, v: rows of attn.qkv; attn_proj, mlp, router, experts, norm, embedding, head, lora, other).
+Keys <metric>/<layer>.<kind>, <metric>/<layer>, <metric>/<kind>, <metric>/total for grad_norm and
+update_ratio (||W_after - W_before|| / ||W_before||), weight_norm per layer and kind. Trainable
+parameters only; a tied head is the embedding. Every layout gives the one-process numbers: each
+element of the full model is counted on exactly one rank (DataParallel replicas on data rank 0,
+ZeRO-1 on the gradient's owner, experts on dp rank 0 of their EP rank, FSDP where the shard lives;
+TP: pieces several ranks hold on their first holder, replicated parameters on TP rank 0:
+tp.counted_pieces), and the per-group sums of squares are summed over the world.
 
-Every layout gives the one-process numbers: each element of the full model is counted on exactly
-one rank and the per-group sums of squares are summed over the world. DataParallel: replicas on
-data rank 0 (ZeRO-1: on the gradient's owner); TP: a piece several TP ranks hold on its first holder
-(tp.counted_pieces), a replicated parameter on TP rank 0; experts on their dp rank 0 of each EP
-rank; FSDP: each shard element where it lives (shards are disjoint), cut by the same TP rule.
-
-Activations (forward hooks, registered by arm() and removed by collect(), so other steps pay
-nothing): per block its attention output, the dense MLP's hidden units (the input of mlp.proj)
-and its output: mean, rms, absmax, saturated (share of values with |x| >= saturate) and dead (share
-of channels with |x| <= dead_eps on every token of the step), over every micro-step and data rank.
-Hooks do not fire inside a torch.compile'd graph: there, arm() and one eager no_grad forward of a
-micro-batch on run.raw (or the FSDP wrapper) give the statistics. Activation checkpointing runs
-each block twice; the recomputation repeats the same values, so no statistic changes.
+Activations (forward hooks): each block's attention output, dense-MLP hidden units (mlp.proj's
+input) and output: mean, rms, absmax, saturated (share of values with |x| >= saturate), dead
+(share of channels with |x| <= dead_eps on every token), over the step's micro-steps and ranks.
+Hooks do not fire inside a torch.compile'd graph: there, arm() around one eager no_grad forward.
+Activation checkpointing recomputes each block with the same values: no statistic changes.
 """
 import re
 
