@@ -203,10 +203,12 @@ class GradStats:
         return [self.flat(h, "w").clone() for h in self.holders]
 
     def updates(self, before):
-        """{update_ratio/..., weight_norm/...} of the step since `before` (a snapshot). Collective."""
-        after = [self.flat(h, "w") for h in self.holders]
-        delta = [a - b for a, b in zip(after, before)]
-        sq = self.reduce(torch.stack([self.sq_sums(delta), self.sq_sums(before)]))
+        """{update_ratio/..., weight_norm/...} of the step since `before` (a snapshot, consumed: it is
+        overwritten in place, so the step's statistics need one copy of the weights). Collective."""
+        wsq = self.sq_sums(before)
+        for b, a in zip(before, (self.flat(h, "w") for h in self.holders)):
+            b.sub_(a)  # W_before - W_after: the update's norm
+        sq = self.reduce(torch.stack([self.sq_sums(before), wsq]))
         upd, w = self.named("", sq[0], root=False), self.named("", sq[1], root=False)
         out = {f"update_ratio/{k}": (upd[k] / w[k]) ** 0.5 if w[k] > 0 else float("nan") for k in upd}
         out.update({f"weight_norm/{k}": w[k] ** 0.5 for k in w if "." not in k})
@@ -268,7 +270,7 @@ class Activations:
             full[g.tp_rank * cols:(g.tp_rank + 1) * cols] = chan
             chan = full
         w = 1.0 if sharded or g.tp_rank == 0 else 0.0  # replicated over TP: counted on TP rank 0
-        sums = torch.stack([x.sum(), x.square().sum(), torch.tensor(float(x.numel()), device=x.device),
+        sums = torch.stack([x.sum(), x.square().sum(), torch.full((), float(x.numel()), device=x.device),
                             (a >= self.saturate).sum().float()]) * w
         if site in self.acc:
             s, m, c = self.acc[site]

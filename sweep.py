@@ -227,6 +227,8 @@ def main(argv):
     own = {"sweep": "", "gpus": "", "gpus_per_run": "1", "nproc": "1", "log": "train", "out_dir": ""}
     passthrough = []
     for a in rest:
+        if not a.startswith("--"):
+            raise config.ConfigError(f"expected --key=value after the config file, got '{a}'")
         key, _, value = a[2:].partition("=")
         key = key.replace("-", "_")
         if key in own:
