@@ -1,29 +1,24 @@
 """Gradient statistics: per-layer and per-kind gradient norms, update-to-weight ratios, activations.
 
-    stats = gradstats.GradStats(run.model, grid, owner=getattr(run.optimizer, "grad_owner", None))
-    acts, watch = gradstats.Activations(run.raw, grid), gradstats.RatioWatch(band=(1e-5, 1e-1))
-    acts.arm()                           # a statistics step only, before its micro-steps
-    ...forward / backward...; run.model.finish()
-    m = stats.grads(); before = stats.snapshot()       # before clipping / before the optimizer step
-    run.clip_grad_norm_(...); run.optimizer.step()
-    m |= stats.updates(before) | acts.collect()        # hooks removed: other steps pay nothing
-    for line in watch.check(step, m): print(line)
+    probe = gradstats.Probe(net, cfg)                    # after parallelize (grad_stats_every=0: inert)
+    probe.before(step)                                   # a statistics step: activation hooks armed
+    net.train_step(micro, loss_fn, autocast)
+    grad_norm = net.step(cfg.grad_clip, *probe.hooks)    # grads before clipping, updates after the step
+    step += 1; probe.after(step, logger, say)            # logged at step; the ratio warning said
 
 Groups: a layer (emb: token and position tables; L<i>: block i; out: final norm and head) x a kind
 (q, k, v: rows of attn.qkv; attn_proj, mlp, router, experts, norm, embedding, head, lora, other).
 Keys <metric>/<layer>.<kind>, <metric>/<layer>, <metric>/<kind>, <metric>/total for grad_norm and
-update_ratio (||W_after - W_before|| / ||W_before||), weight_norm per layer and kind. Trainable
-parameters only; a tied head is the embedding. Every layout gives the one-process numbers: each
-element of the full model is counted on exactly one rank (DataParallel replicas on data rank 0,
-ZeRO-1 on the gradient's owner, experts on dp rank 0 of their EP rank, FSDP where the shard lives;
-TP: pieces several ranks hold on their first holder, replicated parameters on TP rank 0:
-tp.counted_pieces), and the per-group sums of squares are summed over the world.
-
-Activations (forward hooks): each block's attention output, dense-MLP hidden units (mlp.proj's
-input) and output: mean, rms, absmax, saturated (share of values with |x| >= saturate), dead
-(share of channels with |x| <= dead_eps on every token), over the step's micro-steps and ranks.
-Hooks do not fire inside a torch.compile'd graph: there, arm() around one eager no_grad forward.
-Activation checkpointing recomputes each block with the same values: no statistic changes.
+update_ratio (||W_after - W_before|| / ||W_before||), weight_norm per layer and kind; trainable
+parameters only, a tied head is the embedding. Every layout gives the one-process numbers: each
+element of the full model is counted on one rank (replicas on data rank 0, ZeRO-1 on the owner,
+experts on dp rank 0 of their EP rank, FSDP where the shard lives, TP by tp.counted_pieces), the
+per-group squares summed over the world. Pipelines are refused (config: a stage holds some layers).
+Activations (forward hooks, armed on statistics steps only): each block's attention output,
+dense-MLP hidden units (mlp.proj's input) and output: mean, rms, absmax, saturated (|x| >=
+saturate), dead (channels with |x| <= dead_eps on every token), over the step's micro-steps and ranks.
+Hooks do not fire in a compiled graph: a compiled DataParallel model runs its statistics steps eagerly;
+compiled FSDP (blocks' forwards compiled) gives the L<i>.out sites only. Other steps cost nothing.
 """
 import re
 
@@ -118,7 +113,7 @@ def local_runs(name, p, shape, module, grid):
 
 class GradStats:
     """The (layer, kind) groups of a model under its layout, and their norms (see the module docstring).
-    model: the wrapper (parallel.DataParallel, fsdp.FSDP) or a plain model. Holds no state but the map."""
+    model: the wrapper (net.wrapper: dp.DataParallel, fsdp.FSDP) or a plain model. Holds no state but the map."""
 
     def __init__(self, model, grid, owner=None):
         self.grid, self.fsdp = grid, isinstance(model, fsdp.FSDP)
@@ -134,7 +129,7 @@ class GradStats:
 
         # every rank registers every group in the same order, counted here or not: one sum vector
         if self.fsdp:
-            for u in model.units:
+            for u in [u for u in model.units if not u.frozen]:
                 lo, off = u.rank * u.S, 0
                 for (names, p, _), shape in zip(u.params, u.shapes):
                     for *_, kind in pieces(names[0], shape, model.module):
@@ -194,7 +189,7 @@ class GradStats:
         return x
 
     def grads(self):
-        """{grad_norm/...} of the gradients now (call after model.finish(), before clipping). Collective."""
+        """{grad_norm/...} of the gradients now (reduced and unscaled, before clipping). Collective."""
         sq = self.reduce(self.sq_sums([self.flat(h, "grad") for h in self.holders]))
         return self.named("grad_norm", sq)
 
@@ -231,7 +226,7 @@ class GradStats:
 
 class Activations:
     """Forward hooks on each block's attention output, MLP hidden units and output; see the module
-    docstring. model: the plain (TP / EP cut) module, run.raw. arm() before a step's forwards,
+    docstring. model: the plain (TP / EP cut) module, net.raw. arm() before a step's forwards,
     collect() after them (collective: every rank calls it)."""
 
     def __init__(self, model, grid, saturate=6.0, dead_eps=0.0):
@@ -332,3 +327,60 @@ class RatioWatch:
                 lines.append(f"warning: step {step}: layer {layer}'s update ratio {r:.2e} has been outside "
                              f"[{self.low:g}, {self.high:g}] for {n} checks ({what}): check lr, warmup, init")
         return lines
+
+
+# ---------------------------------------------------------------------------- a stage's statistics steps
+
+class Probe:
+    """The statistics of every cfg.grad_stats_every-th step of a stage, in the calls of the module
+    docstring; every rank makes them (collectives). grad_stats_every=0: nothing is built, the calls
+    return at once. hooks: (grads, updates) for net.step's before_update / after_update; a stage
+    that steps several times (GRPO's epochs) keeps its last step's numbers."""
+
+    def __init__(self, net, cfg):
+        self.every, self.on, self.metrics, self.w = cfg.grad_stats_every, False, {}, None
+        self.hooks = (self.grads, self.updates)
+        if not self.every:
+            return
+        self.net, self.fwd = net, None
+        self.stats = GradStats(net.wrapper, net.grid, owner=getattr(net.optimizer, "grad_owner", None))
+        self.acts = Activations(net.raw, net.grid, cfg.act_saturate, cfg.act_dead_eps)
+        self.watch = RatioWatch((cfg.ratio_low, cfg.ratio_high), cfg.ratio_patience)
+        self.compiled = net.fwd is not net.raw and net.fwd is not net.wrapper  # torch.compile(raw)
+
+    def before(self, step):
+        """Before the micro-steps of step `step` (0-based); it is a statistics step when (step + 1) %
+        grad_stats_every == 0: the activation hooks are armed (compiled: the step runs eagerly)."""
+        self.on = bool(self.every) and (step + 1) % self.every == 0
+        if self.on:
+            self.metrics = {}
+            if self.compiled:
+                self.fwd, self.net.fwd = self.net.fwd, self.net.raw
+            self.acts.arm()
+
+    def grads(self):
+        """net.step's before_update: the gradient norms, and a snapshot of the weights."""
+        if self.on:
+            self.metrics.update(self.stats.grads())
+            self.w = self.stats.snapshot()
+
+    def updates(self):
+        """net.step's after_update: the update ratios and weight norms (the snapshot consumed)."""
+        if self.on and self.w is not None:
+            self.metrics.update(self.stats.updates(self.w))
+            self.w = None
+
+    def after(self, step, logger, say):
+        """After the step (step: the steps done): on a statistics step the hooks removed, its
+        statistics logged at `step` (logger.log) and the ratio warnings said -> the statistics ({}
+        on other steps)."""
+        if not self.on:
+            return {}
+        self.on = False
+        if self.compiled:
+            self.net.fwd = self.fwd
+        m = {**self.metrics, **self.acts.collect()}
+        logger.log(step, m)
+        for line in self.watch.check(step, m):
+            say(line)
+        return m

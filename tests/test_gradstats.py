@@ -2,7 +2,7 @@
 
 Proves, in fp32 on CPU, over 3 AdamW steps of a tiny GPT-2-style model (tied embedding, one kv
 head shared by every query head, ReLU MLP with 8 hidden units forced dead) with 2 accumulation
-micro-steps:
+micro-steps, through gradstats.Probe (net.train_step, net.step with its hooks) as the stages run it:
 - one process: each statistic equals a hand computation from the model's own tensors: grad_norm
   of q / k / v as the norms of their rows of attn.qkv (weight and bias), of a layer and of the
   whole model (= torch's clip_grad_norm_), update_ratio as ||W_after - W_before|| / ||W_before||
@@ -12,7 +12,9 @@ micro-steps:
   top-2, one micro-step) EP2 and EP2 under FSDP (2 gloo processes) give the one process's
   statistics, every key (relative error <= 1e-5; the dead share exactly);
 - the ratio warning fires once on a run whose learning rate explodes the updates and never on the
-  same run at a normal learning rate; a ratio back inside the band re-arms it; arm() twice refuses.
+  same run at a normal learning rate; a ratio back inside the band re-arms it; arm() twice refuses;
+- grad_stats_every=2: hooks armed and statistics logged on steps 2 and 4 only (0: nothing built);
+  a compiled model (dynamo) runs its statistics steps eagerly and logs the eager run's numbers.
 """
 import os
 
@@ -29,9 +31,9 @@ G, T, STEPS, ACCUM = 8, 16, 3, 2
 SMALL = dict(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=1, n_embd=32,
              block_size=T, lr=1e-3, weight_decay=0.1, grad_clip=1.0, grad_bucket_mb=0.01, eps=1e-6,
              tie_embeddings=True, pos_emb="learned", norm="layernorm", activation="relu", bias=True,
-             micro_batch_size=1)
+             micro_batch_size=1, grad_stats_every=1, act_saturate=0.01)
 DEAD = [0, 1, 2, 3, 100, 101, 102, 103]  # hidden units of block 0 that never fire (both TP halves)
-SATURATE = 0.01  # low enough that a share of every site's values reaches it (attention rms ~3e-3)
+SATURATE = SMALL["act_saturate"]  # low enough that a share of every site's values reaches it (attention rms ~3e-3)
 LAYOUTS = {"dp2": {}, "dp2_zero1": dict(zero1=True), "fsdp2": dict(data_parallel="fsdp"),
            "tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True),
            "ep2": dict(n_experts=4, moe_top_k=2, ep=2), "ep2_fsdp2": dict(n_experts=4, moe_top_k=2, ep=2, data_parallel="fsdp")}
@@ -46,34 +48,43 @@ def build(cfg):
     return raw
 
 
+class Log:
+    """What probe.after logs (a logs.Logger stand-in): [(step, metrics)]."""
+
+    def __init__(self):
+        self.records = []
+
+    def log(self, step, metrics):
+        self.records.append((step, metrics))
+
+
 def train(cfg, grid, record=None):
-    """A few steps of the stage scripts' loop with the statistics on every step -> [metrics per step].
-    record(raw, step) -> a context recording the one-process tensors for the hand reference."""
-    run = parallel.parallelize(build(cfg), grid, cfg)
-    stats = gradstats.GradStats(run.wrapper, grid, owner=getattr(run.optimizer, "grad_owner", None))
-    acts = gradstats.Activations(run.raw, grid, saturate=SATURATE)
+    """A few steps of the stage scripts' loop (gradstats.Probe, net.train_step, net.step with the probe's
+    hooks), statistics on every step -> [metrics per step]. record(raw) -> the one-process tensors for
+    the hand reference, taken where the probe takes its gradients (net.step's before_update)."""
+    net = parallel.parallelize(build(cfg), grid, cfg)
+    probe, log = gradstats.Probe(net, cfg), Log()
     per = G // grid.data_world
     accum = 1 if cfg.n_experts else ACCUM  # MoE: router losses see each micro-step's global micro-batch
     out = []
     for step in range(STEPS):
         x, y = distributed.global_batch(step, T, 97)
         x, y = x[grid.data_rank * per:][:per], y[grid.data_rank * per:][:per]
-        acts.arm()
-        mb = per // accum
-        for m in range(accum):
-            with run.no_sync() if m < accum - 1 else torch.enable_grad():
-                (run.fwd(x[m * mb:][:mb], y[m * mb:][:mb]) / accum).backward()
-        run.wrapper.finish()
-        rec = stats.grads()
-        hand = record(run.raw) if record else None
-        rec["clip"] = run.clip_grad_norm_(cfg.grad_clip).item()
-        before = stats.snapshot()
-        run.optimizer.step()
-        run.wrapper.zero_grad()
-        rec.update(stats.updates(before))
-        rec.update(acts.collect())
+        mb, hand = per // accum, {}
+        micro = [(x[m * mb:][:mb], y[m * mb:][:mb], {}) for m in range(accum)]
+
+        def before_update():
+            probe.grads()
+            if record:
+                hand.update(record(net.raw))
+        probe.before(step)
+        net.train_step(micro, lambda i, loss: (loss / accum, loss.detach()))
+        clip = net.step(cfg.grad_clip, before_update, probe.updates).item()
+        rec = probe.after(step + 1, log, print)
+        assert log.records[-1] == (step + 1, rec)
+        rec["clip"] = clip
         if hand:
-            hand["after"] = {n: p.detach().clone() for n, p in run.raw.named_parameters()}
+            hand["after"] = {n: p.detach().clone() for n, p in net.raw.named_parameters()}
             rec["hand"] = hand
         out.append(rec)
     return out
@@ -228,3 +239,34 @@ def test_arm_twice_refuses(one_thread):
         acts.arm()
     assert acts.collect() == {}  # armed, no forward: nothing recorded, hooks gone
     assert not acts.handles
+
+
+def probe_run(cfg, steps=4, compile_kwargs=None):
+    """A one-process run through gradstats.Probe -> (what it logged, forward hooks seen in each step)."""
+    net = parallel.parallelize(build(cfg), parallel.init(cfg), cfg, compile_kwargs=compile_kwargs)
+    probe, log, armed = gradstats.Probe(net, cfg), Log(), []
+    for step in range(steps):
+        x, y = distributed.global_batch(step, T, 97)
+        probe.before(step)
+        armed.append(sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net.raw.modules()))
+        net.train_step([(x, y, {})], lambda i, loss: (loss, loss.detach()))
+        net.step(cfg.grad_clip, *probe.hooks)
+        probe.after(step + 1, log, print)
+    return log.records, armed
+
+
+def test_probe_only_on_its_steps(one_thread):
+    """grad_stats_every=2: hooks armed on steps 2 and 4 only, statistics logged there only; 0: nothing
+    built or armed; compiled (dynamo, eager backend): the statistics steps run eagerly, same numbers."""
+    records, armed = probe_run(train_cfg(SMALL, grad_stats_every=2))
+    assert [s for s, _ in records] == [2, 4] and armed[0] == armed[2] == 0 and armed[1] == armed[3] > 0
+    assert all(any(k.startswith("update_ratio/") for k in m) and "act/L0.attn.rms" in m for _, m in records)
+    records_off, armed_off = probe_run(train_cfg(SMALL, grad_stats_every=0))
+    assert records_off == [] and armed_off == [0] * 4
+    assert not hasattr(gradstats.Probe(None, train_cfg(SMALL, grad_stats_every=0)), "stats")
+    compiled, _ = probe_run(train_cfg(SMALL, grad_stats_every=2, compile=True), compile_kwargs=dict(backend="eager"))
+    assert [s for s, _ in compiled] == [2, 4]
+    for (_, a), (_, b) in zip(compiled, records):
+        assert a.keys() == b.keys()
+        for k in b:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-8), k
