@@ -1,29 +1,26 @@
 """The step-time cost of gradient statistics (gradstats.py), on and off, at a config's shape.
 
     torchrun --nproc_per_node=2 bench/bench_gradstats.py configs/small.py --every=100 --json=gs.json
+    python bench/bench_gradstats.py configs/small.py --every=100 --steps=40 --warmup=5   # one GPU
     python bench/bench_gradstats.py configs/tiny.py --device=cpu --steps=6 --warmup=2 --every=3   # smoke test
     python bench/bench_gradstats.py configs/tiny.py --device=cpu --data_dir=data/<prepared> --out_dir=out/gs
-        # real tokens, every statistic logged to out/gs/train_metrics.jsonl: python plots.py out/gs --heatmap=update_ratio
+        # real tokens, every statistic logged to out/gs/always/train_metrics.jsonl: plots.py --heatmap=update_ratio
 
-The training step of the stage scripts (micro-steps of forward + backward, finish, clip, AdamW /
-Muon step, zero_grad) on the config's model, batch and layout (any --override), over random tokens
-or a prepared train.bin (--data_dir). Three runs of the same steps: `off` (no statistics: no
-hooks, nothing computed), `every` (statistics on every --every-th step) and `always` (every step:
-the cost of one statistics step). A statistics step arms the activation hooks before the
-micro-steps (a compiled forward: one extra eager no_grad forward of the last micro-batch instead,
-hooks do not fire inside a compiled graph), takes GradStats.grads() before clipping, a snapshot
-before the optimizer step, updates() and collect() after it, and the RatioWatch check. Reported:
-median and mean step time of each run, the extra time of a statistics step over an `off` step, that
-extra divided by --every as a share of the `off` step (the amortised cost; the goal is <= 2%), and
-peak memory (CUDA) of each run.
+The stage scripts' step (gradstats.Probe.before, net.train_step, net.step with the probe's hooks,
+Probe.after logging through logs.Logger) on the config's model, batch and layout (any --override,
+pretrain.py's keys), over random tokens or a prepared train.bin (--data_dir). Three runs of the
+same steps: `off` (grad_stats_every=0: no hooks, nothing computed), `every` (grad_stats_every=N)
+and `always` (every step: the cost of one statistics step). Reported: median and mean step time of
+each run, the extra time of a statistics step over an `off` step, that extra divided by --every as
+a share of the `off` step (the amortised cost; the goal is <= 2%), and peak memory (CUDA) of each run.
 """
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -32,12 +29,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import config
 import data
-import fsdp
 import gradstats
 import logs
 import optim
 import parallel
-from model import ModelConfig, Transformer
+import pretrain
+import tokenizer
+import weights
 
 
 def batches(cfg, grid, T, data_dir):
@@ -53,61 +51,34 @@ def batches(cfg, grid, T, data_dir):
         yield x[:, :-1], x[:, 1:]
 
 
-def run_steps(cfg, grid, mode, every, steps, warmup, data_dir, logger=None):
-    """Step times (s) of `warmup + steps` steps, the timed ones only, and peak memory in GB."""
-    torch.manual_seed(cfg.seed)
+def run_steps(cfg, grid, every, steps, warmup, data_dir, logger):
+    """Step times (s) of `warmup + steps` steps with grad_stats_every=every, the timed ones only, and
+    peak memory in GB."""
+    cfg.grad_stats_every = every
     T = cfg.seq_len or cfg.block_size
-    raw = Transformer(ModelConfig.from_cfg(cfg)).to(grid.device)
-    run = parallel.parallelize(raw, grid, cfg)
-    stats = gradstats.GradStats(run.model, grid, owner=getattr(run.optimizer, "grad_owner", None))
-    acts = gradstats.Activations(run.raw, grid)
-    watch = gradstats.RatioWatch()
+    net = parallel.parallelize(weights.build_model(cfg, grid), grid, cfg)
+    probe = gradstats.Probe(net, cfg)
     accum = cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
-    dtype = parallel.amp_dtype(cfg, grid.device)
-    autocast = torch.autocast(grid.device.type, dtype=dtype) if dtype == torch.bfloat16 else contextlib.nullcontext()
+    autocast = parallel.autocast(cfg, grid.device)
     src = batches(cfg, grid, T, data_dir)
     sync = torch.cuda.synchronize if grid.device.type == "cuda" else (lambda: None)
+    say = print if grid.is_main else (lambda line: None)
     times = []
-    if grid.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(grid.device)
+    logs.reset_peak_memory(grid.device)
     for step in range(warmup + steps):
-        on = mode == "always" or (mode == "every" and step % every == 0)
-        for g in run.optimizer.param_groups:
-            g["lr"] = optim.lr_at(step, cfg) * g.get("lr_scale", 1.0)
+        optim.set_lr(net.optimizer, step, cfg)
+        micro = [(*next(src), {}) for _ in range(accum)]
         sync()
         t0 = time.perf_counter()
-        if on and not cfg.compile:
-            acts.arm()
-        for micro in range(accum):
-            x, y = next(src)
-            with run.model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-                with autocast:
-                    loss = run.fwd(x, y) / accum
-                loss.backward()
-        run.model.finish()
-        if on:
-            m = stats.grads()
-            before = stats.snapshot()
-        norm = run.clip_grad_norm_(cfg.grad_clip or float("inf"))
-        run.optimizer.step()
-        if on:
-            m.update(stats.updates(before))
-            if cfg.compile:  # the hooks see nothing inside the compiled graph: one eager forward
-                acts.arm()
-                with torch.no_grad(), autocast:
-                    (run.model if isinstance(run.model, fsdp.FSDP) else run.raw)(x, y)
-            m.update(acts.collect())
-            for line in watch.check(step, m):
-                if grid.is_main:
-                    print(line)
-        run.model.zero_grad(set_to_none=True)
+        probe.before(step)
+        net.train_step(micro, lambda i, loss: (loss / accum, loss.detach() / accum), autocast)
+        net.step(cfg.grad_clip, *probe.hooks)
+        probe.after(step + 1, logger, say)
         sync()
         if step >= warmup:
             times.append(time.perf_counter() - t0)
-        if logger is not None:
-            logger.log(step + 1, {"loss": loss.item() * accum, "grad_norm": norm.item(), **(m if on else {})})
     mem = torch.cuda.max_memory_allocated(grid.device) / 1e9 if grid.device.type == "cuda" else None
-    del run, raw
+    del net, probe
     return times, mem
 
 
@@ -118,25 +89,22 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--every", type=int, default=100, help="statistics every N steps (the `every` run)")
     p.add_argument("--data_dir", default="", help="a prepared data folder (train.bin); default random ids")
-    p.add_argument("--out_dir", default="", help="also log the `always` run's statistics to <out_dir>/train_metrics.jsonl")
+    p.add_argument("--out_dir", default="", help="each run's statistics to <out_dir>/<mode>/train_metrics.jsonl "
+                   "(default: a temporary folder)")
     p.add_argument("--modes", default="off,every,always", help="which runs (the report needs off and always)")
     p.add_argument("--json", default="")
     a, overrides = p.parse_known_args(argv)
-    cfg = config.load([a.config] + overrides)
-    if not a.data_dir:
-        cfg.vocab_size = cfg.tokenizer_vocab or cfg.vocab_size
-    else:  # the tokenizer the folder was prepared with (the config's)
-        cfg.vocab_size = data.tokenizer_for(cfg).n_vocab
-    grid = parallel.init(cfg)
-    rows = {}
+    cfg = config.load([a.config] + overrides, extra=pretrain.EXTRA)
+    cfg.vocab_size = tokenizer.for_cfg(cfg).n_vocab  # the config's tokenizer (a prepared folder's ids)
+    config.validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    grid = parallel.init(cfg, cfg.threads)
+    rows, out_dir = {}, a.out_dir or tempfile.mkdtemp(prefix="bench_gradstats_")
     for mode in a.modes.split(","):
-        logger = None
-        if mode == "always" and a.out_dir:
-            cfg.out_dir = a.out_dir
-            logger = logs.Logger(cfg, grid)
-        times, mem = run_steps(cfg, grid, mode, a.every, a.steps, a.warmup, a.data_dir, logger)
-        if logger:
-            logger.close()
+        every = {"off": 0, "every": a.every, "always": 1}[mode]
+        cfg.out_dir = os.path.join(out_dir, mode)
+        logger = logs.Logger(cfg, grid)  # statistics steps write their record, as in a stage
+        times, mem = run_steps(cfg, grid, every, a.steps, a.warmup, a.data_dir, logger)
+        logger.close()
         rows[mode] = {"median_ms": 1e3 * statistics.median(times), "mean_ms": 1e3 * statistics.mean(times),
                       "peak_gb": mem}
     rep = {"config": a.config, "overrides": overrides, "world": grid.world, "every": a.every, "steps": a.steps,

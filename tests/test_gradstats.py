@@ -14,15 +14,21 @@ micro-steps, through gradstats.Probe (net.train_step, net.step with its hooks) a
 - the ratio warning fires once on a run whose learning rate explodes the updates and never on the
   same run at a normal learning rate; a ratio back inside the band re-arms it; arm() twice refuses;
 - grad_stats_every=2: hooks armed and statistics logged on steps 2 and 4 only (0: nothing built);
-  a compiled model (dynamo) runs its statistics steps eagerly and logs the eager run's numbers.
+  a compiled model (dynamo) runs its statistics steps eagerly and logs the eager run's numbers;
+- pretrain.py with --grad_stats_every=2 logs grad_norm/ and update_ratio/ keys at steps 2 and 4
+  only, writes the ratio warning, and plots.plot_heatmap draws its layers.
 """
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import gradstats
 import parallel
+import plots
 import distributed
 from distributed import spawn, train_cfg
 from model import ModelConfig, Transformer
@@ -270,3 +276,30 @@ def test_probe_only_on_its_steps(one_thread):
         assert a.keys() == b.keys()
         for k in b:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-8), k
+
+
+def test_pretrain_logs_statistics_on_their_steps(tmp_path):
+    """pretrain.py configs/tiny.py --grad_stats_every=2 --max_steps=4 (tiny overrides): loss logged at
+    every step, grad_norm/<group> and update_ratio/<group> at steps 2 and 4 only; the ratio warning
+    (a band no update fits, patience 1) is written at step 2; plots.plot_heatmap reads the layers."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "out"
+    args = ["configs/tiny.py", "--grad_stats_every=2", "--max_steps=4", f"--out_dir={out}",
+            f"--data_dir={tmp_path / 'data'}", "--max_docs=30", "--clean=False", "--dedup=none", "--tokenizer_vocab=512",
+            "--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--block_size=32", "--batch_size=4",
+            "--micro_batch_size=2", "--warmup_steps=2", "--log_every=1", "--eval_every=0", "--ckpt_every=0",
+            "--sample_tokens=0", "--progress=False", "--device=cpu", "--ratio_low=1e3", "--ratio_high=1e4",
+            "--ratio_patience=1"]
+    r = subprocess.run([sys.executable, os.path.join(root, "pretrain.py"), *args], cwd=root, capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recs = [json.loads(ln) for ln in open(out / "train_metrics.jsonl")]
+    assert sorted(rec["step"] for rec in recs if "loss" in rec) == [1, 2, 3, 4]
+    for prefix in ("grad_norm/", "update_ratio/"):
+        steps = sorted({rec["step"] for rec in recs for k in rec if k.startswith(prefix)})
+        assert steps == [2, 4], (prefix, steps)
+    stats = [rec for rec in recs if "grad_norm/total" in rec]
+    assert all(rec["grad_norm/L1.q"] > 0 and 0 < rec["update_ratio/total"] < 1 for rec in stats)
+    assert "warning: step 2: layer L0's update ratio" in r.stdout and "vanishing" in r.stdout
+    layers, steps, _ = plots.plot_heatmap(str(out), None, "update_ratio")
+    assert layers == ["emb", "L0", "L1", "out"] and steps == [2, 4]
