@@ -1,14 +1,14 @@
 """sweep.py: a 2x2 grid of configs/tiny.py runs, resumed without redoing finished runs, compared.
 
-Proves, with real pretrain.py subprocesses (a 1-layer model, 6 steps, checkpoints every 2):
+Proves, with real pretrain.py subprocesses (a 1-layer model, 4 steps, checkpoints every 2; one thread each):
 - the grid is every combination, one folder each named from its overrides; as a queue over two
   "GPUs" (CUDA_VISIBLE_DEVICES per run; the runs use the CPU) all four finish; the table (markdown
   and JSON) holds each run's final loss equal to the last loss of its train_metrics.jsonl, and
   curves.png is written;
-- re-invoked after one run lost its final checkpoint (resumable from step 4) and another lost all
+- re-invoked after one run lost its final checkpoint (resumable from step 2) and another lost all
   checkpoints (only its metrics left): the two finished ones are not run again (their files are
-  untouched), the first continues with --resume (its log repeats no step before 4), the second
-  starts over with --overwrite=True; the table again holds four final losses at step 6;
+  untouched), the first continues with --resume, the second starts over with --overwrite=True; the
+  table again holds four final losses at step 4 (the resumed run's equal to its first);
 - SIGTERM to the sweep reaches the running stage, which saves and stops: the run is 'interrupted'
   with a checkpoint before its last step: the next invocation will resume it;
 - the sweep spec parser (nested lists and quoted commas stay whole) and its mistakes.
@@ -27,10 +27,10 @@ import config
 import sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST = ["--max_steps=6", "--ckpt_every=2", "--eval_every=3", "--eval_batches=1", "--log_every=1", "--max_docs=30",
-        "--clean=False", "--dedup=none", "--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=1",
+FAST = ["--max_steps=4", "--ckpt_every=2", "--eval_every=0", "--log_every=1", "--max_docs=10", "--clean=False",
+        "--dedup=none", "--tokenizer_vocab=512", "--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=1",
         "--block_size=32", "--batch_size=4", "--micro_batch_size=2", "--sample_tokens=0", "--progress=False",
-        "--device=cpu", "--warmup_steps=2"]
+        "--device=cpu", "--warmup_steps=1"]
 SPEC = "--sweep=lr=[1e-3,3e-3];norm=[layernorm,rmsnorm]"
 NAMES = ["lr=1e-3_norm=layernorm", "lr=1e-3_norm=rmsnorm", "lr=3e-3_norm=layernorm", "lr=3e-3_norm=rmsnorm"]
 
@@ -60,25 +60,25 @@ def test_sweep_runs_resumes_compares(tmp_path):
     rows = json.load(open(sw / "sweep.json"))
     assert [r["name"] for r in rows] == NAMES and all(r["state"] == "finished" for r in rows)
     for r in rows:
-        assert r["final"]["loss"] == pytest.approx(last_loss(r["dir"])["loss"]) and r["final"]["step"] == 6
+        assert r["final"]["loss"] == pytest.approx(last_loss(r["dir"])["loss"]) and r["final"]["step"] == 4
         assert r["overrides"] == dict(kv.split("=") for kv in r["name"].split("_"))
     first = {r["name"]: r["final"]["loss"] for r in rows}
     # one run loses its final checkpoint, another every checkpoint (interrupted before the first)
-    shutil.rmtree(sw / NAMES[1] / "step_000006")
+    shutil.rmtree(sw / NAMES[1] / "step_000004")
     for d in os.listdir(sw / NAMES[2]):
         if d.startswith("step_"):
             shutil.rmtree(sw / NAMES[2] / d)
-    stamps = {n: os.path.getmtime(sw / n / "step_000006" / "complete.json") for n in (NAMES[0], NAMES[3])}
+    stamps = {n: os.path.getmtime(sw / n / "step_000004" / "complete.json") for n in (NAMES[0], NAMES[3])}
     out = invoke(tmp_path, SPEC)
-    assert f"{NAMES[0]}: finished (step_000006), not run again" in out
-    assert f"{NAMES[3]}: finished (step_000006), not run again" in out
-    assert f"{NAMES[1]}: resumes from" in out and "step_000004" in out
+    assert f"{NAMES[0]}: finished (step_000004), not run again" in out
+    assert f"{NAMES[3]}: finished (step_000004), not run again" in out
+    assert f"{NAMES[1]}: resumes from" in out and "step_000002" in out
     assert f"{NAMES[2]}: starts over" in out
-    assert stamps == {n: os.path.getmtime(sw / n / "step_000006" / "complete.json") for n in stamps}
+    assert stamps == {n: os.path.getmtime(sw / n / "step_000004" / "complete.json") for n in stamps}
     log1 = open(sw / "logs" / f"{NAMES[1]}.log").read().split("$ ")[-1]
     assert "--resume" in log1 and "resumed from" in log1
     rows = json.load(open(sw / "sweep.json"))
-    assert all(r["state"] == "finished" and r["final"]["step"] == 6 for r in rows)
+    assert all(r["state"] == "finished" and r["final"]["step"] == 4 for r in rows)
     table = open(sw / "sweep.md").read()
     for r in rows:
         assert f"{r['final']['loss']:.4f}" in table
