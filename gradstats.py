@@ -335,7 +335,8 @@ class Probe:
     """The statistics of every cfg.grad_stats_every-th step of a stage, in the calls of the module
     docstring; every rank makes them (collectives). grad_stats_every=0: nothing is built, the calls
     return at once. hooks: (grads, updates) for net.step's before_update / after_update; a stage
-    that steps several times (GRPO's epochs) keeps its last step's numbers."""
+    that steps several times (GRPO's epochs) logs its last optimizer step's gradients and update,
+    and the activations of all its forwards."""
 
     def __init__(self, net, cfg):
         self.every, self.on, self.metrics, self.w = cfg.grad_stats_every, False, {}, None
@@ -380,7 +381,8 @@ class Probe:
         if self.compiled:
             self.net.fwd = self.fwd
         m = {**self.metrics, **self.acts.collect()}
-        logger.log(step, m)
+        if m:  # (nothing when the step ran no forward: GRPO without a group left)
+            logger.log(step, m)
         for line in self.watch.check(step, m):
             say(line)
         return m
