@@ -29,6 +29,7 @@ from torch.nn.utils.rnn import pad_sequence
 import chat
 import checkpoint
 import config
+import gradstats
 import lifecycle
 import logs
 import lora
@@ -228,9 +229,10 @@ def policy_logps(net, seqs, ids, cfg, grid, autocast):
     return out
 
 
-def train_step(net, reference, seqs, batch, cfg, grid, autocast):
+def train_step(net, reference, seqs, batch, cfg, grid, autocast, hooks=()):
     """One optimizer step on the global batch (pair indices): this rank's share in micro-batches, each the
-    reference's forward, then the policy's over [chosen; rejected] and backward. -> (metric sums, grad norm)"""
+    reference's forward, then the policy's over [chosen; rejected] and backward. -> (metric sums, grad norm).
+    hooks: net.step's before_update, after_update (gradstats.Probe.hooks)."""
     mb, dw = cfg.micro_batch_size, grid.data_world
     accum, n_pairs, n_tokens = cfg.batch_size // (mb * dw), cfg.batch_size / dw, sum(len(seqs[i][1]) for i in batch) / dw
     mine = batch[grid.data_rank * mb * accum:(grid.data_rank + 1) * mb * accum]
@@ -246,7 +248,7 @@ def train_step(net, reference, seqs, batch, cfg, grid, autocast):
         y = micro[i][1]
         return objective(-nll.float().sum(-1), refs[i], (y != IGNORE).sum(-1), cfg, n_pairs, n_tokens)
     sums = net.train_step(micro, loss_fn, autocast)  # gradients reduced on the last (pp > 1: the schedule)
-    return sums, net.step(cfg.grad_clip)
+    return sums, net.step(cfg.grad_clip, *hooks)
 
 
 # ----------------------------------------------------------------------------- data
@@ -374,6 +376,7 @@ def main(argv):
                                             f"changed? Point it at the model DPO started from, or --force_resume=True")
         say(f"resumed from {lease.resume_from} at step {step}; the reference is the one DPO started with")
     logger = logs.Logger(cfg, grid)
+    probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
     held_out, saved = {}, {}  # the held-out metric at the first and latest evaluation; the latest checkpoint
 
     def evaluate():  # held-out metrics: eval_ + TRL's names
@@ -396,9 +399,11 @@ def main(argv):
     while step < last:
         lr = optim.set_lr(net.optimizer, step, cfg)
         batch = step_indices(step, len(train), cfg.batch_size, cfg.seed)
-        step_sums, grad_norm = train_step(net, reference, seqs, batch, cfg, grid, autocast)
+        probe.before(step)  # a statistics step (every grad_stats_every): activation hooks armed
+        step_sums, grad_norm = train_step(net, reference, seqs, batch, cfg, grid, autocast, probe.hooks)
         sums = add(sums, step_sums)
         step += 1
+        probe.after(step, logger, say)  # its statistics logged, the ratio warning said
         if step % cfg.log_every == 0 or step == last:
             m = {**metrics(sums, grid.data_group, rpo_alpha=cfg.rpo_alpha), "lr": lr, "grad_norm": grad_norm.item(),
                  "pairs_s": (step - logged) * cfg.batch_size / clock.lap(), "mem_gb": logs.peak_memory_gb(grid.device)}

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import chat
 import config
 import generate
+import gradstats
 import lifecycle
 import logs
 import lora
@@ -265,10 +266,11 @@ def reference_logprobs(fwd, batch, cfg):
                       for i in range(0, batch.tokens.shape[0], mb)])
 
 
-def learn(net, batch, cfg, autocast=contextlib.nullcontext()):
+def learn(net, batch, cfg, autocast=contextlib.nullcontext(), hooks=()):
     """cfg.grpo_epochs optimizer steps on this rank's batch, each over micro-batches (gradients accumulated,
     reduced over data ranks on the last) -> the sums (kl, clipped low / high, tokens) of the last, its grad norm.
-    The learning rate is set by the caller (optim.set_lr)."""
+    The learning rate is set by the caller (optim.set_lr). hooks: net.step's before_update, after_update
+    (gradstats.Probe.hooks)."""
     world, mb, R = net.grid.data_world, cfg.micro_batch_size, batch.tokens.shape[0]
     n_seqs, n_tokens = max(batch.n_seqs, 1) / world, max(batch.n_tokens, 1) / world
     for _ in range(cfg.grpo_epochs):
@@ -286,7 +288,7 @@ def learn(net, batch, cfg, autocast=contextlib.nullcontext()):
                     n_seqs=n_seqs, n_tokens=n_tokens, max_len=cfg.max_new_tokens)
                 net.backward(loss)
             sums = sums + s
-        norm = net.step(cfg.grad_clip)
+        norm = net.step(cfg.grad_clip, *hooks)
     return sums, norm
 
 
@@ -364,6 +366,7 @@ def main(argv):
         step = trainer["step"]
         say(f"resumed from {lease.resume_from} at step {step}")
     logger = logs.Logger(cfg, grid)
+    probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
     held, saved = {}, {}  # the held-out metric at the first and latest evaluation; the latest checkpoint
 
     def rewards_of(r, items, which):
@@ -419,8 +422,9 @@ def main(argv):
                 batch.ref = reference_logprobs(ref if ref else raw, batch, cfg)
         sums, norm = torch.zeros(5, device=device), torch.zeros(())
         lr = optim.set_lr(net.optimizer, step, cfg)
+        probe.before(step)  # a statistics step (every grad_stats_every): activation hooks armed
         if batch.n_seqs:  # dynamic sampling may leave no group
-            sums, norm = learn(net, batch, cfg, autocast)
+            sums, norm = learn(net, batch, cfg, autocast, probe.hooks)
         kl, low, high, clip_count, tokens = all_sum(sums.detach().float(), grid).tolist()
         t3 = clock.now()
         logs.add(tally, {**stats, "kl": kl, "clip_low": low, "clip_high": high, "clip_count": clip_count, "tokens": tokens,
@@ -428,6 +432,7 @@ def main(argv):
                          "t_reward": t2 - t1, "t_learn": t3 - t2, "steps": 1})
         logs.add(judged_tally, judged)  # reward parts, accuracy: this rank's [sum, count]
         step += 1
+        probe.after(step, logger, say)  # its statistics logged, the ratio warning said
         if step == first:
             say(f"first step done {clock.since_start():.1f} s after start")
         if step % cfg.log_every == 0 or step == last:  # means over the steps since the last log line
