@@ -181,8 +181,7 @@ def pair_logps(fn, seqs, ids, mb, grid, autocast):
         with autocast:
             c, r = fn(x, y, batch).float().chunk(2)
         out[mine] = torch.stack([c, r], 1)[:len(mine)]
-    if grid.data_world > 1:
-        dist.all_reduce(out, group=grid.data_group)
+    parallel.data_sum(out, grid)
     return out
 
 

@@ -11,7 +11,8 @@ everywhere. generate() is the readable reference the tests hold decode() to, and
 read or edit: a plain loop over a growing KVCache that any change to the model's forward keeps
 working with. How decode() works (static cache, captured step, buckets, sampling, log-probs,
 layouts) is in its docstring. cast_copy(model, dtype) / refresh(copy, model): a copy for decode()
-to read, nn.Linear weights in the compute dtype, refreshed in place between calls (GRPO's rollouts).
+to read, nn.Linear weights in the compute dtype, refreshed in place between calls; rollout(): a data
+rank's share of prompts x G samples (GRPO).
 
 Invariants: greedy decode() gives generate()'s tokens; decode()'s log-probs are those of a
 teacher-forced forward over the same tokens with its logits divided by the same temperature;
@@ -545,6 +546,22 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
     gen_mask = torch.arange(width, device=dev)[None, :] < dec.lengths[:, None]
     return Rollout(torch.cat([idx.repeat_interleave(n, dim=0), dec.out_tok[:, :width]], 1),
                    torch.cat([prompt_mask, gen_mask], 1), dec.out_lp[:, :width].clone(), dec.lengths.clone(), T)
+
+
+@torch.no_grad()
+def rollout(model, prompts, G, rank, world, max_new_tokens, **sampling):
+    """Sample this data rank's share of the len(prompts) x G completions (prompt-major: prompt i's are
+    i*G .. i*G+G-1; each rank a contiguous 1/world of them, so a group may span ranks) with decode
+    (sampling: its keywords) -> (Rollout, the prompt of each row). A prompt whose samples here are as many
+    as every other's is prefilled once for them (decode's n); otherwise each row is prefilled alone."""
+    per = len(prompts) * G // world
+    which = [c // G for c in range(rank * per, (rank + 1) * per)]
+    counts = {i: which.count(i) for i in which}
+    if len(set(counts.values())) == 1:
+        r = decode(model, [prompts[i] for i in counts], max_new_tokens, n=which.count(which[0]), **sampling)
+    else:
+        r = decode(model, [prompts[i] for i in which], max_new_tokens, n=1, **sampling)
+    return r, which
 
 
 def cast_copy(model, dtype):

@@ -24,7 +24,6 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 import chat
 import config
@@ -172,29 +171,6 @@ def rollout_seed(seed, step, grid):
     return ((seed * 1_000_003 + step) * 65_537 + grid.data_rank) % 2**62
 
 
-@torch.no_grad()
-def rollout(model, prompts, G, rank, world, max_new_tokens, **sampling):
-    """Sample this data rank's share of the len(prompts) x G completions (prompt-major: prompt i's are
-    i*G .. i*G+G-1; each rank a contiguous 1/world of them, so a group may span ranks) with generate.decode
-    (sampling: its keywords) -> (Rollout, the prompt of each row). A prompt whose samples here are as many
-    as every other's is prefilled once for them (decode's n); otherwise each row is prefilled alone."""
-    per = len(prompts) * G // world
-    which = [c // G for c in range(rank * per, (rank + 1) * per)]
-    counts = {i: which.count(i) for i in which}
-    if len(set(counts.values())) == 1:
-        r = generate.decode(model, [prompts[i] for i in counts], max_new_tokens, n=which.count(which[0]), **sampling)
-    else:
-        r = generate.decode(model, [prompts[i] for i in which], max_new_tokens, n=1, **sampling)
-    return r, which
-
-
-def all_sum(x, grid):
-    """x summed over the data ranks, in place."""
-    if grid.data_world > 1:
-        dist.all_reduce(x, group=grid.data_group)
-    return x
-
-
 @dataclass
 class Batch:
     """This rank's share of a step's completions, ready to learn from."""
@@ -225,14 +201,14 @@ def score(r, rewards, grid, cfg, stops):
     mine = slice(grid.data_rank * R, (grid.data_rank + 1) * R)
     every = torch.zeros(R * grid.data_world, device=dev)
     every[mine] = rewards  # each data rank fills its slot; the sum gathers them (NaN stays NaN)
-    every = all_sum(every, grid)
+    every = parallel.data_sum(every, grid)
     adv = advantages(every, G, cfg.scale_rewards)
     equal = ~(nanstd(every.view(-1, G)) > 0)  # all equal (or fewer than two rewards): no signal
     keep = (~equal).repeat_interleave(G) if cfg.dynamic_sampling else torch.ones_like(every, dtype=torch.bool)
     loss_mask = r.mask[:, T:] & keep[mine, None]
     if cfg.mask_truncated:
         loss_mask &= stopped[:, None]
-    counts = all_sum(torch.stack([loss_mask.sum(), (~stopped).sum(), r.lengths.sum()]).float(), grid)
+    counts = parallel.data_sum(torch.stack([loss_mask.sum(), (~stopped).sum(), r.lengths.sum()]).float(), grid)
     stats = {"reward": every.nansum().item(), "rewarded": (~every.isnan()).sum().item(), "equal": equal.sum().item(),
              "groups": equal.numel(), "truncated": counts[1].item(), "gen_tokens": counts[2].item()}
     return Batch(r.tokens, r.mask, T, r.logprobs, loss_mask, adv[mine].to(dev), keep.sum().item(),
@@ -410,7 +386,7 @@ def main(argv):
         t0 = clock.now()
         idx = [(step * P + i) % len(train) for i in range(P)]
         with net.full_params(), autocast:  # FSDP: parameters gathered once for the whole rollout
-            r, which = rollout(generate.refresh(policy, raw), [train_ids[i] for i in idx], G, grid.data_rank,
+            r, which = generate.rollout(generate.refresh(policy, raw), [train_ids[i] for i in idx], G, grid.data_rank,
                                grid.data_world, cfg.max_new_tokens, seed=rollout_seed(cfg.seed, step, grid), keep=keep,
                                **sampling)
         t1 = clock.now()
@@ -425,7 +401,7 @@ def main(argv):
         probe.before(step)  # a statistics step (every grad_stats_every): activation hooks armed
         if batch.n_seqs:  # dynamic sampling may leave no group
             sums, norm = learn(net, batch, cfg, autocast, probe.hooks)
-        kl, low, high, clip_count, tokens = all_sum(sums.detach().float(), grid).tolist()
+        kl, low, high, clip_count, tokens = parallel.data_sum(sums.detach().float(), grid).tolist()
         t3 = clock.now()
         logs.add(tally, {**stats, "kl": kl, "clip_low": low, "clip_high": high, "clip_count": clip_count, "tokens": tokens,
                          "t_rollout": t1 - t0,

@@ -174,6 +174,13 @@ def on_main(grid, fn):
     return value
 
 
+def data_sum(x, grid):
+    """x summed over the data ranks, in place (nothing to do on one); returns x."""
+    if grid.data_world > 1:
+        dist.all_reduce(x, group=grid.data_group)
+    return x
+
+
 # ---------------------------------------------------------------------------- gradient norm, every layout
 
 def _sum(x, group):

@@ -22,7 +22,6 @@ import sys
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 import chat
@@ -123,8 +122,8 @@ def accuracy(net, tok, template, task, items, cfg, autocast):
                 score[0] += float(task.reward(answer, it))
                 example = example or (it["prompt"][-1]["content"], answer)
     score[1] = len(mine)
-    if split > 1:
-        dist.all_reduce(score, group=grid.data_group)
+    if split > 1:  # (under expert parallelism every rank scored every item)
+        parallel.data_sum(score, grid)
     return (score[0] / score[1].clamp(min=1)).item(), example
 
 
@@ -142,8 +141,7 @@ def held_out_loss(net, rows, cfg, autocast):
         mine_real = start + grid.data_rank * mb < len(rows)
         total += torch.stack([nll, (y != IGNORE).sum().float()]) * mine_real
     net.raw.train()
-    if grid.data_world > 1:
-        dist.all_reduce(total, group=grid.data_group)
+    parallel.data_sum(total, grid)
     return (total[0] / total[1].clamp(min=1)).item()
 
 
@@ -154,8 +152,7 @@ def train_step(net, micro, autocast, router=False):
     micro-steps). Returns (summed NLL of this rank's tokens, the global batch's token count)."""
     grid = net.grid
     count = sum((y != IGNORE).sum() for _, y, _, _ in micro).float()  # all micro-steps, before the first forward
-    if grid.data_world > 1:
-        dist.all_reduce(count, group=grid.data_group)
+    parallel.data_sum(count, grid)
 
     def loss_fn(i, nll):  # (gradients reduced on the last micro-step; pp > 1: the pipeline schedule runs them)
         loss = nll * (grid.data_world / count.clamp(min=1))  # DataParallel / FSDP divide by data_world
@@ -266,8 +263,7 @@ def main(argv):
         if step == first:
             write(f"first step done {clock.since_start():.1f} s after start")
         if step % cfg.log_every == 0 or step == last:
-            if grid.data_world > 1:
-                dist.all_reduce(tally[:1], group=grid.data_group)  # the counts are global already
+            parallel.data_sum(tally[:1], grid)  # the counts are global already
             n_steps = step - logged
             m = {"loss": (tally[0] / tally[1].clamp(min=1)).item(), "lr": lr, "grad_norm": grad_norm.item(),
                  "tok_s": n_steps * cfg.batch_size * T / clock.lap(), "loss_tokens": int(tally[1].item()) // n_steps,

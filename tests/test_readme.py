@@ -1,7 +1,7 @@
 """The README runs as written, top to bottom, on a fresh copy of the repository.
 
 Proves: every command line of the README's bash blocks that a CPU machine can run offline runs in
-order, in a scratch copy of the repository, with only a step-count override added (--max_steps=2,
+order, in a scratch copy of the repository, with only a step-count override added (--max_steps=2, or the largest --*_every=N the line sets,
 and --sample_tokens=0 / --tokens=8 where a sample would be long; a config's init_from naming a
 step folder that 2 steps did not write becomes its run folder), and exits 0: so no line reuses an
 out_dir an earlier one filled, and each line's inputs exist when it runs. A line is passed over only
@@ -27,6 +27,7 @@ SKIP = [  # (reason, pattern of the line): what a CPU machine without network ca
     ("needs the network (hub data, object storage)", r"hf:|s3://|--tasks=[^ ]*(hellaswag|arc_|piqa)\b|humaneval"),
     ("a path the user fills in", r"/path/to/|my\.jsonl|pairs\.jsonl|data/clean/mine|data/shards/mine|/local/ssd"),
     ("sends a signal", r"^kill "),
+    ("starts a server that runs until stopped", r"^mlflow ui"),
 ]
 STAGES = ("pretrain.py", "sft.py", "dpo.py", "grpo.py")
 
@@ -62,7 +63,8 @@ def with_steps(cmd, work):
     for piece in cmd.split("&&"):
         words = shlex.split(piece)
         if any(w.endswith(STAGES) for w in words):
-            words += ["--max_steps=2", "--progress=False"] + (["--sample_tokens=0"] if any(
+            every = [int(w.split("=")[1]) for w in words if re.fullmatch(r"--\w+_every=\d+", w)]
+            words += [f"--max_steps={max([2, *every])}", "--progress=False"] + (["--sample_tokens=0"] if any(
                 w.endswith("pretrain.py") for w in words) else []) + short_init(words, work)
         elif any(w.endswith("sample.py") for w in words):
             words += ["--tokens=8"]
