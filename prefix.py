@@ -20,8 +20,9 @@ projected prefix loads back as a plain table (inference), as in PEFT.
 How: Prefixed hands Transformer.forward a PrefixCache (the cache interface: `length` = N,
 update() puts the prefix in front of each layer's keys and values), so positions, causality
 (every query sees the whole prefix), grouped-query attention, ALiBi and sliding windows follow
-the model's own rules. Not here: tensor parallelism (the prefix's kv heads would be cut like
-attn.qkv's), FSDP of the frozen base, decoding through generate.py's caches.
+the model's own rules. generate(): the eager decoding loop with the prefix in the KV cache. Not here:
+tensor parallelism (the prefix's kv heads would be cut like attn.qkv's), FSDP of the frozen base,
+generate.decode's static cache (the fast decoder).
 """
 import json
 import os
@@ -32,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from config import ConfigError, MissingFileError
+from generate import KVCache, sample
 
 
 class Prefix(nn.Module):
@@ -94,6 +96,50 @@ class Prefixed(nn.Module):
             attn_mask = torch.cat([attn_mask.new_ones(B, self.prefix.n_tokens), attn_mask], dim=1)
         return self.model(idx, targets, reduction=reduction, cache=PrefixCache(self.prefix(B)), attn_mask=attn_mask,
                           temperature=temperature)
+
+
+@torch.no_grad()
+def generate(tuned, idx, max_new_tokens, *, attention_mask=None, temperature=1.0, top_k=None, top_p=None,
+             stop_tokens=None, pad_id=None, generator=None, seed=None):
+    """generate.generate's eager loop for a Prefixed model: the prefix is written into the KV cache's
+    first N slots, then the (left-padded) prompts are prefilled after it and decoded one token a step.
+    Positions count from each prompt's first real token after the N virtual ones (transformers'
+    generate through PEFT does the same). Returns (B, T + generated); a row that emitted one of
+    stop_tokens repeats pad_id (default: that token); the loop ends when every row has stopped."""
+    model, N = tuned.model, tuned.prefix.n_tokens
+    B, T = idx.shape
+    if N + T + max_new_tokens > model.cfg.block_size:
+        raise ConfigError(f"prefix {N} + prompt {T} + max_new_tokens {max_new_tokens} exceeds block_size="
+                          f"{model.cfg.block_size}: generate fewer tokens")
+    if generator is None and seed is not None:
+        generator = torch.Generator(idx.device).manual_seed(seed)
+    cache = KVCache(N + T + max_new_tokens)
+    for layer, (k, v) in enumerate(tuned.prefix(B)):
+        cache.update(layer, k, v)
+    cache.length = N
+    real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    mask = torch.cat([real.new_ones(B, N), real], dim=1)
+    stops = torch.as_tensor(list(stop_tokens or []), device=idx.device)
+    fill = torch.full((B,), -1 if pad_id is None else pad_id, dtype=idx.dtype, device=idx.device)
+    done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+    was_training = tuned.training
+    tuned.eval()
+    try:
+        x, out = model.hidden_states(idx, cache=cache, attn_mask=mask), [idx]
+        for step in range(max_new_tokens):
+            nxt = sample(model.logits(x[:, -1]), temperature, top_k, top_p, generator)
+            nxt = torch.where(done, fill, nxt)
+            hit = torch.isin(nxt, stops) & ~done
+            fill = torch.where(hit, nxt, fill) if pad_id is None else fill
+            done = done | hit
+            out.append(nxt[:, None])
+            if step == max_new_tokens - 1 or (stops.numel() and bool(done.all())):
+                break
+            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+            x = model.hidden_states(nxt[:, None], cache=cache, attn_mask=mask)
+    finally:
+        tuned.train(was_training)
+    return torch.cat(out, dim=1)
 
 
 # ----------------------------------------------------------------------------- PEFT's format

@@ -6,7 +6,9 @@ and without the reparameterisation MLP, with and without a right-padded attentio
 AdamW steps on the prefix alone give peft's prefix, and the frozen base stays bitwise unchanged.
 PEFT's format both ways: our save_peft folder loads with peft.PeftModel.from_pretrained (on the
 original HF model and on our model exported with hf.export_hf) with our logits; a folder peft
-saved loads with load_peft and gives peft's logits. A prefix for another shape is refused.
+saved loads with load_peft and gives peft's logits. generate() (the prefix in the KV cache) gives the
+greedy tokens of a loop over peft's forward, a left-padded prompt the tokens of the prompt alone, and
+a seed repeats itself. A prefix for another shape is refused.
 """
 import copy
 
@@ -123,6 +125,26 @@ def test_peft_format_both_ways(base, tmp_path):
     pm.save_pretrained(str(tmp_path / "peft"))  # PEFT's own folder -> ours
     back = pfx.Prefixed(hf.load_hf(folder), pfx.load_peft(str(tmp_path / "peft"), ours.cfg))
     max_diff(back(x, attn_mask=mask), pm(input_ids=x, attention_mask=mask).logits)
+
+
+@torch.no_grad()
+def test_generate_equals_a_loop_over_peft(base):
+    # peft 0.21.2's own generate() on transformers 5.24 returns the base model's tokens (the prefix is
+    # not applied), so the reference is a loop that re-runs PeftModel's forward over the whole sequence
+    ref, folder = base
+    pm = peft_model(ref, True)
+    ours = ours_like(pm, folder, True)
+    x = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(3))
+    seq = x
+    for _ in range(10):
+        seq = torch.cat([seq, pm(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(pfx.generate(ours, x, 10, temperature=0), seq)
+    padded, mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), x[1:, :5]], 1), torch.tensor([[0, 0, 0] + [1] * 5])
+    both = pfx.generate(ours, torch.cat([x[:1], padded]), 10, attention_mask=torch.cat([torch.ones(1, 8), mask]).long(),
+                        temperature=0)
+    assert torch.equal(both[1, 3:], pfx.generate(ours, x[1:, :5], 10, temperature=0)[0]), "left padding: as alone"
+    a, b = (pfx.generate(ours, x, 10, temperature=1.0, top_k=20, seed=s) for s in (4, 4))
+    assert torch.equal(a, b)
 
 
 def test_refusals(base, tmp_path):
