@@ -53,8 +53,8 @@ class T5Config:
     n_decoder_layer: int = 0       # 0 -> n_layer
     n_head: int = 8
     n_embd: int = 512              # d_model
-    head_dim: int = 64             # d_kv: n_head * head_dim need not be n_embd
-    ffn_hidden: int = 2048         # d_ff
+    head_dim: int = 0              # d_kv (n_head * head_dim need not be n_embd); 0 -> n_embd / n_head
+    ffn_hidden: int = 0            # d_ff; 0 -> 4 * n_embd
     activation: str = "relu"       # relu (v1.0) | gated-gelu (v1.1) | gelu | gated-silu
     tie_embeddings: bool = True    # v1.0: head = embedding (fed scaled states); False: a head of its own
     scale_logits: bool = True      # multiply the decoder's output by n_embd**-0.5 before the head (v1.0)
@@ -72,6 +72,8 @@ class T5Config:
         return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)})
 
     def __post_init__(self):
+        self.head_dim = self.head_dim or self.n_embd // max(self.n_head, 1)
+        self.ffn_hidden = self.ffn_hidden or 4 * self.n_embd
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "head_dim", "ffn_hidden", "num_buckets",
                      "max_distance"):
             if getattr(self, name) <= 0:
@@ -284,6 +286,19 @@ class T5(nn.Module):
         h = self.decode(self.shift_right(targets) if tgt is None else tgt, self.encode(src, src_mask), src_mask)
         logits = self.logits(h)
         return logits if targets is None else Transformer.loss(logits, targets, reduction)
+
+
+def flops_per_row(cfg, src_len, tgt_len):
+    """Training FLOPs of one (source, target) row, DESIGN.md's count: 6 x the encoder blocks' matmul
+    weights x src_len + 6 x the decoder's (head included) x tgt_len + attention per layer: encoder
+    12 S^2 C' (bidirectional), decoder 6 T^2 C' (causal) + 12 T S C' (cross), C' = n_head * head_dim."""
+    C, D = cfg.n_embd, cfg.n_head * cfg.head_dim
+    hidden = cfg.ffn_hidden * (3 if cfg.activation.startswith("gated") else 2)
+    enc = cfg.n_layer * (4 * C * D + C * hidden)
+    dec = cfg.decoder_layers * (8 * C * D + C * hidden) + C * cfg.padded_vocab
+    S, T = src_len, tgt_len
+    return (6 * (enc * S + dec * T) + 12 * cfg.n_layer * S * S * D
+            + cfg.decoder_layers * (6 * T * T * D + 12 * T * S * D))
 
 
 # ----------------------------------------------------------------------------- generation

@@ -80,11 +80,7 @@ def flops_per_step(arch, model, s, t5_lengths):
         return B * (6 * linear_weights(model.modules()) * T + 6 * L * T * T * C)
     if arch == "bert":
         return B * T * bert.flops_per_token(model.cfg, T, predicted=0.15)
-    Le, Ti, To = model.cfg.n_layer, t5_input_len(t5_lengths), t5_lengths[1]
-    enc, dec = linear_weights(model.blocks[:Le].modules()), linear_weights(model.blocks[Le:].modules())
-    dec += model.head.weight.numel()
-    Ld = model.cfg.decoder_layers
-    return B * (6 * (enc * Ti + dec * To) + 12 * Le * Ti * Ti * C + Ld * (6 * To * To * C + 12 * To * Ti * C))
+    return B * t5.flops_per_row(model.cfg, t5_input_len(t5_lengths), t5_lengths[1])
 
 
 def t5_input_len(t5_lengths):

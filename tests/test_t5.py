@@ -292,3 +292,16 @@ def test_config_errors():
     with pytest.raises(ConfigError, match="feed_forward_proj"):
         t5.config_from_hf({"model_type": "t5", "feed_forward_proj": "gated-swish", "vocab_size": V, "num_layers": 1,
                            "num_heads": 2, "d_model": 8, "d_kv": 4, "d_ff": 8})
+
+
+def test_flops_count_the_matmul_weights():
+    # 6 x every matmul weight x the tokens through it: the encoder's over the source, the decoder's and
+    # the head's over the targets, counted here from the modules themselves; plus attention
+    model = small_model()
+    cfg, S, T = model.cfg, 30, 12
+    mm = lambda mods: sum(m.weight.numel() for m in mods if isinstance(m, torch.nn.Linear))  # noqa: E731
+    enc, dec = mm(model.blocks[:cfg.n_layer].modules()), mm(model.blocks[cfg.n_layer:].modules()) + model.head.weight.numel()
+    D = cfg.n_head * cfg.head_dim
+    attn = 12 * cfg.n_layer * S * S * D + cfg.decoder_layers * (6 * T * T * D + 12 * T * S * D)
+    assert t5.flops_per_row(cfg, S, T) == 6 * (enc * S + dec * T) + attn
+    assert t5.T5Config(n_embd=512, n_head=8).head_dim == 64 and t5.T5Config(n_embd=512).ffn_hidden == 2048
