@@ -31,7 +31,7 @@ from model import ModelConfig, Transformer  # noqa: E402
 SHAPES = {
     "tiny": dict(n_layer=2, n_embd=64, n_head=4, seq_len=32, batch=16, vocab=2048, steps=60, eval_rows=32, lr=3e-3,
                  warmup=5),
-    "gpu": dict(n_layer=8, n_embd=512, n_head=8, seq_len=512, batch=32, vocab=32768, steps=4000, eval_rows=256, lr=1e-3,
+    "gpu": dict(n_layer=8, n_embd=512, n_head=8, seq_len=512, batch=32, vocab=32768, steps=3000, eval_rows=256, lr=1e-3,
                 warmup=100),
 }
 FACTORS = (1, 2, 4)

@@ -44,7 +44,7 @@ ARCHS = ("gpt2", "llama", "bert", "t5")
 SHAPES = {
     "tiny": dict(n_layer=2, n_embd=64, n_head=4, seq_len=64, batch=8, vocab=2048, steps=40, eval_every=10,
                  eval_rows=32, lr=3e-3, warmup=5),
-    "gpu": dict(n_layer=8, n_embd=512, n_head=8, seq_len=512, batch=64, vocab=32768, steps=3000, eval_every=250,
+    "gpu": dict(n_layer=8, n_embd=512, n_head=8, seq_len=512, batch=64, vocab=32768, steps=2000, eval_every=250,
                 eval_rows=512, lr=1e-3, warmup=100),
 }
 
