@@ -15,6 +15,9 @@ Proves, on CPU in fp32 with tiny models built here:
 - TP2 (2 gloo ranks, one spawn) equals one process for ALiBi with 6 heads (each rank its 3 slopes)
   and a windowed GQA model: logits, loss, first gradients, greedy generate() and decode(); the MPT
   folder read with tp.hf_shard_fn gives each rank its heads' rows of Wqkv and transformers' logits;
+- PP2 (2 gloo ranks) equals one process for ALiBi with GQA, tied embeddings and a window from the second
+  block of stage 0 on: the loss of two micro-batches, every stage's first gradients, the evaluation through
+  the stages and greedy decode() under net.full_params();
 - decode refuses the triton / flex kernels for ALiBi; on a GPU, the captured decode step (CUDA graph)
   gives the eager greedy tokens; MPT configs ingot cannot reproduce, and models no HF class expresses
   (ALiBi other than MPT's, a window with learned positions, window_from without Qwen2's layout),
@@ -29,8 +32,9 @@ import torch
 import generate
 import hf
 import parallel
+import pp
 import tp
-from distributed import assert_close as assert_rel, spawn
+from distributed import assert_close as assert_rel, spawn, train_cfg
 from model import ModelConfig, Transformer, alibi_slopes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -218,6 +222,56 @@ def test_tp2_equals_one_process(tmp_path):
             assert_rel(got["grads"], ref["grads"], f"{what} first gradients")
             for k in ("generate", "decode"):
                 assert torch.equal(got[k], ref[k]), f"{what} greedy {k}"
+
+
+# ----------------------------------------------------------------------------- PP2
+
+PP_CONFIG = dict(vocab_size=V, n_layer=4, n_head=4, n_kv_head=2, n_embd=32, block_size=64, pos_emb="alibi",
+                 norm="layernorm", activation="gelu", tie_embeddings=True, sliding_window=5, window_from=1,
+                 lr=1e-3, pp_cut="2")  # the window from block 1 of stage 0 on, all of stage 1 (blocks 2, 3)
+
+
+def _pp_run(net, grid):
+    """Two micro-batches' loss and first gradients through net.train_step, evaluation, greedy decode."""
+    x = ids(5, (4, 24))
+    micro = [(x[i:i + 2, :-1].clone(), x[i:i + 2, 1:].clone(), {}) for i in (0, 2)]
+    out = {"loss": net.train_step(micro, lambda i, loss: (loss / 2, loss.detach() / 2))}
+    net.wrapper.finish()
+    if net.pipe is not None:
+        pp.sum_tied_grads(net)
+    out["grads"] = {n: p.grad.clone() for n, p in net.raw.named_parameters() if p.grad is not None}
+    with torch.no_grad():
+        out["eval"] = net(x[:, :-1], x[:, 1:], reduction="none")
+    net.raw.eval()
+    p, m = left_padded(6)
+    with net.full_params(), torch.no_grad():
+        out["decode"] = generate.decode(net.raw, p, 16, temperature=0, attention_mask=m, bucket=8).tokens
+    return out
+
+
+def _pp_worker(rank, out_dir):
+    cfg = train_cfg(PP_CONFIG, pp=2)
+    grid = parallel.init(cfg)
+    torch.manual_seed(0)
+    net = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg)
+    torch.save(_pp_run(net, grid), os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_pp2_equals_one_process(tmp_path):
+    """ALiBi with a window from the second block of stage 0 on (tied embeddings over the two stages)."""
+    spawn(_pp_worker, 2, str(tmp_path))
+    cfg = train_cfg(PP_CONFIG, pp_cut="")
+    torch.manual_seed(0)
+    ref = _pp_run(parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), parallel.init(cfg), cfg), None)
+    for rank in range(2):
+        got, what = torch.load(tmp_path / f"rank{rank}.pt"), f"pp2 stage {rank}"
+        assert_rel(got["loss"], ref["loss"], f"{what} loss")
+        names = {"tok_emb.weight" if n == "head.weight" else n: g for n, g in got["grads"].items()}
+        assert len(names) == len(got["grads"]) > 0, what
+        for n, g in names.items():  # the last stage's tied head: the sum of both uses
+            assert_rel(g, ref["grads"][n], f"{what} grad {n}")
+        assert_rel(got["eval"], ref["eval"], f"{what} evaluation")
+        assert torch.equal(got["decode"], ref["decode"]), f"{what} greedy decode"
 
 
 # ----------------------------------------------------------------------------- refusals

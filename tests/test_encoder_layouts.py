@@ -4,7 +4,7 @@ Proves, in fp32 on CPU: for a BERT masked-LM (tied decoder) and a T5 v1.1 (untie
 over 2 encoder layers), parallelize(..., data_parallel="ddp" | "fsdp") over 2 ranks, each rank
 half of the global batch, gives the one process's first gradients, gradient norms (clipping
 active) and weights after 3 AdamW steps (relative error <= 1e-5), and afterwards the same greedy
-T5 generation (FSDP: inside Parallel.full_params()). The loss is each rank's summed NLL over the
+T5 generation (FSDP: inside Net.full_params()). The loss is each rank's summed NLL over the
 global batch's count of predicted tokens (MLM rows predict different numbers of tokens), times
 the data-parallel size that the gradient mean divides by: the global mean, whatever the split.
 """
@@ -52,14 +52,14 @@ def train(run, name, grid, rec):
         count = (y != IGNORE).sum()
         x, y = x[grid.dp_rank * per:][:per], y[grid.dp_rank * per:][:per]
         (run.fwd(x, y, reduction="sum") / count * grid.dp).backward()
-        run.model.finish()
+        run.wrapper.finish()
         if s == 0:
-            rec["grads"] = (fsdp.gather_by_name(run.model, lambda u: u.grad) if isinstance(run.model, fsdp.FSDP)
+            rec["grads"] = (fsdp.gather_by_name(run.wrapper, lambda u: u.grad) if isinstance(run.wrapper, fsdp.FSDP)
                             else {n: p.grad.clone() for n, p in run.raw.named_parameters()})
         rec["norms"].append(run.clip_grad_norm_(TRAIN["grad_clip"]))
         run.optimizer.step()
-        run.model.zero_grad()
-    rec["weights"] = (fsdp.full_state_dict(run.model) if isinstance(run.model, fsdp.FSDP)
+        run.wrapper.zero_grad()
+    rec["weights"] = (fsdp.full_state_dict(run.wrapper) if isinstance(run.wrapper, fsdp.FSDP)
                       else {k: v.clone() for k, v in run.raw.state_dict().items()})
     if name == "t5":
         with run.full_params(), torch.no_grad():
