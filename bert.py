@@ -173,6 +173,19 @@ class Bert(nn.Module):
         return Transformer.loss(self.output(h), targets, reduction)
 
 
+    # the counts pretrain.py prints, as model.Transformer's
+    def num_params(self):
+        """Unique parameters (the tied decoder counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def non_embedding_params(self):
+        """Matmul parameters inside the blocks: the 2-D weights of every nn.Linear."""
+        return sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
+
+    def active_params(self):
+        return self.num_params()
+
+
 # ----------------------------------------------------------------------------- masked-LM masking
 
 def mask_tokens(ids, *, mask_id, vocab_size, rate=0.15, special_ids=(), generator=None):

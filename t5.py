@@ -68,8 +68,11 @@ class T5Config:
 
     @classmethod
     def from_cfg(cls, cfg):
-        """Pick this dataclass's keys out of a flat config namespace."""
-        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)})
+        """Pick this dataclass's keys out of a flat config namespace (without scale_logits: scaled when
+        the head is tied, as HF's scale_decoder_outputs defaults)."""
+        kw = {f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)}
+        kw.setdefault("scale_logits", kw.get("tie_embeddings", True))
+        return cls(**kw)
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.n_embd // max(self.n_head, 1)
@@ -288,6 +291,19 @@ class T5(nn.Module):
         return logits if targets is None else Transformer.loss(logits, targets, reduction)
 
 
+    # the counts pretrain.py prints, as model.Transformer's
+    def num_params(self):
+        """Unique parameters (a tied head counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def non_embedding_params(self):
+        """Matmul parameters inside the blocks: the 2-D weights of every nn.Linear."""
+        return sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
+
+    def active_params(self):
+        return self.num_params()
+
+
 def flops_per_row(cfg, src_len, tgt_len):
     """Training FLOPs of one (source, target) row, DESIGN.md's count: 6 x the encoder blocks' matmul
     weights x src_len + 6 x the decoder's (head included) x tgt_len + attention per layer: encoder
@@ -464,15 +480,23 @@ def config_from_hf(hf, untied=False):
                     decoder_start_id=hf.get("decoder_start_token_id", hf.get("pad_token_id", 0)))
 
 
-@torch.no_grad()
-def load_hf(path, dtype=torch.float32):
-    """An HF T5ForConditionalGeneration folder (config.json + model.safetensors) -> T5 in eval mode."""
+def has_own_head(path):
+    """Whether an HF T5 folder's lm_head differs from its shared embedding (v1.1; transformers 5 writes
+    a tied model's lm_head too)."""
     file = os.path.join(path, "model.safetensors")
     if not os.path.isfile(file):
         raise ConfigError(f"{path}: no model.safetensors (t5.py reads safetensors only)")
+    with safe_open(file, framework="pt") as st:
+        return "lm_head.weight" in st.keys() and not torch.equal(st.get_tensor("lm_head.weight"),
+                                                                 st.get_tensor("shared.weight"))
+
+
+@torch.no_grad()
+def load_hf(path, dtype=torch.float32):
+    """An HF T5ForConditionalGeneration folder (config.json + model.safetensors) -> T5 in eval mode."""
+    untied, file = has_own_head(path), os.path.join(path, "model.safetensors")
     with open(os.path.join(path, "config.json")) as f, safe_open(file, framework="pt") as st:
         keys = set(st.keys())
-        untied = "lm_head.weight" in keys and not torch.equal(st.get_tensor("lm_head.weight"), st.get_tensor("shared.weight"))
         cfg = config_from_hf(json.load(f), untied)
         model = T5(cfg).to(dtype)
         params, used = dict(model.named_parameters()), set()
