@@ -2,6 +2,7 @@
 
     prefix = Prefix(model.cfg, n_tokens=20, projection=True)      # optional reparameterisation MLP
     tuned = Prefixed(model, prefix)                                 # the base frozen; only the prefix trains
+    attach(model, prefix)                                           # the same in place (sft.py: prefix_tokens > 0)
     loss = tuned(x, y, attn_mask=real)                              # model.Transformer's forward, prefixed
     save_peft("out/prefix", prefix)                                 # adapter_model.safetensors + adapter_config.json
     prefix = load_peft("out/prefix", model.cfg)                     # PEFT's (or ours): peft.PeftModel reads it too
@@ -9,7 +10,8 @@
 What it is, as PEFT's PrefixTuningConfig builds it for a causal LM: N virtual tokens whose keys and
 values are prepended to each layer's attention, as if a cache held N earlier tokens: every real
 token attends to all of them, the real tokens' positions start at N (RoPE and learned positions;
-the prefix keys are used as given, no rotation), an attention mask gains N ones in front. The
+the prefix keys are used as given, no rotation), an attention mask gains N ones in front (a packed
+row's (B, T, T) mask N columns; its per-document positions start at N). The
 table is (N, n_layer * 2 * KV * D): row n holds, layer by layer, the key then the value of virtual
 token n for each of the KV key/value heads (PEFT's token_dim = KV * D under grouped-query
 attention). projection=True learns it through PEFT's reparameterisation, embedding (N, KV * D) ->
@@ -24,8 +26,10 @@ the model's own rules. generate(): the eager decoding loop with the prefix in th
 tensor parallelism (the prefix's kv heads would be cut like attn.qkv's), FSDP of the frozen base,
 generate.decode's static cache (the fast decoder).
 """
+import functools
 import json
 import os
+import types
 
 import torch
 import torch.nn as nn
@@ -34,6 +38,7 @@ from safetensors.torch import save_file
 
 from config import ConfigError, MissingFileError
 from generate import KVCache, sample
+from model import Transformer
 
 
 class Prefix(nn.Module):
@@ -75,38 +80,66 @@ class PrefixCache:
         return torch.cat([pk.to(k.dtype), k], dim=2), torch.cat([pv.to(v.dtype), v], dim=2)
 
 
+def check_fits(model, prefix):
+    if prefix.n_layer != model.cfg.n_layer or prefix.kv_heads * prefix.head_dim != model.cfg.kv_heads * model.cfg.head_dim:
+        raise ConfigError(f"this prefix is for {prefix.n_layer} layers of {prefix.kv_heads} x {prefix.head_dim} "
+                          f"key/value heads, the model has {model.cfg.n_layer} of {model.cfg.kv_heads} x "
+                          f"{model.cfg.head_dim}")
+
+
+def prefixed(run, prefix, idx, targets=None, *, reduction="mean", pos=None, attn_mask=None, temperature=1.0):
+    """run(idx, targets, ...) (a Transformer's forward) with prefix's keys and values in front of every
+    layer's: attn_mask (B, T) 0/1 (real tokens) or a boolean (B, T, T) one (packed rows) gains the
+    prefix's N columns (always seen), given positions pos shift by N."""
+    B, T = idx.shape
+    N = prefix.n_tokens
+    if attn_mask is not None:
+        if attn_mask.dim() == 2:
+            attn_mask = torch.cat([attn_mask.new_ones(B, N), attn_mask], dim=1)
+        elif attn_mask.dim() == 3 and not attn_mask.is_floating_point():
+            attn_mask = torch.cat([attn_mask.new_ones(B, T, N), attn_mask], dim=2)
+        else:
+            raise ConfigError("prefix tuning: attn_mask must be (B, T) 0/1 or a boolean (B, T, T) (the prefix's N "
+                              "columns are added here)")
+    return run(idx, targets, reduction=reduction, cache=PrefixCache(prefix(B)), pos=None if pos is None else pos + N,
+               attn_mask=attn_mask, temperature=temperature)
+
+
 class Prefixed(nn.Module):
     """A model.Transformer (frozen here) with a Prefix in front of every layer; forward as the model's."""
 
     def __init__(self, model, prefix):
         super().__init__()
-        if prefix.n_layer != model.cfg.n_layer or prefix.kv_heads * prefix.head_dim != model.cfg.kv_heads * model.cfg.head_dim:
-            raise ConfigError(f"this prefix is for {prefix.n_layer} layers of {prefix.kv_heads} x {prefix.head_dim} "
-                              f"key/value heads, the model has {model.cfg.n_layer} of {model.cfg.kv_heads} x "
-                              f"{model.cfg.head_dim}")
+        check_fits(model, prefix)
         self.model, self.prefix, self.cfg = model.requires_grad_(False), prefix, model.cfg
 
-    def forward(self, idx, targets=None, *, reduction="mean", attn_mask=None, temperature=1.0):
-        """idx (B, T) -> logits, or the loss with targets (model.Transformer.forward's meaning);
-        attn_mask (B, T) 0/1 marks the real tokens (the prefix is always real)."""
-        B = idx.shape[0]
-        if attn_mask is not None:
-            if attn_mask.dim() != 2:
-                raise ConfigError("Prefixed: attn_mask must be (B, T) 0/1 (the prefix's N columns are added here)")
-            attn_mask = torch.cat([attn_mask.new_ones(B, self.prefix.n_tokens), attn_mask], dim=1)
-        return self.model(idx, targets, reduction=reduction, cache=PrefixCache(self.prefix(B)), attn_mask=attn_mask,
-                          temperature=temperature)
+    def forward(self, idx, targets=None, **kw):
+        """idx (B, T) -> logits, or the loss with targets (model.Transformer.forward's meaning, through
+        prefixed(): attn_mask, pos, reduction, temperature)."""
+        return prefixed(self.model, self.prefix, idx, targets, **kw)
+
+
+def attach(model, prefix):
+    """Prefix tuning of a model.Transformer in place, as sft.py trains it: the base frozen, model.prefix
+    = prefix (on the model's device), and model(...) runs through prefixed(). The state dict keeps the
+    base's names and adds prefix.* (checkpoint.read_weights takes them). Returns model."""
+    check_fits(model, prefix)
+    model.requires_grad_(False)
+    model.prefix = prefix.to(next(model.parameters()).device)
+    model.forward = types.MethodType(lambda self, idx, targets=None, **kw: prefixed(
+        functools.partial(Transformer.forward, self), self.prefix, idx, targets, **kw), model)
+    return model
 
 
 @torch.no_grad()
 def generate(tuned, idx, max_new_tokens, *, attention_mask=None, temperature=1.0, top_k=None, top_p=None,
              stop_tokens=None, pad_id=None, generator=None, seed=None):
-    """generate.generate's eager loop for a Prefixed model: the prefix is written into the KV cache's
+    """generate.generate's eager loop for a Prefixed model (or one attach() tuned): the prefix is written into the KV cache's
     first N slots, then the (left-padded) prompts are prefilled after it and decoded one token a step.
     Positions count from each prompt's first real token after the N virtual ones (transformers'
     generate through PEFT does the same). Returns (B, T + generated); a row that emitted one of
     stop_tokens repeats pad_id (default: that token); the loop ends when every row has stopped."""
-    model, N = tuned.model, tuned.prefix.n_tokens
+    model, N = tuned.model if isinstance(tuned, Prefixed) else tuned, tuned.prefix.n_tokens  # (or attach()'s)
     B, T = idx.shape
     if N + T + max_new_tokens > model.cfg.block_size:
         raise ConfigError(f"prefix {N} + prompt {T} + max_new_tokens {max_new_tokens} exceeds block_size="
@@ -140,6 +173,17 @@ def generate(tuned, idx, max_new_tokens, *, attention_mask=None, temperature=1.0
     finally:
         tuned.train(was_training)
     return torch.cat(out, dim=1)
+
+
+def answers(tuned, prompts, max_new_tokens, stop_id):
+    """Greedy answers of a prefix-tuned model to prompts (token lists): left-padded with stop_id,
+    decoded by generate() until stop_id; -> token lists, stop_id cut (sft.py's held-out accuracy)."""
+    T, dev = max(map(len, prompts)), tuned.prefix.embedding.weight.device
+    idx = torch.tensor([[stop_id] * (T - len(p)) + p for p in prompts], device=dev)
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=dev)
+    out = generate(tuned, idx, max_new_tokens, attention_mask=mask, temperature=0.0, stop_tokens=[stop_id],
+                   pad_id=stop_id)[:, T:]
+    return [[t for t in row if t != stop_id] for row in out.tolist()]
 
 
 # ----------------------------------------------------------------------------- PEFT's format
