@@ -185,3 +185,57 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+# ----------------------------------------------------------------------------- a model's life, one report
+
+LIFE = {  # stage -> [(label, metric key)] of the held-out metrics its report row shows, before -> after
+    "pretrain": [("validation loss (nats / token)", "val_loss")],
+    "sft": [("held-out accuracy, greedy", "accuracy"), ("held-out loss", "val_loss")],
+    "dpo": [("held-out reward accuracy", "eval_rewards/accuracies"),
+            ("held-out policy preference accuracy", "eval_policy/accuracy")],
+    "grpo": [("held-out accuracy, greedy (strict)", "heldout_strict"), ("held-out accuracy, greedy (lenient)",
+             "heldout_lenient"), ("held-out reward, sampled", "heldout_reward")],
+}
+
+
+def life_report(metrics, out):
+    """metrics: {stage: its train_metrics.jsonl} (pretrain, sft, dpo, grpo, in life order) -> the report's
+    markdown table (also out/report.md): each stage's held-out metrics at its first and last evaluation,
+    its steps and minutes; and out/report.png: each stage's training curve and held-out points."""
+    rows, lines = {}, ["| stage | held-out metric | before | after | steps | minutes |", "|---|---|---:|---:|---:|---:|"]
+    for stage, path in metrics.items():
+        rows[stage] = [json.loads(line) for line in open(path)]
+        recs = rows[stage]
+        steps = max(r["step"] for r in recs)
+        minutes = (recs[-1]["time"] - recs[0]["time"]) / 60
+        for label, key in LIFE.get(stage, []):
+            seen = [(r["step"], r[key]) for r in recs if key in r]
+            if len(seen) < 2:
+                continue
+            (s0, v0), (s1, v1) = seen[0], seen[-1]
+            f = (lambda v: f"{v:.1%}") if "accuracy" in label or "reward" in label else (lambda v: f"{v:.3f}")
+            lines.append(f"| {stage} | {label} | {f(v0)} (step {s0}) | {f(v1)} (step {s1}) | {steps} | {minutes:.1f} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(text)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 3.8), layout="constrained", squeeze=False)
+    for ax, (stage, recs) in zip(axes[0], rows.items()):
+        train = "reward" if stage == "grpo" else "loss"
+        pts = [(r["step"], r[train]) for r in recs if train in r and "lr" in r]
+        ax.plot(*zip(*pts), color="0.6", label=f"training {train}") if pts else None
+        ax.set(title=stage, xlabel="step")
+        twin = ax.twinx()
+        for i, (label, key) in enumerate(LIFE.get(stage, [])):
+            seen = [(r["step"], r[key]) for r in recs if key in r]
+            if seen:
+                twin.plot(*zip(*seen), marker="o", color=f"C{i}", label=label)
+        handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        ax.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="upper center",
+                  bbox_to_anchor=(0.5, -0.18), ncol=1, frameon=False)
+    fig.savefig(os.path.join(out, "report.png"), dpi=110)
+    plt.close(fig)
+    return text
