@@ -20,10 +20,9 @@ and its input becomes mask_id (80%), a uniformly random id (10%) or stays (10%);
 target is IGNORE. Layers are named blocks.i like model.Transformer's, so fsdp.FSDP (a unit per
 block) and dp.DataParallel wrap a Bert as they do a Transformer.
 
-HF interop is ours: config.json read as JSON, weights through safetensors (q/k/v rows fused into
-attn.qkv, vocabulary rows padded to pad_vocab_multiple, padded logits sliced off);
-`transformers` is never imported here. A BertForPreTraining folder's next-sentence head and a
-masked-LM folder's pooler are left unread, as transformers does loading BertForMaskedLM.
+HF interop is ours (`transformers` never imported): config.json and safetensors, q/k/v fused into
+attn.qkv, vocabulary rows padded, padded logits sliced off; a BertForPreTraining folder's
+next-sentence head and a masked-LM folder's pooler left unread, as transformers' BertForMaskedLM.
 """
 import json
 import os

@@ -2,29 +2,27 @@
 
     prefix = Prefix(model.cfg, n_tokens=20, projection=True)      # optional reparameterisation MLP
     tuned = Prefixed(model, prefix)                                 # the base frozen; only the prefix trains
-    attach(model, prefix)                                           # the same in place (sft.py: prefix_tokens > 0)
     loss = tuned(x, y, attn_mask=real)                              # model.Transformer's forward, prefixed
+    attach(model, prefix)                                           # the same in place (sft.py's prefix_tokens)
     save_peft("out/prefix", prefix)                                 # adapter_model.safetensors + adapter_config.json
     prefix = load_peft("out/prefix", model.cfg)                     # PEFT's (or ours): peft.PeftModel reads it too
 
 What it is, as PEFT's PrefixTuningConfig builds it for a causal LM: N virtual tokens whose keys and
 values are prepended to each layer's attention, as if a cache held N earlier tokens: every real
-token attends to all of them, the real tokens' positions start at N (RoPE and learned positions;
-the prefix keys are used as given, no rotation), an attention mask gains N ones in front (a packed
-row's (B, T, T) mask N columns; its per-document positions start at N). The
-table is (N, n_layer * 2 * KV * D): row n holds, layer by layer, the key then the value of virtual
-token n for each of the KV key/value heads (PEFT's token_dim = KV * D under grouped-query
-attention). projection=True learns it through PEFT's reparameterisation, embedding (N, KV * D) ->
-Linear -> tanh -> Linear(hidden -> n_layer * 2 * KV * D), which training sees; without it the
-table is the parameter. Saved, as PEFT saves it, is the table itself ("prompt_embeddings"), so a
-projected prefix loads back as a plain table (inference), as in PEFT.
+token attends to all of them, the real tokens' positions start at N (the prefix keys used as given,
+no rotation), an attention mask gains N ones in front (a packed row's (B, T, T) mask N columns).
+The table is (N, n_layer * 2 * KV * D): row n holds, layer by layer, the key then the value of
+virtual token n for each of the KV key/value heads (PEFT's token_dim = KV * D under GQA).
+projection=True learns it through PEFT's reparameterisation, embedding (N, KV * D) -> Linear ->
+tanh -> Linear(hidden -> n_layer * 2 * KV * D), which training sees; without it the table is the
+parameter. Saved, as PEFT saves it, is the table itself ("prompt_embeddings"), so a projected
+prefix loads back as a plain table (inference), as in PEFT.
 
-How: Prefixed hands Transformer.forward a PrefixCache (the cache interface: `length` = N,
-update() puts the prefix in front of each layer's keys and values), so positions, causality
-(every query sees the whole prefix), grouped-query attention, ALiBi and sliding windows follow
-the model's own rules. generate(): the eager decoding loop with the prefix in the KV cache. Not here:
-tensor parallelism (the prefix's kv heads would be cut like attn.qkv's), FSDP of the frozen base,
-generate.decode's static cache (the fast decoder).
+How: prefixed() hands Transformer.forward a PrefixCache (the cache interface: `length` = N,
+update() puts the prefix in front of each layer's keys and values), so positions, causality, GQA,
+ALiBi and sliding windows follow the model's own rules. generate(): the eager decoding loop with
+the prefix in the KV cache (answers(): greedy). Not here: tensor parallelism (the prefix's kv heads
+would be cut like attn.qkv's), FSDP of the frozen base, generate.decode's static cache.
 """
 import functools
 import json
@@ -65,7 +63,8 @@ class Prefix(nn.Module):
     def forward(self, batch):
         """-> [(keys, values)] per layer, each (batch, KV, N, D)."""
         t = self.table().view(self.n_tokens, 2 * self.n_layer, self.kv_heads, self.head_dim).permute(1, 2, 0, 3)
-        return [(t[2 * i].expand(batch, -1, -1, -1), t[2 * i + 1].expand(batch, -1, -1, -1)) for i in range(self.n_layer)]
+        return [(t[2 * i].expand(batch, -1, -1, -1), t[2 * i + 1].expand(batch, -1, -1, -1))
+                for i in range(self.n_layer)]
 
 
 class PrefixCache:
@@ -81,7 +80,9 @@ class PrefixCache:
 
 
 def check_fits(model, prefix):
-    if prefix.n_layer != model.cfg.n_layer or prefix.kv_heads * prefix.head_dim != model.cfg.kv_heads * model.cfg.head_dim:
+    """ConfigError unless prefix has model's layers and key/value width."""
+    kv, want = prefix.kv_heads * prefix.head_dim, model.cfg.kv_heads * model.cfg.head_dim
+    if prefix.n_layer != model.cfg.n_layer or kv != want:
         raise ConfigError(f"this prefix is for {prefix.n_layer} layers of {prefix.kv_heads} x {prefix.head_dim} "
                           f"key/value heads, the model has {model.cfg.n_layer} of {model.cfg.kv_heads} x "
                           f"{model.cfg.head_dim}")
@@ -134,11 +135,12 @@ def attach(model, prefix):
 @torch.no_grad()
 def generate(tuned, idx, max_new_tokens, *, attention_mask=None, temperature=1.0, top_k=None, top_p=None,
              stop_tokens=None, pad_id=None, generator=None, seed=None):
-    """generate.generate's eager loop for a Prefixed model (or one attach() tuned): the prefix is written into the KV cache's
-    first N slots, then the (left-padded) prompts are prefilled after it and decoded one token a step.
-    Positions count from each prompt's first real token after the N virtual ones (transformers'
-    generate through PEFT does the same). Returns (B, T + generated); a row that emitted one of
-    stop_tokens repeats pad_id (default: that token); the loop ends when every row has stopped."""
+    """generate.generate's eager loop for a Prefixed model (or one attach() tuned): the prefix is
+    written into the KV cache's first N slots, then the (left-padded) prompts are prefilled after it
+    and decoded one token a step. Positions count from each prompt's first real token after the N
+    virtual ones (transformers' generate through PEFT does the same). Returns (B, T + generated); a
+    row that emitted one of stop_tokens repeats pad_id (default: that token); the loop ends when
+    every row has stopped."""
     model, N = tuned.model if isinstance(tuned, Prefixed) else tuned, tuned.prefix.n_tokens  # (or attach()'s)
     B, T = idx.shape
     if N + T + max_new_tokens > model.cfg.block_size:

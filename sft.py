@@ -98,7 +98,8 @@ def check(cfg, grid):
                            "folder; the base is init_from)")]:
             need(not bad, f"prefix tuning (prefix_tokens={cfg.prefix_tokens}) works with data_parallel='ddp' on a "
                  f"decoder: not with {what}")
-    if cfg.lora_r and objective == "lm":  # lora.apply on a meta copy: unknown targets, nothing adapted (MoE), bf16 without autocast
+    # lora.apply on a meta copy: unknown targets, nothing adapted (MoE), bf16 without autocast
+    if cfg.lora_r and objective == "lm":
         with torch.device("meta"):
             model = Transformer(ModelConfig.from_cfg(cfg))
         try:
@@ -196,8 +197,8 @@ def held_out_loss(net, rows, cfg, autocast):
 
 def train_step(net, micro, autocast, router=False):
     """Forwards and backwards of one optimizer step over this rank's micro-batches [(x, y, pos,
-    attn_mask)] (a T5's: (src, y, None, src_mask)): the gradient of the mean NLL over the global batch's assistant tokens (module
-    docstring), left for net.step(). router: add MoE router losses (their mean over the
+    attn_mask)] (a T5's: (src, y, None, src_mask)): the gradient of the mean NLL over the global
+    batch's assistant tokens (module docstring), left for net.step(). router: add MoE router losses (their mean over the
     micro-steps). Returns (summed NLL of this rank's tokens, the global batch's token count)."""
     grid = net.grid
     count = sum((y != IGNORE).sum() for _, y, _, _ in micro).float()  # all micro-steps, before the first forward

@@ -21,10 +21,9 @@ tokens, each noise span replaced by one sentinel; the target is each noise span 
 sentinels count down from vocab_size - 1 (<extra_id_0>); both end with eos. corrupted_lengths
 says how many raw tokens give an input of a wanted length (HF's compute_input_and_target_lengths).
 
-Layers are one ModuleList `blocks`: the encoder's, then the decoder's, the order a forward runs
-them, so fsdp.FSDP's unit per block (gathered in that order, prefetching the next) and
-dp.DataParallel wrap a T5 as they do a Transformer. Cache: the decoder's self-attention
-keys and values grow (a generate.KVCache), cross-attention's are computed once from the encoder output.
+Layers are one ModuleList `blocks`, the encoder's then the decoder's (the order a forward runs
+them), so fsdp.FSDP (a unit per block) and dp.DataParallel wrap a T5 as a Transformer. Cache: the
+decoder's self-attention keys and values grow, cross-attention's are computed once per source.
 """
 import json
 import math

@@ -1,9 +1,10 @@
-"""Smoke tests of bench/compare_arch.py and bench/alibi_extrapolation.py on CPU: tiny shapes, a few
-steps, a small text corpus. Checks the JSON: the four architectures have blocks of matched size
+"""Smoke tests of bench/compare_arch.py, bench/alibi_extrapolation.py and bench/bench_encoders.py on
+CPU: tiny shapes, a few steps, a small text corpus. Checks the JSON: the four architectures have blocks of matched size
 (within 5%), each trains for the FLOPs of GPT-2's steps (within one step's), the causal LMs report
 bits per byte and the others none, every loss is finite and the PNG is written; the extrapolation
 table has ALiBi, RoPE and RoPE with a window of T, whose loss at 1x equals RoPE's (the window
-changes nothing at the training length)."""
+changes nothing at the training length); bench/bench_encoders.py's BERT and T5 rows have the
+parameter count of their HF peers (the same shape) and the same FLOP count per step."""
 import json
 import math
 import os
@@ -62,3 +63,16 @@ def test_alibi_extrapolation(corpus, tmp_path):
     assert set(rows) == {"rope", "alibi", "rope, window T"}
     assert rows["rope, window T"]["1"] == rows["rope"]["1"]
     assert all(math.isfinite(v) for r in rows.values() for f in ("1", "2", "4") for v in r[f])
+
+
+def test_bench_encoders(tmp_path):
+    pytest.importorskip("transformers")
+    out = run("bench/bench_encoders.py", ["--shape=tiny", "--device=cpu", "--steps=1", "--warmup=0",
+                                          f"--json={tmp_path / 'e.json'}"], tmp_path)
+    assert "| row | params |" in out
+    rows = {r["row"]: r for r in json.loads((tmp_path / "e.json").read_text())["rows"]}
+    assert set(rows) == {"bert", "bert-hf", "t5", "t5-hf"}
+    for ours in ("bert", "t5"):  # the HF peer of the same shape: the same parameters and FLOP count
+        assert rows[ours]["params"] == rows[ours + "-hf"]["params"], ours
+        assert rows[ours]["flops_per_step"] == rows[ours + "-hf"]["flops_per_step"] > 0, ours
+    assert all(math.isfinite(r["loss"]) and r["tok_s"] > 0 for r in rows.values())
