@@ -31,8 +31,10 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+import bert
 import config
 import lora
+import t5
 from config import UserError
 from model import Transformer
 
@@ -284,8 +286,9 @@ def read_pt(file):
 
 
 def read_weights(path, cfg):
-    """model.safetensors -> full state dict with every name of model config `cfg` (tied names
-    filled in; a LoRA run's adapters too); a mismatch with the config names the offending keys."""
+    """model.safetensors -> full state dict with every name of model config `cfg` (a model.ModelConfig,
+    bert.BertConfig or t5.T5Config; tied names filled in; a LoRA run's adapters and a prefix-tuning
+    run's prefix.* too); a mismatch with the config names the offending keys."""
     file = os.path.join(path, "model.safetensors")
     if not os.path.isfile(file):
         raise config.MissingFileError(f"no model.safetensors in '{path}': is it a checkpoint folder "
@@ -298,14 +301,14 @@ def read_weights(path, cfg):
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read '{file}': {e}") from e
     with torch.device("meta"):  # the one-process model's names and full shapes, no memory
-        ref = Transformer(cfg).state_dict(keep_vars=True)
+        ref = {bert.BertConfig: bert.Bert, t5.T5Config: t5.T5}.get(type(cfg), Transformer)(cfg).state_dict(keep_vars=True)
     alias = {}  # tied names -> the name the tensor is stored under
     for k, v in ref.items():
         alias.setdefault(id(v), k)
     need = {k for k, v in ref.items() if alias[id(v)] == k}
     missing = sorted(k for k in need if k not in saved and not any(
         alias[id(ref[o])] == k and o in saved for o in ref))
-    unexpected = sorted(k for k in set(saved) - set(ref) if not lora.is_adapter(k))
+    unexpected = sorted(k for k in set(saved) - set(ref) if not (lora.is_adapter(k) or k.startswith("prefix.")))
     shapes = [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(ref[k].shape)}"
               for k in sorted(set(ref) & set(saved)) if saved[k].shape != ref[k].shape]
     if missing or unexpected or shapes:

@@ -278,10 +278,11 @@ def load(argv, extra=None, world=None, script=None, example=None):
 def validate(cfg, world=1):
     """The shared keys and the model's: fail early, with a message that says what to change.
     Stages check their own keys (their check()); call this again after cfg's model keys change."""
-    try:
-        ModelConfig.from_cfg(cfg)  # model checks (heads divide width, known activation, ...)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(str(e)) from e
+    if getattr(cfg, "objective", "lm") == "lm":  # (a BERT's / T5's config: weights.model_config, in check())
+        try:
+            ModelConfig.from_cfg(cfg)  # model checks (heads divide width, known activation, ...)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(str(e)) from e
 
     def need(ok, msg):
         if not ok:

@@ -470,6 +470,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
     if graph is None:
         graph = dev.type == "cuda" and not moes and not tensor_parallel
     triton_here = fused.available(idx) and dev == torch.device("cuda", torch.cuda.current_device())
+    alibi = model.cfg.pos_emb == "alibi"  # per-head score biases: SDPA takes them, triton and flex one bias per row
     for bad, msg in [
         (T + N > model.cfg.block_size, f"prompt length {T} + max_new_tokens {N} exceeds block_size="
          f"{model.cfg.block_size}: shorten the prompts or generate fewer tokens"),
@@ -479,6 +480,8 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         (attention not in (None, *ATTENTION), f"attention={attention!r}: choose one of {', '.join(ATTENTION)} or None"),
         (attention == "triton" and not triton_here, "attention='triton' needs Triton and the model on the current "
          "CUDA device (torch.cuda.set_device): pass attention=None (it picks)"),
+        (alibi and attention in ("triton", "flex"), f"attention={attention!r} adds one key bias per row, ALiBi's "
+         "differ per head: pass attention='sdpa' (or None)"),
         (not bool(mask.any(1).all()), "decode: every prompt needs at least one real token (attention_mask row of zeros)"),
         (graph and dev.type != "cuda", "graph=True needs the model on a CUDA device: pass graph=False"),
         (graph and bool(moes), "graph=True: MoE layers sync with the host per layer (dropless block sizes), "
@@ -486,7 +489,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         if bad:
             raise ValueError(msg)
     if attention is None:
-        attention = "triton" if graph and triton_here else "sdpa"
+        attention = "triton" if graph and triton_here and not alibi else "sdpa"
     if generator is None and seed is not None:
         generator = torch.Generator(dev).manual_seed(seed)
     stops = None if stop_tokens is None else torch.as_tensor(stop_tokens, device=dev).flatten()

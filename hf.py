@@ -5,8 +5,8 @@
     hf.export_hf(model, "out/hf", tokenizer=tok)           # AutoModelForCausalLM.from_pretrained("out/hf")
     python pretrain.py configs/x.py --init_from=models/Llama-3.2-1B     # any stage: weights.configure, weights.loader
 
-Architectures: GPT-2, LLaMA (Llama-3.1 rope scaling included), Qwen2 (q/k/v bias) and Mistral (as
-long as block_size <= sliding_window, where windowed attention equals full causal attention).
+Architectures: GPT-2, LLaMA (Llama-3.1 rope scaling included), Qwen2 (q/k/v bias; its sliding window on
+the last layers) and Mistral (its sliding window), MPT (ALiBi).
 Everything is local: config.json is read as JSON, weights through safetensors, and `transformers`
 is never imported here (the tests use it as the reference).
 
@@ -33,7 +33,7 @@ from tokenizer import save_tokenizer, write_json
 from model import LLAMA3_ROPE_KEYS, ModelConfig, Transformer
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-         "gpt2": "GPT2LMHeadModel"}
+         "gpt2": "GPT2LMHeadModel", "mpt": "MptForCausalLM"}
 GPT2_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
              "relu2": "relu2"}
 LLAMA_ACTS = {"silu": "swiglu", "gelu": "geglu"}  # hidden_act of the gated MLP
@@ -85,16 +85,43 @@ def _rope(hf):
 
 
 def _sliding_window(mt, hf):
-    if mt == "mistral" or (mt == "qwen2" and (hf.get("use_sliding_window")
-                                              or "sliding_attention" in (hf.get("layer_types") or []))):
-        return hf.get("sliding_window")
-    return None
+    """(sliding_window, window_from) of ModelConfig: Mistral's window is on every layer; Qwen2's (with
+    use_sliding_window) on the layers from max_window_layers on, or where layer_types says (v5)."""
+    window = hf.get("sliding_window")
+    if mt == "mistral" or not window:
+        return window or 0, 0
+    if mt != "qwen2" or not hf.get("use_sliding_window"):
+        return 0, 0
+    L = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
+                                      for i in range(L)]
+    first = types.index("sliding_attention") if "sliding_attention" in types else L
+    if types[first:] != ["sliding_attention"] * (L - first):
+        raise ValueError(f"qwen2 config: layer_types {types} is not supported by ingot's Transformer (the windowed "
+                         f"layers must be the last ones)")
+    return (window, first) if first < L else (0, 0)
+
+
+def _mpt(hf, refuse):
+    """MPT's config.json -> ModelConfig keywords (transformers' MptForCausalLM: ALiBi, bias-free LayerNorm)."""
+    a = hf.get("attn_config") or {}
+    for bad, what in [(not a.get("alibi", True), "attn_config.alibi=false"),
+                      (a.get("alibi_bias_max", 8) != 8, f"attn_config.alibi_bias_max={a.get('alibi_bias_max')} (8 only)"),
+                      (a.get("clip_qkv"), "attn_config.clip_qkv"), (a.get("softmax_scale"), "attn_config.softmax_scale"),
+                      (a.get("qk_ln"), "attn_config.qk_ln"), (a.get("prefix_lm"), "attn_config.prefix_lm"),
+                      (a.get("attn_type", "multihead_attention") != "multihead_attention", "attn_config.attn_type"),
+                      (hf.get("expansion_ratio", 4) != 4, "expansion_ratio != 4"), (not hf.get("no_bias", True),
+                      "no_bias=false"), (hf.get("logit_scale") is not None, "logit_scale")]:
+        refuse(bad, what)
+    C = hf["d_model"]
+    return dict(n_layer=hf["n_layers"], n_head=hf["n_heads"], n_embd=C, ffn_hidden=4 * C, activation="gelu",
+                norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5), pos_emb="alibi", bias=False,
+                tie_embeddings=hf.get("tie_word_embeddings", True))
 
 
 def config_from_hf(hf, block_size=None):
     """An HF config.json (dict) -> ModelConfig. block_size defaults to the longest context the model
-    takes (max_position_embeddings, or sliding_window if smaller: beyond it Mistral's attention
-    differs from ours). Anything we cannot reproduce exactly raises, naming the field."""
+    takes (max_position_embeddings). Anything we cannot reproduce exactly raises, naming the field."""
     mt = _model_type(hf)
 
     def refuse(bad, what):
@@ -110,7 +137,9 @@ def config_from_hf(hf, block_size=None):
         kw = dict(n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=C, ffn_hidden=hf.get("n_inner") or 4 * C,
                   activation=GPT2_ACTS[act], norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                   pos_emb="learned", bias=True, tie_embeddings=hf.get("tie_word_embeddings", True))
-        longest, window = hf.get("n_positions", 1024), None
+        longest, window = hf.get("n_positions", 1024), (0, 0)
+    elif mt == "mpt":
+        kw, longest, window = _mpt(hf, refuse), hf.get("max_seq_len", 2048), (0, 0)
     else:
         act = hf.get("hidden_act", "silu")
         refuse(act not in LLAMA_ACTS, f"hidden_act={act!r} (silu or gelu)")
@@ -125,34 +154,39 @@ def config_from_hf(hf, block_size=None):
                   norm_eps=hf.get("rms_norm_eps", 1e-6), pos_emb="rope", rope_theta=theta, rope_scaling=scaling,
                   bias=attn_bias, qkv_bias=mt == "qwen2", tie_embeddings=hf.get("tie_word_embeddings", False))
         longest, window = hf.get("max_position_embeddings", 2048), _sliding_window(mt, hf)
-    block_size = block_size or min(longest, window or longest)
+    block_size = block_size or longest
     refuse(mt == "gpt2" and block_size > longest, f"block_size={block_size} > n_positions={longest}")
-    refuse(window and block_size > window, f"sliding_window={window} shorter than block_size={block_size} "
-                                           f"(pass block_size <= {window})")
-    return ModelConfig(vocab_size=hf["vocab_size"], block_size=block_size, **kw)
+    return ModelConfig(vocab_size=hf["vocab_size"], block_size=block_size, sliding_window=window[0],
+                       window_from=window[1], **kw)
 
 
 def _export_type(cfg, model_type=None):
     """The HF model_type that expresses cfg exactly, or a ValueError naming what does not fit."""
-    gpt2 = cfg.family == "gpt2"
+    gpt2, mpt, window = cfg.family == "gpt2", cfg.family == "mpt", cfg.sliding_window > 0
     why = [w for bad, w in [
         (not cfg.prenorm, "prenorm=False"), (cfg.qk_norm, "qk_norm=True"),
         (gpt2 and cfg.norm != "layernorm", "learned positions with rmsnorm"),
         (gpt2 and cfg.activation not in GPT2_ACTS.values(), f"activation={cfg.activation!r} with learned positions"),
         (gpt2 and not cfg.bias, "learned positions without bias (GPT-2 has biases everywhere)"),
         (gpt2 and cfg.kv_heads != cfg.n_head, "grouped-query attention with learned positions"),
-        (not gpt2 and cfg.norm != "rmsnorm", "rope with layernorm"),
-        (not gpt2 and cfg.activation not in LLAMA_ACTS.values(), f"activation={cfg.activation!r} with rope"),
+        (mpt and (cfg.norm, cfg.activation, cfg.bias, cfg.qkv_bias, cfg.kv_heads, cfg.hidden) != (
+            "layernorm", "gelu", False, False, cfg.n_head, 4 * cfg.n_embd),
+         "alibi other than MPT's (layernorm, gelu, no biases, MHA, ffn_hidden = 4 n_embd)"),
+        ((gpt2 or mpt) and window, "a sliding window with learned or alibi positions"),
+        (window and cfg.window_from and not (cfg.qkv_bias and not cfg.bias), "window_from > 0 without qkv_bias "
+         "(Qwen2's layout)"), (window and cfg.bias, "a sliding window with bias=True"),
+        (not (gpt2 or mpt) and cfg.norm != "rmsnorm", "rope with layernorm"),
+        (not (gpt2 or mpt) and cfg.activation not in LLAMA_ACTS.values(), f"activation={cfg.activation!r} with rope"),
     ] if bad]
-    mt = "gpt2" if gpt2 else "qwen2" if cfg.qkv_bias and not cfg.bias else "llama"
-    if model_type == "mistral" and mt == "llama" and not cfg.bias:  # Mistral without a window = LLaMA
-        mt = model_type
+    mt = "gpt2" if gpt2 else "mpt" if mpt else "qwen2" if cfg.qkv_bias and not cfg.bias else "llama"
+    if mt == "llama" and (window or model_type == "mistral") and not cfg.bias:  # Mistral without a window = LLaMA
+        mt = "mistral"
     elif model_type not in (None, mt):
         why.append(f"model_type={model_type!r} (this config is a {mt})")
     if why:
         raise ValueError(f"this model cannot be exported to Hugging Face: {'; '.join(why)}. Exportable: GPT-2 "
-                         "(learned positions, layernorm, gelu/gelu_tanh/relu/relu2, bias) and LLaMA/Qwen2/Mistral "
-                         "(rope, rmsnorm, swiglu/geglu), pre-norm, without qk_norm")
+                         "(learned positions, layernorm, gelu/gelu_tanh/relu/relu2, bias), MPT (alibi) and "
+                         "LLaMA/Qwen2/Mistral (rope, rmsnorm, swiglu/geglu), pre-norm, without qk_norm")
     return mt
 
 
@@ -167,6 +201,10 @@ def config_to_hf(cfg, model_type=None, tokenizer=None):
         return dict(common, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
                     n_inner=cfg.hidden, activation_function=act, layer_norm_epsilon=cfg.norm_eps,
                     resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout)
+    if mt == "mpt":
+        return dict(common, d_model=cfg.n_embd, n_heads=cfg.n_head, n_layers=cfg.n_layer, expansion_ratio=4,
+                    max_seq_len=cfg.block_size, layer_norm_epsilon=cfg.norm_eps, no_bias=True, learned_pos_emb=False,
+                    resid_pdrop=cfg.dropout, emb_pdrop=cfg.dropout, attn_config=dict(alibi=True, alibi_bias_max=8))
     out = dict(common, hidden_size=cfg.n_embd, intermediate_size=cfg.hidden, num_hidden_layers=cfg.n_layer,
                num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                hidden_act={v: k for k, v in LLAMA_ACTS.items()}[cfg.activation],
@@ -175,7 +213,8 @@ def config_to_hf(cfg, model_type=None, tokenizer=None):
     if mt == "llama":
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
     else:
-        out.update(sliding_window=None, use_sliding_window=False)
+        out.update(sliding_window=cfg.sliding_window or None, use_sliding_window=cfg.sliding_window > 0,
+                   max_window_layers=cfg.window_from)
     return out
 
 
@@ -188,38 +227,41 @@ LLAMA_NAMES = {"norm1": ["input_layernorm"], "norm2": ["post_attention_layernorm
 GPT2_NAMES = {"norm1": ["ln_1"], "norm2": ["ln_2"], "attn.qkv": ["attn.c_attn"], "attn.proj": ["attn.c_proj"],
               "mlp.fc": ["mlp.c_fc"], "mlp.proj": ["mlp.c_proj"], "tok_emb": ["wte"], "pos_emb": ["wpe"],
               "norm_f": ["ln_f"]}
+MPT_NAMES = {"norm1": ["norm_1"], "norm2": ["norm_2"], "attn.qkv": ["attn.Wqkv"], "attn.proj": ["attn.out_proj"],
+             "mlp.fc": ["ffn.up_proj"], "mlp.proj": ["ffn.down_proj"], "tok_emb": ["wte"], "norm_f": ["norm_f"]}
 PREFIXES = ("model.", "transformer.", "")  # ...ForCausalLM / GPT2LMHeadModel / bare base model
 IGNORED = re.compile(r"(\.attn\.(masked_)?bias|rotary_emb\.inv_freq)$")  # buffers some checkpoints carry
 
 
 def _layout(name, cfg, mt):
-    """Our parameter name -> [(HF name without prefix, HF column range or None, transposed)],
-    concatenated along our dim 0. GPT-2's fused c_attn is cut into q/k/v column ranges, so that
-    every part is one head group (what a tensor-parallel shard_fn cuts)."""
+    """Our parameter name -> [(HF name without prefix, a range of our rows or None, transposed)],
+    concatenated along our dim 0. GPT-2's fused c_attn (its columns) and MPT's Wqkv (its rows) are
+    cut into q/k/v ranges, so that every part is one head group (what a tensor-parallel shard_fn cuts)."""
     if name == "head.weight":
         return [("lm_head.weight", None, False)]
     m = re.fullmatch(r"(?:blocks\.(\d+)\.)?(.+)\.(weight|bias)", name)
     layer, module, kind = m.groups()
-    names = (GPT2_NAMES if mt == "gpt2" else LLAMA_NAMES)[module]
-    block = "" if layer is None else (f"h.{layer}." if mt == "gpt2" else f"layers.{layer}.")
+    names = {"gpt2": GPT2_NAMES, "mpt": MPT_NAMES}.get(mt, LLAMA_NAMES)[module]
+    block = "" if layer is None else {"gpt2": f"h.{layer}.", "mpt": f"blocks.{layer}."}.get(mt, f"layers.{layer}.")
     conv1d = mt == "gpt2" and layer is not None and kind == "weight" and not module.startswith("norm")
-    if mt == "gpt2" and module == "attn.qkv":
+    if mt in ("gpt2", "mpt") and module == "attn.qkv":
         C = cfg.n_embd
         return [(f"{block}{names[0]}.{kind}", (j * C, (j + 1) * C), conv1d) for j in range(3)]
     return [(f"{block}{n}.{kind}", None, conv1d) for n in names]
 
 
 class Part:
-    """One HF tensor, or a column range of it, seen in our orientation and read lazily:
-    part[a:b] (rows) or part[a:b, c:d] reads only those bytes. `rows` pads with zero rows (the
+    """One HF tensor, or the range `cols` of its rows in our orientation (columns of a transposed one),
+    seen in our orientation and read lazily: part[a:b] (rows) or part[a:b, c:d] reads only those bytes. `rows` pads with zero rows (the
     padded vocabulary) or keeps the first rows (a learned position table longer than block_size).
     sl: safetensors' get_slice() object, or a tensor (pytorch_model.bin)."""
 
     def __init__(self, sl, cols=None, transpose=False, rows=None):
         self.sl, self.cols, self.transpose = sl, cols, transpose
         shape = list(sl.shape if torch.is_tensor(sl) else sl.get_shape())
+        self.ax = -1 if transpose else 0  # their axis of our rows
         if cols:
-            shape[-1] = cols[1] - cols[0]
+            shape[self.ax] = cols[1] - cols[0]
         shape = shape[::-1] if transpose else shape
         self.real_rows = shape[0]
         self.shape = tuple([rows or shape[0]] + shape[1:])
@@ -233,8 +275,8 @@ class Part:
         ours = [real] + list(idx[1:]) + [slice(None)] * (len(self.shape) - len(idx))
         theirs = ours[::-1] if self.transpose else ours
         if self.cols:
-            c0, c1, _ = theirs[-1].indices(self.cols[1] - self.cols[0])
-            theirs[-1] = slice(self.cols[0] + c0, self.cols[0] + c1)
+            c0, c1, _ = theirs[self.ax].indices(self.cols[1] - self.cols[0])
+            theirs[self.ax] = slice(self.cols[0] + c0, self.cols[0] + c1)
         t = self.sl[tuple(theirs)]
         t = t.T if self.transpose else t
         pad = max(r1 - r0, 0) - t.shape[0]
@@ -276,7 +318,7 @@ def load_weights(path, model, shard_fn=None):
     used = set()
     with contextlib.ExitStack() as stack:
         src = _tensors(path, stack)
-        emb = "wte.weight" if mt == "gpt2" else "embed_tokens.weight"
+        emb = "wte.weight" if mt in ("gpt2", "mpt") else "embed_tokens.weight"
         prefix = next((p for p in PREFIXES if p + emb in src), None)
         if prefix is None:
             raise ValueError(f"{path}: no {emb} under any of the prefixes {PREFIXES}: not a {mt} checkpoint?")
@@ -321,7 +363,7 @@ def export_hf(model, out_dir, tokenizer=None, model_type=None):
     cfg = model.cfg
     mt = _export_type(cfg, model_type)
     sizes = {"attn.qkv": [cfg.n_head * cfg.head_dim] + [cfg.kv_heads * cfg.head_dim] * 2, "mlp.fc": [cfg.hidden] * 2}
-    prefix = "transformer." if mt == "gpt2" else "model."
+    prefix = "transformer." if mt in ("gpt2", "mpt") else "model."
     out = {}
     for name, t in model.named_parameters():
         specs = _layout(name, cfg, mt)
@@ -329,8 +371,11 @@ def export_hf(model, out_dir, tokenizer=None, model_type=None):
         pieces = t.split(sizes[name.split(".", 2)[2].rsplit(".", 1)[0]]) if len(specs) > 1 else [t]
         for (n, _, transposed), piece in zip(specs, pieces):
             n = n if n == "lm_head.weight" else prefix + n
-            out.setdefault(n, []).append(piece.T if transposed else piece)
-    tensors = {n: torch.cat(v, dim=-1).contiguous().cpu() for n, v in out.items()}  # GPT-2 c_attn: q|k|v columns
+            out.setdefault(n, []).append((piece, transposed))
+    tensors = {}
+    for n, v in out.items():  # the pieces of one HF tensor (GPT-2's c_attn, MPT's Wqkv: q|k|v) join along our rows
+        t = torch.cat([piece for piece, _ in v])
+        tensors[n] = (t.T if v[0][1] else t).contiguous().cpu()
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     hf = config_to_hf(cfg, mt, tokenizer)

@@ -80,7 +80,7 @@ def preflight(cfg, grid):
         try:
             lines += plan.advice(cfg, grid.world)
         except config.UserError:
-            lines.append("memory plan: mixture-of-experts models are not modelled (plan.py)")
+            lines.append("memory plan: mixture-of-experts models, BERT and T5 are not modelled (plan.py)")
         for line in lines:
             print(line)
 

@@ -35,15 +35,17 @@ import fsdp
 import tp
 from model import ModelConfig
 
-# our linear -> the HF modules its output rows are made of, in order (LLaMA family / GPT-2)
+# our linear -> the HF modules its output rows are made of, in order (LLaMA family / GPT-2 / MPT)
 HF_MODULES = {
     "llama": {"attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
               "attn.proj": ("self_attn.o_proj",), "mlp.fc": ("mlp.gate_proj", "mlp.up_proj"),
               "mlp.proj": ("mlp.down_proj",)},
     "gpt2": {"attn.qkv": ("attn.c_attn",), "attn.proj": ("attn.c_proj",), "mlp.fc": ("mlp.c_fc",),
              "mlp.proj": ("mlp.c_proj",)},
+    "mpt": {"attn.qkv": ("attn.Wqkv",), "attn.proj": ("attn.out_proj",), "mlp.fc": ("ffn.up_proj",),
+            "mlp.proj": ("ffn.down_proj",)},
 }
-BLOCK_PREFIX = {"llama": "model.layers.{}.", "gpt2": "transformer.h.{}."}
+BLOCK_PREFIX = {"llama": "model.layers.{}.", "gpt2": "transformer.h.{}.", "mpt": "transformer.blocks.{}."}
 PEFT_PREFIX = "base_model.model."
 ADAPTER = re.compile(r"blocks\.(\d+)\.(attn\.qkv|attn\.proj|mlp\.fc|mlp\.proj)\.lora_([AB])\.(\w+)$")
 KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_rslora")

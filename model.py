@@ -4,10 +4,13 @@ One decoder-only model covers both families; ModelConfig picks the pieces:
 
     GPT-2:  pos_emb="learned", norm="layernorm", activation="gelu", bias=True, tie_embeddings=True
     LLaMA:  pos_emb="rope", norm="rmsnorm", activation="swiglu", n_kv_head < n_head (GQA)
+    MPT:    pos_emb="alibi", norm="layernorm", activation="gelu", bias=False, tie_embeddings=True
+    Mistral / Qwen2 windows: sliding_window=W (window_from=k: layers k.. only), with any of the above
 
 Read top to bottom: config, norms, RoPE, attention, MLP, block, the model (forward,
 init, parameter/FLOP counts). The KV cache, sampling and generate() live in generate.py; the
-forward takes any cache with `length` and `update(layer, k, v)` (optionally `attend`).
+forward takes any cache with `length` and `update(layer, k, v)` (optionally `attend`, and `index`:
+the new tokens' cache slots, which ALiBi and the window read when `length` does not say).
 Mixture-of-experts layers are moe.py's (imported here, handed this file's MLP class and
 activation function).
 Shapes use B (batch), T (time), C (n_embd), H (query heads), KV (key/value heads),
@@ -38,7 +41,7 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "relu2", "swiglu", "geglu")
 NORMS = ("layernorm", "rmsnorm")
-POS_EMBS = ("rope", "learned")
+POS_EMBS = ("rope", "learned", "alibi")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -60,7 +63,7 @@ class ModelConfig:
     norm: str = "rmsnorm"          # layernorm | rmsnorm
     norm_eps: float = 1e-5         # added to the variance in LayerNorm / RMSNorm
     prenorm: bool = True           # False -> post-norm (original Transformer / BERT)
-    pos_emb: str = "rope"          # rope | learned
+    pos_emb: str = "rope"          # rope | learned | alibi (MPT: per-head linear score biases, no position table)
     rope_theta: float = 10000.0    # RoPE's base frequency
     rope_scaling: dict = field(default_factory=dict)  # {} or Llama-3.1's frequency scaling, in HF's form:
                                    # {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -68,6 +71,8 @@ class ModelConfig:
     bias: bool = False             # biases in linears (and LayerNorm)
     qkv_bias: bool = False         # bias on the q/k/v projection only (Qwen2); implied by bias
     tie_embeddings: bool = False   # the head shares the token embedding's weight
+    sliding_window: int = 0        # > 0: a query sees only the latest sliding_window keys, itself included (Mistral)
+    window_from: int = 0           # the window applies from this layer on (Qwen2's max_window_layers); 0: every layer
     qk_norm: bool = False          # RMSNorm on q and k per head (OLMo-2 / Gemma-3 style)
     dropout: float = 0.0           # on attention probabilities and residual branches (training only)
     init_std: float = 0.02         # normal init of the weights (residual projections scaled by depth)
@@ -102,6 +107,9 @@ class ModelConfig:
         for name in ("norm_eps", "init_std", "rope_theta"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.sliding_window < 0 or not 0 <= self.window_from < self.n_layer:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 0 (0: none) and window_from="
+                             f"{self.window_from} in [0, n_layer={self.n_layer})")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
                              f"pick n_embd a multiple of n_head")
@@ -154,9 +162,9 @@ class ModelConfig:
 
     @property
     def family(self):
-        """The HF family whose module names and layout this model takes: "gpt2" (learned positions)
-        or "llama" (LLaMA / Qwen2 / Mistral: rotary positions)."""
-        return "gpt2" if self.pos_emb == "learned" else "llama"
+        """The HF family whose module names and layout this model takes: "gpt2" (learned positions),
+        "mpt" (ALiBi) or "llama" (LLaMA / Qwen2 / Mistral: rotary positions)."""
+        return {"learned": "gpt2", "alibi": "mpt"}.get(self.pos_emb, "llama")
 
     @property
     def hidden(self):
@@ -227,6 +235,18 @@ def position_ids(attention_mask):
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+# ----------------------------------------------------------------------------- ALiBi
+
+def alibi_slopes(n_head, device=None, bias_max=8):
+    """ALiBi's per-head slopes (H,), fp32, as MPT (and HF's MptModel) computes them: 1 / 2^(h * bias_max / n)
+    for h = 1..n, n = n_head rounded up to a power of two; when n > n_head, the odd-numbered of those n
+    slopes then the even-numbered, the first n_head. A head adds -slope * (query - key distance) to its
+    scores (Transformer._positional_masks), so it attends the nearer keys more, at any length."""
+    n = 2 ** math.ceil(math.log2(n_head))
+    slopes = 1.0 / torch.pow(2, torch.arange(1, n + 1, device=device).float() * (bias_max / n))
+    return slopes if n == n_head else torch.cat([slopes[1::2], slopes[::2]])[:n_head]
+
+
 # ----------------------------------------------------------------------------- attention
 
 class Attention(nn.Module):
@@ -262,13 +282,20 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 
-    def probs(self, x, cos=None, sin=None):
-        """(B, H, T, T) causal attention probabilities of x: what forward's softmax weighs (plots.py)."""
+    def probs(self, x, cos=None, sin=None, mask=None, is_causal=True):
+        """(B, H, T, T) attention probabilities of x: what forward's softmax weighs (plots.py). mask,
+        is_causal: forward's (a boolean mask keeps True, a float one is added: ALiBi's biases, the
+        sliding window); None with is_causal: causal."""
         q, k, _ = self.heads(x, cos, sin)
         k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=2)
         scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) / math.sqrt(self.head_dim)
-        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
-        return scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        if mask is None:
+            mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril() if is_causal else None
+        if mask is not None and mask.is_floating_point():
+            scores = scores + mask.float()
+        elif mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.softmax(-1)
 
     def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0):
         H, KV, D = self.n_head, self.n_kv_head, self.head_dim
@@ -287,7 +314,7 @@ class Attention(nn.Module):
                 if getattr(cache, "attend", None):  # the cache's own kernel (generate.decode's flex_attention)
                     return self.proj(cache.attend(q, k, v, mask).transpose(1, 2).reshape(B, T, H * D))
             gqa = KV != H
-            if gqa and T == 1 and not is_causal:
+            if gqa and T == 1 and not is_causal and (mask is None or mask.shape[1] == 1):
                 # one new token (decoding): a kv head's H/KV query heads become H/KV query rows of one
                 # MHA head, so the cache is read once, never repeated per query head
                 y = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, D), k, v, attn_mask=mask, dropout_p=p)
@@ -388,6 +415,8 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_theta, scaling=cfg.rope_scaling)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+        # ALiBi: the heads whose slopes this model applies (tp.tensor_parallel keeps its rank's)
+        self.alibi_heads = slice(0, cfg.n_head)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.layers = range(cfg.n_layer)  # the blocks this process runs: a pipeline stage's only (pp.py)
@@ -530,8 +559,13 @@ class Transformer(nn.Module):
                 cos, sin = self.rope_cos[pos][:, :, None], self.rope_sin[pos][:, :, None]
 
         mask, is_causal = self._attention_mask(attn_mask, T, start, idx.device)
-        for i in self.layers:
+        windowed = None
+        if cfg.pos_emb == "alibi" or cfg.sliding_window:
+            (mask, is_causal), windowed = self._positional_masks(mask, is_causal, T, start, cache, x)
+        for i in self.layers:  # (a pipeline stage: its blocks only)
             block = self.blocks[i]
+            if windowed is not None and i >= cfg.window_from:  # from window_from on: the sliding window's mask
+                mask, is_causal = windowed, False
             if cfg.grad_checkpoint and self.training and cache is None:
                 x = checkpoint(block, x, cos, sin, mask, is_causal, use_reentrant=False)
             else:
@@ -570,6 +604,35 @@ class Transformer(nn.Module):
         # every query also sees itself, so padding queries have a non-empty row (no NaN)
         mask = (mask & key[:, None, :]) | (k_pos == q_pos)
         return mask[:, None], False
+
+    def _positional_masks(self, mask, is_causal, T, start, cache, x):
+        """ALiBi's score biases and the sliding window on top of _attention_mask's (mask, is_causal)
+        -> ((mask, is_causal) of the layers before cfg.window_from, the mask of the layers from it on).
+
+        Both depend on how many slots back a key is: dist = query slot - key slot. Within a row
+        that is the position difference (left padding shifts a row's slots, packed documents
+        restart positions, and the mask already keeps queries inside their own tokens), so it holds
+        for training, the KV cache and generate.decode's static cache (whose `index` holds the new
+        tokens' slots). Window: keep dist < sliding_window. ALiBi: a float mask (B|1, H, T, S) of
+        -slope * dist on the kept keys, -inf elsewhere (SDPA adds it to the scores)."""
+        cfg = self.cfg
+        full = mask, is_causal  # (without ALiBi: the layers before window_from keep the causal fast path)
+        S = start + T if mask is None else mask.shape[-1]
+        q = getattr(cache, "index", None)
+        q = torch.arange(start, start + T, device=x.device) if q is None else q
+        dist = q[:, None] - torch.arange(S, device=q.device)[None, :]  # (T, S)
+        if mask is None:  # causal, or one new token that sees every cached key
+            mask = (dist >= 0 if is_causal else torch.ones_like(dist, dtype=torch.bool))[None, None]
+        if cfg.pos_emb == "alibi":
+            bias = -alibi_slopes(cfg.n_head, q.device)[self.alibi_heads, None, None] * dist  # (H, T, S)
+            float_mask = mask if mask.is_floating_point() else torch.zeros(mask.shape, device=q.device).masked_fill(
+                ~mask, float("-inf"))
+            mask = (float_mask + bias).to(mask.dtype if mask.is_floating_point() else x.dtype)
+            full = mask, False
+        if not cfg.sliding_window:
+            return full, None
+        far = dist >= cfg.sliding_window
+        return full, mask.masked_fill(far, float("-inf") if mask.is_floating_point() else False)
 
     # ------------------------------------------------------------------ counting
 

@@ -47,6 +47,8 @@ def count(cfg):
     """Parameter counts of the model cfg describes (built on the meta device, LoRA applied when
     lora_r > 0): {trained, frozen, block_matrices, matrices (blocks + untied head), largest, unit,
     root, muon, nf4_bytes}; unit: the largest block's parameters, root: the rest (FSDP units)."""
+    if getattr(cfg, "objective", "lm") != "lm":
+        raise NotImplementedError(f"plan: objective={cfg.objective!r} builds a BERT / T5; the plan models the decoder")
     mcfg = ModelConfig.from_cfg(cfg)
     if mcfg.n_experts:
         raise NotImplementedError("plan: mixture-of-experts models are not modelled")

@@ -166,8 +166,7 @@ def attention_weights(model, ids, layer):
         model(torch.tensor([ids], device=next(model.parameters()).device))
     finally:
         hook.remove()
-    x, cos, sin = seen["args"][:3]
-    return attn.probs(x, cos, sin)[0]
+    return attn.probs(*seen["args"][:5])[0]  # x, cos, sin and the forward's mask (ALiBi, sliding window)
 
 
 def plot_attention(model, tok, prompt, layer, head, out):

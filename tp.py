@@ -439,6 +439,8 @@ def tensor_parallel(model, grid, sequence_parallel=False):
             block.mlp.tensor_parallel(grid)
         else:
             mlp_parallel(block.mlp, grid)
+    if cfg.pos_emb == "alibi":  # the slopes of this rank's heads
+        model.alibi_heads = slice(grid.tp_rank * (H // tp), (grid.tp_rank + 1) * (H // tp))
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, grid)
     head = VocabParallelHead(model.head, grid, cfg.vocab_size)
     if cfg.tie_embeddings:

@@ -8,6 +8,8 @@
 An HF folder is read by hf.py (each TP rank reads only its rows / columns); our checkpoints give
 full tensors that tp.local_tensor cuts. A LoRA run's adapters are merged into their base; a
 vocabulary smaller than the run's (chat tokens just added) grows, the new rows the mean of the old.
+The family follows cfg.objective (pretrain.py's; init_from's sets it): "lm" model.Transformer,
+"mlm" bert.Bert, "span" t5.T5 (HF folders of model_type bert / t5 too); model_config says which.
 """
 import json
 import os
@@ -16,12 +18,14 @@ from types import SimpleNamespace
 
 import torch
 
+import bert
 import checkpoint
 import config
 import hf
 import lora
 import materialize
 import parallel
+import t5
 import tp
 from model import ModelConfig, Transformer
 
@@ -37,6 +41,47 @@ def init_checkpoint(path):
         return ckpt, json.load(f)
 
 
+FAMILIES = {"mlm": (bert.BertConfig, bert.Bert, "bert"), "span": (t5.T5Config, t5.T5, "t5")}  # objective -> model
+# the layouts and keys a BERT / T5 takes: (what is wrong, the one-line refusal)
+FAMILY_REFUSALS = [
+    (lambda c: c.tp > 1, "tp > 1 (set tp=1: tensor parallelism cuts the decoder Transformer only)"),
+    (lambda c: c.pp > 1, "pp > 1 (set pp=1: pipeline stages cut the decoder Transformer only)"),
+    (lambda c: c.ep > 1 or c.n_experts, "experts (set n_experts=0, ep=1)"),
+    (lambda c: c.lora_r, "LoRA (set lora_r=0: the adapters name the decoder's linears)"),
+    (lambda c: c.sequence_parallel, "sequence_parallel (set it False)"),
+    (lambda c: c.compile and c.data_parallel == "fsdp", "compile=True under FSDP (untested: set compile=False)"),
+    (lambda c: c.loss_chunk or c.recompute or c.grad_checkpoint, "loss_chunk / recompute / grad_checkpoint "
+     "(the decoder's memory tools: set them off)"),
+    (lambda c: c.optimizer != "adamw" or c.zero1 or c.adamw_state != "fp32", "Muon, zero1 or adamw_state "
+     "(untested: set optimizer='adamw', zero1=False, adamw_state='fp32')"),
+]
+
+
+def model_config(cfg):
+    """The model config cfg describes: model.ModelConfig (objective "lm", or a stage without one),
+    bert.BertConfig ("mlm") or t5.T5Config ("span"), their shared keys read from cfg by name; a
+    config that cannot work, or a layout or key the family does not take, raises ConfigError (one line)."""
+    objective = getattr(cfg, "objective", "lm")
+    if objective not in FAMILIES:
+        try:
+            return ModelConfig.from_cfg(cfg)
+        except (ValueError, TypeError) as e:
+            raise config.ConfigError(str(e)) from e
+    kind, _, name = FAMILIES[objective]
+    for bad, what in FAMILY_REFUSALS:
+        if bad(cfg):
+            raise config.ConfigError(f"objective={objective!r} builds a {name.upper()}, which does not take {what}")
+    own = {f.name for f in fields(kind)}
+    ignored = sorted(k for k in getattr(cfg, "given", ()) if k in DECODER_KEYS and k not in own | {"block_size"})
+    if ignored:
+        raise config.ConfigError(f"objective={objective!r} builds a {name.upper()}, which has no {', '.join(ignored)}: "
+                                 f"drop them")
+    return kind.from_cfg(cfg)
+
+
+DECODER_KEYS = {f.name for f in fields(ModelConfig)}
+
+
 def configure(cfg):
     """init_from's model and tokenizer become cfg's (no need to repeat the model shape); returns a line
     saying so ("" without init_from). An HF folder: its config.json's model keys, its tokenizer. Our
@@ -45,6 +90,14 @@ def configure(cfg):
     at the model's (learned positions: the model's). loader(cfg, grid) then loads the weights."""
     if not cfg.init_from:
         return ""
+    family = init_family(cfg.init_from)
+    if family != getattr(cfg, "objective", "lm"):
+        if "objective" in getattr(cfg, "given", ()):
+            raise config.ConfigError(f"init_from={cfg.init_from} holds a model of objective={family!r}, this run has "
+                                     f"objective={cfg.objective!r}: set objective={family!r}")
+        cfg.objective = family  # (SFT: a T5 trains sequence to sequence)
+    if family != "lm":
+        return configure_family(cfg, family)
     if hf.is_hf_folder(cfg.init_from):
         try:
             folder = hf.read_config(cfg.init_from)
@@ -66,6 +119,34 @@ def configure(cfg):
     return f"model and tokenizer of {'the HF folder' if keys is hf.MODEL_KEYS else 'checkpoint'} {cfg.init_from}"
 
 
+def init_family(path):
+    """The objective init_from's model was built for: "mlm" (BERT), "span" (T5) or "lm" (the rest)."""
+    if hf.is_hf_folder(path):
+        return {"bert": "mlm", "t5": "span"}.get(hf.read_config(path).get("model_type"), "lm")
+    return init_checkpoint(path)[1].get("objective", "lm")
+
+
+def configure_family(cfg, objective):
+    """configure() for a BERT / T5 init_from: its config's keys (bert.BertConfig's / t5.T5Config's) become
+    cfg's; an HF folder's tokenizer when it has a tokenizer.json (else cfg's stays), our checkpoint's."""
+    kind, _, name = FAMILIES[objective]
+    if hf.is_hf_folder(cfg.init_from):
+        hf_cfg = hf.read_config(cfg.init_from)
+        fam = bert.config_from_hf(hf_cfg) if name == "bert" else t5.config_from_hf(hf_cfg, t5.has_own_head(cfg.init_from))
+        m = {f.name: getattr(fam, f.name) for f in fields(kind)}
+        if os.path.isfile(os.path.join(cfg.init_from, "tokenizer.json")):
+            m.update(tokenizer=cfg.init_from, tokenizer_vocab=0)
+        what = f"the HF {name} folder"
+    else:
+        cfg.init_from, saved = init_checkpoint(cfg.init_from)
+        m = {k: saved[k] for k in [f.name for f in fields(kind)] + ["tokenizer", "tokenizer_vocab", "tokenizer_fim"]
+             if k in saved}
+        what = f"{name} checkpoint"
+    for k, v in m.items():
+        setattr(cfg, k, v)
+    return f"model and tokenizer of {what} {cfg.init_from}"
+
+
 def build_model(cfg, grid, frozen=False):
     """The full model of cfg on grid.device, before parallelize lays it out; the same on every rank.
     Random initial weights (no init_from, or a full fine-tuning whose weights loader overwrites):
@@ -75,8 +156,10 @@ def build_model(cfg, grid, frozen=False):
     the host until qlora.quantize takes them to the GPU in 4 bits. frozen: no gradients (a
     reference model; never QLoRA)."""
     torch.manual_seed(cfg.seed)
-    mcfg = ModelConfig.from_cfg(cfg)
-    if cfg.lora_r and cfg.init_from:
+    mcfg = model_config(cfg)
+    if not isinstance(mcfg, ModelConfig):  # a BERT / T5 (objective mlm / span): fp32 from the seed, moved
+        model = FAMILIES[cfg.objective][1](mcfg).to(grid.device)
+    elif cfg.lora_r and cfg.init_from:
         host = cfg.lora_base_dtype == "nf4" and grid.device.type == "cuda" and not frozen
         dtype = materialize.storage_dtype(cfg, parallel.amp_dtype(cfg, grid.device))
         model = materialize.build(mcfg, grid.device, dtype, init=False,
@@ -92,6 +175,8 @@ def loader(cfg, grid):
     A smaller vocabulary (chat specials just added) grows (grow_vocab), said once."""
     if not cfg.init_from:
         return None
+    if getattr(cfg, "objective", "lm") in FAMILIES:
+        return family_loader(cfg)
     src, is_hf = cfg.init_from, hf.is_hf_folder(cfg.init_from)
     old = hf.read_config(src)["vocab_size"] if is_hf else init_checkpoint(src)[1]["vocab_size"]
     if old < cfg.vocab_size and grid.is_main:
@@ -109,6 +194,24 @@ def loader(cfg, grid):
         saved = init_checkpoint(src)[1]
         weights = checkpoint.read_weights(src, ModelConfig.from_cfg(SimpleNamespace(**saved)))
         tp.load_full_state_dict(model, grid, fit_weights(weights, saved, model.cfg))
+    return load
+
+
+def family_loader(cfg):
+    """loader() for a BERT / T5 (one process's model: tp=1): an HF folder (bert.load_hf / t5.load_hf)
+    or our checkpoint, its vocabulary the run's."""
+    src, kind = cfg.init_from, FAMILIES[cfg.objective]
+    if hf.is_hf_folder(src):
+        def load(model):
+            model.load_state_dict((bert.load_hf if kind[2] == "bert" else t5.load_hf)(src).state_dict())
+        return load
+    saved = init_checkpoint(src)[1]
+    if saved["vocab_size"] != cfg.vocab_size:
+        raise config.ConfigError(f"init_from={src} has vocab_size={saved['vocab_size']}, this run {cfg.vocab_size}: a "
+                                 f"{kind[2].upper()}'s vocabulary does not grow here")
+
+    def load(model):
+        model.load_state_dict(checkpoint.read_weights(src, kind[0].from_cfg(SimpleNamespace(**saved))))
     return load
 
 

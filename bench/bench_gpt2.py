@@ -113,7 +113,7 @@ def run(name, batches, prof=False):
                 calls[e.name] += 1 / n
         out["gpu_us_per_step"] = sum(kernels.values())
         out["kernels"] = [(k[:110], round(v, 1), round(calls[k], 1)) for k, v in kernels.most_common(25)]
-    del model, fwd, opt
+    model = fwd = opt = None  # (freed before the next run; not del: step() closes over them)
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     return out

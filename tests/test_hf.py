@@ -224,7 +224,8 @@ def test_shard_fn_reads_slices(arch):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
-    ({"model_type": "mistral", "sliding_window": 16}, "sliding_window"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
+      "layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
     ({"head_dim": 16}, "head_dim"),
 ])
 def test_unsupported_configs(over, match):
