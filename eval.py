@@ -36,9 +36,11 @@ import re
 import sys
 import time
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 
 import torch
 
+import chat
 import checkpoint
 import config
 import corpus
@@ -72,7 +74,8 @@ EVAL_DEFAULTS = dict(
 # what a checkpoint's config.json contributes: the model's shape, its tokenizer, its corpus and split
 CKPT_KEYS = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "grad_checkpoint", "init_std")] + [
     "tokenizer", "tokenizer_vocab", "fim_rate", "fim_spm_rate", "fim_seed", "data", "text_field", "data_dir",
-    "val_fraction", "val_tokens", "max_docs", "clean", "dedup", "seq_len"]
+    "val_fraction", "val_tokens", "max_docs", "clean", "dedup", "seq_len",
+    "chat_template"]  # a chat stage's checkpoint (sft, dpo, grpo): its tokenizer has the template's tokens
 CODE_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # Codex's (Chen et al. 2021)
 GSM8K_STOPS = ("Question:", "</s>", "<|im_end|>")              # lm-eval's gsm8k `until`
 
@@ -292,6 +295,18 @@ def load_config(argv):
     return cfg
 
 
+def model_tokenizer(cfg):
+    """The tokenizer the model was trained with: data.tokenizer_for(cfg), with the chat template's special
+    tokens (chat.setup, as sample.py --chat) when the model is a chat stage's checkpoint or an HF folder
+    with a chat template, and its vocabulary has their ids (so that generated chat ids decode and the
+    end-of-turn id stops generation)."""
+    tok = data.tokenizer_for(cfg)
+    if not (hasattr(cfg, "chat_template") or getattr(tok, "chat_template", None)):
+        return tok
+    chat_tok, _ = chat.setup(SimpleNamespace(**{**chat.CHAT_DEFAULTS, **vars(cfg)}))
+    return chat_tok if chat_tok.n_vocab <= cfg.vocab_size else tok
+
+
 def parse_tasks(cfg):
     out = []
     for item in filter(None, (s.strip() for s in cfg.tasks.split(","))):
@@ -372,7 +387,7 @@ def main(argv):
     todo, ks = parse_tasks(cfg)
     grid = parallel.init(cfg)
     say = print if grid.is_main else (lambda *a, **k: None)
-    tok = data.tokenizer_for(cfg)
+    tok = model_tokenizer(cfg)
     run = load_model(cfg, grid)
     dtype = parallel.amp_dtype(cfg, grid.device)
     autocast = torch.autocast(grid.device.type, dtype=dtype, enabled=dtype != torch.float32)
