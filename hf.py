@@ -386,8 +386,8 @@ def init_loader(cfg, grid):
 
 
 def export_hf(model, out_dir, tokenizer=None, model_type=None):
-    """Write `model` as an HF folder: config.json, model.safetensors, generation_config.json and,
-    given a tokenizer, its files. model_type: None picks gpt2 / llama / qwen2 from the config;
+    """Write `model` as an HF folder: config.json, model.safetensors, generation_config.json (a chat
+    tokenizer's end-of-turn id first among its eos_token_id) and, given a tokenizer, its files. model_type: None picks gpt2 / llama / qwen2 from the config;
     "mistral" is accepted for a bias-free LLaMA-style model."""
     cfg = model.cfg
     mt = _export_type(cfg, model_type)
@@ -407,8 +407,11 @@ def export_hf(model, out_dir, tokenizer=None, model_type=None):
     hf = config_to_hf(cfg, mt, tokenizer)
     hf["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     hf_tokenizer.write_json(os.path.join(out_dir, "config.json"), hf)
-    hf_tokenizer.write_json(os.path.join(out_dir, "generation_config.json"),
-                {k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf[k] is not None})
+    gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf[k] is not None}
+    eot = getattr(tokenizer, "eot_id", None)  # a chat model's end of turn: generate stops there too (as HF's chat models)
+    if eot is not None and eot != hf["eos_token_id"]:
+        gen["eos_token_id"] = [eot] + ([hf["eos_token_id"]] if hf["eos_token_id"] is not None else [])
+    hf_tokenizer.write_json(os.path.join(out_dir, "generation_config.json"), gen)
     if tokenizer is not None:
         hf_tokenizer.save_tokenizer(tokenizer, out_dir)
     return out_dir

@@ -5,7 +5,9 @@ Proves:
 - eval.py on a chat-tuned checkpoint (a ChatML tokenizer: ids past the base vocabulary) generates
   and decodes those ids: a model rigged to answer '<|im_start|>' then '7' then '<|im_end|>' gives
   exactly the text '<|im_start|>7' (the end-of-turn id stops the decoder and is not printed), and
-  the CLI's gsm8k on that checkpoint equals gsm8k_scores of those completions.
+  the CLI's gsm8k on that checkpoint equals gsm8k_scores of those completions;
+- that model exported (hf.export_hf with its chat tokenizer) has generation_config eos_token_id
+  [end of turn, EOS], and transformers' greedy generate stops right after <|im_end|>.
 """
 import json
 import os
@@ -17,6 +19,7 @@ import chat
 import checkpoint
 import config
 import eval as ev
+import hf
 import scoring
 from model import ModelConfig, Transformer
 
@@ -32,7 +35,8 @@ def write_jsonl(path, rows):
 def rigged_chat_checkpoint(out_dir):
     """An SFT-like checkpoint (chat keys in its config, vocabulary 512 + the two ChatML tokens) whose
     model is a bigram table: blocks add nothing, so the logits depend on the last token only. After
-    any text token it says <|im_start|>, after that '7', after '7' <|im_end|>. -> (tok, seven)."""
+    any other token it says <|im_start|>, after that '7', after '7' <|im_end|> (and then it starts
+    over). -> (tok, seven, model)."""
     cfg = config.load(SHAPE, extra=chat.CHAT_DEFAULTS)
     tok, _ = chat.setup(cfg)
     start, end, seven = tok.special_tokens["<|im_start|>"], tok.eot_id, tok.encode("7")[0]
@@ -45,7 +49,7 @@ def rigged_chat_checkpoint(out_dir):
             block.mlp.proj.weight.zero_()
         emb, head = model.tok_emb.weight, model.head.weight
         emb.zero_()
-        emb[:, 0] = 1.0                          # a text token: direction 0
+        emb[:, 0] = 1.0                          # any other token: direction 0
         emb[start] = 0.0
         emb[start, 1] = 1.0                      # <|im_start|>: direction 1
         emb[seven] = 0.0
@@ -53,11 +57,11 @@ def rigged_chat_checkpoint(out_dir):
         head.zero_()
         head[start, 0] = head[seven, 1] = head[end, 2] = 10.0
     checkpoint.save(str(out_dir), 1, model.state_dict(), None, cfg)
-    return tok, seven
+    return tok, seven, model
 
 
 def test_eval_decodes_chat_tokens(tmp_path):
-    tok, seven = rigged_chat_checkpoint(tmp_path / "sft")
+    tok, seven, _ = rigged_chat_checkpoint(tmp_path / "sft")
     gsm = tmp_path / "gsm.jsonl"
     write_jsonl(gsm, [{"question": f"What is {a} + 4?", "answer": f"#### {a + 4}"} for a in (3, 5)])
     out = tmp_path / "res.json"
@@ -74,6 +78,18 @@ def test_eval_decodes_chat_tokens(tmp_path):
     assert [t[0] for t in texts] == ["<|im_start|>7"] * 2
     assert res["gsm8k"] == scoring.gsm8k_scores([t[0] for t in texts], docs)[0]
     assert res["gsm8k"]["exact_match_flexible"] == 0.5  # '7' is 3 + 4, not 5 + 4
+
+
+def test_exported_chat_model_stops_at_end_of_turn(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tok, seven, model = rigged_chat_checkpoint(tmp_path / "sft")
+    hf.export_hf(model, str(tmp_path / "hf"), tokenizer=tok)
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [tok.eot_id, tok.eos_id] == [513, 511]  # [end of turn, EOS], as Qwen2's
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    prompt = torch.tensor([tok.encode("What is 3 + 4?")])
+    out = theirs.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_id)
+    assert out[0, prompt.shape[1]:].tolist() == [512, seven, 513]  # stopped at <|im_end|>
 
 
 class SimpleCfg:
