@@ -26,8 +26,10 @@ Tasks (--tasks, comma separated; `name=source` reads a .jsonl/.json/.parquet fil
   Codex's stop strings, run through sandbox.py's sandbox against the tests; pass@k (scoring.pass_at_k).
 
 --micro_batch_size: sequences per scoring forward; --gen_batch_size: prompts per decode call. Output: a
-table on stdout and a results JSON (--results, default out/eval/<model>.json). This file holds the
-tasks (formats, data, prompts, as lm-eval builds them) and the CLI; scoring.py how answers are scored.
+table on stdout and a results JSON (--results, default out/eval/<model>.json; never overwritten: a
+taken default name is numbered, <model>_2.json, ..., a --results file that exists is refused). This
+file holds the tasks (formats, data, prompts, as lm-eval builds them) and the CLI; scoring.py how
+answers are scored.
 """
 import json
 import os
@@ -69,7 +71,7 @@ EVAL_DEFAULTS = dict(
     gen_batch_size=16,     # prompts per decode call
     code_timeout=10.0,     # seconds per HumanEval program in the sandbox
     code_workers=4,        # sandbox processes
-    results="",            # results JSON ("": out/eval/<model>.json)
+    results="",            # results JSON, never overwritten ("": out/eval/<model>.json, <model>_2.json, ... when taken)
 )
 # what a checkpoint's config.json contributes: the model's shape, its tokenizer, its corpus and split
 CKPT_KEYS = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "grad_checkpoint", "init_std")] + [
@@ -381,9 +383,34 @@ def table(results):
     return "\n".join(lines)
 
 
+def check_results(cfg):
+    """--results names a new file: results are never overwritten (before anything is evaluated)."""
+    if cfg.results and os.path.exists(cfg.results):
+        raise EvalError(f"--results={cfg.results} exists: eval.py never overwrites results; name a new file "
+                        "(or leave --results out: out/eval/<model>.json, numbered when taken)")
+
+
+def write_results(cfg, record):
+    """The results JSON -> its path: --results, else out/eval/<model>.json, or <model>_2.json,
+    <model>_3.json, ... when taken (each created exclusively: an earlier result is never replaced)."""
+    stem = os.path.join("out", "eval", re.sub(r"[^\w.-]+", "_", cfg.init_from.strip("/")))
+    paths = [cfg.results] if cfg.results else (stem + (f"_{i}" if i > 1 else "") + ".json" for i in range(1, 10 ** 6))
+    for out in paths:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        try:
+            with open(out, "x") as f:
+                json.dump(record, f, indent=2)
+            return out
+        except FileExistsError:
+            if cfg.results:
+                check_results(cfg)
+    raise EvalError(f"no free results file name next to {stem}.json")
+
+
 def main(argv):
     t0 = time.perf_counter()
     cfg = load_config(argv)
+    check_results(cfg)
     todo, ks = parse_tasks(cfg)
     grid = parallel.init(cfg)
     say = print if grid.is_main else (lambda *a, **k: None)
@@ -398,14 +425,12 @@ def main(argv):
         seconds[name] = round(time.perf_counter() - t, 2)
         say(f"{name}: done in {seconds[name]:.1f} s")
     say(table(results))
-    out = cfg.results or os.path.join("out", "eval", re.sub(r"[^\w.-]+", "_", cfg.init_from.strip("/")) + ".json")
     if grid.is_main:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         settings = {k: getattr(cfg, k) for k in EVAL_DEFAULTS}
-        with open(out, "w") as f:
-            json.dump({"model": cfg.init_from, "step": checkpoint.step_of(cfg.init_from), "world": grid.world,
-                       "tp": grid.tp, "data_parallel": cfg.data_parallel, "results": results, "seconds": seconds,
-                       "total_seconds": round(time.perf_counter() - t0, 2), "settings": settings}, f, indent=2)
+        out = write_results(cfg, {
+            "model": cfg.init_from, "step": checkpoint.step_of(cfg.init_from), "world": grid.world, "tp": grid.tp,
+            "data_parallel": cfg.data_parallel, "results": results, "seconds": seconds,
+            "total_seconds": round(time.perf_counter() - t0, 2), "settings": settings})
         say(f"results: {out}")
     parallel.shutdown()
     return results

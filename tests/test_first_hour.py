@@ -7,10 +7,11 @@ Proves:
   exactly the text '<|im_start|>7' (the end-of-turn id stops the decoder and is not printed), and
   the CLI's gsm8k on that checkpoint equals gsm8k_scores of those completions;
 - that model exported (hf.export_hf with its chat tokenizer) has generation_config eos_token_id
-  [end of turn, EOS], and transformers' greedy generate stops right after <|im_end|>.
+  [end of turn, EOS], and transformers' greedy generate stops right after <|im_end|>;
+- eval.py never overwrites results: a second run with the default name writes <model>_2.json and
+  leaves the first file as it was; --results naming an existing file is refused before evaluating.
 """
 import json
-import os
 
 import pytest
 import torch
@@ -94,3 +95,23 @@ def test_exported_chat_model_stops_at_end_of_turn(tmp_path):
 
 class SimpleCfg:
     limit, num_fewshot, fewshot_seed = 0, 0, 1234
+
+
+def test_eval_never_overwrites_results(tmp_path, monkeypatch):
+    rigged_chat_checkpoint(tmp_path / "sft")
+    gsm = tmp_path / "gsm.jsonl"
+    write_jsonl(gsm, [{"question": "What is 3 + 4?", "answer": "#### 7"}])
+    monkeypatch.chdir(tmp_path)  # the default results folder is ./out/eval
+    args = [str(tmp_path / "sft"), f"--tasks=gsm8k={gsm}", "--num_fewshot=0", "--max_new_tokens=4", "--device=cpu"]
+    ev.main(args)
+    first = sorted((tmp_path / "out" / "eval").iterdir())
+    assert len(first) == 1 and first[0].name.endswith("_sft_step_000001.json")
+    before = first[0].read_text()
+    ev.main(args + ["--limit=1", "--temperature=0.5"])
+    second = sorted((tmp_path / "out" / "eval").iterdir())
+    assert [p.name for p in second] == [first[0].name, first[0].name[:-5] + "_2.json"]
+    assert first[0].read_text() == before
+    assert json.loads(second[1].read_text())["settings"]["temperature"] == 0.5
+    with pytest.raises(scoring.EvalError, match=r"--results=.*_step_000001.json exists: eval.py never overwrites"):
+        ev.main(args + [f"--results={first[0]}"])
+    assert first[0].read_text() == before
