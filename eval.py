@@ -188,13 +188,20 @@ def task_records(name, source=""):
 
 
 def to_docs(name, records, where):
+    """Records -> docs; a record that is not one of the task's, or whose answer is not one of its
+    choices (a piqa label of 7), names its place."""
     out = []
     for i, r in enumerate(records):
         try:
-            out.append(TASKS[name].doc(r))
+            doc = TASKS[name].doc(r)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise EvalError(f"{where} record {i + 1}: not a {name} record ({type(e).__name__}: {e}); "
                             f"it needs {TASKS[name].fields}") from None
+        if "choices" in doc and not 0 <= doc["gold"] < len(doc["choices"]):
+            raise EvalError(f"{where} record {i + 1}: its answer is choice {doc['gold']}, but it has "
+                            f"{len(doc['choices'])} choices (0..{len(doc['choices']) - 1}): fix the record's "
+                            f"label ({TASKS[name].fields})")
+        out.append(doc)
     return out
 
 
@@ -288,8 +295,7 @@ def load_config(argv):
     extra = dict(EVAL_DEFAULTS, micro_batch_size=8, batch_size=8 * world)  # micro_batch_size: rows per scoring forward
     if not hf.is_hf_folder(init):
         init = checkpoint_folder(init)
-        with open(os.path.join(init, "config.json")) as f:
-            saved = json.load(f)
+        saved = hf.read_config(init)
         extra.update({k: saved[k] for k in CKPT_KEYS if k in saved})
         args = [a for a in args if not a.startswith("--init_from=")] + [f"--init_from={init}"]
     cfg = config.load(args, extra=extra)
@@ -307,6 +313,23 @@ def model_tokenizer(cfg):
         return tok
     chat_tok, _ = chat.setup(SimpleNamespace(**{**chat.CHAT_DEFAULTS, **vars(cfg)}))
     return chat_tok if chat_tok.n_vocab <= cfg.vocab_size else tok
+
+
+def check_settings(cfg):
+    """The evaluation keys' ranges (before anything is loaded)."""
+    for ok, msg in [
+        (cfg.limit >= 0, f"limit={cfg.limit} must be >= 0 (0: every example)"),
+        (cfg.num_fewshot >= -1, f"num_fewshot={cfg.num_fewshot} must be >= 0, or -1 (the task's default)"),
+        (cfg.n_samples >= 1, f"n_samples={cfg.n_samples} must be >= 1"),
+        (cfg.temperature >= 0, f"temperature={cfg.temperature} must be >= 0 (0: greedy)"),
+        (0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1]"),
+        (cfg.max_new_tokens >= 0, f"max_new_tokens={cfg.max_new_tokens} must be >= 0 (0: the task's default)"),
+        (cfg.bpb_tokens >= 0, f"bpb_tokens={cfg.bpb_tokens} must be >= 0 (0: all)"),
+        (cfg.gen_batch_size >= 1 and cfg.code_workers >= 1, f"gen_batch_size={cfg.gen_batch_size} and "
+         f"code_workers={cfg.code_workers} must be >= 1"),
+        (cfg.code_timeout > 0, f"code_timeout={cfg.code_timeout} must be > 0 (seconds)")]:
+        if not ok:
+            raise EvalError(msg)
 
 
 def parse_tasks(cfg):
@@ -337,6 +360,8 @@ def task_prompts(name, source, cfg):
     spec = TASKS[name]
     records, pool, same = task_records(name, source)
     where = source or f"hf:{spec.hub[0]}"
+    if not records:
+        raise EvalError(f"task {name}: {where} holds no records (empty?): give it records with {spec.fields}")
     docs = to_docs(name, records[:cfg.limit or None], where)
     pool = docs if same and not cfg.limit else to_docs(name, pool, where)
     shots = spec.shots if cfg.num_fewshot < 0 else cfg.num_fewshot
@@ -410,6 +435,7 @@ def write_results(cfg, record):
 def main(argv):
     t0 = time.perf_counter()
     cfg = load_config(argv)
+    check_settings(cfg)
     check_results(cfg)
     todo, ks = parse_tasks(cfg)
     grid = parallel.init(cfg)

@@ -27,7 +27,7 @@ from dataclasses import fields
 from types import SimpleNamespace
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import checkpoint
@@ -46,9 +46,27 @@ MODEL_KEYS = [f.name for f in fields(ModelConfig)
               if f.name not in ("pad_vocab_multiple", "dropout", "init_std", "grad_checkpoint", "fp32_residual")]
 
 
+class FolderError(config.UserError, ValueError):
+    """A model folder whose files cannot be read (missing, damaged, malformed): one line naming the file."""
+
+
 def read_config(path):
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
+    """A model folder's config.json (HF's, or one of our checkpoints') as a dict; a missing or
+    malformed file raises a UserError naming it."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise config.MissingFileError(f"{file} not found: a model folder keeps its config there (an HF folder: "
+                                      "config.json, model.safetensors, tokenizer files); copy or export it again")
+    try:
+        with open(file, encoding="utf-8") as f:
+            out = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f":{e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise FolderError(f"{file}{where}: not valid JSON ({getattr(e, 'msg', e)}): repair it or copy/export the "
+                          "folder again") from None
+    if not isinstance(out, dict):
+        raise FolderError(f"{file}: holds a {type(out).__name__}, not a JSON object of settings")
+    return out
 
 
 def is_hf_folder(path):
@@ -255,11 +273,19 @@ def _tensors(path, stack):
     else:
         files = [f for f in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, f))][:1]
     if not files:
-        raise FileNotFoundError(f"{path}: no model.safetensors(.index.json) or pytorch_model.bin(.index.json)")
+        raise config.MissingFileError(f"{path}: no model.safetensors(.index.json) or pytorch_model.bin(.index.json): "
+                                      "the folder has no weights; copy or export them into it")
     out = {}
     for f in files:
+        if not os.path.isfile(os.path.join(path, f)):
+            raise config.MissingFileError(f"{os.path.join(path, f)} not found (named by the folder's weight index): "
+                                          "copy the missing shard into the folder")
         if f.endswith(".safetensors"):
-            h = stack.enter_context(safe_open(os.path.join(path, f), framework="pt"))
+            try:
+                h = stack.enter_context(safe_open(os.path.join(path, f), framework="pt"))
+            except (SafetensorError, OSError) as e:
+                raise FolderError(f"{os.path.join(path, f)}: cannot read it ({e}): the file is incomplete or "
+                                  "damaged; copy or export it again") from None
             out.update({k: h.get_slice(k) for k in h.keys()})
         else:
             sd = torch.load(os.path.join(path, f), map_location="cpu", mmap=True, weights_only=True)
@@ -325,8 +351,7 @@ def init_checkpoint(path):
         what = "no checkpoint in it" if os.path.isdir(path) else "no such folder"
         raise config.MissingFileError(f"init_from={path}: {what} (name a checkpoint, a run folder or a local HF model "
                                       "folder)")
-    with open(os.path.join(ckpt, "config.json")) as f:
-        return ckpt, json.load(f)
+    return ckpt, read_config(ckpt)
 
 
 def configure(cfg):

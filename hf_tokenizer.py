@@ -23,6 +23,8 @@ import unicodedata
 
 import tiktoken
 
+import config
+
 GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_PAT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -232,8 +234,8 @@ def load_hf_tokenizer(path):
     else:
         files = [p for p in (f("tokenizer.model"), f("original", "tokenizer.model")) if os.path.isfile(p)][:1]
         if not files:
-            raise FileNotFoundError(f"{folder}: no tokenizer files (tokenizer.json, vocab.json + merges.txt, or a "
-                                    "tiktoken tokenizer.model)")
+            raise config.MissingFileError(f"{folder}: no tokenizer files (tokenizer.json, vocab.json + merges.txt, or a "
+                                          "tiktoken tokenizer.model): copy the model's tokenizer files into it")
         ranks, pat = _read_tiktoken_file(files[0]), LLAMA3_PAT
         if not specials:
             specials = llama3_specials(len(ranks))

@@ -9,9 +9,20 @@ Proves:
 - that model exported (hf.export_hf with its chat tokenizer) has generation_config eos_token_id
   [end of turn, EOS], and transformers' greedy generate stops right after <|im_end|>;
 - eval.py never overwrites results: a second run with the default name writes <model>_2.json and
-  leaves the first file as it was; --results naming an existing file is refused before evaluating.
+  leaves the first file as it was; --results naming an existing file is refused before evaluating;
+- bad input reads as one line (config.run: exit status 2, `error: ...`, no traceback) naming the
+  file and what to change: an HF folder without config.json / model.safetensors / tokenizer files,
+  with a truncated model.safetensors or a malformed config.json (sample.py, eval.py and its
+  init_from path, hf.load_hf); invalid UTF-8 in a jsonl of records (chat data, task files) names
+  file:line, or is skipped and counted (skip_bad); a pretraining corpus still reads it with U+FFFD
+  and names the file in its intake summary; eval's piqa label 7, an empty task file, --limit=-5;
+  sample.py on a checkpoint whose weights do not fit its config (CheckpointError, no traceback).
 """
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,6 +30,7 @@ import torch
 import chat
 import checkpoint
 import config
+import corpus
 import eval as ev
 import hf
 import scoring
@@ -115,3 +127,106 @@ def test_eval_never_overwrites_results(tmp_path, monkeypatch):
     with pytest.raises(scoring.EvalError, match=r"--results=.*_step_000001.json exists: eval.py never overwrites"):
         ev.main(args + [f"--results={first[0]}"])
     assert first[0].read_text() == before
+
+
+# ----------------------------------------------------------------------------- bad input: one line each
+
+def one_error_line(main, argv, capsys):
+    """Run main under config.run as the scripts do -> the one stderr line (exit status 2, no traceback)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        config.run(main, argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def break_folder(folder, how):
+    if how == "no_config":
+        os.remove(folder / "config.json")
+    elif how == "no_weights":
+        os.remove(folder / "model.safetensors")
+    elif how == "no_tokenizer":
+        os.remove(folder / "tokenizer.json")
+    elif how == "truncated":
+        data = (folder / "model.safetensors").read_bytes()
+        (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
+    else:
+        (folder / "config.json").write_text('{"model_type": "llama",\n  "hidden_size": 32,,\n}')
+
+
+BROKEN = {"no_config": r"config.json not found", "no_weights": r"no model.safetensors",
+          "no_tokenizer": r"no tokenizer files", "truncated": r"model.safetensors: cannot read it .*incomplete",
+          "bad_config": r"config.json:2: not valid JSON"}
+
+
+@pytest.mark.parametrize("how", list(BROKEN))
+def test_broken_hf_folder(tmp_path, how, capsys):
+    import sample
+    tok, _, model = rigged_chat_checkpoint(tmp_path / "sft")
+    folder = tmp_path / "hf"
+    hf.export_hf(model, str(folder), tokenizer=tok)
+    break_folder(folder, how)
+    gsm = tmp_path / "gsm.jsonl"
+    write_jsonl(gsm, [{"question": "What is 3 + 4?", "answer": "#### 7"}])
+    for main, argv in [(sample.main, [str(folder), "--tokens=2", "--device=cpu"]),
+                       (ev.main, [str(folder), f"--tasks=gsm8k={gsm}", "--max_new_tokens=2", "--device=cpu",
+                                  f"--results={tmp_path / 'r.json'}"])]:
+        line = one_error_line(main, argv, capsys)
+        assert str(folder) in line and re.search(BROKEN[how], line), line
+    if how != "no_tokenizer":
+        with pytest.raises(config.UserError, match=BROKEN[how]):
+            hf.load_hf(str(folder))
+
+
+def test_invalid_utf8_in_jsonl(tmp_path):
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    path = tmp_path / "chat.jsonl"
+    path.write_bytes((good + "\n").encode() + b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}\n'
+                     + (good + "\n").encode())
+    with pytest.raises(corpus.DataError, match=re.escape(f"{path}:2: not valid UTF-8 (byte 0xff at byte 44")):
+        chat.read_conversations(str(path))
+    convs, skipped = chat.read_conversations(str(path), skip_bad=True)
+    assert len(convs) == 2 and skipped == {"not_utf8": 1}
+    piqa = tmp_path / "piqa.jsonl"
+    piqa.write_bytes(b'{"goal": "g\xc3", "sol1": "a", "sol2": "b", "label": 0}\n')
+    with pytest.raises(corpus.DataError, match=re.escape(f"{piqa}:1: not valid UTF-8")):
+        ev.task_prompts("piqa", str(piqa), SimpleCfg())
+    corpus_file = tmp_path / "docs.jsonl"  # a pretraining corpus: read with U+FFFD, the file named in the summary
+    corpus_file.write_bytes(b'{"text": "caf\xe9 au lait"}\n')
+    intake = corpus.Intake()
+    assert list(corpus.iter_documents(str(corpus_file), report=intake)) == ["caf\ufffd au lait"]
+    assert intake.replaced == [str(corpus_file)] and "U+FFFD" in intake.summary()[0]
+
+
+def test_eval_bad_task_input(tmp_path, capsys):
+    piqa = tmp_path / "piqa.jsonl"
+    write_jsonl(piqa, [{"goal": "g", "sol1": "a", "sol2": "b", "label": 1}, {"goal": "g", "sol1": "a", "sol2": "b",
+                                                                          "label": 7}])
+    with pytest.raises(scoring.EvalError, match=r"piqa.jsonl record 2: its answer is choice 7, but it has 2 choices"):
+        ev.task_prompts("piqa", str(piqa), SimpleCfg())
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(scoring.EvalError, match=r"task piqa: .*empty.jsonl holds no records"):
+        ev.task_prompts("piqa", str(empty), SimpleCfg())
+    rigged_chat_checkpoint(tmp_path / "sft")
+    run = [str(tmp_path / "sft"), "--device=cpu", f"--results={tmp_path / 'r.json'}"]
+    assert "limit=-5 must be >= 0" in one_error_line(ev.main, run + [f"--tasks=piqa={piqa}", "--limit=-5"], capsys)
+    assert "holds no records" in one_error_line(ev.main, run + [f"--tasks=piqa={empty}"], capsys)
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_sample_checkpoint_of_another_shape(tmp_path):
+    import sample
+    rigged_chat_checkpoint(tmp_path / "sft")
+    ckpt = tmp_path / "sft" / "step_000001"
+    cfg = json.loads((ckpt / "config.json").read_text())
+    text = (ckpt / "config.json").read_text().replace('"n_embd": 32', '"n_embd": 64')  # same size: sizes still check
+    assert cfg["n_embd"] == 32 and len(text) == len((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(text)
+    r = subprocess.run([sys.executable, sample.__file__, str(tmp_path / "sft"), "--tokens=2", "--device=cpu"],
+                       capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))  # as a user runs it
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"error: checkpoint '{ckpt}' does not fit this model config:"), r.stderr
