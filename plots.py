@@ -51,7 +51,7 @@ PANELS = [("loss", "step", ("loss", "val_loss")), ("loss", "tokens", ("loss", "v
           ("DPO: log-probs of the answers", "step", ("logps/chosen", "logps/rejected")),
           ("DPO: NLL of the chosen answers", "step", ("nll",)), ("pairs/s", "step", ("pairs_s",))]
 LOG_SCALE = ("loss", "gradient norm")
-HELD_OUT = ("val_", "eval_", "heldout_")  # drawn with markers: evaluated every few steps
+HELD_OUT = ("val_", "eval_", "heldout_", "accuracy")  # drawn with markers: evaluated every few steps
 DASHES = ("-", "--", ":", "-.")            # the metrics of one panel, when colours tell the runs apart
 
 
