@@ -30,8 +30,7 @@ def init_checkpoint(path):
         what = "no checkpoint in it" if os.path.isdir(path) else "no such folder"
         raise config.MissingFileError(f"init_from={path}: {what} (name a checkpoint, a run folder or a local HF model "
                                       "folder)")
-    with open(os.path.join(ckpt, "config.json")) as f:
-        return ckpt, json.load(f)
+    return ckpt, hf.read_config(ckpt)
 
 
 def configure(cfg):
