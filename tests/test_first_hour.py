@@ -10,7 +10,7 @@ Proves:
   [end of turn, EOS], and transformers' greedy generate stops right after <|im_end|>;
 - eval.py never overwrites results: a second run with the default name writes <model>_2.json and
   leaves the first file as it was; --results naming an existing file is refused before evaluating;
-- bad input reads as one line (config.run: exit status 2, `error: ...`, no traceback) naming the
+- bad input reads as one line (config.cli: exit status 2, `error: ...`, no traceback) naming the
   file and what to change: an HF folder without config.json / model.safetensors / tokenizer files,
   with a truncated model.safetensors or a malformed config.json (sample.py, eval.py and its
   init_from path, hf.load_hf); invalid UTF-8 in a jsonl of records (chat data, task files) names
@@ -132,10 +132,10 @@ def test_eval_never_overwrites_results(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- bad input: one line each
 
 def one_error_line(main, argv, capsys):
-    """Run main under config.run as the scripts do -> the one stderr line (exit status 2, no traceback)."""
+    """Run main under config.cli as the scripts do -> the one stderr line (exit status 2, no traceback)."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        config.run(main, argv)
+        config.cli(main, argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err, err
     lines = err.strip().splitlines()

@@ -2,7 +2,7 @@
 and against one process.
 
 The case of issue 32: a chat template's two tokens were just added (their embedding and head rows
-are the mean of the old rows, checkpoint.grow_vocab, so they are equal), and LoRA on the linears
+are the mean of the old rows, weights.grow_vocab, so they are equal), and LoRA on the linears
 alone never changes those rows. Proves:
 - fresh rows change nothing (the logits are the base's); after 3 AdamW steps on batches holding the
   new tokens, rows 95 and 96 (V = 97) of the embedding and of the untied head differ from each
@@ -13,7 +13,7 @@ alone never changes those rows. Proves:
   loads in peft.PeftModel over the base's HF export with our logits; load_peft reads it back into a
   fresh model with the same logits; merge_weights -> a plain model gives them too; in-place merge
   gives them, unmerge restores the base weights, lora.disabled gives the base's logits; a checkpoint
-  of the run (rows and ids among its weights) loads merged (checkpoint.load_model) with our logits;
+  of the run (rows and ids among its weights) loads merged (weights.load_model) with our logits;
 - layouts (gloo, 2 processes, 3 AdamW steps with clipping, random non-zero starting adapters and
   rows, tokens 3, 95, 96 so that under TP2 the rows' owners are both ranks): DP2, FSDP2 and TP2 give
   the one-process rows and adapters (relative error <= 1e-5), bitwise identical on every rank
@@ -30,6 +30,8 @@ import distributed
 import hf
 import lora
 import parallel
+import tp
+import weights
 from distributed import assert_close, spawn, train_cfg
 from model import ModelConfig, Transformer
 
@@ -53,7 +55,7 @@ def grown_model(cfg):
     model = Transformer(ModelConfig.from_cfg(cfg))
     with torch.no_grad():
         for p in {id(p): p for p in (model.tok_emb.weight, model.head.weight)}.values():
-            p.copy_(checkpoint.grow_vocab(p, OLD, V))
+            p.copy_(weights.grow_vocab(p, OLD, V))
     return model
 
 
@@ -90,7 +92,7 @@ def trained(request, tmp_path_factory):
 @torch.no_grad()
 def test_new_rows_train(trained):
     cfg, base, _, model, start = trained
-    merged = lora.merge_weights(lora.gather(model, one_grid()) | checkpoint.full_state_dict(model, one_grid()), cfg)
+    merged = lora.merge_weights(lora.gather(model, one_grid()) | tp.full_state_dict(model, one_grid()), cfg)
     names = ["tok_emb.weight"] + ([] if cfg.tie_embeddings else ["head.weight"])
     assert ("head.lora_tokens.rows" in start) == (not cfg.tie_embeddings)
     for name in names:
@@ -145,13 +147,13 @@ def test_peft_loads_ours_and_back(trained, tmp_path):
 @torch.no_grad()
 def test_checkpoint_keeps_rows(trained, tmp_path):
     """A LoRA run's checkpoint holds the rows and their ids; loading it merged (sample.py, init_from:
-    checkpoint.load_model / fit_weights) gives the trained logits."""
+    weights.load_model / fit_weights) gives the trained logits."""
     cfg, base, _, model, _ = trained
-    weights = checkpoint.full_state_dict(model, one_grid())
-    assert weights["tok_emb.lora_tokens.ids"].tolist() == NEW
-    checkpoint.save(str(tmp_path), 1, weights, None, cfg)
+    full = tp.full_state_dict(model, one_grid())
+    assert full["tok_emb.lora_tokens.ids"].tolist() == NEW
+    checkpoint.save(str(tmp_path), 1, full, None, cfg)
     plain = Transformer(base.cfg)
-    checkpoint.load_model(str(tmp_path / "step_000001"), plain)
+    weights.load_model(str(tmp_path / "step_000001"), plain)
     x = batches(5)[0]
     assert (plain.eval()(x) - model(x)).abs().max() <= 1e-5
 
@@ -176,20 +178,17 @@ def train(cfg, grid, init):
     callback: on the TP cut, before apply and FSDP), set the starting adapters and rows, train
     STEPS steps on this data rank's share -> [gather() after each step]."""
     model = grown_model(cfg)
-    run = parallel.parallelize(model, grid, cfg, load=lambda m: lora.train_tokens(m, IDS, grid))
-    lora.load(run.raw, grid, init, run.model)
+    net = parallel.parallelize(model, grid, cfg, load=lambda m: lora.train_tokens(m, IDS, grid))
+    lora.load(net.raw, grid, init, net.wrapper)
     per = distributed.G // grid.data_world
     out = []
     for s in range(STEPS):
         x, y = (t[grid.data_rank * per:(grid.data_rank + 1) * per] for t in batches(s))
-        run.fwd(x, y).backward()
-        run.model.finish()
-        run.clip_grad_norm_(cfg.grad_clip)
-        run.optimizer.step()
-        run.model.zero_grad()
-        out.append(lora.gather(run.raw, grid, run.model))
+        net(x, y).backward()
+        net.step(cfg.grad_clip)  # reduce, clip, optimizer step, zero gradients
+        out.append(lora.gather(net.raw, grid, net.wrapper))
     if cfg.data_parallel == "fsdp":
-        root = [names[0] for ns in run.model.units for names, _, _ in ns.params if not names[0].startswith("blocks.")]
+        root = [names[0] for ns in net.wrapper.units for names, _, _ in ns.params if not names[0].startswith("blocks.")]
         out.append(sorted(root))
     return out
 

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import data
 import logs
 import plots
+import tokenizer
 from model import ModelConfig, Transformer
 
 pytest.importorskip("matplotlib")
@@ -104,7 +104,7 @@ def test_dpo_panels_colours_legends(tmp_path, figures):
 
 
 def test_attention_has_a_colour_bar(tmp_path, figures):
-    tok = data.get_tokenizer("cl100k_base", 300)
+    tok = tokenizer.get_tokenizer("cl100k_base", 300)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=tok.n_vocab, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
     plots.plot_attention(model, tok, "def add(a, b):", 0, 1, str(tmp_path / "attn.png"))
