@@ -118,6 +118,7 @@ SHARED_DEFAULTS = dict(
     lora_targets="all-linear",  # "all-linear" (attention + MLP) or HF module names: "q_proj,v_proj" (GPT-2: c_attn, ...)
     lora_rslora=False,       # scale alpha / sqrt(r) instead of alpha / r
     lora_base_dtype="float32",  # float32 | bfloat16: the frozen base's storage (bf16 needs bf16 autocast)
+    lora_train_tokens=True,  # LoRA: the embedding/head rows of tokens added to init_from's vocabulary (the chat template's) train too, as PEFT's trainable_token_indices
     # evaluation and logging
     eval_every=250,          # steps between held-out evaluations (0: none)
     log_every=10,            # steps between log lines

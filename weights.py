@@ -7,6 +7,7 @@
 An HF folder is read by hf.py (each TP rank reads only its rows / columns); our checkpoints give
 full tensors that tp.local_tensor cuts. A LoRA run's adapters are merged into their base; a
 vocabulary smaller than the run's (chat tokens just added) grows, the new rows the mean of the old.
+Under LoRA those new rows train too (lora_train_tokens: lora.train_tokens in loader; base_vocab).
 """
 import json
 import os
@@ -62,16 +63,29 @@ def configure(cfg):
     return f"model and tokenizer of {'the HF folder' if keys is hf.MODEL_KEYS else 'checkpoint'} {cfg.init_from}"
 
 
+def base_vocab(cfg):
+    """init_from's vocabulary size, before this run's chat tokens grew it (None without init_from)."""
+    if not cfg.init_from:
+        return None
+    src = cfg.init_from
+    return hf.read_config(src)["vocab_size"] if hf.is_hf_folder(src) else init_checkpoint(src)[1]["vocab_size"]
+
+
 def loader(cfg, grid):
     """parallelize's `load` callback for cfg.init_from (None without one): an HF folder (each TP rank
     reads its rows / columns) or our checkpoint (full tensors cut to this TP rank; a LoRA run's merged).
-    A smaller vocabulary (chat specials just added) grows (grow_vocab), said once."""
+    A smaller vocabulary (chat specials just added) grows (grow_vocab), said once; under LoRA
+    (lora_train_tokens) the new tokens' rows then train (lora.train_tokens; not in a frozen reference)."""
     if not cfg.init_from:
         return None
-    src, is_hf = cfg.init_from, hf.is_hf_folder(cfg.init_from)
-    old = hf.read_config(src)["vocab_size"] if is_hf else init_checkpoint(src)[1]["vocab_size"]
+    src, is_hf, old = cfg.init_from, hf.is_hf_folder(cfg.init_from), base_vocab(cfg)
+    new = range(old, cfg.vocab_size) if cfg.lora_r and cfg.lora_train_tokens else range(0)
+    if new and cfg.pp > 1 and cfg.tie_embeddings:
+        raise config.ConfigError("lora_train_tokens=True: the new tokens' rows of tied embeddings cannot train across "
+                                 "pipeline stages (pp > 1): set --lora_train_tokens=False, or pp=1")
     if old < cfg.vocab_size and grid.is_main:
-        print(f"init_from: vocabulary grown from {old} to {cfg.vocab_size} tokens (new rows: the mean of the old)")
+        print(f"init_from: vocabulary grown from {old} to {cfg.vocab_size} tokens (new rows: the mean of the old"
+              + (f"; LoRA trains the rows of tokens {old}..{cfg.vocab_size - 1} too)" if new else ")"))
 
     def load(model):
         if is_hf:
@@ -81,10 +95,13 @@ def loader(cfg, grid):
                 if name in ("tok_emb.weight", "head.weight") and old < cfg.vocab_size:
                     return tp.local_tensor(params[name], grow_vocab(part[:], old, cfg.vocab_size), grid)
                 return base(name, part)
-            return hf.load_weights(src, model, shard_fn)
-        saved = init_checkpoint(src)[1]
-        weights = checkpoint.read_weights(src, ModelConfig.from_cfg(SimpleNamespace(**saved)))
-        tp.load_full_state_dict(model, grid, fit_weights(weights, saved, model.cfg))
+            hf.load_weights(src, model, shard_fn)
+        else:
+            saved = init_checkpoint(src)[1]
+            weights = checkpoint.read_weights(src, ModelConfig.from_cfg(SimpleNamespace(**saved)))
+            tp.load_full_state_dict(model, grid, fit_weights(weights, saved, model.cfg))
+        if new and any(p.requires_grad for p in model.parameters()):  # (a frozen reference keeps the base's rows)
+            lora.train_tokens(model, new, grid)  # on the TP cut, before lora.apply and FSDP
     return load
 
 
