@@ -17,7 +17,10 @@ alone never changes those rows. Proves:
 - layouts (gloo, 2 processes, 3 AdamW steps with clipping, random non-zero starting adapters and
   rows, tokens 3, 95, 96 so that under TP2 the rows' owners are both ranks): DP2, FSDP2 and TP2 give
   the one-process rows and adapters (relative error <= 1e-5), bitwise identical on every rank
-  after every step; under FSDP the rows are the only trainable tensors outside the blocks.
+  after every step; under FSDP the rows are the only trainable tensors outside the blocks;
+- the stages' wiring (weights.loader): rows for exactly the ids init_from lacked (weights.base_vocab),
+  none with lora_train_tokens=False, without LoRA or on a frozen reference; tied embeddings under a
+  pipeline refused in one line.
 """
 import copy
 import os
@@ -216,3 +219,28 @@ def test_layouts_equal_one_process(tmp_path):
         assert (ref[STEPS - 1]["tok_emb.lora_tokens.rows"] - init["tok_emb.lora_tokens.rows"]).abs().min() > 0
         if name == "fsdp2":
             assert recs[0][STEPS] == ["head.lora_tokens.rows", "tok_emb.lora_tokens.rows"]
+
+
+# ----------------------------------------------------------------------------- weights.loader: where the stages get them
+
+def test_loader_adds_rows_for_the_new_tokens(tmp_path):
+    """weights.loader's callback (sft, dpo, grpo) gives a LoRA model trainable rows for exactly the
+    tokens init_from lacked (weights.base_vocab): none with lora_train_tokens=False, none without
+    LoRA, none on a frozen reference; tied embeddings under a pipeline are refused in one line."""
+    import config
+    small = train_cfg(SMALL, vocab_size=OLD)
+    torch.manual_seed(0)
+    checkpoint.save(str(tmp_path), 1, Transformer(ModelConfig.from_cfg(small)).state_dict(), None, small)
+    cfg = train_cfg(SMALL, init_from=str(tmp_path / "step_000001"))  # V = OLD + 2: the chat tokens added
+    assert weights.base_vocab(cfg) == OLD and weights.base_vocab(train_cfg(SMALL)) is None
+
+    def rows(frozen=False, **kw):
+        c = train_cfg(SMALL, init_from=cfg.init_from, **kw)
+        model = Transformer(ModelConfig.from_cfg(c)).requires_grad_(not frozen)
+        weights.loader(c, one_grid())(model)
+        return {n: b.tolist() for n, b in model.named_buffers() if lora.is_adapter(n)}
+    assert rows() == {"tok_emb.lora_tokens.ids": NEW, "head.lora_tokens.ids": NEW}
+    assert rows(tie_embeddings=True) == {"tok_emb.lora_tokens.ids": NEW}
+    assert rows(lora_train_tokens=False) == rows(lora_r=0) == rows(frozen=True) == {}
+    with pytest.raises(config.ConfigError, match="set --lora_train_tokens=False, or pp=1"):
+        weights.loader(train_cfg(SMALL, init_from=cfg.init_from, pp=2, tie_embeddings=True), one_grid())
