@@ -116,14 +116,15 @@ def _plain(x):
 
 
 def save(out_dir, step, weights, optim_state, cfg, loader_state=None, keep_last=2, rank=0, run_id=None, extra=None,
-         sole_writer=False):
+         sole_writer=False, state=None):
     """Write full weights and optimizer state (parallel.Net.full_state's) as out_dir/step_<step>;
     returns its path on rank 0. Collective when distributed (RNG states are gathered); rank 0
     writes. run_id: the run's lineage (lifecycle.claim), recorded in the checkpoint; pruning keeps
     the newest keep_last of this run id's checkpoints and never touches another run's. Temporary
     folders are removed only when they are this process's, their writer is verifiably gone, or
     sole_writer (the caller holds out_dir's lock: nobody else writes here). extra(folder) writes
-    more files into it (a PEFT adapter), hashed too."""
+    more files into it (a PEFT adapter), hashed too. state: more plain entries for trainer.pt (the
+    fp16 loss scaler's)."""
     rngs = _gather_rng()
     if rank != 0:
         return None
@@ -141,7 +142,8 @@ def save(out_dir, step, weights, optim_state, cfg, loader_state=None, keep_last=
     _fsync(os.path.join(tmp, "model.safetensors"))
     if optim_state is not None:
         _fsync_write(os.path.join(tmp, "optimizer.pt"), lambda f: torch.save(optim_state, f))
-    trainer = {"step": step, "loader": _plain(loader_state), "rng": rngs, "cfg": _plain(vars(cfg)), "run_id": run_id}
+    trainer = {"step": step, "loader": _plain(loader_state), "rng": rngs, "cfg": _plain(vars(cfg)), "run_id": run_id,
+               **_plain(state or {})}
     _fsync_write(os.path.join(tmp, "trainer.pt"), lambda f: torch.save(trainer, f))
     read_pt(os.path.join(tmp, "trainer.pt"))  # loads with weights_only=True now, not only at resume time
     _fsync_write(os.path.join(tmp, "config.json"), lambda f: f.write(json.dumps(vars(cfg), indent=1).encode()))

@@ -92,12 +92,13 @@ SHARED_DEFAULTS = dict(
     muon_lr=0.0,             # 0 -> lr (with muon_scale="rms" AdamW's lr and weight decay carry over)
     muon_momentum=0.95,      # Nesterov momentum
     muon_scale="rms",        # rms: update * 0.2*sqrt(max(rows, cols)) | shape: * sqrt(max(1, rows/cols))
-    ns_dtype="bfloat16",     # Newton-Schulz precision: bfloat16 | float32 (exact tests)
+    ns_dtype="bfloat16",     # Newton-Schulz precision: bfloat16 (float32 on GPUs without bf16) | float32 (exact tests)
     zero1=False,             # ZeRO-1: optimizer state sharded over data-parallel ranks (ddp only)
     # system
     seed=1337,               # weights, data order and sampling follow from it
     device="auto",           # auto | cpu | cuda
-    dtype="auto",            # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+    dtype="auto",            # auto (bf16 on GPUs with it, float16 on GPUs without, fp32 on CPU) | float32 | bfloat16 |
+                             # float16 (with loss scaling: scaler.py)
     compile=False,           # torch.compile the model (the whole model under ddp, each block under fsdp)
     threads=0,               # CPU threads per process (0: the cores / local processes; said at start-up)
     grad_bucket_mb=25.0,     # data-parallel all-reduce bucket size
@@ -117,8 +118,16 @@ SHARED_DEFAULTS = dict(
     lora_dropout=0.0,        # dropout on the adapters' input
     lora_targets="all-linear",  # "all-linear" (attention + MLP) or HF module names: "q_proj,v_proj" (GPT-2: c_attn, ...)
     lora_rslora=False,       # scale alpha / sqrt(r) instead of alpha / r
-    lora_base_dtype="float32",  # float32 | bfloat16: the frozen base's storage (bf16 needs bf16 autocast)
+    lora_base_dtype="float32",  # float32 | bfloat16 | nf4: the frozen base's storage (bf16 needs bf16 autocast;
+                                # nf4: 4-bit QLoRA, qlora.py, computed in bf16 or fp16)
+    qlora_double=True,       # nf4: the block scales quantised too (double quantisation, 0.127 bits per weight)
     lora_train_tokens=True,  # LoRA: the embedding/head rows of tokens added to init_from's vocabulary (the chat template's) train too, as PEFT's trainable_token_indices
+    # memory (README's "Memory on 24 GB cards"; gpu_memory says which of them a run needs)
+    loss_chunk=0,            # >0: the loss in chunks of N tokens from the last hidden state, no logits held (chunked.py)
+    recompute="",            # "" | block | attn | mlp: recompute that part of blocks in backward (recompute.py)
+    recompute_every=1,       # recompute only blocks 0, k, 2k, ... (k = recompute_every)
+    adamw_state="fp32",      # fp32 | 8bit (block-wise 8-bit moments) | offload (state on the CPU): optim_memory.py
+    gpu_memory=0.0,          # >0: print the memory plan (plan.py) for GPUs of this many GiB, what fits, and exit
     # evaluation and logging
     eval_every=250,          # steps between held-out evaluations (0: none)
     log_every=10,            # steps between log lines
@@ -140,7 +149,7 @@ RESUME_FREE = frozenset("""
     out_dir init_from ckpt_every keep_last stop_at
     device dtype compile threads grad_bucket_mb grad_reduce_dtype tp sequence_parallel data_parallel ep zero1
     pp pp_schedule pp_cut pp_micro
-    micro_batch_size ns_dtype grad_checkpoint fp32_residual
+    micro_batch_size ns_dtype grad_checkpoint fp32_residual loss_chunk recompute recompute_every gpu_memory
     eval_every log_every progress peak_tflops tensorboard wandb wandb_project
 """.split())
 RESUME_CONTROL = frozenset({"resume", "overwrite", "force_resume"})  # how to start, not settings
@@ -286,7 +295,8 @@ def validate(cfg, world=1):
     need(not (cfg.zero1 and cfg.data_parallel == "fsdp"),
          "zero1=True shards optimizer state over ddp replicas; data_parallel='fsdp' already shards it: drop one")
     need(cfg.device in ("auto", "cpu", "cuda"), f"device='{cfg.device}' must be auto, cpu or cuda")
-    need(cfg.dtype in ("auto", "float32", "bfloat16"), f"dtype='{cfg.dtype}' must be auto, float32 or bfloat16")
+    need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"),
+         f"dtype='{cfg.dtype}' must be auto, float32, bfloat16 or float16")
     need(cfg.threads >= 0, f"threads={cfg.threads} must be >= 0 (0: the cores divided among the local processes)")
     need(cfg.tp >= 1, f"tp={cfg.tp} must be >= 1")
     need(cfg.ep >= 1, f"ep={cfg.ep} must be >= 1")
@@ -324,7 +334,20 @@ def validate(cfg, world=1):
     need(cfg.lora_r >= 0, f"lora_r={cfg.lora_r} must be >= 0 (0: no LoRA)")
     need(cfg.lora_alpha > 0 and 0 <= cfg.lora_dropout < 1,
          f"lora_alpha={cfg.lora_alpha} must be > 0 and lora_dropout={cfg.lora_dropout} in [0, 1)")
-    need(cfg.lora_base_dtype in ("float32", "bfloat16"), f"lora_base_dtype='{cfg.lora_base_dtype}' must be float32 or bfloat16")
+    need(cfg.lora_base_dtype in ("float32", "bfloat16", "nf4"),
+         f"lora_base_dtype='{cfg.lora_base_dtype}' must be float32, bfloat16 or nf4")
+    need(cfg.loss_chunk >= 0, f"loss_chunk={cfg.loss_chunk} must be >= 0 (0: the logits are materialised)")
+    need(cfg.recompute in ("", "block", "attn", "mlp"), f"recompute='{cfg.recompute}' must be '', block, attn or mlp")
+    need(cfg.recompute_every >= 1, f"recompute_every={cfg.recompute_every} must be >= 1")
+    need(not (cfg.recompute and cfg.grad_checkpoint),
+         f"recompute='{cfg.recompute}' and grad_checkpoint=True both recompute (grad_checkpoint is recompute='block' "
+         f"on every block): drop one")
+    need(cfg.adamw_state in ("fp32", "8bit", "offload"),
+         f"adamw_state='{cfg.adamw_state}' must be fp32, 8bit or offload")
+    need(not (cfg.adamw_state != "fp32" and cfg.optimizer == "muon" and cfg.data_parallel == "fsdp"),
+         f"adamw_state='{cfg.adamw_state}' works under FSDP with optimizer='adamw' only (FSDP + Muon keeps fp32 "
+         f"AdamW state): set adamw_state='fp32' or optimizer='adamw'")
+    need(cfg.gpu_memory >= 0, f"gpu_memory={cfg.gpu_memory} must be >= 0 (0: no plan; 24: plan for 24 GiB GPUs)")
     need(not cfg.lora_r or (cfg.optimizer == "adamw" and not cfg.zero1),
          "LoRA trains with AdamW, without zero1 (Muon is for full hidden matrices; the adapters' state is small): "
          "set optimizer='adamw', zero1=False")

@@ -36,7 +36,7 @@ import optim
 import parallel
 import tasks
 import weights
-from model import IGNORE, ModelConfig, Transformer
+from model import IGNORE
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "cdpo", "simpo")
 REFERENCES = ("auto", "copy", "adapters", "precomputed")
@@ -178,8 +178,7 @@ def pair_logps(fn, seqs, ids, mb, grid, autocast):
 def build(cfg, grid, load=None, frozen=False):
     """The policy (or, frozen, a reference copy) in this run's layout, weights from load (weights.loader),
     seeded by cfg.seed: without init_from the copy equals the policy's start. -> parallel.Net"""
-    torch.manual_seed(cfg.seed)
-    m = Transformer(ModelConfig.from_cfg(cfg)).to(grid.device).requires_grad_(not frozen)
+    m = weights.build_model(cfg, grid, frozen=frozen)
     return parallel.parallelize(m, grid, cfg, load=load, optimizer=not frozen)
 
 
@@ -309,6 +308,7 @@ def main(argv):
         cfg.vocab_size = tok.n_vocab
     config.validate(cfg, grid.world)  # the model keys just changed
     kind = check(cfg)
+    lifecycle.preflight(cfg, grid)  # the GPUs and the memory plan, said once (--gpu_memory: the plan, then exit)
     T, mb = cfg.seq_len or cfg.block_size, cfg.micro_batch_size
     train_pairs, held_pairs, skipped = read_pairs(cfg)
     encode = lambda msgs, gen: chat.encode(tok, template, msgs, add_generation_prompt=gen)  # noqa: E731

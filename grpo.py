@@ -36,7 +36,7 @@ import optim
 import parallel
 import prompts
 import weights
-from model import IGNORE, ModelConfig, Transformer
+from model import IGNORE
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALES = ("group", "batch", "none")
@@ -274,7 +274,7 @@ def learn(net, batch, cfg, autocast=contextlib.nullcontext()):
                     eps_low=cfg.clip_low, eps_high=cfg.clip_high, beta=cfg.beta, kl_ratio=cfg.kl_ratio,
                     ref_logp=None if batch.ref is None else batch.ref[rows], level=cfg.importance_level,
                     n_seqs=n_seqs, n_tokens=n_tokens, max_len=cfg.max_new_tokens)
-                loss.backward()
+                net.backward(loss)
             sums = sums + s
         norm = net.step(cfg.grad_clip)
     return sums, norm
@@ -321,6 +321,7 @@ def main(argv):
         cfg.vocab_size = tok.n_vocab
     config.validate(cfg, grid.world)  # the model keys just changed
     check(cfg, grid)
+    lifecycle.preflight(cfg, grid)  # the GPUs and the memory plan, said once (--gpu_memory: the plan, then exit)
     train, test, reward, accuracy_fn, note = prompts.for_run(cfg)  # a task's, or prompt_data's
     train_ids, test_ids = ([chat.encode(tok, template, it["prompt"], add_generation_prompt=True)[0] for it in items]
                            for items in (train, test))
@@ -338,14 +339,12 @@ def main(argv):
         say(line)
 
     # ------------------------------------------------------------------------ policy, reference, resume
-    torch.manual_seed(cfg.seed)  # the same seed on every rank: identical initial weights
-    raw = Transformer(ModelConfig.from_cfg(cfg)).to(device)
+    raw = weights.build_model(cfg, grid)  # from the same seed on every rank: identical initial weights
     net = parallel.parallelize(raw, grid, cfg, load=weights.loader(cfg, grid))
     ref = None
     if cfg.beta and not cfg.lora_r:  # a frozen copy of the initial weights (LoRA: the base, adapters off)
-        torch.manual_seed(cfg.seed)
-        ref = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)).to(device).requires_grad_(False), grid,
-                                   cfg, load=weights.loader(cfg, grid), optimizer=False)
+        ref = parallel.parallelize(weights.build_model(cfg, grid, frozen=True), grid, cfg,
+                                   load=weights.loader(cfg, grid), optimizer=False)
     # rollouts and evals read a bf16 copy (generate.cast_copy; graphs kept: captured once), refreshed before use;
     # raw under TP (cut weights), LoRA (unmerged adapters), MoE (no nn.Linear experts), FSDP (a full copy per rank)
     plain = cfg.rollout_copy and grid.tp == 1 and not (cfg.lora_r or cfg.n_experts or cfg.data_parallel == "fsdp")

@@ -33,8 +33,11 @@ import torch.distributed as dist
 
 import checkpoint
 import config
+import gpus
+import logs
 import lora
 import parallel
+import plan
 from checkpoint import CheckpointError, ResumeMismatch, RunDirError
 
 # what a run writes into out_dir: a fresh run refuses to start over these (or moves them aside)
@@ -60,6 +63,26 @@ def layout(cfg, grid):
     pipe = f"pp {grid.pp} {cfg.pp_schedule}, " if grid.pp > 1 else ""
     return (f"world {grid.world} ({pipe}dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {where} | "
             f"{parallel.amp_dtype(cfg, grid.device)}")
+
+
+def preflight(cfg, grid):
+    """Before any work, once cfg is final (init_from's model keys and the vocabulary set, validated):
+    on a GPU, say once what the machine is (gpus.report: bf16, peer-to-peer, the MFU peak) and the
+    predicted peak memory per GPU (plan.py). cfg.gpu_memory > 0: print the plan for GPUs of that
+    many GiB and the knobs that make the run fit, then exit 0 on every rank (SystemExit), out_dir
+    untouched: a plan costs no work."""
+    if cfg.gpu_memory:
+        for line in plan.advice(cfg, grid.world, cfg.gpu_memory):
+            say(grid)(line)
+        raise SystemExit(0)
+    if grid.device.type == "cuda" and grid.is_main:
+        lines = gpus.report(gpus.describe())
+        try:
+            lines += plan.advice(cfg, grid.world)
+        except config.UserError:
+            lines.append("memory plan: mixture-of-experts models are not modelled (plan.py)")
+        for line in lines:
+            print(line)
 
 
 # ---------------------------------------------------------------------------- the run folder
@@ -258,9 +281,10 @@ def check_resume(path, cfg, free=()):
             [f"resume: changed (forced by force_resume): {x}" for x in refused])
 
 def resume(lease, net):
-    """Load lease.resume_from (a checkpoint saved by any layout) into net: weights, optimizer state
-    and this rank's RNG. Returns the trainer dict (step, loader, cfg, run_id), or None for a fresh
-    run. Collective under FSDP and EP."""
+    """Load lease.resume_from (a checkpoint saved by any layout) into net: weights, optimizer state,
+    the fp16 loss scale (a checkpoint saved without one leaves the scaler fresh) and this rank's
+    RNG. Returns the trainer dict (step, loader, cfg, run_id), or None for a fresh run. Collective
+    under FSDP and EP."""
     if not lease.resume_from:
         return None
     weights, optim_state, trainer = checkpoint.load(lease.resume_from, net.raw.cfg, net.optimizer is not None)
@@ -268,6 +292,8 @@ def resume(lease, net):
     if have != got:  # (resume's config check refuses changed lora_* settings first)
         raise CheckpointError(f"'{lease.resume_from}' holds LoRA adapters {sorted(got)[:2]}, this model {sorted(have)[:2]}")
     net.load_full_state(weights, optim_state)
+    if net.scaler is not None and "scaler" in trainer:
+        net.scaler.load_state_dict(trainer["scaler"])
     checkpoint.set_rng_state(trainer, net.grid.rank)
     return trainer
 
@@ -277,9 +303,10 @@ def save(net, cfg, lease, step, loader_state=None, extra=None, optimizer=True):
     (its path on rank 0, the full weights). extra(weights) -> a function writing more files into the
     checkpoint folder (a LoRA run's PEFT adapter), or None."""
     weights, optim_state = net.full_state(optimizer)
+    state = {"scaler": net.scaler.state_dict()} if net.scaler is not None else None  # fp16: resume exactly
     path = checkpoint.save(cfg.out_dir, step, weights, optim_state, cfg, loader_state, cfg.keep_last, net.grid.rank,
                            run_id=lease.run_id, extra=extra(weights) if extra else None,
-                           sole_writer=lease.lock is not None)
+                           sole_writer=lease.lock is not None, state=state)
     return path, weights
 
 
@@ -363,7 +390,8 @@ def summary(say, stage, step, clock, path, metric, held, stopped=False):
 class Clock:
     """Wall time for throughput: lap() is the time since the previous lap (or the start) with the
     paused() stretches (checkpoints, evaluations) left out. On CUDA it waits for the GPU first, so
-    read it at log steps only."""
+    read it at log steps only. The memory those stretches take is left out of the next log line's
+    mem_gb too: paused() resets the peak when it ends (logs.peak_memory_gb)."""
 
     def __init__(self, device):
         self.device = device
@@ -390,3 +418,4 @@ class Clock:
             yield
         finally:
             self.skipped += self.now() - t
+            logs.reset_peak_memory(self.device)

@@ -1,7 +1,7 @@
 """Honest observability for every stage: metrics to stdout, JSONL, TensorBoard / W&B; MFU.
 
 Only rank 0 writes anything. MFU = tokens/s * FLOPs per token / (peak * GPUs), with the model's
-own FLOPs formula (model.flops_per_token) and the GPU's dense bf16 peak from the table below.
+own FLOPs formula (model.flops_per_token) and the GPU's dense bf16 peak (gpus.PEAK_TFLOPS).
 """
 import json
 import math
@@ -11,10 +11,8 @@ import time
 
 import torch
 
+import gpus
 from config import UserError
-
-# dense bf16 tensor-core peak, TFLOP/s per GPU (no sparsity)
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
 
 
 def peak_tflops(device, override=0.0):
@@ -23,17 +21,24 @@ def peak_tflops(device, override=0.0):
         return override
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, v in PEAK_TFLOPS.items():
-        if key in name:
-            return v
-    return None
+    return gpus.peak(torch.cuda.get_device_name(device))
 
 
 def peak_memory_gb(device):
+    """A log line's mem_gb: on a GPU the peak memory allocated since the previous call (the steps
+    since the previous log line; checkpoints and evaluations left out: lifecycle.Clock.paused), in
+    GB; the peak counter then starts again. On the CPU: the process's peak RSS since its start."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
+        peak = torch.cuda.max_memory_allocated(device) / 1e9
+        reset_peak_memory(device)
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # CPU: peak RSS (kB on Linux)
+
+
+def reset_peak_memory(device):
+    """The GPU's peak-memory counter starts again from what is allocated now (CPU: nothing to do)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 class NonFiniteLoss(UserError, FloatingPointError):

@@ -155,6 +155,13 @@ class LoRALinear(nn.Module):
         """scale * B A for this rank's slice of the weight (its rows or its columns)."""
         return self.b_matrix() @ torch.cat(list(self.lora_A.values())) * self.scale
 
+    def base_forward(self, x):
+        """The frozen base's output (qlora.QLoRALinear overrides it: a 4-bit weight)."""
+        if self.row:  # tp.RowParallelLinear's forward (group None: one process)
+            y = tp.Reduce.apply(F.linear(x, self.weight), self.group)
+            return y if self.bias is None else y + self.bias
+        return F.linear(tp.Copy.apply(x, self.group), self.weight, self.bias)  # tp.ColumnParallelLinear's (or nn.Linear's)
+
     def forward(self, x):
         """Tensor parallelism, and why the gradients are exact (tp.py's Copy: identity forward,
         all-reduce of the gradient backward; Reduce: all-reduce forward, identity backward):
@@ -177,11 +184,7 @@ class LoRALinear(nn.Module):
         Cut parameters carry p.tp_split, so gradient norms, checkpoints and FSDP count them like
         any other; replicated ones get identical gradients on every rank (tests/test_lora.py checks
         bitwise)."""
-        if self.row:  # tp.RowParallelLinear's forward (group None: one process)
-            y = tp.Reduce.apply(F.linear(x, self.weight), self.group)
-            y = y if self.bias is None else y + self.bias
-        else:  # tp.ColumnParallelLinear's (or nn.Linear's)
-            y = F.linear(tp.Copy.apply(x, self.group), self.weight, self.bias)
+        y = self.base_forward(x)
         if self.merged or self.disabled or not self.lora_A:
             return y
         h = F.linear(self.drop(x), torch.cat(list(self.lora_A.values())))  # (..., adapted modules * r)

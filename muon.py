@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp
+import gpus
+import optim_memory
 import tp
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -117,7 +119,10 @@ class Muon(torch.optim.Optimizer):
     parameters this rank owns; it shares this optimizer's `state`, so checkpoints see one optimizer."""
 
     def __init__(self, groups, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, momentum=0.95,
-                 scale="rms", ns_steps=5, ns_dtype=torch.bfloat16, grid=None, zero1=False, compile_ns=True):
+                 scale="rms", ns_steps=5, ns_dtype=torch.bfloat16, grid=None, zero1=False, compile_ns=True,
+                 adamw=None):
+        # adamw: None (torch.optim.AdamW) or a factory (groups, lr, betas, eps) -> the optimizer of the
+        # AdamW groups, e.g. optim_memory.AdamW8bit / OffloadAdamW (its standard_state(p) gives checkpoints)
         if scale not in ("rms", "shape"):
             raise ValueError(f"muon scale '{scale}' must be rms or shape")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
@@ -148,8 +153,10 @@ class Muon(torch.optim.Optimizer):
         if pairs:
             cuda = pairs[0][1][0].is_cuda
             self.adamw_groups = [g for g, _ in pairs]
-            self.adamw = torch.optim.AdamW([dict(params=ps, weight_decay=g["weight_decay"]) for g, ps in pairs],
-                                           lr=lr, betas=betas, eps=eps, fused=cuda or None, foreach=None if cuda else True)
+            inner = [dict(params=ps, weight_decay=g["weight_decay"]) for g, ps in pairs]
+            self.adamw = (adamw(inner, lr=lr, betas=betas, eps=eps) if adamw is not None else
+                          torch.optim.AdamW(inner, lr=lr, betas=betas, eps=eps, fused=cuda or None,
+                                            foreach=None if cuda else True))
             self.adamw.state = self.state
 
     # ------------------------------------------------------------------ ownership
@@ -237,7 +244,7 @@ class Muon(torch.optim.Optimizer):
         super().load_state_dict(state_dict)  # (a new self.state: share it with the inner AdamW again)
         if self.adamw is not None:
             self.adamw.state = self.state
-            if self.adamw.defaults["fused"]:  # fused AdamW keeps its step count on the parameter's device
+            if self.adamw.defaults.get("fused"):  # fused AdamW keeps its step count on the parameter's device
                 for g in self.adamw.param_groups:
                     for p in g["params"]:
                         if "step" in self.state.get(p, {}):
@@ -259,18 +266,24 @@ class Muon(torch.optim.Optimizer):
         out = {}
         for group in self.param_groups:
             for p in group["params"]:
-                st = self._from_owner(p, group, grid) if self.zero1 else self.state.get(p, {})
+                st = self._from_owner(p, group, grid) if self.zero1 else self.state_of(p, group)
                 for k, v in st.items():
                     full = tp.full_tensor(p, v, grid) if torch.is_tensor(v) and v.shape == p.shape else v
                     out.setdefault(names[id(p)], {})[k] = full.detach().clone().cpu() if torch.is_tensor(full) else full
         return out
+
+    def state_of(self, p, group):
+        """p's state in torch's form: an AdamW part that stores it otherwise (8-bit, on the host) converts."""
+        if group["kind"] == "adamw" and hasattr(self.adamw, "standard_state"):
+            return self.adamw.standard_state(p)
+        return self.state.get(p, {})
 
     def _from_owner(self, p, group, grid):
         """ZeRO-1: p's state (local shapes) on every dp rank, broadcast by its owner; {} before the
         first step."""
         keys = ["momentum_buffer"] if group["kind"] == "muon" else ["step", "exp_avg", "exp_avg_sq"]
         src = dist.get_global_rank(grid.dp_group, self.owner[id(p)])
-        st = self.state.get(p, {}) if self.owns(p) else {}
+        st = self.state_of(p, group) if self.owns(p) else {}
         has = torch.tensor([1.0 if st else 0.0], device=p.device)
         dist.broadcast(has, src=src, group=grid.dp_group)
         if not has.item():
@@ -345,14 +358,17 @@ def build(model, cfg, grid=None):
         mark_splits(model)
     if any(hasattr(p, "tp_split") for p in model.parameters()) and grid is None:
         raise ValueError("a tensor-parallel model needs build_optimizer(model, cfg, grid)")
-    return Muon(param_groups(model, cfg, use_muon), grid=grid, zero1=cfg.zero1, **_hyper(cfg))
+    return Muon(param_groups(model, cfg, use_muon), grid=grid, zero1=cfg.zero1,
+                adamw=optim_memory.factory(cfg.adamw_state), **_hyper(cfg, next(model.parameters()).device))
 
 
-def _hyper(cfg):
-    """Muon's keyword arguments from the config (shared by build and build_fsdp)."""
+def _hyper(cfg, device):
+    """Muon's keyword arguments from the config (shared by build and build_fsdp). Newton-Schulz runs in
+    fp32 on a GPU without bf16 (V100, T4, RTX 20xx), whatever ns_dtype says."""
+    ns = "float32" if device.type == "cuda" and not gpus.has_bf16(device) else cfg.ns_dtype
     return dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
                 momentum=cfg.muon_momentum, scale=cfg.muon_scale,
-                ns_dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.ns_dtype])
+                ns_dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[ns])
 
 
 # ----------------------------------------------------------------------------- FSDP: FSDPMuon
@@ -501,4 +517,4 @@ def build_fsdp(wrapper, cfg, use_muon):
     if use_muon:  # present (maybe empty) on every rank: its lr / momentum drive the owners
         groups.insert(0, dict(params=m, kind="muon", weight_decay=cfg.weight_decay, lr=muon_lr,
                               lr_scale=muon_lr / cfg.lr))
-    return FSDPMuon(groups, wrapper, fsdp_muon, **_hyper(cfg))
+    return FSDPMuon(groups, wrapper, fsdp_muon, **_hyper(cfg, wrapper.units[0].device))

@@ -8,7 +8,9 @@ import math
 
 import torch
 
+import fsdp
 import muon
+import optim_memory
 
 
 def param_groups(model, weight_decay):
@@ -23,12 +25,19 @@ def param_groups(model, weight_decay):
 
 
 def build_optimizer(model, cfg, grid=None):
-    """AdamW (torch's), or muon.Muon when cfg.optimizer == "muon" or cfg.zero1 (grid needed for
-    TP and ZeRO-1). Every group may carry "lr_scale": the loop sets lr = lr_at(step) * lr_scale."""
+    """AdamW (torch's; cfg.adamw_state 8bit or offload: optim_memory's, its AdamW part under Muon too),
+    or muon.Muon when cfg.optimizer == "muon" or cfg.zero1 (grid needed for TP and ZeRO-1). model:
+    the (cut) module or an fsdp.FSDP wrapper. Every group may carry "lr_scale": the loop sets
+    lr = lr_at(step) * lr_scale."""
     if cfg.optimizer not in ("adamw", "muon"):
         raise ValueError(f"optimizer='{cfg.optimizer}' is not available (choose adamw or muon)")
     if cfg.optimizer == "muon" or cfg.zero1:
         return muon.build(model, cfg, grid)
+    small = optim_memory.build(cfg.adamw_state, param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                               betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                               wrapper=model if isinstance(model, fsdp.FSDP) else None)
+    if small is not None:
+        return small
     on_cuda = next(model.parameters()).is_cuda
     # fused AdamW: one kernel for all parameters on GPU; foreach on CPU
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,

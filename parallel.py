@@ -1,9 +1,9 @@
 """The process grid and parallelize(): the one place every layout is applied.
 
     grid = parallel.init(cfg)                        # from torchrun's environment (or one plain process)
-    net = parallel.parallelize(Transformer(mcfg), grid, cfg, load=weights.loader(cfg, grid))
+    net = parallel.parallelize(weights.build_model(cfg, grid), grid, cfg, load=weights.loader(cfg, grid))
     tally = net.train_step(micro, loss_fn, autocast)  # every micro-step's forward and backward (pp: the schedule)
-    grad_norm = net.step(cfg.grad_clip)               # reduce, clip, optimizer step, zero
+    grad_norm = net.step(cfg.grad_clip)               # reduce, (fp16: unscale,) clip, optimizer step, zero
     weights, optim_state = net.full_state()          # layout-free: full tensors, one-process names
 
 Ranks form arange(world).view(pp, dp, ep, tp): TP innermost, so tensor-parallel partners are
@@ -12,15 +12,15 @@ data: the data-parallel world (loader shards, gradient averaging of non-expert p
 (grid.data_group / data_rank / data_world); dp_group holds the replicas of one expert shard (=
 data_group when ep = 1). The stages of one pipeline read the same data (grid.pp_group).
 
-parallelize() applies, in the one order that works: the TP cut (tp.py); the initial weights (read
-after the cut, so each rank reads only its slices, and before the EP cut, which drops other ranks'
-experts); LoRA adapters (lora.py: on the cut, loaded base); the EP cut (moe.py); the pipeline cut
-(pp.py: after the forms that rewrite modules in place, which then need not know of stages; before the
-ones that wrap, reduce and optimise what a rank keeps); then FSDP (fsdp.py) and its optimizer, or the
-optimizer and DataParallel (dp.py; its ZeRO-1 owner map comes from the optimizer); then torch.compile
-(the whole model under DataParallel, each block's compute under FSDP). Net is the one handle a loop
-needs, and the one home of layout-free state: every form's full-state functions are called from
-Net.full_state / load_full_state and nowhere else.
+parallelize() applies, in the one order that works: the TP cut (tp.py) and the chunked loss
+(chunked.py); the initial weights (read after the cut, so each rank reads only its slices, and
+before the EP cut, which drops other ranks' experts); LoRA adapters (lora.py: on the cut, loaded
+base) and the NF4 base (qlora.py); selective recompute (recompute.py); the EP cut (moe.py); the
+pipeline cut (pp.py: after the forms that rewrite modules in place, which need not know of stages;
+before the ones that wrap, reduce and optimise what a rank keeps); then FSDP (fsdp.py) and its optimizer, or the optimizer and DataParallel (dp.py; its ZeRO-1 owner map
+comes from the optimizer); then torch.compile (the whole model under DataParallel, each block's
+compute under FSDP). Net is the one handle a loop needs, and the one home of layout-free state: every
+form's full-state functions are called from Net.full_state / load_full_state and nowhere else.
 """
 import contextlib
 import datetime
@@ -31,13 +31,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import chunked
 import config
 import dp
 import fsdp
+import gpus
 import lora
 import moe
 import optim
 import pp
+import qlora
+import recompute
+import scaler
 import tp
 
 
@@ -100,17 +105,16 @@ def init(cfg, threads=None):
     WORLD_SIZE) this is one process and no process group is created. threads (a stage passes
     cfg.threads): CPU threads per process; 0: OMP_NUM_THREADS where it is set (torchrun sets 1),
     else the available cores shared among this node's processes; None leaves torch's setting.
-    TF32 matmuls on for fp32 work on GPUs."""
+    TF32 matmuls on for fp32 work on GPUs. Refused in one line, before anything starts: more
+    processes on this machine than visible GPUs (gpus.check_local_ranks), a precision this device
+    cannot run (check_precision). GPUs without peer-to-peer get the NCCL setting they need (gpus.nccl_env)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise config.UserError("device='cuda' but no CUDA GPU is visible: use --device=cpu (or auto)")
-    if use_cuda and local_rank >= torch.cuda.device_count():
-        n = torch.cuda.device_count()
-        raise config.UserError(f"this process is local rank {local_rank} but {n} GPU{'s are' if n != 1 else ' is'} "
-                               f"visible: start at most {n} processes per node (torchrun --nproc_per_node={n})")
+    gpus.check_local_ranks(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count(), use_cuda)
     if threads or (threads is not None and "OMP_NUM_THREADS" not in os.environ):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         torch.set_num_threads(threads or max(1, len(os.sched_getaffinity(0)) // local))
@@ -121,9 +125,12 @@ def init(cfg, threads=None):
         torch.backends.cudnn.allow_tf32 = True
     else:
         device = torch.device("cpu")
+    check_precision(cfg, device)
     tp, ep, pp = cfg.tp, cfg.ep, getattr(cfg, "pp", 1)  # (a bare namespace without pp: no pipeline)
     dp = world // (pp * tp * ep)
     if world > 1:
+        if use_cuda:  # consumer GPUs without peer-to-peer: NCCL through host memory (unless the user chose)
+            os.environ.update(gpus.nccl_env(gpus.describe()))
         if not dist.is_initialized():
             dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(minutes=30),
@@ -249,16 +256,36 @@ def clip_grad_norm_(model, max_norm, grid, owner=None):
 # ---------------------------------------------------------------------------- precision
 
 def amp_dtype(cfg, device):
-    """cfg.dtype -> the compute dtype: "auto" is bf16 autocast on CUDA, fp32 elsewhere."""
-    return {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-            "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+    """cfg.dtype -> the compute dtype: "auto" is bf16 autocast on GPUs that have bf16, fp16 (with loss
+    scaling) on GPUs that have not (gpus.auto_dtype: every visible GPU, so every rank picks the same),
+    fp32 on the CPU."""
+    if cfg.dtype == "auto":
+        return getattr(torch, gpus.auto_dtype(gpus.describe(peers=False))) if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.dtype)
+
+
+def check_precision(cfg, device):
+    """Refuse (one line) what cfg's compute dtype on this device cannot run: an NF4 base computed in
+    fp32 (dtype auto on the CPU; lora.apply refuses a bf16 base there), and the settings fp16 cannot
+    work with (scaler.fp16_refusals; dtype auto on a GPU without bf16 is fp16 too). A bare grid
+    config (tests: device, tp, ep and no dtype) has nothing to check."""
+    if not hasattr(cfg, "dtype"):
+        return
+    dtype = amp_dtype(cfg, device)
+    if dtype == torch.float32 and getattr(cfg, "lora_r", 0) and getattr(cfg, "lora_base_dtype", "") == "nf4":
+        raise config.ConfigError(f"lora_base_dtype='nf4' computes in 16 bits, but dtype='{cfg.dtype}' is fp32 on "
+                                 f"the {device.type}: set dtype='bfloat16' (float16 on GPUs without bf16)")
+    if dtype == torch.float16:
+        scaler.fp16_refusals(cfg, dtype="float16")
 
 
 def autocast(cfg, device):
-    """The context every forward of a stage runs in: bf16 autocast (matmuls in bf16; master weights,
-    optimizer state and reductions fp32) where cfg.dtype asks for it, else nothing. Re-enterable."""
-    if amp_dtype(cfg, device) == torch.bfloat16:
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+    """The context every forward of a stage runs in: bf16 or fp16 autocast (matmuls in 16 bits;
+    master weights, optimizer state and reductions fp32) where cfg.dtype asks for it, else nothing.
+    Re-enterable."""
+    dtype = amp_dtype(cfg, device)
+    if dtype != torch.float32:
+        return torch.autocast(device.type, dtype=dtype)
     return contextlib.nullcontext()
 
 
@@ -268,13 +295,15 @@ def autocast(cfg, device):
 class Net:
     """What parallelize() returns: the network in its layout, the one handle a training loop needs.
     net(x, y, ...) runs the forward (compiled, FSDP-gathered or plain, as laid out; a pipeline's
-    without gradients, through its stages: train with train_step)."""
+    without gradients, through its stages); train_step (the micro-steps' forwards and backwards, fp16
+    loss scaling included; pp: the schedule) and step(max_norm) are the rest of a step."""
     raw: nn.Module      # the cut module (this rank's TP slices and experts): generation, metrics, hooks
     wrapper: nn.Module  # dp.DataParallel or fsdp.FSDP around raw: gradient synchronisation
     fwd: object         # what net(...) calls: torch.compile(raw), raw, or the FSDP wrapper (a stage's part under pp)
     optimizer: object   # None when built without one (e.g. a frozen reference model)
     grid: Grid
     pipe: object = None  # pp.Pipeline: this rank's pipeline stage (pp > 1), else None
+    scaler: object = None  # scaler.LossScaler when the compute dtype is fp16 (and there is an optimizer)
 
     def __call__(self, *args, **kwargs):
         if self.pipe is not None:  # evaluation through the stages (training: train_step)
@@ -294,7 +323,7 @@ class Net:
             with self.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
                 with autocast:
                     loss, tally = loss_fn(i, self(x, y, **kwargs))
-                loss.backward()
+                self.backward(loss)
             tallies.append(tally)
         return pp.add_up(tallies)
 
@@ -302,18 +331,31 @@ class Net:
         """Gradients accumulate locally: wrap every micro-step's forward and backward but the last."""
         return self.wrapper.no_sync()
 
+    def backward(self, loss):
+        """loss.backward(); under fp16, of the loss times the loss scale (net.step divides it out)."""
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
     def clip_grad_norm_(self, max_norm):
         """The gradient norm of the whole model, clipped to max_norm, right for this layout."""
         return clip_grad_norm_(self.wrapper, max_norm, self.grid, getattr(self.optimizer, "grad_owner", None))
 
     def step(self, max_norm=0.0):
         """The end of an optimizer step: wait for the gradient reductions, clip to max_norm (0: no
-        clipping), step the optimizer, zero the gradients. Returns the gradient norm (no host sync)."""
+        clipping), step the optimizer, zero the gradients. Returns the gradient norm (no host sync).
+        Under fp16 the gradients are unscaled first; an inf or NaN on any rank skips the step on
+        every rank (the norm returned is then inf) and the scale backs off (scaler.py; its flag,
+        all-reduced, is read on the host: one sync a step)."""
         self.wrapper.finish()
         if self.pipe is not None:  # tied embeddings: the first and last stage's gradients summed
             pp.sum_tied_grads(self)
-        norm = self.clip_grad_norm_(max_norm or float("inf"))
-        self.optimizer.step()
+        skip = self.scaler is not None and self.scaler.unscale_(self.scaler.grads(self.wrapper))  # collective
+        if skip:
+            norm = torch.full((), float("inf"), device=self.grid.device)
+        else:
+            norm = self.clip_grad_norm_(max_norm or float("inf"))
+            self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update(skip)
         self.wrapper.zero_grad(set_to_none=True)
         return norm
 
@@ -339,6 +381,7 @@ class Net:
         w, opt, grid = self.wrapper, self.optimizer if optimizer else None, self.grid
         sharded = isinstance(w, fsdp.FSDP)
         weights = fsdp.full_state_dict(w) if sharded else tp.full_state_dict(self.raw, grid)
+        weights.update(qlora.dequantized_state(self.raw, grid))  # QLoRA: the base as it computes (checkpoints)
         if opt is None:
             state = None
         elif hasattr(opt, "full_optim_state"):  # muon.Muon / FSDPMuon: any layout, ZeRO-1 included
@@ -374,9 +417,20 @@ def parallelize(model, grid, cfg, load=None, optimizer=True, compile_kwargs=None
     """Apply the layout of cfg (grid's pp / tp / ep, cfg.data_parallel) to a full model built from the
     same seed on every rank, in place, and build its optimizer (optimizer=False: none) -> Net.
 
+    The order, and why: the TP cut first (everything after sees this rank's slices; the loss method
+    chunked.use installs reads the cut head); the initial weights next (each rank reads its slices;
+    every expert still here); LoRA on the loaded base (adapters cut like it), then NF4 (qlora.quantize
+    replaces LoRA's linears: it needs them and the loaded weights, and must precede every wrapper so
+    that FSDP / DataParallel see the 4-bit buffers); recompute wraps blocks' forwards on the instance
+    (after the modules it wraps are final, before FSDP's hooks go around the blocks and compile
+    traces them); then the EP cut, FSDP or DataParallel, compile.
+
     load(model): the initial weights (weights.loader), called on the TP-cut model before the EP cut.
     cfg.lora_r > 0: then the base is frozen and LoRA adapters added (lora.apply), except on a model
-    that is frozen already (a reference model).
+    that is frozen already (a reference model); lora_base_dtype="nf4": the base quantised to 4 bits
+    (qlora.py) and moved to grid.device (materialize.build may keep it on the host until then).
+    cfg.loss_chunk > 0: the loss in chunks (chunked.py); cfg.recompute: selective activation
+    checkpointing (recompute.py). An fp16 compute dtype gives the Net a loss scaler (scaler.py).
     A model without trainable parameters (a frozen reference) gets no optimizer and stays
     replicated (DataParallel: broadcast once, nothing to reduce), also under data_parallel="fsdp".
     Partly frozen models work: frozen parameters are neither reduced nor optimised.
@@ -386,10 +440,15 @@ def parallelize(model, grid, cfg, load=None, optimizer=True, compile_kwargs=None
     keywords (tests: dict(backend="aot_eager") traces the same graphs without code generation)."""
     # TP: keep this rank's heads / MLP columns / vocabulary rows (tp=1: no-op)
     tp.tensor_parallel(model, grid, sequence_parallel=cfg.sequence_parallel)
+    chunked.use(model, cfg.loss_chunk)  # the loss from the last hidden state, N tokens at a time (0: no-op)
     if load is not None:
         load(model)  # initial weights: each TP rank reads only its slices; every expert still here
+    dtype = amp_dtype(cfg, grid.device)
     if cfg.lora_r and any(p.requires_grad for p in model.parameters()):
         lora.apply(model, cfg, grid)  # freeze the base, add adapters cut like their base (lora.py)
+        if cfg.lora_base_dtype == "nf4":  # the base in 4 bits, the rest frozen in the compute dtype
+            qlora.quantize(model, double=cfg.qlora_double, rest_dtype=dtype, device=grid.device)
+    recompute.apply(model, cfg.recompute, cfg.recompute_every)  # selective activation checkpointing ("": no-op)
     moe.expert_parallel(model, grid)  # EP: keep this rank's experts, set the groups (dense: no-op)
     trainable = any(p.requires_grad for p in model.parameters())
     dtype = amp_dtype(cfg, grid.device)
@@ -410,4 +469,5 @@ def parallelize(model, grid, cfg, load=None, optimizer=True, compile_kwargs=None
                                   reduce_dtype=getattr(torch, cfg.grad_reduce_dtype))
         # DataParallel's hooks live on the parameters, outside the graph; TP's collectives inside it
         fwd = torch.compile(model, **(compile_kwargs or {})) if cfg.compile else model
-    return Net(model, wrapper, fwd, opt, grid, pipe)
+    loss_scaler = scaler.LossScaler(device=grid.device) if opt is not None and dtype == torch.float16 else None
+    return Net(model, wrapper, fwd, opt, grid, pipe, loss_scaler)

@@ -245,6 +245,8 @@ def train_step(net, micro, loss_fn, autocast=contextlib.nullcontext()):
             if pipe.last:
                 out, tally = loss_fn(i, out)
                 total.append(tally)
+                if net.scaler is not None:  # fp16: the loss scaled (the gradients sent back are, then)
+                    out = net.scaler.scale(out)
         held[i] = (inp, out)
         return None if pipe.last else out
 

@@ -28,7 +28,6 @@ import parallel
 import scoring
 import tokenizer
 import weights
-from model import ModelConfig, Transformer
 
 PRETRAIN_DEFAULTS = dict(
     out_dir="out/pretrain",  # checkpoints and metrics
@@ -70,6 +69,7 @@ def main(argv):
         cfg.vocab_size = tok.n_vocab  # the model's vocabulary is the tokenizer's (padded inside the model)
     config.validate(cfg, grid.world)  # the model keys may have changed
     check(cfg, tok)
+    lifecycle.preflight(cfg, grid)  # the GPUs and the memory plan, said once (--gpu_memory: the plan, then exit)
     # out_dir belongs to this run: rank 0 takes its lock (held while `lease` lives), picks the
     # checkpoint to resume and checks the settings against it, before any work is spent
     lease = lifecycle.claim(cfg, grid, free=RESUME_FREE)
@@ -93,8 +93,7 @@ def main(argv):
             say(line)
 
     # ------------------------------------------------------------------------ model, layout, resume
-    torch.manual_seed(cfg.seed)  # the same seed on every rank: identical initial weights
-    raw = Transformer(ModelConfig.from_cfg(cfg)).to(grid.device)  # the full model on every rank, same seed
+    raw = weights.build_model(cfg, grid)  # the full model on every rank, from the same seed: identical weights
     n_params, n_body, n_active = raw.num_params(), raw.non_embedding_params(), raw.active_params()
     flops_per_token = raw.flops_per_token(T)  # counted on the full model, before it is cut
     # in place: TP cut, init_from weights, EP cut, then FSDP or the optimizer + DataParallel (ZeRO-1), compile

@@ -178,6 +178,7 @@ def main(argv):
         cfg.vocab_size = tok.n_vocab
     config.validate(cfg, grid.world)  # the model keys just changed
     check(cfg, grid)
+    lifecycle.preflight(cfg, grid)  # the GPUs and the memory plan, said once (--gpu_memory: the plan, then exit)
     T = cfg.seq_len or cfg.block_size
     task = tasks.get(cfg.task, cfg.task_args) if cfg.task else None
     rows, held_rows, counts, convs = load_data(cfg, task, tok, template, T)
@@ -206,8 +207,7 @@ def main(argv):
         say(line)
 
     # ------------------------------------------------------------------------ model, layout, resume
-    torch.manual_seed(cfg.seed)  # the same seed on every rank: identical initial weights
-    raw = Transformer(ModelConfig.from_cfg(cfg)).to(grid.device)
+    raw = weights.build_model(cfg, grid)  # from the same seed on every rank (LoRA from init_from: in its storage dtype)
     # in place: TP cut, init_from weights (vocabulary grown), LoRA adapters, EP cut, FSDP or DataParallel
     net = parallel.parallelize(raw, grid, cfg, load=weights.loader(cfg, grid))
     trainer, step = lifecycle.resume(lease, net), 0  # saved by any layout (adapters and frozen base too)

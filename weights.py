@@ -1,7 +1,8 @@
 """A run's initial weights: init_from (our checkpoint or run folder, or a local HF folder), and weights into a plain model.
 
     started = weights.configure(cfg)       # init_from's model keys and tokenizer become cfg's
-    net = parallel.parallelize(Transformer(mcfg), grid, cfg, load=weights.loader(cfg, grid))
+    raw = weights.build_model(cfg, grid)   # the full model on the device, seeded; init_from's weights come next
+    net = parallel.parallelize(raw, grid, cfg, load=weights.loader(cfg, grid))
     weights.load_model("out/tiny/step_000300", model)     # sample.py, eval.py, plots: a plain model
 
 An HF folder is read by hf.py (each TP rank reads only its rows / columns); our checkpoints give
@@ -20,8 +21,10 @@ import checkpoint
 import config
 import hf
 import lora
+import materialize
+import parallel
 import tp
-from model import ModelConfig
+from model import ModelConfig, Transformer
 
 
 def init_checkpoint(path):
@@ -69,6 +72,26 @@ def base_vocab(cfg):
         return None
     src = cfg.init_from
     return hf.read_config(src)["vocab_size"] if hf.is_hf_folder(src) else init_checkpoint(src)[1]["vocab_size"]
+
+
+def build_model(cfg, grid, frozen=False):
+    """The full model of cfg on grid.device, before parallelize lays it out; the same on every rank.
+    Random initial weights (no init_from, or a full fine-tuning whose weights loader overwrites):
+    built on the CPU in fp32 from cfg.seed, then moved (the same weights on any machine). A LoRA
+    run from init_from: built straight into the frozen base's storage dtype on the device
+    (materialize.build, no fp32 copy anywhere; loader fills every tensor), QLoRA's block linears on
+    the host until qlora.quantize takes them to the GPU in 4 bits. frozen: no gradients (a
+    reference model; never QLoRA)."""
+    torch.manual_seed(cfg.seed)
+    mcfg = ModelConfig.from_cfg(cfg)
+    if cfg.lora_r and cfg.init_from:
+        host = cfg.lora_base_dtype == "nf4" and grid.device.type == "cuda" and not frozen
+        dtype = materialize.storage_dtype(cfg, parallel.amp_dtype(cfg, grid.device))
+        model = materialize.build(mcfg, grid.device, dtype, init=False,
+                                  linear_device="cpu" if host else None)
+    else:
+        model = Transformer(mcfg).to(grid.device)
+    return model.requires_grad_(not frozen)
 
 
 def loader(cfg, grid):

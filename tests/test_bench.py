@@ -57,3 +57,17 @@ def test_bench_parallel_combo_four_processes(tmp_path):
     # same model, same data per data rank, two optimizer steps: the same loss
     assert abs(rows["tp2-dp2"]["loss"] - rows["tp2-fsdp2"]["loss"]) < 1e-4
     assert abs(rows["ep2-dp2"]["loss"] - rows["moe-torch-fsdp2"]["loss"]) < 1e-4
+
+
+def test_bench_memory_tiny(tmp_path):
+    """bench/bench_memory.py --tiny: two QLoRA rows in child processes on CPU, each with tokens/s and
+    plan.py's prediction (nothing measured on CPU)."""
+    out = tmp_path / "memory.json"
+    cmd = [sys.executable, "bench/bench_memory.py", "qlora8b", "--tiny", "--steps=1", "--warmup=1", f"--json={out}"]
+    res = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["row"] for r in rows] == ["qlora8b+chunk+ckpt", "qlora8b+chunk"]
+    assert all(r["tokens_per_s"] > 0 and r["predicted_gib"] > 0 and "measured_gib" not in r for r in rows), rows
+    assert rows[0]["knobs"]["lora_base_dtype"] == "nf4" and rows[0]["knobs"]["grad_checkpoint"]

@@ -1,0 +1,21 @@
+# A model's life on one GPU, step 3: DPO on the SFT model: a correct worked solution chosen, a plausibly
+# wrong one rejected, with RPO's NLL on the chosen answers so that the policy's own preference is kept.
+#   python dpo.py configs/dpo_life.py        (after sft.py configs/sft_life.py)
+init_from = "out/sft_life"
+out_dir = "out/dpo_life"
+task = "multistep"
+n_pairs = 2000
+eval_pairs = 200
+beta = 0.1
+loss_type = "sigmoid"
+rpo_alpha = 1.0
+batch_size = 32
+micro_batch_size = 16
+max_steps = 60
+lr = 5e-6
+warmup_steps = 5
+schedule = "cosine"
+weight_decay = 0.0
+eval_every = 30
+log_every = 10
+ckpt_every = 0

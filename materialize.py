@@ -1,0 +1,64 @@
+"""Build a model straight into its storage dtype and device: no fp32 copy of an 8B base on the GPU.
+
+    model = materialize.build(mcfg, device, torch.bfloat16, init=False)   # LoRA over init_from: weights come next
+    model = materialize.build(mcfg, device, torch.bfloat16, init=False, linear_device="cpu")  # QLoRA: see below
+    net = parallel.parallelize(model, grid, cfg, load=weights.loader(cfg, grid))
+
+Today a stage builds Transformer(cfg) on the CPU in fp32 and moves it to the GPU, so an 8B LoRA run
+peaks at the fp32 model (32 GB) before lora.apply casts the base to bf16. build() instead creates
+the model on the meta device (no memory), casts it there (free; RoPE tables stay fp32), then gives
+each module its own storage on the target device in the target dtype, module by module, so the
+peak is the final model. init=True draws the initial weights on that device (Transformer.init_weights;
+on a GPU its RNG, so the values differ from a CPU-built model's, though they are the same on every
+rank for one seed); init=False leaves them to the loader (hf.load_weights / a checkpoint overwrite
+every parameter) and only builds the RoPE tables. A tied head stays tied. Pretraining and full
+fine-tuning keep fp32 parameters, the final model then being the peak anyway: their stages can keep
+today's CPU-initialised Transformer(cfg) (the same weights on any machine for one seed).
+
+linear_device (QLoRA): the blocks' linear weights live there (the host) instead, in the storage
+dtype, while everything else is on `device`; the loader fills them, lora.apply adapts them, and
+qlora.quantize(model, device=...) moves each one to the GPU as 4-bit codes, one weight at a time:
+the GPU never holds the bf16 base (the host holds it, once, while it loads).
+"""
+import torch
+import torch.nn as nn
+
+import model as model_lib
+from model import Transformer
+
+
+def is_block_linear(name, module):
+    return name.startswith("blocks.") and isinstance(module, nn.Linear)
+
+
+@torch.no_grad()
+def build(mcfg, device, dtype=torch.float32, init=True, linear_device=None):
+    """A Transformer(mcfg) whose parameters live on `device` (blocks' linears on linear_device when
+    given) in `dtype`, built without a full-precision copy anywhere. See the module docstring."""
+    with torch.device("meta"):
+        m = Transformer(mcfg)
+    if dtype != torch.float32:
+        m.to(dtype)  # on meta: no memory; Transformer._apply keeps the RoPE tables fp32
+    for name, mod in m.named_modules():
+        own = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
+        if not any(t.is_meta for t in own):
+            continue  # no tensors of its own, or a tied head already given its storage
+        dev = linear_device if linear_device is not None and is_block_linear(name, mod) else device
+        mod.to_empty(device=dev, recurse=False)
+    if mcfg.tie_embeddings:
+        m.head.weight = m.tok_emb.weight
+    if init:
+        m.init_weights()
+    elif mcfg.pos_emb == "rope":  # what init_weights does besides drawing weights
+        m.rope_cos, m.rope_sin = model_lib.rope_tables(mcfg.head_dim, mcfg.block_size, mcfg.rope_theta,
+                                                       torch.device(device), mcfg.rope_scaling)
+    return m
+
+
+def storage_dtype(cfg, compute=torch.bfloat16):
+    """The dtype a stage should build its model in: the frozen base's (LoRA with lora_base_dtype
+    bfloat16: bf16; nf4: the compute dtype, which its 4-bit codes are made from; the adapters
+    lora.apply adds stay fp32), else fp32."""
+    if cfg.lora_r and cfg.lora_base_dtype == "nf4" and compute != torch.float32:
+        return compute
+    return torch.bfloat16 if cfg.lora_r and cfg.lora_base_dtype in ("bfloat16", "nf4") else torch.float32

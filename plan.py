@@ -1,0 +1,332 @@
+"""The memory plan: predicted peak GPU memory of a training step, term by term, and the knobs that fit it.
+
+    table = plan.predict(cfg, world=2)                 # cfg: a flat training config (config.load)
+    print("\n".join(plan.show(table)))
+    steps = plan.fit(cfg, gpu_gb=24, world=2)          # [(knob, new cfg, new table)], cheapest first
+    python sft.py configs/sft_small.py --lora_r=16 --gpu_memory=24         # any stage: advice(), then exit
+    python plan.py --stage=sft configs/sft_small.py --lora_r=16 --gpu_memory=24 --world=2   # other GPU counts
+
+What is predicted: torch.cuda.max_memory_allocated() of one steady-state step (optimizer state
+exists, a step after the first), per GPU. Not included: the CUDA context and allocator slack (what
+nvidia-smi adds), the memory of building the model before the step (weights.py's job). Terms:
+weights (storage dtype, sharded as the layout shards them), bf16 compute copies (autocast keeps a
+bf16 copy of each fp32 matrix it multiplies, until backward), gradients (fp32; DataParallel's
+buckets are allocated once, full size, also under ZeRO-1), optimizer state (AdamW 8 B per trained
+parameter, Muon's momentum 4, optim_memory's 8-bit ~2.03, offloaded 0), activations autograd keeps
+for backward (per token and block, from the ops of model.py's Block under bf16 autocast: the
+formula in block_bytes, equal to the bytes measured on CPU, tests/test_plan.py), the logits (the
+head's bf16 output and its gradient, or chunked.py's one chunk), and a KV cache when decoding.
+The peak is the static part plus the larger of (every saved activation + the logits) and
+(checkpointed blocks' inputs + one block recomputed in backward).
+
+fit() walks LADDER, knobs ordered by their expected cost in speed (free ones first; each is
+applied only where it lowers the total), until the plan fits gpu_gb. The order is a judgment from
+what the knob does (a recompute, a host round trip), not a measurement. Dense models only (MoE:
+refused); sequence parallelism, dropout masks and attention without flash/efficient kernels
+(which saves T x T scores) are not modelled.
+"""
+import copy
+import sys
+from types import SimpleNamespace
+
+import torch
+
+import lora
+import optim_memory
+import qlora
+from model import ModelConfig, Transformer
+
+GiB = 2 ** 30
+def compute_bytes(cfg, cuda=True):
+    return 4 if cfg.dtype == "float32" or (cfg.dtype == "auto" and not cuda) else 2
+
+
+# ----------------------------------------------------------------------------- parameters
+
+def count(cfg):
+    """Parameter counts of the model cfg describes (built on the meta device, LoRA applied when
+    lora_r > 0): {trained, frozen, block_matrices, matrices (blocks + untied head), largest, unit,
+    root, muon, nf4_bytes}; unit: the largest block's parameters, root: the rest (FSDP units)."""
+    mcfg = ModelConfig.from_cfg(cfg)
+    if mcfg.n_experts:
+        raise NotImplementedError("plan: mixture-of-experts models are not modelled")
+    with torch.device("meta"):
+        model = Transformer(mcfg)
+        if cfg.lora_r:
+            c = copy.copy(cfg)
+            c.lora_base_dtype = "float32"  # counted here; storage bytes below
+            lora.apply(model, c, SimpleNamespace(tp=1, device=torch.device("cuda")))
+    named = list(model.named_parameters())
+    head = "tok_emb.weight" if mcfg.tie_embeddings else "head.weight"  # (a tied head is listed once, as tok_emb)
+    mats = [(n, p) for n, p in named if p.dim() >= 2 and (n.startswith("blocks.") or n == head)]
+    base = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, lora.LoRALinear)}
+    blocks = [sum(p.numel() for n, p in named if n.startswith(f"blocks.{i}.")) for i in range(mcfg.n_layer)]
+    return dict(trained=sum(p.numel() for _, p in named if p.requires_grad),
+                frozen=sum(p.numel() for _, p in named if not p.requires_grad),
+                matrices=sum(p.numel() for n, p in mats if not lora.is_adapter(n)),
+                largest=max(p.numel() for _, p in mats),
+                base_linear=sum(p.numel() for n, p in named if n in base),
+                largest_base=max([p.numel() for n, p in named if n in base] or [0]),
+                nf4_bytes=sum(qlora.nf4_bytes(p.numel()) for n, p in named if n in base),
+                unit=max(blocks), root=sum(p.numel() for n, p in named if not n.startswith("blocks.")),
+                muon=sum(p.numel() for n, p in named if p.requires_grad and n.startswith("blocks.") and p.dim() >= 2))
+
+
+# ----------------------------------------------------------------------------- activations
+
+def block_bytes(cfg, tp=1, compute=2, part="all"):
+    """Bytes autograd keeps per token for one block of model.py (prenorm), by the ops it runs under
+    autocast (compute = 2: bf16 activations, fp32 residual stream; 4: fp32). part: "attn", "mlp"
+    (each with its norm), "norm" (one norm's share) or "all". Each term names the tensor it is."""
+    m = ModelConfig.from_cfg(cfg)
+    C, H, KV, D, F = m.n_embd, m.n_head // tp, max(1, m.kv_heads // tp), m.head_dim, m.hidden // tp
+    a, res = compute, 4 if (m.fp32_residual or compute == 4) else 2
+    cast = C * a if a == 2 else 0  # autocast's bf16 copy of an fp32 input (fp32 compute: the input itself)
+    rms = m.norm == "rmsnorm"
+    # a norm keeps its input, rstd (LayerNorm: + mean) and, when its weight trains, the normalised input
+    norm = res * C + (4 if rms else 8) + (4 * C if rms and not cfg.lora_r else 0)
+    r = cfg.lora_r or 0
+    attn = norm + (cast or 4 * C) + a * (H + 2 * KV) * D + 4 * H + a * H * D  # ..., bf16 input, qkv out, lse, out
+    if m.pos_emb == "rope":
+        attn += a * (H + KV) * D  # rotated q and k (new tensors; v stays a view of qkv's output)
+    attn += 2 * r * 4  # the adapters' h (q, k, v; proj), LoRA only
+    split = m.gated and not r  # model.MLP's two-matmul path on a plain nn.Linear: one input cast per matmul
+    mlp = norm + (cast or 4 * C) * (2 if split and cast else 1)
+    if m.gated:
+        mlp += 4 * a * F  # gate, act(gate), up, product (with LoRA: [gate|up] as one tensor, same bytes)
+    else:
+        mlp += a * F * (1 if m.activation == "relu" else 2)  # fc out (saved by the activation), its output
+    mlp += 2 * r * 3
+    return {"attn": attn, "mlp": mlp, "norm": norm, "all": attn + mlp}[part]
+
+
+def recompute_of(cfg):
+    """(mode, every): mode '' | 'block' | 'attn' | 'mlp' (grad_checkpoint=True is 'block' every block)."""
+    if cfg.grad_checkpoint:
+        return "block", 1
+    return cfg.recompute, max(1, cfg.recompute_every)
+
+
+def activations(cfg, tokens, tp=1, compute=2):
+    """(bytes saved over every block and the final norm, bytes of one part recomputed in backward)."""
+    m = ModelConfig.from_cfg(cfg)
+    mode, every = recompute_of(cfg)
+    full = block_bytes(cfg, tp, compute)
+    res = 4 if (m.fp32_residual or compute == 4) else 2
+    n_ck = -(-m.n_layer // every) if mode else 0  # blocks 0, every, 2 every, ... are checkpointed
+    if mode == "block":  # the block's input only
+        kept, redo = res * m.n_embd, full
+    elif mode in ("attn", "mlp"):  # the module's input (its norm's output) instead of its internals
+        part, norm = block_bytes(cfg, tp, compute, mode), block_bytes(cfg, tp, compute, "norm")
+        kept, redo = full - part + norm + res * m.n_embd, part - norm
+    else:
+        kept, redo = full, 0
+    final = block_bytes(cfg, tp, compute, "norm") + (2 * m.n_embd if compute == 2 else 0)  # norm_f, the head's input
+    saved = tokens * ((m.n_layer - n_ck) * full + n_ck * kept + final)
+    return saved, tokens * redo
+
+
+def logits_bytes(cfg, tokens, tp=1, compute=2, head_trains=True, buckets=False):
+    """The loss's peak: logits kept for backward and their gradient (or one chunk of them), and the
+    head weight's gradient being made (buckets: DataParallel already holds its fp32 .grad)."""
+    m = ModelConfig.from_cfg(cfg)
+    Vp, V, C = m.padded_vocab // tp, -(-m.vocab_size // tp), m.n_embd
+    chunk = cfg.loss_chunk
+    if chunk:  # one chunk's logits and their gradient (fused.py's kernels on a GPU), the fp32 lse; dW in fp32
+        return min(chunk, tokens) * Vp * 2 * compute + 4 * tokens + (4 * C * Vp if head_trains else 0)
+    dw = (compute + (0 if buckets else 4)) * C * Vp if head_trains else 0  # dW in the compute dtype (+ the fp32 .grad)
+    if tp > 1:  # tp.py's vocab-parallel loss: the local logits, an fp32 softmax saved, the gradient
+        return tokens * (compute * Vp + 4 * Vp + compute * Vp) + dw
+    return tokens * (compute * Vp + compute * V) + dw  # the head's output (kept for backward) + its gradient (fused.py)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+def predict(cfg, world=1, decode=None):
+    """The per-GPU memory table for cfg on `world` GPUs (dp = world / tp). decode: (rows, length) of
+    a KV cache (GRPO rollouts, generation) to add. -> {"rows": [(term, bytes, note)], "total",
+    "host", "fits"(None)}."""
+    tp = cfg.tp
+    dp = max(1, world // tp)
+    fsdp = cfg.data_parallel == "fsdp" and dp > 1
+    zero1 = cfg.zero1 and dp > 1 and not fsdp
+    n = count(cfg)
+    a = compute_bytes(cfg)
+    T = cfg.seq_len or cfg.block_size
+    tokens = cfg.micro_batch_size * T
+    kind = cfg.adamw_state
+    shard = dp if fsdp else 1
+    trained, frozen = n["trained"] / (tp if not cfg.lora_r else 1), n["frozen"] / tp
+    rows = []
+    # weights
+    if cfg.lora_r:
+        base = cfg.lora_base_dtype
+        other = frozen - n["base_linear"] / tp
+        fbytes = (n["nf4_bytes"] / tp + 2 * other / shard) if base == "nf4" else \
+            frozen * (2 if base == "bfloat16" else 4) / shard
+        rows.append(("weights", 4 * trained / shard + fbytes,
+                     f"{n['trained'] / 1e6:.1f}M trained (fp32) + {n['frozen'] / 1e9:.2f}B frozen ({base})"))
+    else:
+        rows.append(("weights", 4 * trained / shard, f"{n['trained'] / 1e9:.2f}B parameters, fp32"
+                     + (f", 1/{dp} each (FSDP)" if fsdp else "")))
+    # bf16 compute copies of fp32 matrices (autocast: kept for backward), or FSDP's gathered units
+    fp32_mats = n["matrices"] / tp if not cfg.lora_r or cfg.lora_base_dtype == "float32" else 0
+    if a == 2 and fsdp:
+        copies, note = 2 * (2 * n["unit"] + n["root"]) / tp, "FSDP: two blocks and the root gathered in 16 bits"
+    elif a == 2 and fp32_mats:
+        copies, note = 2 * fp32_mats, "autocast's 16-bit copy of every fp32 matrix, kept for backward"
+    elif cfg.lora_r and cfg.lora_base_dtype == "nf4":
+        copies, note = 8 * n["largest_base"] / tp, "one NF4 weight dequantised at a time (fp32 values, index, bf16)"
+    else:
+        copies, note = 0, "none (weights already in the compute dtype)"
+    rows.append(("compute copies", copies, note))
+    # gradients
+    if fsdp:
+        grads, gnote = 4 * trained / dp + (4 + a) * n["unit"] / tp, f"fp32 shards (1/{dp}) + one block's full gradient"
+    else:
+        grads, gnote = 4 * trained, "fp32" + (" (DataParallel's buckets stay full size under ZeRO-1)" if zero1 else "")
+    rows.append(("gradients", grads, gnote))
+    # optimizer state
+    per = optim_memory.bytes_per_param(kind)
+    if cfg.optimizer == "muon" and not cfg.lora_r:
+        muon = n["muon"] / tp
+        opt = 4 * muon + per * (trained - muon)
+        onote = f"Muon momentum (4 B) on {muon / 1e9:.2f}B, AdamW ({kind}) on the rest"
+    else:
+        opt, onote = per * trained, f"AdamW, {kind}: {per:.2f} B per trained parameter"
+    if fsdp or zero1:
+        opt, onote = opt / dp, onote + f", 1/{dp} each ({'FSDP' if fsdp else 'ZeRO-1'})"
+    rows.append(("optimizer state", opt, onote))
+    # activations, logits, cache
+    saved, redo = activations(cfg, tokens, tp, a)
+    mode, every = recompute_of(cfg)
+    rows.append(("activations", saved, f"{tokens} tokens x {ModelConfig.from_cfg(cfg).n_layer} blocks, "
+                 + (f"checkpointed: {mode}, every {every}" if mode else "no checkpointing")))
+    head_trains = not cfg.lora_r
+    logit = logits_bytes(cfg, tokens, tp, a, head_trains, buckets=dp > 1 or fsdp)
+    rows.append(("logits", logit, f"chunked, {cfg.loss_chunk} tokens at a time" if cfg.loss_chunk
+                 else "materialised: the head's output and its gradient"))
+    if redo:
+        rows.append(("recompute", redo, "one checkpointed part rebuilt in backward (when the logits are gone)"))
+    if decode:
+        m = ModelConfig.from_cfg(cfg)
+        rows.append(("kv cache", 2 * m.n_layer * max(1, m.kv_heads // tp) * m.head_dim * 2 * decode[0] * decode[1],
+                     f"{decode[0]} rows x {decode[1]} positions, bf16"))
+    cache = sum(b for name, b, _ in rows if name == "kv cache")
+    static = sum(b for name, b, _ in rows if name in ("weights", "compute copies", "optimizer state")) + cache
+    if dp > 1 or fsdp:  # DataParallel's buckets (and FSDP's shards) hold the gradients all along
+        peak = static + grads + saved + max(logit, redo)
+    else:  # one process: gradients appear as backward frees the activations
+        peak = static + max(saved + max(logit, redo), grads)
+    host = (4 + 8 + 4) * trained if kind == "offload" else 0
+    return {"rows": rows, "total": peak, "host": host, "world": world, "dp": dp, "tp": tp}
+
+
+def show(table, gpu_gb=None):
+    """The table as lines of text (GiB)."""
+    out = [f"memory plan per GPU ({table['world']} GPU{'s' if table['world'] > 1 else ''}, dp {table['dp']} x "
+           f"tp {table['tp']}; predicted max_memory_allocated of a step, CUDA context not included)"]
+    out += [f"  {name:<16} {b / GiB:8.2f} GiB  {note}" for name, b, note in table["rows"]]
+    out.append(f"  {'peak':<16} {table['total'] / GiB:8.2f} GiB  weights, copies, state, gradients + the larger "
+               f"of the loss and a recompute on top of the activations"
+               + (f"  [{'fits' if table['total'] <= gpu_gb * GiB else 'does NOT fit'} {gpu_gb:g} GiB]" if gpu_gb else ""))
+    if table["host"]:
+        out.append(f"  {'host (pinned)':<16} {table['host'] / GiB:8.2f} GiB  offloaded master, state and gradients")
+    return out
+
+
+# ----------------------------------------------------------------------------- what makes it fit
+
+def _set(**kw):
+    def change(cfg):
+        c = copy.copy(cfg)
+        for k, v in kw.items():
+            setattr(c, k, v)
+        return c
+    return change
+
+
+def _halve_batch(cfg):
+    c = copy.copy(cfg)
+    c.micro_batch_size = max(1, cfg.micro_batch_size // 2)
+    return c
+
+
+# (knob, applies to cfg, change): cheapest in speed first
+LADDER = [
+    ("loss_chunk=1024 (chunked loss, no logits)", lambda c, w: not c.loss_chunk, _set(loss_chunk=1024)),
+    ("fp32_residual=False (bf16 residual stream)", lambda c, w: c.fp32_residual and c.dtype != "float32",
+     _set(fp32_residual=False)),
+    ("lora_base_dtype=bfloat16", lambda c, w: c.lora_r and c.lora_base_dtype == "float32", _set(lora_base_dtype="bfloat16")),
+    ("data_parallel=fsdp", lambda c, w: w // c.tp > 1 and c.data_parallel != "fsdp" and not c.zero1,
+     _set(data_parallel="fsdp")),
+    ("adamw_state=8bit", lambda c, w: not c.lora_r and c.adamw_state == "fp32", _set(adamw_state="8bit")),
+    ("recompute=mlp (recompute the MLPs)", lambda c, w: not c.grad_checkpoint and not c.recompute,
+     _set(recompute="mlp", recompute_every=1)),
+    ("grad_checkpoint=True (recompute whole blocks)", lambda c, w: not c.grad_checkpoint,
+     _set(grad_checkpoint=True, recompute="")),
+    ("micro_batch_size halved (more accumulation steps)", lambda c, w: c.micro_batch_size > 1, _halve_batch),
+    ("lora_base_dtype=nf4 (QLoRA)", lambda c, w: c.lora_r and c.lora_base_dtype != "nf4", _set(lora_base_dtype="nf4")),
+    ("adamw_state=offload (update on the CPU)", lambda c, w: not c.lora_r and c.adamw_state != "offload",
+     _set(adamw_state="offload")),
+]
+
+
+def fit(cfg, gpu_gb, world=1, decode=None):
+    """[(knob, cfg after it, its table)] in LADDER's order until the plan fits gpu_gb GiB ([] if it
+    fits already; the last table says whether it fits in the end). A knob that does not lower the
+    peak is skipped; micro_batch_size may be halved several times."""
+    steps, cur = [], predict(cfg, world, decode)
+    budget = gpu_gb * GiB
+    for knob, applies, change in LADDER:
+        while cur["total"] > budget and applies(cfg, world):
+            new_cfg = change(cfg)
+            new = predict(new_cfg, world, decode)
+            if new["total"] >= cur["total"]:
+                break
+            cfg, cur = new_cfg, new
+            steps.append((knob, cfg, cur))
+            if "halved" not in knob:
+                break
+    return steps
+
+
+def advice(cfg, world=1, gpu_gb=0.0, decode=None):
+    """Lines to print: the table for cfg on `world` GPUs and, when gpu_gb is given and the plan does
+    not fit it, fit()'s knobs in their order, each with the peak it leads to (and what to try when
+    even the last does not fit). A mixture-of-experts model: config.UserError (not modelled)."""
+    import config
+    try:
+        table = predict(cfg, world, decode)
+    except NotImplementedError as e:
+        raise config.UserError(f"gpu_memory: {e}; drop --gpu_memory") from e
+    out = show(table, gpu_gb or None)
+    if gpu_gb and table["total"] > gpu_gb * GiB:
+        steps = fit(cfg, gpu_gb, world, decode)
+        out.append(f"to fit {gpu_gb:g} GiB, in order of expected cost in speed:")
+        out += [f"  + {knob:<50} -> {t['total'] / GiB:6.2f} GiB" for knob, _, t in steps]
+        if not steps or steps[-1][2]["total"] > gpu_gb * GiB:
+            out.append("  still too large: more GPUs (data_parallel=fsdp, tp), a shorter seq_len, or a smaller model")
+    return out
+
+
+def main(argv):
+    """python plan.py [--stage=sft] config.py [--key=value ...] [--gpu_memory=24] [--world=2]: the plan for
+    `world` GPUs without starting them (a stage's own --gpu_memory plans for the world it runs in)."""
+    import importlib
+
+    import config
+    import weights
+    stage = next((a.split("=", 1)[1] for a in argv if a.startswith("--stage=")), "pretrain")
+    argv = [a for a in argv if not a.startswith("--stage=")]
+    extra = dict(getattr(importlib.import_module(stage), "EXTRA", {}), gpu_memory=24.0, world=1, decode_rows=0,
+                 decode_len=0)
+    cfg = config.load(argv, extra=extra, world=1)
+    weights.configure(cfg)
+    decode = (cfg.decode_rows, cfg.decode_len) if cfg.decode_rows else None
+    print("\n".join(advice(cfg, cfg.world, cfg.gpu_memory, decode)))
+
+
+if __name__ == "__main__":
+    import config
+    config.cli(main, sys.argv[1:])

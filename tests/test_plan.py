@@ -1,0 +1,148 @@
+"""plan.py's arithmetic against numbers worked by hand for a small model, and its activation formula
+against the bytes autograd really keeps on CPU.
+
+Proves:
+- parameter counts, weights, bf16 compute copies, gradients, AdamW / 8-bit / offloaded state,
+  activations per token and block, logits (materialised and chunked) and the peak of a small LLaMA-style
+  model (C 64, 4 heads, 2 kv heads, hidden 192, 2 blocks, vocab 512, 2 x 32 tokens) equal the
+  values written out term by term below, also for LoRA r=4 (adapters counted by hand), whole-block
+  checkpointing, FSDP over 2 GPUs and a KV cache;
+- measured (saved-tensor hooks, unique storages, bf16 autocast on CPU): the bytes a forward keeps
+  for backward (activations + autocast's weight copies) are the plan's within 1% (full fine-tuning,
+  whole-block checkpointing, LoRA);
+- fit() applies knobs in LADDER order, each lowering the peak, until the plan fits, and returns []
+  when it already fits; show() prints every term and the verdict.
+"""
+import pytest
+import torch
+
+import lora
+import parallel
+import plan
+from distributed import train_cfg
+from model import ModelConfig, Transformer
+
+TINY = dict(vocab_size=512, pad_vocab_multiple=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=32,
+            micro_batch_size=2, batch_size=2, dtype="bfloat16")
+C, H, KV, D, F, L, V, TOK = 64, 4, 2, 16, 192, 2, 512, 64
+# parameters: qkv (H + 2 KV) D x C, proj C x C, fc 2F x C, mlp.proj C x F, two norms of C, per block
+BLOCK_MATS = (H + 2 * KV) * D * C + C * C + 2 * F * C + C * F
+P = V * C + L * (BLOCK_MATS + 2 * C) + C + V * C  # embedding, blocks, final norm, untied head
+# activations per token: attention (its norm: input fp32, rstd, normalised fp32; bf16 input; qkv output;
+# rotated q, k; logsumexp; output) and MLP (norm; two bf16 input casts; gate, silu, up, product)
+NORM = 4 * C + 4 + 4 * C
+ATTN = NORM + 2 * C + 2 * (H + 2 * KV) * D + 2 * (H + KV) * D + 4 * H + 2 * H * D
+MLP = NORM + 2 * 2 * C + 4 * 2 * F
+FINAL = NORM + 2 * C  # the final norm and the head's bf16 input
+
+
+def rows(cfg, world=1, decode=None):
+    t = plan.predict(train_cfg(TINY, **cfg), world, decode)
+    return {name: b for name, b, _ in t["rows"]}, t
+
+
+def test_full_fine_tuning_by_hand():
+    assert P == 164160 and ATTN == 1236 and MLP == 2308  # the numbers themselves, once
+    r, t = rows({})
+    assert r["weights"] == 4 * P
+    assert r["compute copies"] == 2 * (L * BLOCK_MATS + V * C)  # block matrices and the head, bf16
+    assert r["gradients"] == 4 * P and r["optimizer state"] == 8 * P
+    assert r["activations"] == TOK * (L * (ATTN + MLP) + FINAL)
+    # the head's bf16 output and its gradient; the head weight's gradient in bf16 and its fp32 .grad
+    assert r["logits"] == TOK * (2 * V + 2 * V) + (2 + 4) * C * V
+    # one process: gradients appear as backward frees activations; the peak takes the larger side
+    static = 4 * P + 2 * (L * BLOCK_MATS + V * C) + 8 * P
+    assert t["total"] == static + max(r["activations"] + r["logits"], 4 * P)
+    r8, _ = rows(dict(adamw_state="8bit"))
+    assert r8["optimizer state"] == pytest.approx(P * (2 + 8 / 256))
+    ro, to = rows(dict(adamw_state="offload"))
+    assert ro["optimizer state"] == 0 and to["host"] == 16 * P
+
+
+def test_checkpointing_chunking_fsdp_cache_by_hand():
+    r, t = rows(dict(grad_checkpoint=True))
+    assert r["activations"] == TOK * (L * 4 * C + FINAL)  # each block keeps its fp32 input only
+    assert r["recompute"] == TOK * (ATTN + MLP)
+    r, _ = rows(dict(recompute="mlp"))
+    assert r["activations"] == TOK * (L * (ATTN + NORM + 4 * C) + FINAL)  # the MLP's norm and its input
+    assert r["recompute"] == TOK * (MLP - NORM)
+    r, _ = rows(dict(loss_chunk=16))
+    assert r["logits"] == 16 * V * 2 * 2 + 4 * TOK + 4 * C * V  # one chunk and its gradient, lse, fp32 dW
+    r, t = rows(dict(data_parallel="fsdp"), world=2)
+    unit, root = BLOCK_MATS + 2 * C, 2 * V * C + C
+    assert r["weights"] == 4 * P / 2 and r["optimizer state"] == 8 * P / 2
+    assert r["compute copies"] == 2 * (2 * unit + root)  # two blocks and the root gathered in bf16
+    assert r["gradients"] == 4 * P / 2 + (4 + 2) * unit
+    assert r["logits"] == TOK * (2 * V + 2 * V) + 2 * C * V  # (FSDP's shard gradients hold the fp32 part)
+    assert t["total"] == sum(r[k] for k in ("weights", "compute copies", "gradients", "optimizer state",
+                                            "activations")) + r["logits"]
+    r, _ = rows({}, decode=(8, 32))
+    assert r["kv cache"] == 2 * L * KV * D * 2 * 8 * 32
+
+
+def test_lora_by_hand():
+    r, t = rows(dict(lora_r=4, lora_base_dtype="bfloat16"))
+    # adapters per block: qkv A 3 x (4 x C), B (H D + 2 KV D) x 4; proj A 4 x C, B C x 4; fc A 2 x (4 x C),
+    # B 2F x 4; mlp.proj A 4 x F, B C x 4
+    adapters = L * (3 * 4 * C + (H + 2 * KV) * D * 4 + 4 * C + C * 4 + 2 * 4 * C + 2 * F * 4 + 4 * F + C * 4)
+    assert adapters == 9728
+    assert r["weights"] == 4 * adapters + 2 * P and r["gradients"] == 4 * adapters
+    assert r["optimizer state"] == 8 * adapters and r["compute copies"] == 0
+    norm = 4 * C + 4  # frozen norm weights: the normalised input is not kept
+    attn = norm + 2 * C + 2 * (H + 2 * KV) * D + 2 * (H + KV) * D + 4 * H + 2 * H * D + 2 * 4 * 4
+    mlp = norm + 2 * C + 4 * 2 * F + 2 * 4 * 3
+    assert r["activations"] == TOK * (L * (attn + mlp) + norm + 2 * C)
+    rq, _ = rows(dict(lora_r=4, lora_base_dtype="nf4"))
+    # 4-bit base matrices: half a byte each + a byte per block of 64 + fp32 absmax per 256 blocks + offset
+    nf4 = L * sum(n // 2 + n // 64 + 4 * -(-(n // 64) // 256) + 4 for n in ((H + 2 * KV) * D * C, C * C, 2 * F * C, C * F))
+    assert rq["weights"] == 4 * adapters + nf4 + 2 * (P - L * BLOCK_MATS)  # the rest in bf16
+    assert rq["compute copies"] == 8 * 2 * F * C  # the largest base matrix dequantised (fp32, index, bf16)
+
+
+def measured(cfg, T=24):
+    """Bytes of the unique storages autograd saves in a bf16-autocast hidden_states forward (the
+    embedding's int64 ids left out), parameters and buffers excluded."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_cfg(cfg))
+    if cfg.lora_r:
+        lora.apply(model, cfg, parallel.init(cfg))
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen.setdefault(st.data_ptr(), st.nbytes() if t.dtype != torch.int64 else 0)
+        return t
+    own = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+        model.hidden_states(torch.randint(0, 512, (2, T)))
+    return sum(n for k, n in seen.items() if k not in own)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(grad_checkpoint=True), dict(lora_r=4)])
+def test_activations_equal_measured(kw):
+    cfg = train_cfg(TINY, **kw)
+    tokens = 2 * 24  # (not 64 = C: no activation shaped like a weight)
+    saved, _ = plan.activations(cfg, tokens, 1, 2)
+    saved -= tokens * 2 * C  # hidden_states stops before the head's input cast
+    r, _ = rows(kw)
+    copies = r["compute copies"] - (0 if kw.get("grad_checkpoint") else 2 * V * C)  # no head here
+    if kw.get("grad_checkpoint"):
+        copies = 0  # checkpointed blocks keep no weight copies: recomputed in backward
+    got = measured(cfg)
+    assert abs(got - (saved + copies)) <= 0.01 * got, (got, saved + copies)
+
+
+def test_fit_and_show():
+    cfg = train_cfg(TINY, micro_batch_size=2)
+    need = plan.predict(cfg)["total"]
+    assert plan.fit(cfg, need / plan.GiB * 1.01) == []
+    steps = plan.fit(cfg, need / plan.GiB * 0.6)
+    order = [k for k, _, _ in plan.LADDER]
+    names = [k for k, _, _ in steps]
+    assert names and [order.index(n) for n in names] == sorted(order.index(n) for n in names)
+    totals = [need] + [t["total"] for _, _, t in steps]
+    assert all(b < a for a, b in zip(totals, totals[1:])) and totals[-1] <= need * 0.6
+    text = "\n".join(plan.show(steps[-1][2], need / plan.GiB * 0.6))
+    assert "fits" in text and all(term in text for term in ("weights", "gradients", "optimizer state", "activations"))
+    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+        plan.predict(train_cfg(TINY, n_experts=4))
