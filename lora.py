@@ -338,6 +338,15 @@ class TokenRows(nn.Module):
         new = F.linear(x, rows[self.owned].to(x.dtype))
         return out.index_copy(-1, self.local, new.to(out.dtype))
 
+    def head_weight(self, weight):
+        """The head's (local) weight with these tokens' rows in it, for a loss that reads the weight
+        instead of calling the head (chunked.py): a copy, whose gradient reaches the rows (summed
+        over TP ranks by Copy, as in logits())."""
+        if self.merged or self.disabled:
+            return weight
+        rows = tp.Copy.apply(self.rows, self.group)
+        return weight.index_copy(0, self.local, rows[self.owned].to(weight.dtype))
+
     @torch.no_grad()
     def merge(self):
         if not self.merged:
@@ -377,10 +386,13 @@ def train_tokens(model, ids, grid, head=True):
     model.tok_emb.lora_tokens = emb
     model.tok_emb.register_forward_hook(emb.embed)
     if model.head.weight is model.tok_emb.weight:  # tied: the same rows score the tokens
-        model.head.register_forward_hook(emb.logits)
+        rows = emb
     elif head:  # untied: the head's rows of their own
-        model.head.lora_tokens = TokenRows(ids, model.head.weight, grid)
-        model.head.register_forward_hook(model.head.lora_tokens.logits)
+        rows = model.head.lora_tokens = TokenRows(ids, model.head.weight, grid)
+    else:
+        return model
+    model.head.register_forward_hook(rows.logits)
+    model.head.token_rows_weight = rows.head_weight  # what chunked.head_loss multiplies by (a bound method)
     return model
 
 

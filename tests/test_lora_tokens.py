@@ -15,9 +15,11 @@ alone never changes those rows. Proves:
   gives them, unmerge restores the base weights, lora.disabled gives the base's logits; a checkpoint
   of the run (rows and ids among its weights) loads merged (weights.load_model) with our logits;
 - layouts (gloo, 2 processes, 3 AdamW steps with clipping, random non-zero starting adapters and
-  rows, tokens 3, 95, 96 so that under TP2 the rows' owners are both ranks): DP2, FSDP2 and TP2 give
-  the one-process rows and adapters (relative error <= 1e-5), bitwise identical on every rank
-  after every step; under FSDP the rows are the only trainable tensors outside the blocks;
+  rows, tokens 3, 95, 96 so that under TP2 the rows' owners are both ranks): DP2, FSDP2, TP2 and TP2 with
+  the chunked loss (loss_chunk) give the one-process rows and adapters (relative error <= 1e-5),
+  bitwise identical on every rank after every step; under FSDP the rows are the only trainable tensors outside the blocks;
+- the chunked loss (chunked.py, which reads the head's weight) sees the rows: the materialised
+  head's loss and gradients, tied and untied;
 - the stages' wiring (weights.loader): rows for exactly the ids init_from lacked (weights.base_vocab),
   none with lora_train_tokens=False, without LoRA or on a frozen reference; tied embeddings under a
   pipeline refused in one line.
@@ -29,6 +31,7 @@ import pytest
 import torch
 
 import checkpoint
+import chunked
 import distributed
 import hf
 import lora
@@ -173,7 +176,7 @@ def test_refusals():
 # ----------------------------------------------------------------------------- layouts
 
 IDS = [3] + NEW  # under TP2 (128 padded rows, 64 a rank) row 3 lives on rank 0, 95 and 96 on rank 1
-LAYOUTS = {"dp2": (1, "ddp"), "fsdp2": (1, "fsdp"), "tp2": (2, "ddp")}
+LAYOUTS = {"dp2": (1, "ddp", 0), "fsdp2": (1, "fsdp", 0), "tp2": (2, "ddp", 0), "tp2_chunked": (2, "ddp", 5)}
 
 
 def train(cfg, grid, init):
@@ -197,8 +200,8 @@ def train(cfg, grid, init):
 
 
 def _layouts(rank, out_dir, init):
-    for name, (tp_size, dp) in LAYOUTS.items():
-        cfg = train_cfg(SMALL, tp=tp_size, data_parallel=dp)
+    for name, (tp_size, dp, chunk) in LAYOUTS.items():
+        cfg = train_cfg(SMALL, tp=tp_size, data_parallel=dp, loss_chunk=chunk)
         torch.save(train(cfg, parallel.init(cfg), init), os.path.join(out_dir, f"{name}_{rank}.pt"))
 
 
@@ -244,3 +247,28 @@ def test_loader_adds_rows_for_the_new_tokens(tmp_path):
     assert rows(lora_train_tokens=False) == rows(lora_r=0) == rows(frozen=True) == {}
     with pytest.raises(config.ConfigError, match="set --lora_train_tokens=False, or pp=1"):
         weights.loader(train_cfg(SMALL, init_from=cfg.init_from, pp=2, tie_embeddings=True), one_grid())
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied"])
+def test_chunked_loss_sees_the_rows(family):
+    """loss_chunk > 0 (chunked.py reads the head's weight, never calls the head): the same loss and
+    the same gradients of the rows and adapters as the materialised head, with trained-looking rows."""
+    cfg = train_cfg(SMALL, **FAMILIES[family])
+    model = lora.train_tokens(lora.apply(grown_model(cfg), cfg, one_grid()), NEW, one_grid())
+    with torch.no_grad():
+        for t in lora.token_rows(model):
+            t.rows.add_(0.5 * torch.randn(t.rows.shape, generator=torch.Generator().manual_seed(1)))
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
+    chunked_model = chunked.use(copy.deepcopy(model), 5)
+    x, y = batches(4)
+    got = {}
+    for name, m in (("materialised", model), ("chunked", chunked_model)):
+        loss = m(x, y)
+        loss.backward()
+        got[name] = (loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+    (want, want_g), (loss, grads) = got["materialised"], got["chunked"]
+    assert (loss - want).abs() <= 1e-5 * want.abs()
+    assert want_g.keys() == grads.keys() and any("lora_tokens" in n for n in grads)
+    assert_close(grads, want_g, "chunked loss: gradients")
