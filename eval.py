@@ -291,13 +291,16 @@ def load_config(argv):
     """cfg: the training keys, EVAL_DEFAULTS, then (our checkpoint) its model, tokenizer and corpus keys,
     then the command line; an HF folder's config.json sets the model keys (weights.configure)."""
     args = split_argv(argv)
-    init = next((a.partition("=")[2] for a in args if a.startswith("--init_from=")), "")
-    if not init:
-        raise EvalError("name the model: python eval.py <run folder | checkpoint folder | HF folder> [--key=value ...]")
-    if not os.path.isdir(init):
-        raise config.MissingFileError(f"model folder '{init}' not found")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     extra = dict(data.DATA_DEFAULTS, **EVAL_DEFAULTS, micro_batch_size=8, batch_size=8 * world)  # micro_batch_size: rows per scoring forward
+    if "--help" in args or "-h" in args:  # the keys, their defaults and comments; exits
+        config.load(["--help"], extra=extra, script=os.path.abspath(__file__))
+    init = next((a.partition("=")[2] for a in args if a.startswith("--init_from=")), "")
+    if not init:
+        raise EvalError("name the model: python eval.py <run folder | checkpoint folder | HF folder> [--key=value ...] "
+                        "(--help lists the keys)")
+    if not os.path.isdir(init):
+        raise config.MissingFileError(f"model folder '{init}' not found")
     if not hf.is_hf_folder(init):
         init = checkpoint_folder(init)
         saved = hf.read_config(init)

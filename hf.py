@@ -377,3 +377,7 @@ def export_hf(model, out_dir, tokenizer=None, model_type=None):
 
 
 # ----------------------------------------------------------------------------- tokenizers
+
+
+if __name__ == "__main__":  # a library module, not a script: running it (--help or not) says what it holds
+    print(__doc__)

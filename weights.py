@@ -42,7 +42,8 @@ def configure(cfg):
     saying so ("" without init_from). An HF folder: its config.json's model keys, its tokenizer. Our
     checkpoint or run folder (init_from then names its newest checkpoint): its model keys, tokenizer,
     tokenizer_vocab and tokenizer_fim (a truncated vocabulary's ids depend on it). block_size is capped
-    at the model's (learned positions: the model's). loader(cfg, grid) then loads the weights."""
+    at the model's (learned positions: the model's); the line names any other of these keys the user
+    gave that init_from replaced. loader(cfg, grid) then loads the weights."""
     if not cfg.init_from:
         return ""
     if hf.is_hf_folder(cfg.init_from):
@@ -59,11 +60,16 @@ def configure(cfg):
             m = dict(m, block_size=min(cfg.block_size, m["block_size"]))
         tok = {k: m[k] for k in ("tokenizer", "tokenizer_vocab")}  # and its FIM sentinels (older checkpoints: fim_rate)
         tok["tokenizer_fim"] = m.get("tokenizer_fim", m.get("fim_rate", 0) > 0)
-    for k, v in [(k, m[k]) for k in keys] + list(tok.items()):
+    taken = [(k, m[k]) for k in keys] + list(tok.items())
+    replaced = [f"{k}={v!r} (not {getattr(cfg, k)!r} as given)" for k, v in taken
+                if k in getattr(cfg, "given", ()) and k != "block_size" and getattr(cfg, k) != v]
+    for k, v in taken:
         setattr(cfg, k, v)
     if cfg.seq_len > cfg.block_size:
         raise config.ConfigError(f"seq_len={cfg.seq_len} > block_size={cfg.block_size} of {cfg.init_from}")
-    return f"model and tokenizer of {'the HF folder' if keys is hf.MODEL_KEYS else 'checkpoint'} {cfg.init_from}"
+    line = f"model and tokenizer of {'the HF folder' if keys is hf.MODEL_KEYS else 'checkpoint'} {cfg.init_from}"
+    return line + (f"; note: init_from's {', '.join(replaced)}: drop those keys, or start without init_from"
+                   if replaced else "")
 
 
 def base_vocab(cfg):

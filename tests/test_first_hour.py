@@ -16,13 +16,19 @@ Proves:
   init_from path, hf.load_hf); invalid UTF-8 in a jsonl of records (chat data, task files) names
   file:line, or is skipped and counted (skip_bad); a pretraining corpus still reads it with U+FFFD
   and names the file in its intake summary; eval's piqa label 7, an empty task file, --limit=-5;
-  sample.py on a checkpoint whose weights do not fit its config (CheckpointError, no traceback).
+  sample.py on a checkpoint whose weights do not fit its config (CheckpointError, no traceback);
+  a loss that is not finite (--lr=1e6) is one line; init_from names the given keys it replaced;
+- discovery: eval.py --help lists its keys (hf.py, fim.py print their docstring); threads per process
+  as parallel.init picks them; pretraining says how many validation tokens its loss covers and, as
+  SFT on the user's own data (a held-out slice, its loss, the epochs warning), ends with one summary
+  line whose before -> after values are the logged ones and which names the final checkpoint.
 """
 import json
 import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -230,3 +236,129 @@ def test_sample_checkpoint_of_another_shape(tmp_path):
                        capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))  # as a user runs it
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith(f"error: checkpoint '{ckpt}' does not fit this model config:"), r.stderr
+
+
+# ----------------------------------------------------------------------------- discovery and the stages' summaries
+
+def test_help_of_eval_hf_fim(capsys):
+    """eval.py --help lists its keys with default and comment (no model needed); hf.py and fim.py,
+    libraries, print their docstring when run (they printed nothing)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "eval.py's own keys" in out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("n_samples="))
+    assert line.split() == ["n_samples=1", *"generations per problem (pass@k needs k <= n_samples)".split()]
+    with pytest.raises(scoring.EvalError, match=r"name the model: .*\(--help lists the keys\)"):
+        ev.main(["--tasks=bpb"])
+    import fim
+    for module in (hf, fim):
+        r = subprocess.run([sys.executable, module.__file__, "--help"], capture_output=True, text=True,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert r.returncode == 0 and r.stdout == module.__doc__ + "\n", r.stderr
+
+
+def test_init_from_names_the_keys_it_replaced(tmp_path):
+    """`sft.py --init_from=<ckpt> --n_layer=8` used to drop n_layer without a word: the start-up line
+    (weights.configure's) now names each given model or tokenizer key init_from replaced; block_size
+    (capped, not replaced) and keys equal to the checkpoint's are not named."""
+    import sft
+    import weights
+    rigged_chat_checkpoint(tmp_path / "sft")
+    init = f"--init_from={tmp_path / 'sft'}"
+    cfg = config.load([init, "--n_layer=8", "--n_head=2", "--block_size=32", "--tokenizer_vocab=600"], extra=sft.EXTRA)
+    line = weights.configure(cfg)
+    assert (cfg.n_layer, cfg.block_size, cfg.tokenizer_vocab) == (1, 32, 512)
+    assert line.endswith("; note: init_from's n_layer=1 (not 8 as given), tokenizer_vocab=512 (not 600 as given): "
+                         "drop those keys, or start without init_from"), line
+    cfg = config.load([init, "--block_size=32"], extra=sft.EXTRA)
+    assert "note" not in weights.configure(cfg)
+
+
+def test_nan_loss_is_one_line(tmp_path, capsys):
+    """--lr=1e6 used to end in a FloatingPointError traceback: a loss that is not finite is a UserError
+    (logs.NonFiniteLoss), one `error:` line under config.cli saying what to try."""
+    import logs
+    cfg = config.load([f"--out_dir={tmp_path}"], world=1)
+
+    def stage(argv):
+        logs.Logger(cfg, SimpleNamespace(is_main=True)).report(5, {"loss": float("nan")}, 10, write=lambda s: None)
+    line = one_error_line(stage, [], capsys)
+    assert line == "error: loss is nan at step 5: lower lr (or warm up longer), or check the data"
+
+
+def test_threads_per_process(monkeypatch):
+    """parallel.init's threads: the given number; 0 without OMP_NUM_THREADS: the available cores divided
+    among this machine's processes; 0 with OMP_NUM_THREADS (torchrun sets 1): left as it is."""
+    import parallel
+    cfg = config.load(["--device=cpu"], world=1)
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        parallel.init(cfg, 3)
+        assert torch.get_num_threads() == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        parallel.init(cfg, 0)
+        assert torch.get_num_threads() == 3
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        parallel.init(cfg, 0)
+        assert torch.get_num_threads() == max(1, cores // 2)
+    finally:
+        torch.set_num_threads(before)
+
+
+def summary_line(out):
+    lines = [ln for ln in out.splitlines() if " done: " in ln]
+    assert len(lines) == 1, out[-3000:]
+    return lines[0]
+
+
+def test_pretrain_says_its_validation_tokens_and_ends_with_a_summary(tmp_path, capsys):
+    """Pretraining on CPU says its threads, how many validation tokens its loss covers (of how many:
+    eval.py scores all), and ends with one line: steps, the held-out loss before -> after as logged,
+    the final checkpoint's folder."""
+    import pretrain
+    out = tmp_path / "run"
+    capsys.readouterr()
+    pretrain.main(["--max_docs=40", "--tokenizer_vocab=512", "--n_layer=1", "--n_head=2", "--n_embd=32",
+                   "--block_size=32", "--batch_size=2", "--micro_batch_size=2", "--max_steps=2", "--eval_every=2",
+                   "--eval_batches=2", "--sample_tokens=0", "--progress=False", "--device=cpu", "--threads=1",
+                   f"--out_dir={out}", f"--data_dir={tmp_path / 'data'}"])
+    text = capsys.readouterr().out
+    assert "on cpu (1 threads per process)" in text
+    meta = json.loads(next((tmp_path / "data").rglob("meta.json")).read_text())
+    covered = re.findall(rf"\(the first ([\d,]+) of {meta['n_val']:,} validation tokens; eval.py scores them all\)", text)
+    assert covered and int(covered[0].replace(",", "")) == 2 * 2 * 32  # eval_batches x batch x block
+    vals = [(r["step"], r["val_loss"]) for r in map(json.loads, open(out / "train_metrics.jsonl")) if "val_loss" in r]
+    (s0, v0), (s1, v1) = vals[0], vals[-1]
+    line = summary_line(text)
+    assert line.startswith("pretraining done: 2 steps in ")
+    assert f"held-out validation loss {v0:.4f} (step {s0}) -> {v1:.4f} (step {s1})" in line and (s0, s1) == (0, 2)
+    assert line.endswith(f"final checkpoint {out / 'step_000002'}") and (out / "step_000002" / "complete.json").exists()
+
+
+def test_sft_on_own_data_holds_out_a_slice(tmp_path, capsys):
+    """SFT on the user's chat_data (no task) holds out every 1/held_out-th conversation, says so, reports
+    its loss before and after in the summary line, and warns when the steps read past ~10 epochs."""
+    import sft
+    rigged_chat_checkpoint(tmp_path / "init")
+    data = tmp_path / "mine.jsonl"
+    write_jsonl(data, [{"messages": [{"role": "user", "content": f"What is {i} + 1?"},
+                                     {"role": "assistant", "content": str(i + 1)}]} for i in range(20)])
+    out = tmp_path / "sft"
+    capsys.readouterr()
+    sft.main([f"--init_from={tmp_path / 'init'}", f"--chat_data={data}", "--task=", "--held_out=0.1", "--pack=False",
+              "--batch_size=4", "--micro_batch_size=4", "--max_steps=50", "--lr=1e-3", "--warmup_steps=0",
+              "--log_every=25", "--progress=False", "--device=cpu", "--threads=1", f"--out_dir={out}"])
+    text = capsys.readouterr().out
+    assert "| 50 steps read 11.11 epochs (warning: past ~10 epochs a model memorises its data" in text  # 50 x 4 / 18
+    assert "data: 18 conversations -> 18 rows" in text  # 20 less the 10th and the 20th, held out
+    assert "| 1 held-out rows (every 10th conversation)" in text  # the two packed into one row
+    vals = [(r["step"], r["val_loss"]) for r in map(json.loads, open(out / "train_metrics.jsonl")) if "val_loss" in r]
+    (s0, v0), (s1, v1) = vals[0], vals[-1]
+    assert (s0, s1) == (0, 50) and v1 < v0
+    line = summary_line(text)
+    assert line.startswith("SFT done: 50 steps in ") and f"(step 0) -> {v1:.4f} (step 50)" in line, line
+    assert f"{v0:.4f} (step 0)" in line and line.endswith(f"final checkpoint {out / 'step_000050'}")
