@@ -136,6 +136,16 @@ SHARED_DEFAULTS = dict(
     tensorboard=False,       # also log to out_dir/tb (needs tensorboard)
     wandb=False,             # also log to Weights & Biases (needs wandb)
     wandb_project="ingot",   # the W&B project
+    mlflow=False,            # also log to MLflow (needs mlflow): params, metrics, config and PNGs as artifacts
+    mlflow_uri="",           # MLflow tracking URI, e.g. sqlite:///mlflow.db ("": MLflow's default, MLFLOW_TRACKING_URI)
+    mlflow_experiment="ingot",  # the MLflow experiment
+    # gradient statistics (gradstats.py): logged on their own steps, read by plots.py --heatmap
+    grad_stats_every=0,      # >0: per-layer/kind grad norms, update ratios, activation stats every N steps (0: none)
+    ratio_low=1e-5,          # a warning when a layer's update ratio stays below ratio_low ...
+    ratio_high=1e-1,         # ... or above ratio_high ...
+    ratio_patience=3,        # ... for this many statistics steps in a row
+    act_saturate=6.0,        # an activation counts as saturated at |x| >= act_saturate
+    act_dead_eps=0.0,        # a channel counts as dead where |x| <= act_dead_eps on every token of the step
 )
 
 
@@ -150,7 +160,8 @@ RESUME_FREE = frozenset("""
     device dtype compile threads grad_bucket_mb grad_reduce_dtype tp sequence_parallel data_parallel ep zero1
     pp pp_schedule pp_cut pp_micro
     micro_batch_size ns_dtype grad_checkpoint fp32_residual loss_chunk recompute recompute_every gpu_memory
-    eval_every log_every progress peak_tflops tensorboard wandb wandb_project
+    eval_every log_every progress peak_tflops tensorboard wandb wandb_project mlflow mlflow_uri mlflow_experiment
+    grad_stats_every ratio_low ratio_high ratio_patience act_saturate act_dead_eps
 """.split())
 RESUME_CONTROL = frozenset({"resume", "overwrite", "force_resume"})  # how to start, not settings
 # a bare --key (no =value) for keys that are not bool
@@ -351,6 +362,12 @@ def validate(cfg, world=1):
     need(not cfg.lora_r or (cfg.optimizer == "adamw" and not cfg.zero1),
          "LoRA trains with AdamW, without zero1 (Muon is for full hidden matrices; the adapters' state is small): "
          "set optimizer='adamw', zero1=False")
+    need(cfg.grad_stats_every >= 0, f"grad_stats_every={cfg.grad_stats_every} must be >= 0 (0: no gradient statistics)")
+    need(0 < cfg.ratio_low < cfg.ratio_high, f"ratio_low={cfg.ratio_low}, ratio_high={cfg.ratio_high}: need "
+         f"0 < ratio_low < ratio_high (the sane band of update ratios)")
+    need(cfg.ratio_patience >= 1, f"ratio_patience={cfg.ratio_patience} must be >= 1")
+    need(cfg.act_saturate > 0 and cfg.act_dead_eps >= 0,
+         f"act_saturate={cfg.act_saturate} must be > 0 and act_dead_eps={cfg.act_dead_eps} >= 0")
     need(cfg.grad_bucket_mb > 0, f"grad_bucket_mb={cfg.grad_bucket_mb} must be positive")
     # found here, not after training: numpy's generators take seeds in [0, 2**32)
     need(0 <= cfg.seed < 2**32, f"seed={cfg.seed} must be in [0, 2**32)")
@@ -373,6 +390,8 @@ def _check_pipeline(cfg, dp, need):
     need(cfg.pp == 1 or not cfg.n_experts, "pp > 1 works with dense models (n_experts=0): MoE router losses "
          "on every stage are not summed yet")
     need(cfg.pp == 1 or not cfg.compile, "pp > 1 with compile=True is untested: set --compile=False")
+    need(cfg.pp == 1 or not cfg.grad_stats_every, f"grad_stats_every={cfg.grad_stats_every} works with pp=1 only "
+         f"(a stage holds some layers): set --grad_stats_every=0 or pp=1")
     need(cfg.pp_micro >= 0, f"pp_micro={cfg.pp_micro} must be >= 0 (0: from the batch split)")
     if cfg.pp_micro:
         need(cfg.batch_size % (cfg.pp_micro * dp) == 0,

@@ -29,16 +29,23 @@ from torch.nn.utils.rnn import pad_sequence
 import chat
 import checkpoint
 import config
+import gradstats
 import lifecycle
 import logs
 import lora
+import objectives
 import optim
 import parallel
 import tasks
 import weights
 from model import IGNORE
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "cdpo", "simpo")
+# ours below, then TRL's other pair-local types (objectives.py, parity-tested against TRL). Not taken: aot and
+# aot_unpaired (sorted over the batch: the loss would depend on how pairs are split over micro-batches and
+# ranks), WPO's weighting (it needs log sum_v p_v^2 per token, which the vocab-parallel loss path does not give)
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "cdpo", "simpo", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
+              "apo_zero", "apo_down", "discopop", "sigmoid_norm")
+SMOOTHED = ("robust", "cdpo", "simpo", "exo_pair")  # the types that read label_smoothing
 REFERENCES = ("auto", "copy", "adapters", "precomputed")
 DPO_DEFAULTS = dict(
     task="arithmetic",       # tasks.get(task).pairs(): the pairs when chat_data (chat.CHAT_DEFAULTS) is ""
@@ -47,7 +54,8 @@ DPO_DEFAULTS = dict(
     eval_pairs=200,          # held-out pairs (the task's test questions; chat_data: its last after a shuffle)
     beta=0.1,
     loss_type="sigmoid",     # sigmoid | ipo | hinge | robust | cdpo | simpo
-    label_smoothing=0.0,     # eps of robust and cdpo, in [0, 0.5)
+    label_smoothing=0.0,     # eps of robust, cdpo, simpo (TRL's CPO) and exo_pair, in [0, 0.5)
+    f_divergence="reverse_kl",  # f-DPO: reverse_kl (DPO) | forward_kl | js_divergence | alpha_divergence
     simpo_gamma=0.5,         # SimPO's margin
     rpo_alpha=0.0,           # weight of the chosen answers' NLL (RPO); 0: none
     reference="auto",        # auto | copy | adapters | precomputed
@@ -58,7 +66,7 @@ EXTRA = {**chat.CHAT_DEFAULTS, **DPO_DEFAULTS}  # this script's keys beyond conf
 
 # ----------------------------------------------------------------------------- the math
 
-def pair_losses(pc, pr, rc, rr, lc, lr, loss_type="sigmoid", beta=0.1, eps=0.0, gamma=0.5):
+def pair_losses(pc, pr, rc, rr, lc, lr, loss_type="sigmoid", beta=0.1, eps=0.0, gamma=0.5, divergence="reverse_kl"):
     """Per-pair losses (B,) from summed log-probs of the policy (pc, pr) and reference (rc, rr) on
     the chosen / rejected answers, whose token counts are lc, lr (ipo, simpo). D = (pc - rc) -
     (pr - rr), s = sigmoid, eps = label_smoothing:
@@ -67,9 +75,13 @@ def pair_losses(pc, pr, rc, rr, lc, lr, loss_type="sigmoid", beta=0.1, eps=0.0, 
         hinge    relu(1 - beta D)
         robust   (-(1-eps) log s(beta D) + eps log s(-beta D)) / (1 - 2 eps)       (as TRL)
         cdpo     -(1-eps) log s(beta D) - eps log s(-beta D)   conservative DPO (TRL <= 0.28's sigmoid)
-        simpo    -log s(beta (pc/lc - pr/lr) - gamma)          reference-free (TRL's CPO simpo)"""
+        simpo    -(1-eps) log s(z) - eps log s(-z), z = beta (pc/lc - pr/lr) - gamma   reference-free (TRL's CPO)
+    The rest (exo_pair ... sigmoid_norm) and the f-divergences (divergence) are objectives.pair_losses'."""
     if loss_type == "simpo":  # reference-free: the reference terms are not read
-        return -F.logsigmoid(beta * (pc / lc - pr / lr) - gamma)
+        return objectives.simpo_loss(pc, pr, lc, lr, beta, gamma, eps)
+    if loss_type not in LOSS_TYPES[:5] or divergence != "reverse_kl":
+        return objectives.pair_losses(pc, pr, rc, rr, lc, lr, loss_type, beta, eps,
+                                      divergence=divergence)
     dc, dr = pc - rc, pr - rr
     z = beta * (dc - dr)
     if loss_type == "sigmoid":
@@ -101,7 +113,8 @@ def objective(logps, ref_logps, lens, cfg, n_pairs, n_tokens):
     The loss: pair_losses' mean over the global batch + rpo_alpha * NLL of the chosen answers, a
     token mean over the global batch (RPO)."""
     (pc, pr), (rc, rr), (lc, lr) = logps.chunk(2), ref_logps.chunk(2), lens.to(logps).chunk(2)
-    losses = pair_losses(pc, pr, rc, rr, lc, lr, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma)
+    losses = pair_losses(pc, pr, rc, rr, lc, lr, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma,
+                         cfg.f_divergence)
     loss = losses.sum() / n_pairs
     if cfg.rpo_alpha:
         loss = loss - cfg.rpo_alpha * pc.sum() / n_tokens
@@ -216,9 +229,10 @@ def policy_logps(net, seqs, ids, cfg, grid, autocast):
     return out
 
 
-def train_step(net, reference, seqs, batch, cfg, grid, autocast):
+def train_step(net, reference, seqs, batch, cfg, grid, autocast, hooks=()):
     """One optimizer step on the global batch (pair indices): this rank's share in micro-batches, each the
-    reference's forward, then the policy's over [chosen; rejected] and backward. -> (metric sums, grad norm)"""
+    reference's forward, then the policy's over [chosen; rejected] and backward. -> (metric sums, grad norm).
+    hooks: net.step's before_update, after_update (gradstats.Probe.hooks)."""
     mb, dw = cfg.micro_batch_size, grid.data_world
     accum, n_pairs, n_tokens = cfg.batch_size // (mb * dw), cfg.batch_size / dw, sum(len(seqs[i][1]) for i in batch) / dw
     mine = batch[grid.data_rank * mb * accum:(grid.data_rank + 1) * mb * accum]
@@ -234,7 +248,7 @@ def train_step(net, reference, seqs, batch, cfg, grid, autocast):
         y = micro[i][1]
         return objective(-nll.float().sum(-1), refs[i], (y != IGNORE).sum(-1), cfg, n_pairs, n_tokens)
     sums = net.train_step(micro, loss_fn, autocast)  # gradients reduced on the last (pp > 1: the schedule)
-    return sums, net.step(cfg.grad_clip)
+    return sums, net.step(cfg.grad_clip, *hooks)
 
 
 # ----------------------------------------------------------------------------- data
@@ -286,6 +300,13 @@ def check(cfg):
     need(cfg.reference in REFERENCES, f"reference={cfg.reference!r}: choose one of {', '.join(REFERENCES)}")
     need(cfg.beta > 0 and 0 <= cfg.label_smoothing < 0.5,
          f"beta={cfg.beta} must be > 0, label_smoothing={cfg.label_smoothing} in [0, 0.5)")
+    need(not cfg.label_smoothing or cfg.loss_type in SMOOTHED, f"label_smoothing={cfg.label_smoothing}: "
+         f"loss_type={cfg.loss_type!r} does not read it (TRL ignores it there too); smoothed: {', '.join(SMOOTHED)}")
+    need(cfg.loss_type != "exo_pair" or cfg.label_smoothing > 0, "loss_type='exo_pair' needs label_smoothing > 0 "
+         "(the paper: 1e-3)")
+    need(cfg.f_divergence in objectives.F_DIVERGENCES and (cfg.f_divergence == "reverse_kl" or cfg.loss_type in
+         objectives.F_DIVERGENCE_TYPES), f"f_divergence={cfg.f_divergence!r}: one of {', '.join(objectives.F_DIVERGENCES)}"
+         f", other than reverse_kl only with {', '.join(objectives.F_DIVERGENCE_TYPES)}")
     need(min(cfg.rpo_alpha, cfg.n_pairs, cfg.eval_pairs) >= 0, "rpo_alpha, n_pairs and eval_pairs must be >= 0")
     need(cfg.chat_data or (cfg.task and cfg.n_pairs), "no pairs: set chat_data (file, folder, hf:) or task, n_pairs > 0")
     need(cfg.reference != "adapters" or cfg.lora_r > 0,
@@ -355,6 +376,7 @@ def main(argv):
                                             f"changed? Point it at the model DPO started from, or --force_resume=True")
         say(f"resumed from {lease.resume_from} at step {step}; the reference is the one DPO started with")
     logger = logs.Logger(cfg, grid)
+    probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
     held_out, saved = {}, {}  # the held-out metric at the first and latest evaluation; the latest checkpoint
 
     def evaluate():  # held-out metrics: eval_ + TRL's names
@@ -377,9 +399,11 @@ def main(argv):
     while step < last:
         lr = optim.set_lr(net.optimizer, step, cfg)
         batch = step_indices(step, len(train), cfg.batch_size, cfg.seed)
-        step_sums, grad_norm = train_step(net, reference, seqs, batch, cfg, grid, autocast)
+        probe.before(step)  # a statistics step (every grad_stats_every): activation hooks armed
+        step_sums, grad_norm = train_step(net, reference, seqs, batch, cfg, grid, autocast, probe.hooks)
         sums = add(sums, step_sums)
         step += 1
+        probe.after(step, logger, say)  # its statistics logged, the ratio warning said
         if step % cfg.log_every == 0 or step == last:
             m = {**metrics(sums, grid.data_group, rpo_alpha=cfg.rpo_alpha), "lr": lr, "grad_norm": grad_norm.item(),
                  "pairs_s": (step - logged) * cfg.batch_size / clock.lap(), "mem_gb": logs.peak_memory_gb(grid.device)}

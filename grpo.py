@@ -29,16 +29,20 @@ import torch.distributed as dist
 import chat
 import config
 import generate
+import gradstats
 import lifecycle
 import logs
 import lora
+import objectives
 import optim
 import parallel
 import prompts
 import weights
 from model import IGNORE
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+# ours, then TRL's cispo and sapo (objectives.py, parity-tested against TRL). Not taken: bnpo (a token mean
+# per micro-batch: the loss would depend on micro_batch_size and the layout; dapo is its per-step form)
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo", "sapo")
 SCALES = ("group", "batch", "none")
 
 # this stage's config keys (config.load(argv, extra=...)); batch_size counts completions per step
@@ -63,6 +67,7 @@ DEFAULTS = dict(
     scale_rewards="group",    # group | batch | none (Dr. GRPO)
     clip_low=0.2,             # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high=0.2,            # 0.28: DAPO's clip-higher
+    cispo_cap=5.0,            # cispo: the ratio's absolute cap (TRL's epsilon_high there; ScaleRL's 5.0)
     importance_level="token",  # token | sequence (GSPO)
     beta=0.0,                 # k3 KL to the reference (0: no reference model is held)
     kl_ratio=True,            # the k3 term times the ratio (TRL's use_bias_correction_kl)
@@ -138,12 +143,17 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type="dapo", eps_low=0.2, eps
         loss = (per_token * mask).sum() / (mask.sum() if n_tokens is None else n_tokens)
     elif loss_type == "dr_grpo":
         loss = (per_token * mask).sum() / (n_seqs * (logp.shape[1] if max_len is None else max_len))
+    elif loss_type in ("cispo", "sapo"):
+        loss = objectives.policy_loss(logp, old_logp, adv, mask, loss_type=loss_type, eps_low=eps_low, eps_high=eps_high,
+                                      beta=beta, ref_logp=ref_logp, kl_ratio=kl_ratio, level=level, n_seqs=n_seqs,
+                                      n_tokens=n_tokens)
     else:
         raise ValueError(f"loss_type={loss_type!r} must be one of {', '.join(LOSS_TYPES)}")
-    with torch.no_grad():  # logged: KL, tokens clipped below / above (where the clip binds), tokens
-        clipped = [((ratio < 1 - eps_low) & (A < 0)), ((ratio > 1 + eps_high) & (A > 0))]
-        sums = torch.stack([(kl * mask).sum()] + [(c.expand_as(mask) * mask).sum() for c in clipped] + [mask.sum()])
-    return loss, sums
+    with torch.no_grad():  # logged as TRL logs them: k3 (times the ratio with kl_ratio), clip fractions
+        kl_sum = (kl * ratio if kl_ratio else kl) * mask  # per token; at sequence level per row (objectives.clip_sums)
+        sums = torch.cat([kl_sum.sum()[None], objectives.clip_sums(ratio, adv, mask, eps_low, eps_high)[[0, 1, 3]],
+                          mask.sum()[None]])
+    return loss, sums  # [kl, clipped low, clipped high, what the clip fractions count, tokens]
 
 
 def token_logprobs(fwd, tokens, mask, start, temperature=1.0):
@@ -256,10 +266,11 @@ def reference_logprobs(fwd, batch, cfg):
                       for i in range(0, batch.tokens.shape[0], mb)])
 
 
-def learn(net, batch, cfg, autocast=contextlib.nullcontext()):
+def learn(net, batch, cfg, autocast=contextlib.nullcontext(), hooks=()):
     """cfg.grpo_epochs optimizer steps on this rank's batch, each over micro-batches (gradients accumulated,
     reduced over data ranks on the last) -> the sums (kl, clipped low / high, tokens) of the last, its grad norm.
-    The learning rate is set by the caller (optim.set_lr)."""
+    The learning rate is set by the caller (optim.set_lr). hooks: net.step's before_update, after_update
+    (gradstats.Probe.hooks)."""
     world, mb, R = net.grid.data_world, cfg.micro_batch_size, batch.tokens.shape[0]
     n_seqs, n_tokens = max(batch.n_seqs, 1) / world, max(batch.n_tokens, 1) / world
     for _ in range(cfg.grpo_epochs):
@@ -271,12 +282,13 @@ def learn(net, batch, cfg, autocast=contextlib.nullcontext()):
                     logp = token_logprobs(net, batch.tokens[rows], batch.mask[rows], batch.start, cfg.temperature)
                 loss, s = policy_loss(
                     logp.float(), batch.old[rows], batch.adv[rows], batch.loss_mask[rows], loss_type=cfg.loss_type,
-                    eps_low=cfg.clip_low, eps_high=cfg.clip_high, beta=cfg.beta, kl_ratio=cfg.kl_ratio,
+                    eps_low=cfg.clip_low, eps_high=cfg.cispo_cap if cfg.loss_type == "cispo" else cfg.clip_high,
+                    beta=cfg.beta, kl_ratio=cfg.kl_ratio,
                     ref_logp=None if batch.ref is None else batch.ref[rows], level=cfg.importance_level,
                     n_seqs=n_seqs, n_tokens=n_tokens, max_len=cfg.max_new_tokens)
                 net.backward(loss)
             sums = sums + s
-        norm = net.step(cfg.grad_clip)
+        norm = net.step(cfg.grad_clip, *hooks)
     return sums, norm
 
 
@@ -354,6 +366,7 @@ def main(argv):
         step = trainer["step"]
         say(f"resumed from {lease.resume_from} at step {step}")
     logger = logs.Logger(cfg, grid)
+    probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
     held, saved = {}, {}  # the held-out metric at the first and latest evaluation; the latest checkpoint
 
     def rewards_of(r, items, which):
@@ -407,24 +420,27 @@ def main(argv):
         if cfg.beta:
             with (contextlib.nullcontext() if ref else lora.disabled(raw)), net.full_params(), autocast:
                 batch.ref = reference_logprobs(ref if ref else raw, batch, cfg)
-        sums, norm = torch.zeros(4, device=device), torch.zeros(())
+        sums, norm = torch.zeros(5, device=device), torch.zeros(())
         lr = optim.set_lr(net.optimizer, step, cfg)
+        probe.before(step)  # a statistics step (every grad_stats_every): activation hooks armed
         if batch.n_seqs:  # dynamic sampling may leave no group
-            sums, norm = learn(net, batch, cfg, autocast)
-        kl, low, high, tokens = all_sum(sums.detach().float(), grid).tolist()
+            sums, norm = learn(net, batch, cfg, autocast, probe.hooks)
+        kl, low, high, clip_count, tokens = all_sum(sums.detach().float(), grid).tolist()
         t3 = clock.now()
-        logs.add(tally, {**stats, "kl": kl, "clip_low": low, "clip_high": high, "tokens": tokens, "t_rollout": t1 - t0,
+        logs.add(tally, {**stats, "kl": kl, "clip_low": low, "clip_high": high, "clip_count": clip_count, "tokens": tokens,
+                         "t_rollout": t1 - t0,
                          "t_reward": t2 - t1, "t_learn": t3 - t2, "steps": 1})
         logs.add(judged_tally, judged)  # reward parts, accuracy: this rank's [sum, count]
         step += 1
+        probe.after(step, logger, say)  # its statistics logged, the ratio warning said
         if step == first:
             say(f"first step done {clock.since_start():.1f} s after start")
         if step % cfg.log_every == 0 or step == last:  # means over the steps since the last log line
             k, n, tokens = tally["steps"], tally["steps"] * P * G, max(tally["tokens"], 1)
             m = {"reward": tally["reward"] / max(tally["rewarded"], 1), "frac_equal_groups": tally["equal"] /
                  tally["groups"], "len": tally["gen_tokens"] / n, "truncated": tally["truncated"] / n,
-                 "kl": tally["kl"] / tokens, "clip_low": tally["clip_low"] / tokens, "clip_high": tally["clip_high"] /
-                 tokens, "grad_norm": float(norm), "lr": lr, "t_rollout": tally["t_rollout"] / k,
+                 "kl": tally["kl"] / tokens, "clip_low": tally["clip_low"] / max(tally["clip_count"], 1),
+                 "clip_high": tally["clip_high"] / max(tally["clip_count"], 1), "grad_norm": float(norm), "lr": lr, "t_rollout": tally["t_rollout"] / k,
                  "t_reward": tally["t_reward"] / k, "t_learn": tally["t_learn"] / k,
                  "gen_tok_s": tally["gen_tokens"] / tally["t_rollout"], **logs.means(judged_tally, grid.data_group, device)}
             logger.report(step, m, cfg.max_steps, say)

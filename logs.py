@@ -1,8 +1,12 @@
-"""Honest observability for every stage: metrics to stdout, JSONL, TensorBoard / W&B; MFU.
+"""Honest observability for every stage: metrics to stdout, JSONL, TensorBoard / W&B / MLflow; MFU.
 
 Only rank 0 writes anything. MFU = tokens/s * FLOPs per token / (peak * GPUs), with the model's
 own FLOPs formula (model.flops_per_token) and the GPU's dense bf16 peak (gpus.PEAK_TFLOPS).
+MLflow (cfg.mlflow): one run per Logger in cfg.mlflow_experiment at cfg.mlflow_uri ("": MLflow's
+default), through an MlflowClient (no global active run): the config as params, every numeric
+metric, and at close config.json, the metrics file and out_dir's PNGs as artifacts.
 """
+import glob
 import json
 import math
 import os
@@ -46,11 +50,11 @@ class NonFiniteLoss(UserError, FloatingPointError):
 
 
 class Logger:
-    """Metrics of rank 0 to out_dir/<name>_metrics.jsonl, TensorBoard and W&B (when asked for)."""
+    """Metrics of rank 0 to out_dir/<name>_metrics.jsonl, TensorBoard, W&B and MLflow (when asked for)."""
 
     def __init__(self, cfg, grid, name="train"):
         self.main = grid.is_main
-        self.tb = self.wandb = self.file = None
+        self.tb = self.wandb = self.file = self.mlflow = None
         if not self.main:
             return
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -67,6 +71,11 @@ class Logger:
                 self.wandb = wandb.init(project=cfg.wandb_project, config=vars(cfg), dir=cfg.out_dir)
             except ImportError:
                 print("wandb=True but wandb is not installed (pip install wandb); skipping")
+        if cfg.mlflow:
+            try:
+                self.mlflow = MLflowRun(cfg)
+            except ImportError:
+                print("mlflow=True but mlflow is not installed (pip install mlflow); skipping")
 
     def log(self, step, metrics):
         if not self.main:
@@ -80,6 +89,8 @@ class Logger:
                     self.tb.add_scalar(k, v, step)
         if self.wandb:
             self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        if self.mlflow:
+            self.mlflow.log(step, rec["time"], metrics)
 
     def report(self, step, metrics, last, write=print):
         """A log step: the metrics logged, one line written on rank 0 ('step 10/300 | loss ...'); a
@@ -98,6 +109,40 @@ class Logger:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+        if self.mlflow:
+            self.mlflow.close(self.file.name)
+
+
+class MLflowRun:
+    """One MLflow run of a Logger (see the module docstring); mlflow is imported here, lazily."""
+
+    def __init__(self, cfg):
+        import mlflow
+        from mlflow.entities import Param
+        self.entities = mlflow.entities
+        self.client = mlflow.MlflowClient(tracking_uri=cfg.mlflow_uri or None)
+        name = cfg.mlflow_experiment
+        exp = self.client.get_experiment_by_name(name)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
+        self.cfg, self.out_dir = dict(vars(cfg)), cfg.out_dir
+        run = self.client.create_run(exp_id, run_name=os.path.basename(os.path.normpath(cfg.out_dir)),
+                                     tags={"out_dir": os.path.abspath(cfg.out_dir)})
+        self.run_id = run.info.run_id
+        params = [Param(k, str(v)[:6000]) for k, v in sorted(self.cfg.items())]
+        for i in range(0, len(params), 100):  # MLflow's batch limit
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def log(self, step, time_s, metrics):
+        ms = [self.entities.Metric(k, float(v), int(time_s * 1000), step) for k, v in metrics.items()
+              if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        for i in range(0, len(ms), 1000):
+            self.client.log_batch(self.run_id, metrics=ms[i:i + 1000])
+
+    def close(self, metrics_path=None):
+        self.client.log_dict(self.run_id, self.cfg, "config.json")
+        for path in sorted(glob.glob(os.path.join(self.out_dir, "*.png"))) + ([metrics_path] if metrics_path else []):
+            self.client.log_artifact(self.run_id, path)
+        self.client.set_terminated(self.run_id)
 
 
 def add(tally, values):

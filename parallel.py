@@ -339,12 +339,14 @@ class Net:
         """The gradient norm of the whole model, clipped to max_norm, right for this layout."""
         return clip_grad_norm_(self.wrapper, max_norm, self.grid, getattr(self.optimizer, "grad_owner", None))
 
-    def step(self, max_norm=0.0):
+    def step(self, max_norm=0.0, before_update=None, after_update=None):
         """The end of an optimizer step: wait for the gradient reductions, clip to max_norm (0: no
         clipping), step the optimizer, zero the gradients. Returns the gradient norm (no host sync).
         Under fp16 the gradients are unscaled first; an inf or NaN on any rank skips the step on
         every rank (the norm returned is then inf) and the scale backs off (scaler.py; its flag,
-        all-reduced, is read on the host: one sync a step)."""
+        all-reduced, is read on the host: one sync a step). before_update() runs on the reduced,
+        unscaled gradients before clipping, after_update() after the optimizer step (every rank:
+        they may be collective; gradstats.Probe.hooks); a skipped step calls neither."""
         self.wrapper.finish()
         if self.pipe is not None:  # tied embeddings: the first and last stage's gradients summed
             pp.sum_tied_grads(self)
@@ -352,8 +354,12 @@ class Net:
         if skip:
             norm = torch.full((), float("inf"), device=self.grid.device)
         else:
+            if before_update is not None:
+                before_update()
             norm = self.clip_grad_norm_(max_norm or float("inf"))
             self.optimizer.step()
+            if after_update is not None:
+                after_update()
         if self.scaler is not None:
             self.scaler.update(skip)
         self.wrapper.zero_grad(set_to_none=True)

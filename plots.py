@@ -4,6 +4,7 @@
     python plots.py out/small out/small_muon --out=compare.png
     python plots.py out/sft --log=sft                  # the stage's sft_metrics.jsonl
     python plots.py out/small --attention --prompt="def add(a, b):" --layer=3 --head=5 --out=attn.png
+    python plots.py out/small --heatmap=update_ratio   # layers x steps of gradstats.py's metrics
 
 Curves come from logs.py's JSONL (<run>/<log>_metrics.jsonl, one record per log step): train and
 validation loss against steps and against tokens (step x batch_size x sequence length, from the run's
@@ -14,6 +15,9 @@ rollout / reward / learn seconds, for DPO runs rewards, margins, accuracies, log
 held-out eval_ twins; one colour per run in every panel (styles), legends beside the panels. A
 resumed run appends to its file, repeating the steps after its checkpoint: the last record of a step
 wins (what the surviving lineage logged). Panels with nothing logged are left out.
+
+The heat map: one gradstats.py metric per layer (grad_norm, update_ratio, weight_norm: the keys
+<metric>/emb, <metric>/L<i>, <metric>/out), layers down, logged steps across, log colour scale.
 
 The attention map: one layer's softmax(q k^T / sqrt(D)) with the causal mask, recomputed from the
 layer's own input, projections, q/k norms and RoPE (SDPA never materialises the weights), for a
@@ -29,6 +33,7 @@ import os
 import torch
 
 import checkpoint
+import gradstats
 import sample
 
 # (title, x axis, metrics); a panel is drawn when some run logged one of its metrics; each metric's
@@ -148,6 +153,37 @@ def plot_runs(run_dirs, out, log="train", tokens_per_step=None):
     return drawn
 
 
+def plot_heatmap(run_dir, out, metric="update_ratio", log="train"):
+    """A PNG of <metric>/<layer> over layers x steps; returns (layers, steps, rows of values,
+    NaN where a step has no value). out=None: the data only."""
+    metrics = read_metrics(metrics_file(run_dir, log))
+    layers = gradstats.layer_order([k.split("/", 1)[1] for k in metrics if k.startswith(metric + "/")
+                                    and gradstats.LAYER.fullmatch(k.split("/", 1)[1])])
+    if not layers:
+        raise ValueError(f"no {metric}/<layer> metrics in {run_dir}: was it run with gradient statistics on?")
+    steps = sorted({s for layer in layers for s in metrics[f"{metric}/{layer}"]})
+    rows = [[metrics[f"{metric}/{layer}"].get(s, math.nan) for s in steps] for layer in layers]
+    if out:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import LogNorm
+        fig, ax = plt.subplots(figsize=(min(4 + 0.15 * len(steps), 16), 1.5 + 0.3 * len(layers)))
+        positive = [v for r in rows for v in r if v > 0]
+        im = ax.imshow(rows, aspect="auto", cmap="magma", interpolation="nearest",
+                       norm=LogNorm(min(positive), max(positive)) if positive else None)
+        ax.set_yticks(range(len(layers)), layers, fontsize=7)
+        ticks = list(range(0, len(steps), max(1, len(steps) // 10)))
+        ax.set_xticks(ticks, [steps[i] for i in ticks], fontsize=7)
+        ax.set(title=f"{os.path.basename(os.path.normpath(run_dir))}: {metric}", xlabel="step", ylabel="layer")
+        fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+    return layers, steps, rows
+
+
 @torch.no_grad()
 def attention_weights(model, ids, layer):
     """(heads, T, T) attention probabilities of layer `layer` for one prompt (a plain model)."""
@@ -194,6 +230,8 @@ def main(argv=None):
     p.add_argument("--tokens_per_step", type=int, default=None,
                    help="batch_size x seq_len, for a metrics file kept without its checkpoints")
     p.add_argument("--attention", action="store_true", help="plot an attention map instead of the curves")
+    p.add_argument("--heatmap", default="", help="a gradstats metric (grad_norm, update_ratio, weight_norm): "
+                   "layers x steps instead of the curves")
     p.add_argument("--prompt", default="def add(a, b):\n    return a + b\n")
     p.add_argument("--layer", type=int, default=0)
     p.add_argument("--head", type=int, default=0)
@@ -204,6 +242,9 @@ def main(argv=None):
             model, tok, _ = sample.load(a.runs[0], a.device)
             out = a.out or os.path.join(a.runs[0], "attention.png")
             plot_attention(model, tok, a.prompt, a.layer, a.head, out)
+        elif a.heatmap:
+            out = a.out or os.path.join(a.runs[0], f"{a.heatmap}.png")
+            plot_heatmap(a.runs[0], out, a.heatmap, a.log)
         else:
             out = a.out or os.path.join(a.runs[0], "run.png")
             plot_runs(a.runs, out, a.log, a.tokens_per_step)
@@ -214,3 +255,57 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+# ----------------------------------------------------------------------------- a model's life, one report
+
+LIFE = {  # stage -> [(label, metric key)] of the held-out metrics its report row shows, before -> after
+    "pretrain": [("validation loss (nats / token)", "val_loss")],
+    "sft": [("held-out accuracy, greedy", "accuracy"), ("held-out loss", "val_loss")],
+    "dpo": [("held-out reward accuracy", "eval_rewards/accuracies"),
+            ("held-out policy preference accuracy", "eval_policy/accuracy")],
+    "grpo": [("held-out accuracy, greedy (strict)", "heldout_strict"), ("held-out accuracy, greedy (lenient)",
+             "heldout_lenient"), ("held-out reward, sampled", "heldout_reward")],
+}
+
+
+def life_report(metrics, out):
+    """metrics: {stage: its train_metrics.jsonl} (pretrain, sft, dpo, grpo, in life order) -> the report's
+    markdown table (also out/report.md): each stage's held-out metrics at its first and last evaluation,
+    its steps and minutes; and out/report.png: each stage's training curve and held-out points."""
+    rows, lines = {}, ["| stage | held-out metric | before | after | steps | minutes |", "|---|---|---:|---:|---:|---:|"]
+    for stage, path in metrics.items():
+        rows[stage] = [json.loads(line) for line in open(path)]
+        recs = rows[stage]
+        steps = max(r["step"] for r in recs)
+        minutes = (recs[-1]["time"] - recs[0]["time"]) / 60
+        for label, key in LIFE.get(stage, []):
+            seen = [(r["step"], r[key]) for r in recs if key in r]
+            if len(seen) < 2:
+                continue
+            (s0, v0), (s1, v1) = seen[0], seen[-1]
+            f = (lambda v: f"{v:.1%}") if "accuracy" in label or "reward" in label else (lambda v: f"{v:.3f}")
+            lines.append(f"| {stage} | {label} | {f(v0)} (step {s0}) | {f(v1)} (step {s1}) | {steps} | {minutes:.1f} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(text)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 3.8), layout="constrained", squeeze=False)
+    for ax, (stage, recs) in zip(axes[0], rows.items()):
+        train = "reward" if stage == "grpo" else "loss"
+        pts = [(r["step"], r[train]) for r in recs if train in r and "lr" in r]
+        ax.plot(*zip(*pts), color="0.6", label=f"training {train}") if pts else None
+        ax.set(title=stage, xlabel="step")
+        twin = ax.twinx()
+        for i, (label, key) in enumerate(LIFE.get(stage, [])):
+            seen = [(r["step"], r[key]) for r in recs if key in r]
+            if seen:
+                twin.plot(*zip(*seen), marker="o", color=f"C{i}", label=label)
+        handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        ax.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="upper center",
+                  bbox_to_anchor=(0.5, -0.18), ncol=1, frameon=False)
+    fig.savefig(os.path.join(out, "report.png"), dpi=110)
+    plt.close(fig)
+    return text

@@ -20,6 +20,7 @@ from tqdm import tqdm
 import config
 import data
 import generate
+import gradstats
 import lifecycle
 import logs
 import moe
@@ -107,6 +108,7 @@ def main(argv):
     say(f"model: {n_params / 1e6:.2f}M parameters ({n_active / 1e6:.2f}M active, {n_body / 1e6:.2f}M active "
         f"non-embedding), {flops_per_token / 1e6:.1f} MFLOPs/token, peak {peak or 'n/a'} TFLOP/s per device")
     logger = logs.Logger(cfg, grid)
+    probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
     nbytes = scoring.token_bytes(tok).to(grid.device) if cfg.eval_every else None  # bits per byte (scoring.py)
     held = {}  # the held-out loss at the first and the latest evaluation
 
@@ -148,9 +150,11 @@ def main(argv):
         # the step's micro-batches, forward and backward (gradients reduced on the last; pp > 1: the
         # pipeline schedule); mean over the global batch = the sum of per-micro-step means / accum
         micro = [(*loader.next(), {}) for _ in range(accum)]
+        probe.before(step)  # a statistics step (every grad_stats_every): activation hooks armed
         loss_sum += net.train_step(micro, lambda i, loss: (loss / accum, loss.detach() / accum), autocast)
-        grad_norm = net.step(cfg.grad_clip)  # reductions, clipping (every layout: each slice counted once), step
+        grad_norm = net.step(cfg.grad_clip, *probe.hooks)  # reductions, clipping (each slice counted once), step
         step, t_steps = step + 1, t_steps + 1
+        probe.after(step, logger, write)  # its statistics logged, the ratio warning written
         bar.update(1)
         if step == first:
             write(f"first step done {clock.since_start():.1f} s after start (data, model, compilation)")

@@ -29,6 +29,7 @@ import chat
 import checkpoint
 import config
 import generate
+import gradstats
 import hf
 import lifecycle
 import logs
@@ -218,6 +219,7 @@ def main(argv):
     n_train = sum(p.numel() for p in raw.parameters() if p.requires_grad)
     say(f"model: {raw.num_params() / 1e6:.2f}M parameters, {n_train / 1e6:.3f}M trained")
     logger = logs.Logger(cfg, grid)
+    probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
     held, saved = {}, {}  # the held-out metric at the first and latest evaluation; the latest checkpoint
 
     def evaluate():
@@ -254,10 +256,12 @@ def main(argv):
     clock.lap()
     while step < last:
         lr = optim.set_lr(net.optimizer, step, cfg)
+        probe.before(step)  # a statistics step (every grad_stats_every): activation hooks armed
         nll, count = train_step(net, [loader.next() for _ in range(accum)], autocast, cfg.n_experts > 0)
         tally += torch.stack([nll, count])
-        grad_norm = net.step(cfg.grad_clip)
+        grad_norm = net.step(cfg.grad_clip, *probe.hooks)
         step += 1
+        probe.after(step, logger, write)  # its statistics logged, the ratio warning written
         bar.update(1)
         if step == first:
             write(f"first step done {clock.since_start():.1f} s after start")

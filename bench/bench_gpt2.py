@@ -65,7 +65,7 @@ def nanogpt():
 
 def ours(fp32_residual=True):
     model = Transformer(ModelConfig(**GPT2, fp32_residual=fp32_residual)).to(dev)
-    opt = optim.build_optimizer(model, argparse.Namespace(optimizer="adamw", lr=6e-4, beta1=0.9, beta2=0.95,
+    opt = optim.build_optimizer(model, argparse.Namespace(optimizer="adamw", zero1=False, adamw_state="fp32", lr=6e-4, beta1=0.9, beta2=0.95,
                                                           eps=1e-8, weight_decay=0.1))
     return model, model, opt
 
@@ -113,7 +113,7 @@ def run(name, batches, prof=False):
                 calls[e.name] += 1 / n
         out["gpu_us_per_step"] = sum(kernels.values())
         out["kernels"] = [(k[:110], round(v, 1), round(calls[k], 1)) for k, v in kernels.most_common(25)]
-    del model, fwd, opt
+    model = fwd = opt = None  # free them (step holds them too)
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     return out

@@ -171,7 +171,7 @@ def step_rows(args):
         say(f"  {name}: {row['step_ms']:.1f} ms/step | optimizer {row['opt_ms']:.2f} ms | {tok_s:,.0f} tokens/s"
             f" | MFU {100 * (row['mfu'] or 0):.1f}% | peak {row['peak_mem_gb'] or 0:.2f} GiB"
             f" | optimizer state {row['state_gb']:.3f} GiB | loss {row['loss']:.3f}")
-        del model, opt, raw, fwd
+        model = opt = raw = fwd = None  # free them (step holds them too)
         return row
 
     say(f"# bench_optim step | {torch.cuda.get_device_name(device) if cuda else 'cpu'} x {world} | "

@@ -27,6 +27,9 @@ STAGES = {
              "--max_new_tokens=128", "--top_k=50", "--eval_every=0", "--lr=1e-6", "--warmup_steps=0",
              "--max_steps=8", "--log_every=1", "--reward_truncated=True"],
 }
+# GRPO on a prompt file of the same problems (the task's as GSM8K-style records): the data path's cost
+STAGES["grpo_file"] = ["--prompt_data={prompts}", "--eval_percent=5.0", "--task="] + [
+    a for a in STAGES["grpo"] if not a.startswith("--task=")]
 
 
 def sft_data(model, folder):
@@ -39,11 +42,23 @@ def sft_data(model, folder):
     return path
 
 
-def run(tree, stage, model, out, extra, sft):
-    args = [a.format(model=model, sft=sft) for a in STAGES[stage]] + extra
-    if stage == "grpo" and not os.path.isfile(os.path.join(tree, "lifecycle.py")):
+def prompt_file(folder, n=4096, seed=1337):
+    """The Arithmetic task's training problems as a GSM8K-style file (question / answer '#### N')."""
+    import tasks
+    path = os.path.join(folder, "prompts.jsonl")
+    with open(path, "w") as out:
+        for it in tasks.get("arithmetic").train(n, seed):
+            out.write(json.dumps({"question": it["prompt"][-1]["content"], "answer": f"#### {it['answer']}"}) + "\n")
+    return path
+
+
+def run(tree, stage, model, out, extra, sft, prompts):
+    if stage == "grpo_file" and not os.path.isfile(os.path.join(tree, "prompts.py")):
+        return {"skipped": "this tree has no prompt data path"}
+    args = [a.format(model=model, sft=sft, prompts=prompts) for a in STAGES[stage]] + extra
+    if stage.startswith("grpo") and not os.path.isfile(os.path.join(tree, "lifecycle.py")):
         args.remove("--reward_truncated=True")  # a tree from before that key (it kept truncated rewards)
-    cmd = [sys.executable, os.path.join(tree, f"{stage}.py"), f"--init_from={model}", f"--out_dir={out}",
+    cmd = [sys.executable, os.path.join(tree, f"{stage.split('_')[0]}.py"), f"--init_from={model}", f"--out_dir={out}",
            "--progress=False", "--ckpt_every=0", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=tree)
     if r.returncode:
@@ -64,7 +79,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="bench/bench_trl.py make's folder")
     p.add_argument("--tree", action="append", required=True, help="a source tree (repeat to compare)")
-    p.add_argument("--stages", default="sft,dpo,grpo")
+    p.add_argument("--stages", default="sft,dpo,grpo,grpo_file")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--extra", default="", help="more --key=value for every stage (space separated)")
     p.add_argument("--json", default="")
@@ -72,11 +87,13 @@ def main():
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         sft = sft_data(a.model, tmp)
+        sys.path.insert(0, os.path.abspath(a.tree[0]))
+        prompts = prompt_file(tmp)
         for k in range(a.rounds):
             for stage in a.stages.split(","):
                 for i, tree in enumerate(a.tree):
                     got = run(os.path.abspath(tree), stage, a.model, os.path.join(tmp, f"{stage}_{i}_{k}"),
-                              a.extra.split(), sft)
+                              a.extra.split(), sft, prompts)
                     results.append({"stage": stage, "tree": tree, "round": k, **got})
                     print(json.dumps(results[-1]), flush=True)
     if a.json:

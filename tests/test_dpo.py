@@ -70,8 +70,10 @@ def random_seqs(n=N, seed=0):
 
 # ----------------------------------------------------------------------------- golden values
 
-def golden(loss_type, rpo_alpha=0.0, policy=(-10.0, -12.0)):
-    cfg = SimpleNamespace(loss_type=loss_type, beta=0.1, label_smoothing=0.1, simpo_gamma=0.5, rpo_alpha=rpo_alpha)
+def golden(loss_type, rpo_alpha=0.0, policy=(-10.0, -12.0), eps=None):
+    eps = (0.1 if loss_type in ("robust", "cdpo") else 0.0) if eps is None else eps  # the types that read it
+    cfg = SimpleNamespace(loss_type=loss_type, beta=0.1, label_smoothing=eps, simpo_gamma=0.5, rpo_alpha=rpo_alpha,
+                          f_divergence="reverse_kl")
     logps, ref = torch.tensor(policy, dtype=torch.float64), torch.tensor([-11.0, -11.0], dtype=torch.float64)
     loss, sums = dpo.objective(logps, ref, torch.tensor([4, 5]), cfg, n_pairs=1, n_tokens=4)  # answer lengths 4, 5
     return loss.item(), dpo.metrics(sums, rpo_alpha=rpo_alpha)
@@ -89,6 +91,13 @@ def test_golden_losses(loss_type, want):
         assert m["rewards/chosen"] == pytest.approx(-0.25) and m["rewards/rejected"] == pytest.approx(-0.24)
         assert m["rewards/accuracies"] == 0.0
     assert m["logps/chosen"] == -10.0 and m["logps/rejected"] == -12.0 and m["policy/accuracy"] == 1.0
+
+
+def test_golden_simpo_label_smoothing():
+    """TRL's CPO simpo with eps = 0.1: z = 0.1 (-10/4 + 12/5) - 0.5 = -0.51,
+    0.9 log(1 + e^0.51) + 0.1 log(1 + e^-0.51) = 0.9 * 0.980313 + 0.1 * 0.470314 = 0.929313."""
+    loss, _ = golden("simpo", eps=0.1)
+    assert abs(loss - 0.929313) < 1e-6
 
 
 def test_golden_rpo_and_policy_equal_reference():
@@ -198,7 +207,7 @@ def test_trl_parity(trl_case, tmp_path, loss_types, weights, eps):
     ids, cm = batch["input_ids"], batch["completion_mask"]
     assert torch.equal(y, ids[:, 1:].masked_fill(cm[:, 1:] == 0, IGNORE)[:, :y.shape[1]])  # TRL's targets
     cfg = SimpleNamespace(loss_type=loss_types[0], beta=0.1, label_smoothing=eps, simpo_gamma=0.5,
-                          rpo_alpha=weights[1] if weights else 0.0)
+                          rpo_alpha=weights[1] if weights else 0.0, f_divergence="reverse_kl")
     with torch.no_grad():
         logps = dpo.sequence_logps(hf.load_hf(pol_dir), x, y)
         ref = dpo.sequence_logps(hf.load_hf(ref_dir), x, y)
@@ -400,3 +409,27 @@ def test_main_resume_restores_the_reference(tmp_path, one_thread, capsys):
     main(b, stop_at=2, overwrite=True)
     with pytest.raises(checkpoint.ResumeMismatch, match="the reference differs from the one this run started with"):
         main(b, resume="latest", init_from=os.path.join(a, "step_000004"))
+
+
+def test_trl_types_and_smoothing_settings():
+    """TRL's other pair-local loss types run through dpo.objective as objectives.pair_losses computes them
+    (objectives' tests hold them to TRL's trainers); simpo applies label_smoothing as TRL's CPO does;
+    label_smoothing on a type that ignores it, and layout-dependent types, are refused in one line."""
+    import objectives
+    g = torch.Generator().manual_seed(0)
+    pc, pr, rc, rr = (torch.randn(6, generator=g) for _ in range(4))
+    lc, lr = torch.tensor([3., 4, 5, 6, 7, 8]), torch.tensor([2., 4, 6, 8, 9, 3])
+    for kind in ("exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop", "sigmoid_norm"):
+        eps = 1e-3 if kind == "exo_pair" else 0.0
+        assert torch.equal(dpo.pair_losses(pc, pr, rc, rr, lc, lr, kind, 0.1, eps),
+                           objectives.pair_losses(pc, pr, rc, rr, lc, lr, kind, 0.1, eps)), kind
+    z = 2.0 * (pc / lc - pr / lr) - 0.5
+    want = -0.9 * torch.nn.functional.logsigmoid(z) - 0.1 * torch.nn.functional.logsigmoid(-z)
+    assert torch.allclose(dpo.pair_losses(pc, pr, rc, rr, lc, lr, "simpo", 2.0, 0.1, 0.5), want)
+    fwd = dpo.pair_losses(pc, pr, rc, rr, lc, lr, "sigmoid", 0.1, divergence="forward_kl")
+    assert torch.equal(fwd, objectives.pair_losses(pc, pr, rc, rr, lc, lr, "sigmoid", 0.1, divergence="forward_kl"))
+    for kw, match in [(dict(loss_type="sigmoid", label_smoothing=0.1), "does not read it"),
+                      (dict(loss_type="aot"), "choose one of"), (dict(loss_type="exo_pair"), "needs label_smoothing"),
+                      (dict(loss_type="nca_pair", f_divergence="forward_kl"), "only with")]:
+        with pytest.raises(config.ConfigError, match=match):
+            dpo.check(small_cfg(**kw))

@@ -525,3 +525,22 @@ def test_main_rollout_copy_and_reward_plot(tmp_path, monkeypatch):
     assert lines["True heldout_reward"][0] == [0, 3] and lines["True reward"][0] == [1, 2, 3]
     assert lines["True heldout_greedy"][1][0] == logged[True][0]["heldout_greedy"]
     assert set(drawn["GRPO step time, s (step)"]) == {"True t_rollout", "True t_reward", "True t_learn"}
+
+
+def test_trl_policy_types_and_logged_metrics():
+    """cispo and sapo through grpo.policy_loss are objectives.policy_loss's (objectives' tests hold them to
+    TRL's GRPOTrainer); the logged KL is k3 times the ratio (kl_ratio, as TRL logs it) and sequence-level
+    clip fractions count rows, as objectives.kl_sums / clip_sums compute them."""
+    import objectives
+    g = torch.Generator().manual_seed(0)
+    B, N = 4, 6
+    logp, old, ref = (torch.randn(B, N, generator=g) * 0.1 - 2 for _ in range(3))
+    adv, mask = torch.randn(B, generator=g), torch.rand(B, N, generator=g) > 0.2
+    for kind in ("cispo", "sapo"):
+        got, _ = grpo.policy_loss(logp, old, adv, mask, loss_type=kind, eps_high=5.0, beta=0.04, ref_logp=ref)
+        want = objectives.policy_loss(logp, old, adv, mask, loss_type=kind, eps_high=5.0, beta=0.04, ref_logp=ref)
+        assert torch.allclose(got, want, rtol=1e-6), kind
+    _, sums = grpo.policy_loss(logp, old, adv, mask, beta=0.04, ref_logp=ref, level="sequence", eps_low=0.01)
+    ratio = (((logp - old) * mask).sum(-1) / mask.sum(-1)).exp()[:, None]
+    assert torch.allclose(sums[0], objectives.kl_sums(logp, ref, mask, ratio)[0])
+    assert torch.equal(sums[1:4], objectives.clip_sums(ratio, adv, mask, 0.01)[[0, 1, 3]]) and sums[3] == B

@@ -33,7 +33,7 @@ TINY = dict(block_size=32, n_layer=2, n_head=4, n_embd=32, init_std=0.3)
 
 def log_run(folder, steps, extra=None, resume=None):
     """A run folder logged by logs.Logger: train records per step, val_loss every other step."""
-    cfg = SimpleNamespace(out_dir=str(folder), tensorboard=False, wandb=False)
+    cfg = SimpleNamespace(out_dir=str(folder), tensorboard=False, wandb=False, mlflow=False)
     written = []
     for part in ([steps] + ([resume] if resume else [])):
         logger = logs.Logger(cfg, SimpleNamespace(is_main=True))
