@@ -31,7 +31,7 @@ DPO = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewa
 
 def log_dpo(folder, scale):
     """A DPO run folder: training records every 10 steps, held-out (eval_) records every 20."""
-    logger = logs.Logger(SimpleNamespace(out_dir=str(folder), tensorboard=False, wandb=False),
+    logger = logs.Logger(SimpleNamespace(out_dir=str(folder), tensorboard=False, wandb=False, mlflow=False),
                          SimpleNamespace(is_main=True))
     written = {}
     for s in range(0, 61, 10):
