@@ -20,6 +20,8 @@ the head's own tp.Copy / sequence-parallel entry, which head_loss applies first)
 (>= vocab_size) are never part of the softmax. Under bf16 autocast the matmuls run in bf16 and the
 softmax in fp32; on a GPU with Triton a one-rank chunk goes through fused.py's kernels instead.
 The head weight's gradient is computed only when it requires one (a frozen LoRA head skips it).
+LoRA's token rows (lora.train_tokens) enter through head.token_rows_weight: the weight copied
+with the rows in it, so its gradient (fp32, the head's size) is then computed.
 """
 import types
 
@@ -170,12 +172,15 @@ def head_loss(model, x, targets, reduction="mean", temperature=1.0):
     """model.Transformer.head_loss's contract, chunked: x (B, T, C) final hidden states -> the loss
     (or per-token nll) of the head's logits / temperature. Reads model.loss_chunk (set by use())."""
     head = model.head
+    weight = head.weight
+    if hasattr(head, "token_rows_weight"):  # lora.train_tokens: trainable rows of tokens just added
+        weight = head.token_rows_weight(weight)
     if isinstance(head, tp.VocabParallelHead):
         g = head.group  # enter the column-parallel region as the head's own forward does
         x = tp.SequenceParallel.apply(x, g, True) if tp.sequence_sharded(head) else tp.Copy.apply(x, g)
-        return linear_cross_entropy(x, head.weight, targets, reduction, temperature, model.loss_chunk,
+        return linear_cross_entropy(x, weight, targets, reduction, temperature, model.loss_chunk,
                                     head.vocab_size, IGNORE, g)
-    return linear_cross_entropy(x, head.weight, targets, reduction, temperature, model.loss_chunk,
+    return linear_cross_entropy(x, weight, targets, reduction, temperature, model.loss_chunk,
                                 model.cfg.vocab_size, IGNORE, None)
 
 

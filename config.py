@@ -121,6 +121,7 @@ SHARED_DEFAULTS = dict(
     lora_base_dtype="float32",  # float32 | bfloat16 | nf4: the frozen base's storage (bf16 needs bf16 autocast;
                                 # nf4: 4-bit QLoRA, qlora.py, computed in bf16 or fp16)
     qlora_double=True,       # nf4: the block scales quantised too (double quantisation, 0.127 bits per weight)
+    lora_train_tokens=True,  # LoRA: the embedding/head rows of tokens added to init_from's vocabulary (the chat template's) train too, as PEFT's trainable_token_indices
     # memory (README's "Memory on 24 GB cards"; gpu_memory says which of them a run needs)
     loss_chunk=0,            # >0: the loss in chunks of N tokens from the last hidden state, no logits held (chunked.py)
     recompute="",            # "" | block | attn | mlp: recompute that part of blocks in backward (recompute.py)

@@ -227,7 +227,10 @@ def json_records(path, what="records"):
 def jsonl_rows(path, report=None, bad=None):
     """(line number, JSON value) of each non-blank line of a .jsonl file, read line by line: a line
     that is not JSON raises DataError naming path:line, or, given a Counter `bad`, is counted under
-    "not_json" and skipped. Undecodable bytes become U+FFFD (the file noted in report.replaced)."""
+    "not_json" and skipped. Undecodable bytes: given a report (a corpus), they become U+FFFD and the
+    file is noted in report.replaced (the intake summary says so); otherwise (records: chat data,
+    tasks) the line raises DataError naming path:line, or, given `bad`, is counted under "not_utf8"
+    and skipped."""
     if report is not None:
         report.files += 1
     with open(path, "rb") as f:
@@ -236,9 +239,16 @@ def jsonl_rows(path, report=None, bad=None):
                 continue
             try:
                 line = raw.decode("utf-8")
-            except UnicodeDecodeError:
+            except UnicodeDecodeError as e:
+                if report is None and bad is None:
+                    raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at byte {e.start + 1} "
+                                    "of the line): save the file as UTF-8 (chat data: skip_bad_records=True "
+                                    "skips and counts such lines)") from None
+                if report is None:
+                    bad["not_utf8"] += 1
+                    continue
                 line = raw.decode("utf-8", "replace")
-                if report is not None and path not in report.replaced:
+                if path not in report.replaced:
                     report.replaced.append(path)
             try:
                 yield lineno, json.loads(line)

@@ -13,7 +13,7 @@ Parallel.full_params()). Tasks (--tasks, comma separated; `name=source` for loca
 hellaswag, arc_easy, arc_challenge, piqa, mc, gsm8k, humaneval; what each reads, prompts and
 scores: the comment above TASKS. --micro_batch_size: sequences per scoring forward;
 --gen_batch_size: prompts per decode call. Output: a table on stdout and a results JSON (--results,
-default out/eval/<model>.json).
+default out/eval/<model>.json), never overwritten (a taken default name is numbered: <model>_2.json).
 
 This file holds the tasks (formats, data, prompts, as lm-eval builds them) and the CLI; scoring.py
 how answers are scored. Invariants: the numbers do not depend on the layout (examples are split
@@ -27,9 +27,11 @@ import re
 import sys
 import time
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 
 import torch
 
+import chat
 import checkpoint
 import config
 import corpus
@@ -61,13 +63,14 @@ EVAL_DEFAULTS = dict(
     gen_batch_size=16,     # prompts per decode call
     code_timeout=10.0,     # seconds per HumanEval program in the sandbox
     code_workers=4,        # sandbox processes
-    results="",            # results JSON ("": out/eval/<model>.json)
+    results="",            # results JSON, never overwritten ("": out/eval/<model>.json, <model>_2.json, ... when taken)
 )
 # what a checkpoint's config.json contributes: the model's shape, its tokenizer, its corpus and split
 CKPT_KEYS = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "grad_checkpoint", "init_std")] + [
     "tokenizer", "tokenizer_vocab", "tokenizer_fim", "fim_rate", "fim_spm_rate", "fim_seed", "data", "text_field", "data_dir",
     "val_fraction", "val_tokens", "max_docs", "clean", "dedup", "seq_len", "fim_fragment", "toxicity",
-    "toxicity_threshold", "toxicity_keep", "data_sources"]
+    "toxicity_threshold", "toxicity_keep", "data_sources",
+    "chat_template"]  # a chat stage's checkpoint (sft, dpo, grpo): its tokenizer has the template's tokens
 CODE_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # Codex's (Chen et al. 2021)
 GSM8K_STOPS = ("Question:", "</s>", "<|im_end|>")              # lm-eval's gsm8k `until`
 
@@ -191,13 +194,20 @@ def task_records(name, source=""):
 
 
 def to_docs(name, records, where):
+    """Records -> docs; a record that is not one of the task's, or whose answer is not one of its
+    choices (a piqa label of 7), names its place."""
     out = []
     for i, r in enumerate(records):
         try:
-            out.append(TASKS[name].doc(r))
+            doc = TASKS[name].doc(r)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise EvalError(f"{where} record {i + 1}: not a {name} record ({type(e).__name__}: {e}); "
                             f"it needs {TASKS[name].fields}") from None
+        if "choices" in doc and not 0 <= doc["gold"] < len(doc["choices"]):
+            raise EvalError(f"{where} record {i + 1}: its answer is choice {doc['gold']}, but it has "
+                            f"{len(doc['choices'])} choices (0..{len(doc['choices']) - 1}): fix the record's "
+                            f"label ({TASKS[name].fields})")
+        out.append(doc)
     return out
 
 
@@ -281,22 +291,53 @@ def load_config(argv):
     """cfg: the training keys, EVAL_DEFAULTS, then (our checkpoint) its model, tokenizer and corpus keys,
     then the command line; an HF folder's config.json sets the model keys (weights.configure)."""
     args = split_argv(argv)
-    init = next((a.partition("=")[2] for a in args if a.startswith("--init_from=")), "")
-    if not init:
-        raise EvalError("name the model: python eval.py <run folder | checkpoint folder | HF folder> [--key=value ...]")
-    if not os.path.isdir(init):
-        raise config.MissingFileError(f"model folder '{init}' not found")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     extra = dict(data.DATA_DEFAULTS, **EVAL_DEFAULTS, micro_batch_size=8, batch_size=8 * world)  # micro_batch_size: rows per scoring forward
+    if "--help" in args or "-h" in args:  # the keys, their defaults and comments; exits
+        config.load(["--help"], extra=extra, script=os.path.abspath(__file__))
+    init = next((a.partition("=")[2] for a in args if a.startswith("--init_from=")), "")
+    if not init:
+        raise EvalError("name the model: python eval.py <run folder | checkpoint folder | HF folder> [--key=value ...] "
+                        "(--help lists the keys)")
+    if not os.path.isdir(init):
+        raise config.MissingFileError(f"model folder '{init}' not found")
     if not hf.is_hf_folder(init):
         init = checkpoint_folder(init)
-        with open(os.path.join(init, "config.json")) as f:
-            saved = json.load(f)
+        saved = hf.read_config(init)
         extra.update({k: saved[k] for k in CKPT_KEYS if k in saved})
         args = [a for a in args if not a.startswith("--init_from=")] + [f"--init_from={init}"]
     cfg = config.load(args, extra=extra)
     weights.configure(cfg)
     return cfg
+
+
+def model_tokenizer(cfg):
+    """The tokenizer the model was trained with: tokenizer.for_cfg(cfg), with the chat template's special
+    tokens (chat.setup, as sample.py --chat) when the model is a chat stage's checkpoint or an HF folder
+    with a chat template, and its vocabulary has their ids (so that generated chat ids decode and the
+    end-of-turn id stops generation)."""
+    tok = tokenizer.for_cfg(cfg)
+    if not (hasattr(cfg, "chat_template") or getattr(tok, "chat_template", None)):
+        return tok
+    chat_tok, _ = chat.setup(SimpleNamespace(**{**chat.CHAT_DEFAULTS, **vars(cfg)}))
+    return chat_tok if chat_tok.n_vocab <= cfg.vocab_size else tok
+
+
+def check_settings(cfg):
+    """The evaluation keys' ranges (before anything is loaded)."""
+    for ok, msg in [
+        (cfg.limit >= 0, f"limit={cfg.limit} must be >= 0 (0: every example)"),
+        (cfg.num_fewshot >= -1, f"num_fewshot={cfg.num_fewshot} must be >= 0, or -1 (the task's default)"),
+        (cfg.n_samples >= 1, f"n_samples={cfg.n_samples} must be >= 1"),
+        (cfg.temperature >= 0, f"temperature={cfg.temperature} must be >= 0 (0: greedy)"),
+        (0 < cfg.top_p <= 1, f"top_p={cfg.top_p} must be in (0, 1]"),
+        (cfg.max_new_tokens >= 0, f"max_new_tokens={cfg.max_new_tokens} must be >= 0 (0: the task's default)"),
+        (cfg.bpb_tokens >= 0, f"bpb_tokens={cfg.bpb_tokens} must be >= 0 (0: all)"),
+        (cfg.gen_batch_size >= 1 and cfg.code_workers >= 1, f"gen_batch_size={cfg.gen_batch_size} and "
+         f"code_workers={cfg.code_workers} must be >= 1"),
+        (cfg.code_timeout > 0, f"code_timeout={cfg.code_timeout} must be > 0 (seconds)")]:
+        if not ok:
+            raise EvalError(msg)
 
 
 def parse_tasks(cfg):
@@ -327,6 +368,8 @@ def task_prompts(name, source, cfg):
     spec = TASKS[name]
     records, pool, same = task_records(name, source)
     where = source or f"hf:{spec.hub[0]}"
+    if not records:
+        raise EvalError(f"task {name}: {where} holds no records (empty?): give it records with {spec.fields}")
     docs = to_docs(name, records[:cfg.limit or None], where)
     pool = docs if same and not cfg.limit else to_docs(name, pool, where)
     shots = spec.shots if cfg.num_fewshot < 0 else cfg.num_fewshot
@@ -373,13 +416,39 @@ def table(results):
     return "\n".join(lines)
 
 
+def check_results(cfg):
+    """--results names a new file: results are never overwritten (before anything is evaluated)."""
+    if cfg.results and os.path.exists(cfg.results):
+        raise EvalError(f"--results={cfg.results} exists: eval.py never overwrites results; name a new file "
+                        "(or leave --results out: out/eval/<model>.json, numbered when taken)")
+
+
+def write_results(cfg, record):
+    """The results JSON -> its path: --results, else out/eval/<model>.json, or <model>_2.json,
+    <model>_3.json, ... when taken (each created exclusively: an earlier result is never replaced)."""
+    stem = os.path.join("out", "eval", re.sub(r"[^\w.-]+", "_", cfg.init_from.strip("/")))
+    paths = [cfg.results] if cfg.results else (stem + (f"_{i}" if i > 1 else "") + ".json" for i in range(1, 10 ** 6))
+    for out in paths:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        try:
+            with open(out, "x") as f:
+                json.dump(record, f, indent=2)
+            return out
+        except FileExistsError:
+            if cfg.results:
+                check_results(cfg)
+    raise EvalError(f"no free results file name next to {stem}.json")
+
+
 def main(argv):
     t0 = time.perf_counter()
     cfg = load_config(argv)
+    check_settings(cfg)
+    check_results(cfg)
     todo, ks = parse_tasks(cfg)
     grid = parallel.init(cfg, cfg.threads)
     say = lifecycle.say(grid)
-    tok = tokenizer.for_cfg(cfg)
+    tok = model_tokenizer(cfg)
     net = load_model(cfg, grid)
     autocast = parallel.autocast(cfg, grid.device)
     results, seconds = {}, {}
@@ -389,14 +458,12 @@ def main(argv):
         seconds[name] = round(time.perf_counter() - t, 2)
         say(f"{name}: done in {seconds[name]:.1f} s")
     say(table(results))
-    out = cfg.results or os.path.join("out", "eval", re.sub(r"[^\w.-]+", "_", cfg.init_from.strip("/")) + ".json")
     if grid.is_main:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         settings = {k: getattr(cfg, k) for k in EVAL_DEFAULTS}
-        with open(out, "w") as f:
-            json.dump({"model": cfg.init_from, "step": checkpoint.step_of(cfg.init_from), "world": grid.world,
-                       "tp": grid.tp, "data_parallel": cfg.data_parallel, "results": results, "seconds": seconds,
-                       "total_seconds": round(time.perf_counter() - t0, 2), "settings": settings}, f, indent=2)
+        out = write_results(cfg, {
+            "model": cfg.init_from, "step": checkpoint.step_of(cfg.init_from), "world": grid.world, "tp": grid.tp,
+            "data_parallel": cfg.data_parallel, "results": results, "seconds": seconds,
+            "total_seconds": round(time.perf_counter() - t0, 2), "settings": settings})
         say(f"results: {out}")
     return results
 

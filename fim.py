@@ -155,3 +155,7 @@ class Transform:
         for k, (prefix, middle, suffix) in enumerate(cuts):
             parts += ([self.eos] if k else []) + layout(mode, prefix, middle, suffix, self.ids)
         return MODES.index(mode), parts
+
+
+if __name__ == "__main__":  # a library module, not a script: running it (--help or not) says what it holds
+    print(__doc__)

@@ -26,9 +26,10 @@ import re
 from dataclasses import fields
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+import config
 from tokenizer import save_tokenizer, write_json
 from model import LLAMA3_ROPE_KEYS, ModelConfig, Transformer
 
@@ -42,9 +43,27 @@ MODEL_KEYS = [f.name for f in fields(ModelConfig)
               if f.name not in ("pad_vocab_multiple", "dropout", "init_std", "grad_checkpoint", "fp32_residual")]
 
 
+class FolderError(config.UserError, ValueError):
+    """A model folder whose files cannot be read (missing, damaged, malformed): one line naming the file."""
+
+
 def read_config(path):
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
+    """A model folder's config.json (HF's, or one of our checkpoints') as a dict; a missing or
+    malformed file raises a UserError naming it."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise config.MissingFileError(f"{file} not found: a model folder keeps its config there (an HF folder: "
+                                      "config.json, model.safetensors, tokenizer files); copy or export it again")
+    try:
+        with open(file, encoding="utf-8") as f:
+            out = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f":{e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise FolderError(f"{file}{where}: not valid JSON ({getattr(e, 'msg', e)}): repair it or copy/export the "
+                          "folder again") from None
+    if not isinstance(out, dict):
+        raise FolderError(f"{file}: holds a {type(out).__name__}, not a JSON object of settings")
+    return out
 
 
 def is_hf_folder(path):
@@ -293,11 +312,19 @@ def _tensors(path, stack):
     else:
         files = [f for f in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, f))][:1]
     if not files:
-        raise FileNotFoundError(f"{path}: no model.safetensors(.index.json) or pytorch_model.bin(.index.json)")
+        raise config.MissingFileError(f"{path}: no model.safetensors(.index.json) or pytorch_model.bin(.index.json): "
+                                      "the folder has no weights; copy or export them into it")
     out = {}
     for f in files:
+        if not os.path.isfile(os.path.join(path, f)):
+            raise config.MissingFileError(f"{os.path.join(path, f)} not found (named by the folder's weight index): "
+                                          "copy the missing shard into the folder")
         if f.endswith(".safetensors"):
-            h = stack.enter_context(safe_open(os.path.join(path, f), framework="pt"))
+            try:
+                h = stack.enter_context(safe_open(os.path.join(path, f), framework="pt"))
+            except (SafetensorError, OSError) as e:
+                raise FolderError(f"{os.path.join(path, f)}: cannot read it ({e}): the file is incomplete or "
+                                  "damaged; copy or export it again") from None
             out.update({k: h.get_slice(k) for k in h.keys()})
         else:
             sd = torch.load(os.path.join(path, f), map_location="cpu", mmap=True, weights_only=True)
@@ -357,9 +384,10 @@ def load_hf(path, device="cpu", dtype=torch.float32, shard_fn=None, block_size=N
 
 
 def export_hf(model, out_dir, tokenizer=None, model_type=None):
-    """Write `model` as an HF folder: config.json, model.safetensors, generation_config.json and,
-    given a tokenizer, its files. model_type: None picks gpt2 / llama / qwen2 from the config;
-    "mistral" is accepted for a bias-free LLaMA-style model."""
+    """Write `model` as an HF folder: config.json, model.safetensors, generation_config.json (a chat
+    tokenizer's end-of-turn id first among its eos_token_id) and, given a tokenizer, its files.
+    model_type: None picks gpt2 / llama / qwen2 from the config; "mistral" is accepted for a
+    bias-free LLaMA-style model."""
     cfg = model.cfg
     mt = _export_type(cfg, model_type)
     sizes = {"attn.qkv": [cfg.n_head * cfg.head_dim] + [cfg.kv_heads * cfg.head_dim] * 2, "mlp.fc": [cfg.hidden] * 2}
@@ -381,8 +409,11 @@ def export_hf(model, out_dir, tokenizer=None, model_type=None):
     hf = config_to_hf(cfg, mt, tokenizer)
     hf["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     write_json(os.path.join(out_dir, "config.json"), hf)
-    write_json(os.path.join(out_dir, "generation_config.json"),
-                {k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf[k] is not None})
+    gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf[k] is not None}
+    eot = getattr(tokenizer, "eot_id", None)  # a chat model's end of turn: generate stops there too (as HF's chat models)
+    if eot is not None and eot != hf["eos_token_id"]:
+        gen["eos_token_id"] = [eot] + ([hf["eos_token_id"]] if hf["eos_token_id"] is not None else [])
+    write_json(os.path.join(out_dir, "generation_config.json"), gen)
     if tokenizer is not None:
         save_tokenizer(tokenizer, out_dir)
     return out_dir
@@ -391,3 +422,7 @@ def export_hf(model, out_dir, tokenizer=None, model_type=None):
 
 
 # ----------------------------------------------------------------------------- tokenizers
+
+
+if __name__ == "__main__":  # a library module, not a script: running it (--help or not) says what it holds
+    print(__doc__)

@@ -9,6 +9,7 @@ PEFT's format.
     lora.load_peft(path, net.raw, grid, net.wrapper)   # a PEFT adapter into the adapters (any layout)
     weights = lora.merge_weights(full_weights, cfg)   # Net.full_state's weights -> plain model's, merged
     with lora.disabled(net.raw): ref = net(x, y)       # the frozen base alone (dpo.py's reference, no copy)
+    lora.train_tokens(model, [4096, 4097], grid)      # those tokens' embedding / head rows train too (TokenRows)
 
 Where each part is explained: y = x W^T + b + scale * B A dropout(x) per HF module on our fused
 linears, in LoRALinear; why its gradients are exact under tensor parallelism, in
@@ -27,6 +28,7 @@ import os
 import re
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
@@ -48,11 +50,15 @@ HF_MODULES = {
 BLOCK_PREFIX = {"llama": "model.layers.{}.", "gpt2": "transformer.h.{}.", "mpt": "transformer.blocks.{}."}
 PEFT_PREFIX = "base_model.model."
 ADAPTER = re.compile(r"blocks\.(\d+)\.(attn\.qkv|attn\.proj|mlp\.fc|mlp\.proj)\.lora_([AB])\.(\w+)$")
+TOKENS = re.compile(r"^(tok_emb|head)\.lora_tokens\.(rows|ids)$")  # train_tokens' rows and their token ids
+TOKEN_MODULES = {"llama": {"tok_emb": "model.embed_tokens", "head": "lm_head"},  # their HF modules
+                 "gpt2": {"tok_emb": "transformer.wte", "head": "lm_head"}}
 KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_rslora")
 
 
 def is_adapter(name):
-    return ADAPTER.search(name) is not None
+    """A LoRA adapter's or train_tokens' tensor (what trains, what save_peft writes)."""
+    return ADAPTER.search(name) is not None or TOKENS.search(name) is not None
 
 
 def segments(mcfg, linear):
@@ -208,14 +214,15 @@ def adapted(model):
 
 def merge(model):
     """Fold every adapter into its base weight, in place (a plain or TP model; under FSDP use
-    merge_weights on gathered weights). The forward then skips the adapters."""
-    for m in adapted(model):
+    merge_weights on gathered weights); trainable token rows replace the base's. The forward then
+    skips the adapters."""
+    for m in adapted(model) + token_rows(model):
         m.merge()
 
 
 def unmerge(model):
-    """Undo merge(): subtract the same scale * B A (equal up to rounding)."""
-    for m in adapted(model):
+    """Undo merge(): subtract the same scale * B A (equal up to rounding), restore the base's token rows."""
+    for m in adapted(model) + token_rows(model):
         m.unmerge()
 
 
@@ -225,7 +232,7 @@ def disabled(model):
     PEFT's disable_adapter() gives). DPO's reference without a second copy of the model. Works in
     every layout (each rank skips the same adapters, so TP ranks skip the same collectives; FSDP
     still gathers the adapter shards, unused). Refused while merged: the base weights hold them."""
-    mods = adapted(model)
+    mods = adapted(model) + token_rows(model)
     if any(m.merged for m in mods):
         raise ValueError("lora.disabled: the adapters are merged into the base weights; unmerge() first")
     for m in mods:
@@ -259,9 +266,11 @@ def apply(model, cfg, grid):
     wanted = targets(cfg.lora_targets, fam)
     gen = torch.Generator().manual_seed(cfg.seed)
     model.requires_grad_(False)
+    for t in token_rows(model):  # train_tokens before apply: its rows keep training, in fp32
+        t.rows.requires_grad_(True)
     if cfg.lora_base_dtype == "bfloat16":
-        for p in model.parameters():
-            if p.is_floating_point():
+        for n, p in model.named_parameters():
+            if p.is_floating_point() and not is_adapter(n):
                 p.data = p.data.to(torch.bfloat16)
     for block in model.blocks:
         for linear in HF_MODULES[fam]:
@@ -281,29 +290,143 @@ def apply(model, cfg, grid):
     return model
 
 
+# ----------------------------------------------------------------------------- trainable token rows
+
+class TokenRows(nn.Module):
+    """Trainable rows, for token ids `ids`, of a frozen vocabulary matrix `weight` (the embedding's,
+    or an untied head's; this TP rank's vocabulary slice under TP). Its embed() / logits() are
+    forward hooks of the embedding / head (train_tokens registers them).
+
+    PEFT's trainable_token_indices: tokens just added to the vocabulary (a chat template's) have no
+    trained rows, and adapters on the linears cannot give them any. The rows are fp32, replicated on
+    every rank and start as the base's: the embedding's output at such a token is its row, the head's
+    logit of such a token is x . its row (PEFT's index_copy semantics, so the base's rows never
+    matter). Under TP only the rank owning a row's vocabulary slice uses it in the head; tp.Copy on
+    the rows and on x sums the gradients over the ranks, so the replicas stay equal. Saved as PEFT
+    saves them (token_adapter.trainable_tokens_delta, the ids in adapter_config.json)."""
+
+    def __init__(self, ids, weight, grid):
+        super().__init__()
+        cut = grid.tp > 1 and hasattr(weight, "tp_split")
+        n, device = weight.shape[0], weight.device
+        lo = grid.tp_rank * n if cut else 0  # this rank's vocabulary rows [lo, lo + n)
+        self.group = grid.tp_group if cut else None
+        ids = torch.tensor(ids, dtype=torch.long, device=device)
+        self.owned = torch.nonzero((ids >= lo) & (ids < lo + n)).flatten()  # which of ids this rank holds
+        self.local = ids[self.owned] - lo                                   # their rows in `weight`
+        rows = torch.zeros(len(ids), weight.shape[1], dtype=torch.float32, device=device)
+        rows[self.owned] = weight.detach()[self.local].float()
+        if cut:
+            dist.all_reduce(rows, group=self.group)  # each row from its owner: the same rows on every rank
+        self.register_buffer("ids", ids)  # persistent: checkpoints and save_peft know which tokens
+        self.register_buffer("original", weight.detach()[self.local].clone(), persistent=False)  # for unmerge
+        self.rows = nn.Parameter(rows)
+        self.weight = [weight]  # a list: not registered again (the base's own module holds it)
+        self.merged = self.disabled = False
+
+    def embed(self, module, args, out):
+        """The embedding's output with the rows of these tokens: out (..., C) at ids (..., )."""
+        if self.merged or self.disabled:
+            return out
+        hit = args[0].unsqueeze(-1) == self.ids  # (..., k)
+        return torch.where(hit.any(-1, keepdim=True), self.rows[hit.int().argmax(-1)].to(out.dtype), out)
+
+    def logits(self, module, args, out):
+        """The head's (local) logits with these tokens' columns x . rows: only the owner of a
+        column computes it; Copy sums the gradients of x and of the replicated rows over TP ranks."""
+        if self.merged or self.disabled:
+            return out
+        x, rows = tp.Copy.apply(args[0], self.group), tp.Copy.apply(self.rows, self.group)
+        new = F.linear(x, rows[self.owned].to(x.dtype))
+        return out.index_copy(-1, self.local, new.to(out.dtype))
+
+    def head_weight(self, weight):
+        """The head's (local) weight with these tokens' rows in it, for a loss that reads the weight
+        instead of calling the head (chunked.py): a copy, whose gradient reaches the rows (summed
+        over TP ranks by Copy, as in logits())."""
+        if self.merged or self.disabled:
+            return weight
+        rows = tp.Copy.apply(self.rows, self.group)
+        return weight.index_copy(0, self.local, rows[self.owned].to(weight.dtype))
+
+    @torch.no_grad()
+    def merge(self):
+        if not self.merged:
+            self.weight[0][self.local] = self.rows[self.owned].to(self.weight[0].dtype)
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self):
+        if self.merged:
+            self.weight[0][self.local] = self.original
+            self.merged = False
+
+
+def token_rows(model):
+    return [m for m in model.modules() if isinstance(m, TokenRows)]
+
+
+def train_tokens(model, ids, grid, head=True):
+    """Make the embedding and head rows of token `ids` trainable (PEFT's trainable_token_indices), in
+    place: a TokenRows on tok_emb (and, head=True, one on an untied head), forward hooks. For LoRA runs:
+    call on the TP-cut model once its weights are loaded, before or after apply(), before FSDP /
+    DataParallel and the optimizer. Returns model."""
+    ids = sorted({int(i) for i in ids})
+    if not ids:
+        return model
+    bad = [i for i in ids if not 0 <= i < model.cfg.vocab_size]
+    if bad:
+        raise ValueError(f"lora.train_tokens: token ids {bad} are outside the vocabulary (vocab_size="
+                         f"{model.cfg.vocab_size})")
+    if token_rows(model):
+        raise ValueError("lora.train_tokens: this model has trainable rows already")
+    if any(getattr(m, "sequence_parallel", False) for m in (model.tok_emb, model.head)):
+        raise ValueError("lora.train_tokens does not work with sequence_parallel=True")
+    if model.tok_emb.weight.numel() == 0:
+        raise ValueError("lora.train_tokens: the weights are sharded (FSDP) already: call it before FSDP")
+    emb = TokenRows(ids, model.tok_emb.weight, grid)
+    model.tok_emb.lora_tokens = emb
+    model.tok_emb.register_forward_hook(emb.embed)
+    if model.head.weight is model.tok_emb.weight:  # tied: the same rows score the tokens
+        rows = emb
+    elif head:  # untied: the head's rows of their own
+        rows = model.head.lora_tokens = TokenRows(ids, model.head.weight, grid)
+    else:
+        return model
+    model.head.register_forward_hook(rows.logits)
+    model.head.token_rows_weight = rows.head_weight  # what chunked.head_loss multiplies by (a bound method)
+    return model
+
+
 # ----------------------------------------------------------------------------- full adapter tensors, any layout
 
 def gather(model, grid, wrapper=None):
     """{our adapter name: full fp32 tensor on CPU}, from any layout. Collective: every rank calls it."""
+    ids = {n: b.detach().cpu().clone() for n, b in model.named_buffers() if is_adapter(n)}  # train_tokens' ids
     if isinstance(wrapper, fsdp.FSDP):
         full = fsdp.gather_by_name(wrapper, lambda u: None if u.frozen else u.shard)
-        return {k: v for k, v in full.items() if is_adapter(k)}
-    return {n: tp.full_tensor(p, p, grid).cpu() for n, p in model.named_parameters() if is_adapter(n)}
+        return {**{k: v for k, v in full.items() if is_adapter(k)}, **ids}
+    return {**{n: tp.full_tensor(p, p, grid).cpu() for n, p in model.named_parameters() if is_adapter(n)}, **ids}
 
 
 @torch.no_grad()
 def load(model, grid, state, wrapper=None, source="adapter state"):
     """Copy full adapter tensors (gather's output, saved by any layout) into this rank's adapters."""
+    ids = {n: b for n, b in model.named_buffers() if is_adapter(n)}
     if isinstance(wrapper, fsdp.FSDP):
         units = [u for u in wrapper.units if any(is_adapter(names[0]) for names, _, _ in u.params)]
         have = [names[0] for u in units for names, _, _ in u.params]
     else:
         params = {n: p for n, p in model.named_parameters() if is_adapter(n)}
         have = list(params)
-    missing, extra = sorted(set(have) - set(state)), sorted(set(state) - set(have))
+    missing, extra = sorted(set(have) - set(state)), sorted(set(state) - set(have) - set(ids))
     if missing or extra:
-        raise ValueError(f"{source} does not fit this model's adapters (lora_targets / MoE layers differ?): "
-                         f"missing {missing[:6]}, not in the model {extra[:6]}")
+        raise ValueError(f"{source} does not fit this model's adapters (lora_targets / MoE layers / trainable "
+                         f"tokens differ?): missing {missing[:6]}, not in the model {extra[:6]}")
+    for n, b in ids.items():
+        if n not in state or not torch.equal(state[n].to(b), b):
+            raise ValueError(f"{source}: trainable token ids {state[n].tolist() if n in state else None} differ from "
+                             f"this model's {b.tolist()} (lora.train_tokens)")
     if isinstance(wrapper, fsdp.FSDP):
         for u in units:
             u.drop()
@@ -321,6 +444,13 @@ def merge_weights(weights, cfg):
     scale * B A added to each base weight, adapter tensors dropped. cfg: the run's flat config
     (model keys and lora_*). What checkpoint.save or hf.export_hf (after loading) writes."""
     out = {k: v for k, v in weights.items() if not is_adapter(k)}
+    for m in ("tok_emb", "head"):  # train_tokens' rows replace the base's
+        if f"{m}.lora_tokens.rows" in weights:
+            W = out[f"{m}.weight"].clone()
+            W[weights[f"{m}.lora_tokens.ids"].long()] = weights[f"{m}.lora_tokens.rows"].to(W.dtype)
+            out[f"{m}.weight"] = W
+            if m == "tok_emb" and cfg.tie_embeddings and "head.weight" in out:
+                out["head.weight"] = W
     groups = {}
     for k in weights:
         m = ADAPTER.search(k)
@@ -340,9 +470,13 @@ def merge_weights(weights, cfg):
 # ----------------------------------------------------------------------------- PEFT's format
 
 def peft_name(name, mcfg):
-    """blocks.3.attn.qkv.lora_A.q_proj -> base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"""
-    m = ADAPTER.search(name)
+    """blocks.3.attn.qkv.lora_A.q_proj -> base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight;
+    tok_emb.lora_tokens.rows -> base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"""
     fam = mcfg.family
+    t = TOKENS.search(name)
+    if t:
+        return f"{PEFT_PREFIX}{TOKEN_MODULES[fam][t[1]]}.token_adapter.trainable_tokens_delta"
+    m = ADAPTER.search(name)
     path = next(p for p in HF_MODULES[fam][m[2]] if p.rsplit(".", 1)[1] == m[4])
     return f"{PEFT_PREFIX}{BLOCK_PREFIX[fam].format(m[1])}{path}.lora_{m[3]}.weight"
 
@@ -354,14 +488,18 @@ def save_peft(out_dir, state, cfg, base_model_name_or_path=None, rank=0):
         return None
     mcfg = ModelConfig.from_cfg(cfg)
     os.makedirs(out_dir, exist_ok=True)
-    save_file({peft_name(k, mcfg): v.contiguous() for k, v in state.items()},
+    save_file({peft_name(k, mcfg): v.contiguous() for k, v in state.items() if not k.endswith(".lora_tokens.ids")},
               os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
-    modules = sorted({ADAPTER.search(k)[4] for k in state})
+    modules = sorted({ADAPTER.search(k)[4] for k in state if ADAPTER.search(k)})
+    tokens = {TOKEN_MODULES[mcfg.family][m].rsplit(".", 1)[-1]: state[f"{m}.lora_tokens.ids"].tolist()
+              for m in ("tok_emb", "head") if f"{m}.lora_tokens.ids" in state}
+    if len(tokens) == 1:  # the embedding's rows only (a tied head follows them in PEFT): PEFT's list form
+        tokens = next(iter(tokens.values()))
     conf = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_r, "lora_alpha": cfg.lora_alpha,
             "lora_dropout": cfg.lora_dropout, "target_modules": modules, "use_rslora": cfg.lora_rslora,
             "bias": "none", "fan_in_fan_out": mcfg.family == "gpt2", "init_lora_weights": True,
             "inference_mode": True, "modules_to_save": None, "use_dora": False, "layers_to_transform": None,
-            "rank_pattern": {}, "alpha_pattern": {},
+            "rank_pattern": {}, "alpha_pattern": {}, "trainable_token_indices": tokens or None,
             "base_model_name_or_path": base_model_name_or_path if base_model_name_or_path is not None
             else (cfg.init_from or None)}
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
@@ -386,6 +524,8 @@ def peft_config(path):
         (c.get("layers_to_transform") is not None, "layers_to_transform"),
         (c.get("rank_pattern") or c.get("alpha_pattern"), "rank_pattern / alpha_pattern"),
         (isinstance(tm, str) and tm != "all-linear", f"target_modules={tm!r} (a regex; give a list of names)"),
+        (isinstance(c.get("trainable_token_indices"), dict) and not set(c["trainable_token_indices"]) <= {
+            "embed_tokens", "wte", "lm_head"}, f"trainable_token_indices={c.get('trainable_token_indices')}"),
     ] if bad]
     if why:
         raise ValueError(f"{file}: not supported by lora.py: {'; '.join(why)}")
@@ -394,8 +534,26 @@ def peft_config(path):
             "lora_rslora": bool(c.get("use_rslora", False))}
 
 
+def peft_tokens(path):
+    """The trainable token ids of a PEFT adapter (adapter_config.json's trainable_token_indices) ->
+    {"tok_emb": ids, "head": ids (an untied head's own)} ({} without): lora.train_tokens(model,
+    ids["tok_emb"], grid, head="head" in ids) before load_peft."""
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        t = json.load(f).get("trainable_token_indices")
+    if not t:
+        return {}
+    if not isinstance(t, dict):
+        return {"tok_emb": sorted(t)}
+    out = {("head" if k == "lm_head" else "tok_emb"): sorted(v) for k, v in t.items()}
+    if "tok_emb" not in out or out.get("head", out["tok_emb"]) != out["tok_emb"]:
+        raise ValueError(f"{path}: trainable_token_indices {t}: lora.py trains the same tokens' rows in the "
+                         "embedding and the head")
+    return out
+
+
 def load_peft(path, model, grid, wrapper=None):
-    """A PEFT adapter folder into the adapters of a model built with its peft_config()."""
+    """A PEFT adapter folder into the adapters of a model built with its peft_config() (and
+    train_tokens with its peft_tokens())."""
     file = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no adapter_model.safetensors in '{path}' (adapter_model.bin is not read)")
@@ -411,4 +569,5 @@ def load_peft(path, model, grid, wrapper=None):
     ours = {peft_name(n, model.cfg): n for n in names}
     saved = {re.sub(r"\.default(\.weight)$", r"\1", k): v for k, v in load_file(file).items()}
     state = {ours.get(k, k): v.float() for k, v in saved.items()}
+    state.update({f"{m}.lora_tokens.ids": torch.tensor(ids) for m, ids in peft_tokens(path).items()})
     load(model, grid, state, wrapper, source=path)

@@ -9,17 +9,20 @@
 Curves come from logs.py's JSONL (<run>/<log>_metrics.jsonl, one record per log step): train and
 validation loss against steps and against tokens (step x batch_size x sequence length, from the run's
 newest checkpoint config), learning rate, gradient norm, tokens/s, MFU, validation bits per byte
-when logged, for MoE models the busiest expert's load, the router losses and dropped slots, for GRPO
-runs the reward (training samples, held-out sampled and greedy) and the step's rollout / reward /
-learn seconds. A resumed run appends to its file, repeating the steps after its checkpoint: the
-last record of a step wins (what the surviving lineage logged). Panels with nothing logged are left out.
+when logged, SFT's held-out accuracy, for MoE models the busiest expert's load, the router losses and
+dropped slots, for GRPO runs the reward (training samples, held-out sampled and greedy) and the step's
+rollout / reward / learn seconds, for DPO runs rewards, margins, accuracies, log-probs, NLL and their
+held-out eval_ twins; one colour per run in every panel (styles), legends beside the panels. A
+resumed run appends to its file, repeating the steps after its checkpoint: the last record of a step
+wins (what the surviving lineage logged). Panels with nothing logged are left out.
 
 The heat map: one gradstats.py metric per layer (grad_norm, update_ratio, weight_norm: the keys
 <metric>/emb, <metric>/L<i>, <metric>/out), layers down, logged steps across, log colour scale.
 
 The attention map: one layer's softmax(q k^T / sqrt(D)) with the causal mask, recomputed from the
 layer's own input, projections, q/k norms and RoPE (SDPA never materialises the weights), for a
-model that sample.load reads (run, checkpoint or HF folder). matplotlib is imported lazily.
+model that sample.load reads (run, checkpoint or HF folder), with a colour bar. matplotlib is
+imported lazily.
 """
 import argparse
 import glob
@@ -33,15 +36,40 @@ import checkpoint
 import gradstats
 import sample
 
-# (title, x axis, metrics); a panel is drawn when some run logged one of its metrics
+# (title, x axis, metrics); a panel is drawn when some run logged one of its metrics; each metric's
+# held-out twin eval_<metric> (DPO's evaluation) is drawn in the same panel (held_out())
 PANELS = [("loss", "step", ("loss", "val_loss")), ("loss", "tokens", ("loss", "val_loss")),
           ("learning rate", "step", ("lr",)), ("gradient norm", "step", ("grad_norm",)),
           ("tokens/s", "step", ("tok_s",)), ("MFU", "step", ("mfu",)),
           ("validation bits per byte", "step", ("val_bpb",)),
+          ("held-out accuracy (SFT)", "step", ("accuracy",)),
           ("MoE: busiest expert's load x n_experts", "step", ("load_max",)),
           ("MoE: router losses", "step", ("aux_loss", "z_loss")), ("MoE: dropped share", "step", ("dropped",)),
           ("reward (GRPO)", "step", ("reward", "heldout_reward", "heldout_greedy")),
-          ("GRPO step time, s", "step", ("t_rollout", "t_reward", "t_learn"))]
+          ("GRPO step time, s", "step", ("t_rollout", "t_reward", "t_learn")),
+          ("DPO: implicit rewards", "step", ("rewards/chosen", "rewards/rejected")),
+          ("DPO: reward margin (chosen - rejected)", "step", ("rewards/margins",)),
+          ("DPO: accuracies", "step", ("rewards/accuracies", "policy/accuracy")),
+          ("DPO: log-probs of the answers", "step", ("logps/chosen", "logps/rejected")),
+          ("DPO: NLL of the chosen answers", "step", ("nll",)), ("pairs/s", "step", ("pairs_s",))]
+LOG_SCALE = ("loss", "gradient norm")
+HELD_OUT = ("val_", "eval_", "heldout_", "accuracy")  # drawn with markers: evaluated every few steps
+DASHES = ("-", "--", ":", "-.")            # the metrics of one panel, when colours tell the runs apart
+
+
+def held_out(names):
+    """A panel's metrics and their eval_ twins: (m1, eval_m1, m2, eval_m2, ...)."""
+    return tuple(n for m in names for n in (m, "eval_" + m))
+
+
+def styles(n_runs, run, slot, metric):
+    """One colour per run in every panel when several runs are drawn (the metrics of a panel then
+    differ by dash); one run: one colour per metric slot of the panel."""
+    style = dict(color=f"C{run % 10}", linestyle=DASHES[slot % len(DASHES)]) if n_runs > 1 else dict(
+        color=f"C{slot % 10}")
+    if metric.startswith(HELD_OUT):
+        style.update(marker="o", markersize=3)
+    return style
 
 
 def metrics_file(run_dir, log="train"):
@@ -93,32 +121,31 @@ def plot_runs(run_dirs, out, log="train", tokens_per_step=None):
     for d in run_dirs:
         runs.append((os.path.basename(os.path.normpath(d)), read_metrics(metrics_file(d, log)),
                      tokens_per_step or step_tokens(d)))
-    panels = [p for p in PANELS if any(m in metrics for _, metrics, tps in runs for m in p[2]
-                                       if p[1] == "step" or tps)]
+    panels = [(t, x, held_out(names)) for t, x, names in PANELS
+              if any(m in metrics for _, metrics, tps in runs for m in held_out(names) if x == "step" or tps)]
     if not panels:
         raise ValueError(f"nothing to plot in {', '.join(run_dirs)}: no logged metric")
     cols = 2
     rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows), squeeze=False)
+    # constrained layout: tick labels and the legends beside each panel get their room (nothing clipped)
+    fig, axes = plt.subplots(rows, cols, figsize=(8 * cols, 3.2 * rows), squeeze=False, layout="constrained")
     drawn = {}
     for ax, (title, x, names) in zip(axes.flat, panels):
-        for run, metrics, tps in runs:
-            for m in names:
+        for r, (run, metrics, tps) in enumerate(runs):
+            for slot, m in enumerate(m for m in names if any(m in ms for _, ms, _ in runs)):
                 if m not in metrics or (x == "tokens" and not tps):
                     continue
                 steps = sorted(metrics[m])
                 xs = [s * tps for s in steps] if x == "tokens" else steps
-                style = dict(marker="o", markersize=3) if m.startswith(("val_", "heldout_")) else {}
-                ax.plot(xs, [metrics[m][s] for s in steps], label=f"{run} {m}", **style)
-        if title in ("gradient norm", "loss"):
+                ax.plot(xs, [metrics[m][s] for s in steps], label=f"{run} {m}", **styles(len(runs), r, slot, m))
+        if title in LOG_SCALE:
             ax.set_yscale("log")
         ax.set(title=title, xlabel=x)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # beside, not on, the curves
         drawn[f"{title} ({x})"] = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.lines}
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.22 / rows, top=1 - 0.15 / rows, wspace=0.2, hspace=0.55)
     if out:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         fig.savefig(out, dpi=100)
@@ -182,7 +209,8 @@ def plot_attention(model, tok, prompt, layer, head, out):
     labels = [repr(tok.decode([i]))[1:-1] for i in ids]
     size = min(4 + 0.3 * len(ids), 30)
     fig, ax = plt.subplots(figsize=(size, size))
-    ax.imshow(w.numpy(), cmap="viridis", vmin=0, vmax=1)
+    image = ax.imshow(w.numpy(), cmap="viridis", vmin=0, vmax=1)
+    fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight (each row sums to 1)")
     ax.set_xticks(range(len(ids)), labels, rotation=90, fontsize=7)
     ax.set_yticks(range(len(ids)), labels, fontsize=7)
     ax.set(title=f"layer {layer}, head {head}", xlabel="key", ylabel="query")

@@ -21,7 +21,6 @@ but not yet in PSM order (1.50, BENCHMARKS.md); PSM otherwise (the order HF code
 (bash's $'...' puts newlines into an argument.)
 """
 import argparse
-import json
 import os
 import sys
 from types import SimpleNamespace
@@ -30,6 +29,7 @@ import torch
 
 import chat
 import checkpoint
+import config
 import fim
 import generate
 import hf
@@ -47,10 +47,10 @@ def load(path, device="cpu"):
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         found = checkpoint.latest(path)
         if found is None:
-            raise FileNotFoundError(f"'{path}' is neither a checkpoint folder nor a run folder with checkpoints")
+            raise config.MissingFileError(f"'{path}' is neither a checkpoint folder, a run folder with checkpoints "
+                                          "nor an HF model folder: name one (e.g. out/tiny)")
         path = found
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = SimpleNamespace(**json.load(f))
+    cfg = SimpleNamespace(**hf.read_config(path))
     model = Transformer(ModelConfig.from_cfg(cfg))
     weights.load_model(path, model)
     tok = tokenizer.for_cfg(cfg)  # FIM sentinels when it was trained with them
@@ -151,4 +151,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    config.cli(main, sys.argv[1:])  # a mistake to fix (a UserError) prints one line, no traceback

@@ -14,7 +14,8 @@ Invariants: a run passes only when the program and then its tests finished witho
 told by a per-run random token the harness writes after the tests; where the namespaces apply
 (Result.isolation says which did) the host stays safe from any program; without them (macOS,
 locked-down kernels) only rlimits, the session kill and the clean environment remain: not a
-sandbox for hostile code. What the tests assert is all that is checked.
+sandbox for hostile code. What the tests assert is all that is checked, on plain values only
+(plain_calls: a result whose __eq__ is forged fails).
 """
 import builtins
 import collections
@@ -358,8 +359,8 @@ def run_candidate(libc, s, nproc, program, tests, token, in_user_namespace):
     separate pipe. sys.exit() before the tests fails, os._exit() or a crash leaves no token, and the
     harness keeps its own exec/compile/os.write and restores builtins and trace hooks after the
     program, so patching them does not skip the tests. What the tests assert is all that is
-    checked: a program that returns an object equal to everything, or digs the token out of the
-    harness's frames, can still fool them; the host stays safe from any program."""
+    checked, on plain values only (plain_calls); a program that digs the token out of the
+    harness's frames can still fool them; the host stays safe from any program."""
     write, leave, run, build, getpid = os.write, os._exit, exec, compile, os.getpid
     settrace, setprofile, vfd, me = sys.settrace, sys.setprofile, s["verdict_fd"], os.getpid()
     streams, explain, print_exception, flush_all = (sys.stdout, sys.stderr), describe, traceback.print_exception, flush
@@ -382,15 +383,18 @@ def run_candidate(libc, s, nproc, program, tests, token, in_user_namespace):
     sys.argv, sys.path[0] = ["candidate.py"], s["dir"]
     namespace = {"__name__": "__main__", "__file__": "candidate.py", "__builtins__": builtins}
     stage = "the program"
-    try:
-        run(build(program, "candidate.py", "exec"), namespace)
+
+    def restore():  # what the program may have patched: trace hooks, builtins
         settrace(None)
         setprofile(None)
         builtin_dict.clear()
         builtin_dict.update(saved_builtins)
+    try:
+        run(build(program, "candidate.py", "exec"), namespace)
+        restore()
         namespace["__builtins__"] = module                     # not a dict of the program's
         stage = "the tests"
-        run(build(tests, "tests.py", "exec"), namespace)
+        run(build(tests, "tests.py", "exec"), plain_calls(namespace, restore))
     except BaseException as e:  # SystemExit too: exiting before the tests finish is not passing
         if getpid() == me:
             try:
@@ -406,6 +410,55 @@ def run_candidate(libc, s, nproc, program, tests, token, in_user_namespace):
     if getpid() == me:
         write(vfd, f"{token} pass\n".encode())
     leave(0)
+
+
+PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset})
+
+
+def plain_value(value, name):
+    """value itself if it is made of PLAIN types only (exact types: no subclass, whose __eq__ could
+    be anything), else TypeError naming what was returned."""
+    todo, seen = [value], set()
+    while todo:
+        v = todo.pop()
+        t = type(v)  # the object's real type: a __class__ property cannot change it
+        if t not in PLAIN:
+            raise TypeError(f"{name}() returned a {t.__module__}.{t.__qualname__}{' inside its result' if v is not value else ''}: "
+                            "the tests compare plain values only (None, bool, int, float, complex, str, bytes, "
+                            "list, tuple, dict, set, frozenset)")
+        if t in (list, tuple, set, frozenset, dict) and id(v) not in seen:
+            seen.add(id(v))
+            todo.extend(v.items() if t is dict else v)  # items: (key, value) tuples, checked in turn
+    return value
+
+
+def plain_calls(namespace, restore):
+    """A copy of the program's namespace for the tests: its callables wrapped so that every result
+    is checked by plain_value, with restore() after each call.
+
+    Every callable the program left (its functions, classes, callable objects) returns only when its
+    result is made of plain built-in values (exact types: None, bool, int, float, complex, str,
+    bytes, list, tuple, dict, set, frozenset, nested), else it raises TypeError naming the type, so
+    a comparison in the tests (`assert f(x) == y`, check(f)) is always between genuine values: an
+    object equal to everything, or a subclass of int / str / list overriding __eq__, fails. After
+    every call builtins and trace hooks are restored again. The program's own calls between its
+    functions are not wrapped. Left open: a program that digs into the harness's frames or objects
+    (sys._getframe, gc, ctypes) can still fool the tests (or find the token)."""
+    out = dict(namespace)
+    for name, v in namespace.items():
+        if callable(v) and not name.startswith("__"):
+            out[name] = checked_call(v, name, restore)
+    return out
+
+
+def checked_call(fn, name, restore):
+    def call(*args, **kwargs):
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            restore()
+        return plain_value(result, name)
+    return call
 
 
 def set_limits(limits):

@@ -193,25 +193,27 @@ def cut(text, stops):
 def generate_texts(net, tok, prompts, max_new_tokens, *, n=1, temperature=0.0, top_p=1.0, seed=0,
                    stops=(), batch_size=16, autocast=None):
     """Completions of text prompts by the fast decoder (generate.decode), n per prompt, cut at the
-    first stop string (or EOS). Prompts are left-truncated to leave max_new_tokens. Global batch j of
-    prompts draws with seed + j on rank j % ranks: the texts do not depend on the layout."""
+    first stop string (or EOS, or a chat tokenizer's end-of-turn id). Prompts are left-truncated to
+    leave max_new_tokens. Global batch j of prompts draws with seed + j on rank j % ranks: the texts do
+    not depend on the layout."""
     L, device = net.raw.cfg.block_size, net.grid.device
     keep = L - max_new_tokens
     if keep < 1:
         raise EvalError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in block_size={L}")
     ids = [(tok.encode(p) or [tok.eos_id])[-keep:] for p in prompts]
     batches = [list(range(j, min(j + batch_size, len(ids)))) for j in range(0, len(ids), batch_size)]
+    ends = sorted({tok.eos_id, getattr(tok, "eot_id", tok.eos_id)})  # a chat model's end of turn stops it too
     out = {}
     with net.full_params(), autocast or torch.autocast(device.type, enabled=False):
         for j in my_batches(len(batches), net.grid):
             b = batches[j] if j is not None else []
             r = generate.decode(net.raw, [ids[i] for i in b] or [[tok.eos_id]], max_new_tokens if b else 1,
-                                n=n, temperature=temperature, top_p=top_p, stop_tokens=[tok.eos_id],
+                                n=n, temperature=temperature, top_p=top_p, stop_tokens=ends,
                                 pad_id=tok.eos_id, seed=seed + (j or 0))
             gen = r.tokens[:, r.prompt_len:].tolist()
             for k, i in enumerate(b):
                 rows = [gen[k * n + s][:int(r.lengths[k * n + s])] for s in range(n)]
-                out[i] = [cut(tok.decode([t for t in row if t != tok.eos_id]), stops) for row in rows]
+                out[i] = [cut(tok.decode([t for t in row if t not in ends]), stops) for row in rows]
     out = gather_rows(out, net.grid)
     return [out[i] for i in range(len(prompts))]
 

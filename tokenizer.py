@@ -29,6 +29,7 @@ import unicodedata
 
 import tiktoken
 
+import config
 import corpus
 import fim as fim_mod
 
@@ -417,8 +418,8 @@ def load_hf_tokenizer(path):
     else:
         files = [p for p in (f("tokenizer.model"), f("original", "tokenizer.model")) if os.path.isfile(p)][:1]
         if not files:
-            raise FileNotFoundError(f"{folder}: no tokenizer files (tokenizer.json, vocab.json + merges.txt, or a "
-                                    "tiktoken tokenizer.model)")
+            raise config.MissingFileError(f"{folder}: no tokenizer files (tokenizer.json, vocab.json + merges.txt, or a "
+                                          "tiktoken tokenizer.model): copy the model's tokenizer files into it")
         ranks, pat = _read_tiktoken_file(files[0]), LLAMA3_PAT
         if not specials:
             specials = llama3_specials(len(ranks))

@@ -8,6 +8,7 @@
 An HF folder is read by hf.py (each TP rank reads only its rows / columns); our checkpoints give
 full tensors that tp.local_tensor cuts. A LoRA run's adapters are merged into their base; a
 vocabulary smaller than the run's (chat tokens just added) grows, the new rows the mean of the old.
+Under LoRA those new rows train too (lora_train_tokens: lora.train_tokens in loader; base_vocab).
 The family follows cfg.objective (pretrain.py's; init_from's sets it): "lm" model.Transformer,
 "mlm" bert.Bert, "span" t5.T5 (HF folders of model_type bert / t5 too); model_config says which.
 """
@@ -37,8 +38,7 @@ def init_checkpoint(path):
         what = "no checkpoint in it" if os.path.isdir(path) else "no such folder"
         raise config.MissingFileError(f"init_from={path}: {what} (name a checkpoint, a run folder or a local HF model "
                                       "folder)")
-    with open(os.path.join(ckpt, "config.json")) as f:
-        return ckpt, json.load(f)
+    return ckpt, hf.read_config(ckpt)
 
 
 FAMILIES = {"mlm": (bert.BertConfig, bert.Bert, "bert"), "span": (t5.T5Config, t5.T5, "t5")}  # objective -> model
@@ -87,7 +87,8 @@ def configure(cfg):
     saying so ("" without init_from). An HF folder: its config.json's model keys, its tokenizer. Our
     checkpoint or run folder (init_from then names its newest checkpoint): its model keys, tokenizer,
     tokenizer_vocab and tokenizer_fim (a truncated vocabulary's ids depend on it). block_size is capped
-    at the model's (learned positions: the model's). loader(cfg, grid) then loads the weights."""
+    at the model's (learned positions: the model's); the line names any other of these keys the user
+    gave that init_from replaced. loader(cfg, grid) then loads the weights."""
     if not cfg.init_from:
         return ""
     family = init_family(cfg.init_from)
@@ -112,11 +113,24 @@ def configure(cfg):
             m = dict(m, block_size=min(cfg.block_size, m["block_size"]))
         tok = {k: m[k] for k in ("tokenizer", "tokenizer_vocab")}  # and its FIM sentinels (older checkpoints: fim_rate)
         tok["tokenizer_fim"] = m.get("tokenizer_fim", m.get("fim_rate", 0) > 0)
-    for k, v in [(k, m[k]) for k in keys] + list(tok.items()):
+    taken = [(k, m[k]) for k in keys] + list(tok.items())
+    replaced = [f"{k}={v!r} (not {getattr(cfg, k)!r} as given)" for k, v in taken
+                if k in getattr(cfg, "given", ()) and k != "block_size" and getattr(cfg, k) != v]
+    for k, v in taken:
         setattr(cfg, k, v)
     if cfg.seq_len > cfg.block_size:
         raise config.ConfigError(f"seq_len={cfg.seq_len} > block_size={cfg.block_size} of {cfg.init_from}")
-    return f"model and tokenizer of {'the HF folder' if keys is hf.MODEL_KEYS else 'checkpoint'} {cfg.init_from}"
+    line = f"model and tokenizer of {'the HF folder' if keys is hf.MODEL_KEYS else 'checkpoint'} {cfg.init_from}"
+    return line + (f"; note: init_from's {', '.join(replaced)}: drop those keys, or start without init_from"
+                   if replaced else "")
+
+
+def base_vocab(cfg):
+    """init_from's vocabulary size, before this run's chat tokens grew it (None without init_from)."""
+    if not cfg.init_from:
+        return None
+    src = cfg.init_from
+    return hf.read_config(src)["vocab_size"] if hf.is_hf_folder(src) else init_checkpoint(src)[1]["vocab_size"]
 
 
 def init_family(path):
@@ -172,15 +186,20 @@ def build_model(cfg, grid, frozen=False):
 def loader(cfg, grid):
     """parallelize's `load` callback for cfg.init_from (None without one): an HF folder (each TP rank
     reads its rows / columns) or our checkpoint (full tensors cut to this TP rank; a LoRA run's merged).
-    A smaller vocabulary (chat specials just added) grows (grow_vocab), said once."""
+    A smaller vocabulary (chat specials just added) grows (grow_vocab), said once; under LoRA
+    (lora_train_tokens) the new tokens' rows then train (lora.train_tokens; not in a frozen reference)."""
     if not cfg.init_from:
         return None
     if getattr(cfg, "objective", "lm") in FAMILIES:
         return family_loader(cfg)
-    src, is_hf = cfg.init_from, hf.is_hf_folder(cfg.init_from)
-    old = hf.read_config(src)["vocab_size"] if is_hf else init_checkpoint(src)[1]["vocab_size"]
+    src, is_hf, old = cfg.init_from, hf.is_hf_folder(cfg.init_from), base_vocab(cfg)
+    new = range(old, cfg.vocab_size) if cfg.lora_r and cfg.lora_train_tokens else range(0)
+    if new and cfg.pp > 1 and cfg.tie_embeddings:
+        raise config.ConfigError("lora_train_tokens=True: the new tokens' rows of tied embeddings cannot train across "
+                                 "pipeline stages (pp > 1): set --lora_train_tokens=False, or pp=1")
     if old < cfg.vocab_size and grid.is_main:
-        print(f"init_from: vocabulary grown from {old} to {cfg.vocab_size} tokens (new rows: the mean of the old)")
+        print(f"init_from: vocabulary grown from {old} to {cfg.vocab_size} tokens (new rows: the mean of the old"
+              + (f"; LoRA trains the rows of tokens {old}..{cfg.vocab_size - 1} too)" if new else ")"))
 
     def load(model):
         if is_hf:
@@ -190,10 +209,13 @@ def loader(cfg, grid):
                 if name in ("tok_emb.weight", "head.weight") and old < cfg.vocab_size:
                     return tp.local_tensor(params[name], grow_vocab(part[:], old, cfg.vocab_size), grid)
                 return base(name, part)
-            return hf.load_weights(src, model, shard_fn)
-        saved = init_checkpoint(src)[1]
-        weights = checkpoint.read_weights(src, ModelConfig.from_cfg(SimpleNamespace(**saved)))
-        tp.load_full_state_dict(model, grid, fit_weights(weights, saved, model.cfg))
+            hf.load_weights(src, model, shard_fn)
+        else:
+            saved = init_checkpoint(src)[1]
+            weights = checkpoint.read_weights(src, ModelConfig.from_cfg(SimpleNamespace(**saved)))
+            tp.load_full_state_dict(model, grid, fit_weights(weights, saved, model.cfg))
+        if new and any(p.requires_grad for p in model.parameters()):  # (a frozen reference keeps the base's rows)
+            lora.train_tokens(model, new, grid)  # on the TP cut, before lora.apply and FSDP
     return load
 
 

@@ -9,7 +9,6 @@ a count of the encoded corpus; the CLI writes a PNG from one of our checkpoints 
 folder, printing the neighbours; t-SNE runs where scikit-learn is installed; a bad method is refused.
 """
 import collections
-import os
 
 import numpy as np
 import pytest

@@ -14,7 +14,7 @@ Proves:
   held-out accuracy (greedy answers, items split over data ranks); the one-process run's step 2
   resumes in a new run folder under FSDP2 (full) / TP2 (LoRA) to its step 3.
 - LoRA outputs: the checkpoint folder holds the adapter in PEFT's format (its tensors under PEFT's
-  names); merge= writes a checkpoint whose logits equal the LoRA model's (adapters on the fly,
+  names; the chat tokens' trained embedding / head rows with their ids); merge= writes a checkpoint whose logits equal the LoRA model's (adapters on the fly,
   restored by checkpoint.load), the same from a TP2 run; export_hf= writes a folder transformers
   loads with the same logits; a LoRA checkpoint as init_from starts from the merged weights;
   sample.py --chat answers with the eager generate()'s greedy tokens.
@@ -136,13 +136,26 @@ def test_lora_outputs(reference, capsys):
     cfg = run_cfg(**json.loads((ckpt / "config.json").read_text()))
     peft = load_file(str(ckpt / "adapter_model.safetensors"))
     mcfg = ModelConfig.from_cfg(cfg)
-    adapters = {k: v for k, v in saved.items() if lora.is_adapter(k)}
+    # (the trainable token rows' ids live in adapter_config.json, not among PEFT's tensors)
+    adapters = {k: v for k, v in saved.items() if lora.is_adapter(k) and not k.endswith(".lora_tokens.ids")}
     assert adapters and {lora.peft_name(k, mcfg): v for k, v in adapters.items()}.keys() == peft.keys()
     assert all(torch.equal(peft[lora.peft_name(k, mcfg)], v) for k, v in adapters.items())
-    assert json.loads((ckpt / "adapter_config.json").read_text())["r"] == 4
+    adapter_config = json.loads((ckpt / "adapter_config.json").read_text())
+    assert adapter_config["r"] == 4
+    new = list(range(TINY["vocab_size"], cfg.vocab_size))  # the chat template's tokens, just added
+    assert new == [512, 513] and adapter_config["trainable_token_indices"] == {"embed_tokens": new, "lm_head": new}
+    init = checkpoint.read_weights(str(root / "init" / "step_000007"), ModelConfig.from_cfg(run_cfg(**TINY)))
+    merged_weights = saved_weights(root, "merged")
+    for m in ("tok_emb", "head"):  # the new rows trained (they started equal: the mean of the old rows)
+        rows, start = saved[f"{m}.lora_tokens.rows"], init[f"{m}.weight"][:512].mean(0)
+        assert saved[f"{m}.lora_tokens.ids"].tolist() == new
+        assert (rows[0] - rows[1]).abs().max() > 1e-3 and ((rows - start).abs().max(-1).values > 1e-3).all(), m
+        assert torch.equal(merged_weights[f"{m}.weight"][new], rows)  # merge= folds them in
+        assert torch.equal(merged_weights[f"{m}.weight"][:512], init[f"{m}.weight"][:512])  # the old rows: frozen
 
     grid = parallel.init(cfg)  # one process
     model = lora.apply(Transformer(mcfg), cfg, grid)  # adapters on the fly, restored with the base
+    lora.train_tokens(model, new, grid)  # and the new tokens' rows
     load_checkpoint(str(ckpt), model, None, grid)
     merged, _, merged_cfg = sample.load(str(root / "merged"))
     x = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
