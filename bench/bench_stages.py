@@ -33,12 +33,15 @@ STAGES["grpo_file"] = ["--prompt_data={prompts}", "--eval_percent=5.0", "--task=
 
 
 def sft_data(model, folder):
-    """prompt / completion records from the model folder's DPO pairs (chosen answers): rows that fit its context."""
+    """prompt / completion records from the model folder's DPO pairs (512 + ~1535 tokens): the same share of
+    each side's text, so that a row's tokens are ~80% of the model's context (its max_position_embeddings)."""
+    with open(os.path.join(model, "config.json")) as f:
+        keep = 0.8 * json.load(f)["max_position_embeddings"] / (512 + 1535)
     path = os.path.join(folder, "sft.jsonl")
     with open(os.path.join(model, "dpo.jsonl")) as f, open(path, "w") as out:
         for line in f:
-            r = json.loads(line)
-            out.write(json.dumps({"prompt": r["prompt"], "completion": r["chosen"]}) + "\n")
+            p, c = (r := json.loads(line))["prompt"], r["chosen"]
+            out.write(json.dumps({"prompt": p[:int(len(p) * keep)], "completion": c[:int(len(c) * keep)]}) + "\n")
     return path
 
 
