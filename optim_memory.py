@@ -13,13 +13,12 @@ corrections as Python floats) and quantises the new moments back; parameters und
 elements (norms, biases) keep fp32 state and step exactly as torch.optim.AdamW.
 
 OffloadAdamW (ZeRO-Offload's idea): exp_avg, exp_avg_sq and an fp32 master copy of every parameter
-live in (pinned) CPU memory, updated there by torch's own AdamW (functional, foreach). step() copies the gradients to the host bucket by bucket on a side stream, updates each
-bucket as soon as its copy has landed (the next buckets' copies run meanwhile) and copies the new
-parameters back on a second stream, so the transfers overlap the CPU's arithmetic. A parameter kept
-in bf16 on the GPU (a pure-bf16 model) is updated through its fp32 master ("master" in its state).
+live in (pinned) CPU memory, updated there by torch's own AdamW (functional, foreach). step() copies
+the gradients to the host bucket by bucket on a side stream, updates each bucket as soon as its copy
+has landed (the next buckets' copies run meanwhile) and copies the new
+parameters back on a second stream, so the transfers overlap the CPU's arithmetic (bf16: via the master).
 
-Layouts: each optimizer holds state for the tensors it is given, so DP (replicas step alike), ZeRO-1
-(muon.Muon's owners; its `adamw=` factory) and FSDP (the flat shard Parameters) work unchanged.
+Layouts: state for the tensors given, so DP, ZeRO-1 (muon's `adamw=`) and FSDP (flat shards) work unchanged.
 Checkpoints: full_optim_state() gives torch AdamW's layout-free form {name: {step, exp_avg,
 exp_avg_sq}} (dequantised / from the host), so a run resumes under any layout or optimizer;
 load_state_dict() accepts that form (re-quantised: the same codes and, to rounding, the same

@@ -19,11 +19,9 @@ head's bf16 output and its gradient, or chunked.py's one chunk), and a KV cache 
 The peak is the static part plus the larger of (every saved activation + the logits) and
 (checkpointed blocks' inputs + one block recomputed in backward).
 
-fit() walks LADDER, knobs ordered by their expected cost in speed (free ones first; each is
-applied only where it lowers the total), until the plan fits gpu_gb. The order is a judgment from
-what the knob does (a recompute, a host round trip), not a measurement. Dense models only (MoE:
-refused); sequence parallelism, dropout masks and attention without flash/efficient kernels
-(which saves T x T scores) are not modelled.
+fit() walks LADDER, knobs ordered by their expected cost in speed (judged, not measured; each applied
+only where it lowers the total), until the plan fits gpu_gb. Dense models only (MoE refused); not
+modelled: sequence parallelism, dropout masks, attention without flash kernels (T x T scores).
 """
 import copy
 import sys

@@ -22,8 +22,7 @@ sentinels count down from vocab_size - 1 (<extra_id_0>); both end with eos. corr
 says how many raw tokens give an input of a wanted length (HF's compute_input_and_target_lengths).
 
 Layers are one ModuleList `blocks`, the encoder's then the decoder's (the order a forward runs
-them), so fsdp.FSDP (a unit per block) and dp.DataParallel wrap a T5 as a Transformer. Cache: the
-decoder's self-attention keys and values grow, cross-attention's are computed once per source.
+them), so fsdp.FSDP (a unit per block) and dp.DataParallel wrap a T5 as a Transformer.
 """
 import json
 import math

@@ -1,9 +1,10 @@
 """The README runs as written, top to bottom, on a fresh copy of the repository.
 
 Proves: every command line of the README's bash blocks that a CPU machine can run offline runs in
-order, in a scratch copy of the repository, with only a step-count override added (--max_steps=2, or the largest --*_every=N the line sets,
-and --sample_tokens=0 / --tokens=8 where a sample would be long; a config's init_from naming a
-step folder that 2 steps did not write becomes its run folder), and exits 0: so no line reuses an
+order, in a scratch copy of the repository, with only shortening overrides added (--max_steps=2, or
+the largest --*_every=N the line sets; evaluation off: --eval_every=0 and SFT's --n_eval=0, which other
+tests cover; --sample_tokens=0 / --tokens=8 where a sample would be long; a config's init_from
+naming a step folder that 2 steps did not write becomes its run folder), and exits 0: so no line reuses an
 out_dir an earlier one filled, and each line's inputs exist when it runs. A line is passed over only
 for a reason the test names (it needs GPUs, the network, or a path the user must fill in), and the
 lines run are counted, so a README that stopped being runnable cannot pass for one.
@@ -64,8 +65,11 @@ def with_steps(cmd, work):
         words = shlex.split(piece)
         if any(w.endswith(STAGES) for w in words):
             every = [int(w.split("=")[1]) for w in words if re.fullmatch(r"--\w+_every=\d+", w)]
-            words += [f"--max_steps={max([2, *every])}", "--progress=False"] + (["--sample_tokens=0"] if any(
-                w.endswith("pretrain.py") for w in words) else []) + short_init(words, work)
+            sft = any(w.endswith("sft.py") for w in words)
+            words += [f"--max_steps={max([2, *every])}", "--progress=False", "--eval_every=0"]
+            words += ["--n_eval=0"] if sft else []
+            words += (["--sample_tokens=0"] if any(w.endswith("pretrain.py") for w in words) else [])
+            words += short_init(words, work)
         elif any(w.endswith("sample.py") for w in words):
             words += ["--tokens=8"]
         parts.append(" ".join(shlex.quote(w) for w in words))
