@@ -35,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from config import ConfigError
-from model import Block, ModelConfig, Transformer, activation_fn, round_up
+from model import Block, DenseCounts, ModelConfig, Transformer, activation_fn, round_up
 from fused import IGNORE
 
 HEADS = ("mlm", "sequence", "token")
@@ -94,7 +94,7 @@ class BertConfig:
         return round_up(self.vocab_size, self.pad_vocab_multiple)
 
 
-class Bert(nn.Module):
+class Bert(DenseCounts, nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg, mcfg, C = cfg, cfg.block_config(), cfg.n_embd
@@ -170,19 +170,6 @@ class Bert(nn.Module):
             keep = targets != IGNORE
             return Transformer.loss(self.output(h[keep])[None], targets[keep][None], reduction)
         return Transformer.loss(self.output(h), targets, reduction)
-
-
-    # the counts pretrain.py prints, as model.Transformer's
-    def num_params(self):
-        """Unique parameters (the tied decoder counts once)."""
-        return sum(p.numel() for p in self.parameters())
-
-    def non_embedding_params(self):
-        """Matmul parameters inside the blocks: the 2-D weights of every nn.Linear."""
-        return sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
-
-    def active_params(self):
-        return self.num_params()
 
 
 # ----------------------------------------------------------------------------- masked-LM masking

@@ -345,6 +345,14 @@ def activation_fn(name):
     return F.silu  # swiglu
 
 
+def activate(h, act, gated):
+    """The MLP's activation of h = fc(x): act(gate) * up over h's two halves (gated: SwiGLU, GeGLU), else act(h)."""
+    if gated:
+        gate, up = h.chunk(2, dim=-1)
+        return act(gate) * up
+    return act(h)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -364,13 +372,7 @@ class MLP(nn.Module):
             (wg, wu), b = self.fc.weight.chunk(2), self.fc.bias
             bg, bu = b.chunk(2) if b is not None else (None, None)
             return self.proj(self.act(F.linear(x, wg, bg)) * F.linear(x, wu, bu))
-        h = self.fc(x)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = self.act(gate) * up
-        else:
-            h = self.act(h)
-        return self.proj(h)
+        return self.proj(activate(self.fc(x), self.act, self.gated))
 
 
 def make_moe(cfg):
@@ -401,6 +403,21 @@ class Block(nn.Module):
 
 
 # ----------------------------------------------------------------------------- the model
+
+class DenseCounts:
+    """The parameter counts pretrain.py prints, for a dense model whose blocks are self.blocks (BERT, T5)."""
+
+    def num_params(self):
+        """Unique parameters (a tied head counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def non_embedding_params(self):
+        """Matmul parameters inside the blocks: the 2-D weights of every nn.Linear."""
+        return sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
+
+    def active_params(self):
+        return self.num_params()
+
 
 class Transformer(nn.Module):
     def __init__(self, cfg):

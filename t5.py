@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from config import ConfigError
 from generate import KVCache, sample
-from model import RMSNorm, Transformer, round_up
+from model import DenseCounts, RMSNorm, Transformer, activate, round_up
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gated-gelu": lambda x: F.gelu(x, approximate="tanh"),
                "gated-silu": F.silu}  # HF's feed_forward_proj; gated-gelu is HF's gelu_new (tanh)
@@ -159,13 +159,7 @@ class MLP(nn.Module):
         self.act, self.drop = ACTIVATIONS[cfg.activation], nn.Dropout(cfg.dropout)
 
     def forward(self, x):
-        h = self.fc(x)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = self.act(gate) * up
-        else:
-            h = self.act(h)
-        return self.proj(self.drop(h))
+        return self.proj(self.drop(activate(self.fc(x), self.act, self.gated)))
 
 
 class Block(nn.Module):
@@ -189,7 +183,7 @@ class Block(nn.Module):
 
 # ----------------------------------------------------------------------------- the model
 
-class T5(nn.Module):
+class T5(DenseCounts, nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg, C = cfg, cfg.n_embd
@@ -287,19 +281,6 @@ class T5(nn.Module):
         h = self.decode(self.shift_right(targets) if tgt is None else tgt, self.encode(src, src_mask), src_mask)
         logits = self.logits(h)
         return logits if targets is None else Transformer.loss(logits, targets, reduction)
-
-
-    # the counts pretrain.py prints, as model.Transformer's
-    def num_params(self):
-        """Unique parameters (a tied head counts once)."""
-        return sum(p.numel() for p in self.parameters())
-
-    def non_embedding_params(self):
-        """Matmul parameters inside the blocks: the 2-D weights of every nn.Linear."""
-        return sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
-
-    def active_params(self):
-        return self.num_params()
 
 
 def flops_per_row(cfg, src_len, tgt_len):
