@@ -182,10 +182,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = optim_memory.closure_loss(closure)
         for group in self.param_groups:
             if group["kind"] == "muon":
                 self._muon(group)

@@ -52,6 +52,14 @@ def full_optim_state(opt, model, grid, wrapper=None):
     return out
 
 
+
+def closure_loss(closure):
+    """What an optimizer's step(closure) returns: the closure's loss, run with gradients on (None without one)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
 class _StandardView:
     """optimizer.state as fsdp.full_optim_state reads it: p -> torch AdamW's entries."""
 
@@ -139,10 +147,7 @@ class AdamW8bit(_Base):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for g in self.param_groups:
             lr, wd, (b1, b2), eps = g["lr"], g["weight_decay"], g["betas"], g["eps"]
             small = [p for p in g["params"] if p.grad is not None and not self.quantized(p)]
@@ -249,10 +254,7 @@ class OffloadAdamW(_Base):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         buckets = self.buckets()
         if not buckets:
             return loss
