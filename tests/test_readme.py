@@ -1,14 +1,17 @@
-"""The README runs as written, top to bottom, on a fresh copy of the repository.
+"""The README runs as written, on a fresh copy of the repository: the Quick start, then each section.
 
-Proves: every command line of the README's bash blocks that a CPU machine can run offline runs in
-order, in a scratch copy of the repository, with only shortening overrides added (--max_steps=2, or
-the largest --*_every=N the line sets; evaluation off: --eval_every=0 and SFT's --n_eval=0, which other
-tests cover; --sample_tokens=0 / --tokens=8 where a sample would be long; a config's init_from
-naming a step folder that 2 steps did not write becomes its run folder), and exits 0: so no line reuses an
+Proves: every command line of the README's bash blocks that a CPU machine can run offline runs:
+the Quick start's in order in a scratch copy of the repository, then each later block's in order on
+its own copy of that folder (as a user follows the Quick start, then any section; two sections at a
+time), with only shortening overrides added (--max_steps=2, or the largest --*_every=N the line
+sets; evaluation off, --eval_every=0 and SFT's --n_eval=0, which other tests cover;
+--sample_tokens=0 / --tokens=8 where a sample would be long; a config's init_from naming a step
+folder that 2 steps did not write becomes its run folder), and exits 0: so no line reuses an
 out_dir an earlier one filled, and each line's inputs exist when it runs. A line is passed over only
 for a reason the test names (it needs GPUs, the network, or a path the user must fill in), and the
 lines run are counted, so a README that stopped being runnable cannot pass for one.
 """
+import concurrent.futures
 import os
 import re
 import shlex
@@ -33,15 +36,17 @@ SKIP = [  # (reason, pattern of the line): what a CPU machine without network ca
 STAGES = ("pretrain.py", "sft.py", "dpo.py", "grpo.py")
 
 
-def commands():
-    """The README's bash lines, continuations joined, comments dropped, in order."""
+def blocks():
+    """The README's bash blocks, each a list of its lines: continuations joined, comments dropped, in order."""
     text = open(os.path.join(ROOT, "README.md")).read()
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        lines = []
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split("  #")[0].strip() if not line.lstrip().startswith("#") else ""
             if line:
-                out.append(re.sub(r"\s+", " ", line))
+                lines.append(re.sub(r"\s+", " ", line))
+        out.append(lines)
     return out
 
 
@@ -76,14 +81,11 @@ def with_steps(cmd, work):
     return " && ".join(parts)
 
 
-def test_readme_commands_run_in_order(tmp_path):
-    if shutil.which("torchrun") is None:
-        pytest.skip("torchrun is not on PATH")
-    work = tmp_path / "repo"
-    shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", "out", "data", "__pycache__", ".old", ".whl"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def run_block(lines, work, env):
+    """Run a block's lines in order in the folder work -> ([(seconds, line)] run, [(line, reason)] passed
+    over, the first failure's message or None)."""
     ran, skipped = [], []
-    for cmd in commands():
+    for cmd in lines:
         why = next((reason for reason, pat in SKIP if re.search(pat, cmd)), None)
         if why:
             skipped.append((cmd, why))
@@ -91,7 +93,30 @@ def test_readme_commands_run_in_order(tmp_path):
         line = with_steps(cmd, work).replace("python ", f"{sys.executable} ")
         t0 = time.time()
         r = subprocess.run(line, shell=True, cwd=work, env=env, capture_output=True, text=True, timeout=900)
-        print(f"{time.time() - t0:6.1f} s  {cmd}")  # (pytest -s: where the test's time goes)
-        assert r.returncode == 0, f"README line failed ({r.returncode}): {cmd}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-        ran.append(cmd)
+        if r.returncode:
+            return ran, skipped, f"README line failed ({r.returncode}): {cmd}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        ran.append((time.time() - t0, cmd))
+    return ran, skipped, None
+
+
+def test_readme_commands_run_in_order(tmp_path):
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun is not on PATH")
+    work = tmp_path / "repo"
+    shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", "out", "data", "__pycache__", ".old", ".whl"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    first, *rest = blocks()
+    ran, skipped, failed = run_block(first, work, env)  # the Quick start
+    assert failed is None, failed
+    copies = []
+    for i, lines in enumerate(rest):  # each later section on its own copy of the Quick start's folder
+        if any(not any(re.search(pat, cmd) for _, pat in SKIP) for cmd in lines):
+            copies.append((lines, shutil.copytree(work, tmp_path / f"block{i + 1}", symlinks=True)))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two sections at a time: the 2 cores
+        results = list(pool.map(lambda job: run_block(job[0], job[1], env), copies))
+    for r, s, f in results:
+        assert f is None, f
+        ran, skipped = ran + r, skipped + s
+    for seconds, cmd in ran:
+        print(f"{seconds:6.1f} s  {cmd}")  # (pytest -s: where the test's time goes)
     assert len(ran) >= 12, (ran, skipped)  # the tiny path: pretrain, sample, SFT, chat, DPO x2, GRPO x2, eval, plots
