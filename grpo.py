@@ -218,7 +218,7 @@ def score(r, rewards, grid, cfg, stops):
 def diagnose(m, cfg):
     """What is wrong with a stretch of steps that cannot learn (their logged means m), and what to try;
     None while the run has signal. Equal rewards in (nearly) every group give zero advantages: no gradient."""
-    if m["truncated"] >= 0.9:
+    if m["truncated"] >= 0.9 and (cfg.mask_truncated or not cfg.reward_truncated):  # truncated: no reward / token
         return (f"{m['truncated']:.0%} of completions ran to max_new_tokens={cfg.max_new_tokens} without their end of "
                 "turn, so they earn nothing: raise max_new_tokens, lower lr, or start from a model that stops "
                 "(more SFT)")
