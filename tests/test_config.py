@@ -152,9 +152,15 @@ def test_help_lists_keys_with_comments(capsys):
     assert "dedup" not in out  # a pretraining key
 
 
-def test_no_arguments_asks_for_a_config():
-    with pytest.raises(config.UserError, match="no config: give one, e.g. `python pretrain.py configs/tiny.py`"):
-        config.load([], extra=pretrain.EXTRA, script="pretrain.py", example="configs/tiny.py")
+@pytest.mark.parametrize("stage", ["pretrain", "sft", "dpo", "grpo"])
+def test_no_arguments_asks_for_a_config(stage):
+    """Each stage started without arguments asks for a config (naming its example) before any work, and
+    writes by default into an out_dir of its own name."""
+    import importlib
+    mod = importlib.import_module(stage)
+    with pytest.raises(config.UserError, match=f"no config: give one, e.g. `python {stage}.py configs/"):
+        mod.main([])
+    assert config.load(["--seed=1"], extra=mod.EXTRA, script=f"{stage}.py").out_dir == f"out/{stage}"
 
 
 def test_resume_ignores_keys_this_stage_does_not_read(tmp_path):

@@ -30,6 +30,7 @@ import contextlib
 import json
 import math
 import os
+import re
 from collections import Counter
 from types import SimpleNamespace
 
@@ -389,6 +390,9 @@ def test_main_resume_restores_the_reference(tmp_path, one_thread, capsys):
     policy, as if rebuilt from the resumed policy) is refused on resume."""
     a, b, c, d, e = (str(tmp_path / n) for n in "abcde")
     main(a)
+    summary = capsys.readouterr().out.strip().splitlines()[-1]  # the stage's one closing line
+    assert re.fullmatch(r"DPO done: 4 steps in [0-9.]+ min \| held-out policy accuracy \(prefers the chosen answer\) "
+                        r"[0-9.]+% \(step 0\) -> [0-9.]+% \(step 4\) \| final checkpoint .*step_000004", summary), summary
     main(d, lora_r=4)
     for out, kw in ((b, dict(reference="copy")), (c, dict(reference="precomputed")), (e, dict(lora_r=4))):
         main(out, stop_at=2, **kw)

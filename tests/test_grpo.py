@@ -474,7 +474,7 @@ def test_layouts_equal_one_process(tmp_path):
 
 # ----------------------------------------------------------------------------- the stage end to end
 
-def test_main_runs_and_logs(tmp_path):
+def test_main_runs_and_logs(tmp_path, capsys):
     """grpo.main on a tiny random model, LoRA with the KL to its base: steps run, the log splits
     their time, the held-out reward is logged before and after, a checkpoint is written; bad
     settings stop before any work."""
@@ -486,6 +486,10 @@ def test_main_runs_and_logs(tmp_path):
             "--eval_prompts=4", "--eval_every=2", "--max_new_tokens=4", "--log_every=1", "--beta=0.1",
             "--lora_r=2", "--progress=False", f"--out_dir={out}"]
     grpo.main(args)
+    import re
+    summary = capsys.readouterr().out.strip().splitlines()[-1]  # the stage's one closing line
+    assert re.fullmatch(r"GRPO done: 2 steps in [0-9.]+ min \| held-out greedy reward [0-9.]+% \(step 0\) -> "
+                        r"[0-9.]+% \(step 2\) \| final checkpoint .*step_000002", summary), summary
     rec = [json.loads(line) for line in open(out / "train_metrics.jsonl")]
     steps = [r for r in rec if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(r["t_rollout"] > 0 and r["t_learn"] > 0 for r in steps)
