@@ -129,14 +129,15 @@ class Cache:
         return None
 
     def put(self, entry, raw, keep=()):
-        """Write a verified shard, then evict least recently used ones (never those in keep) past max_bytes."""
+        """Evict least recently used shards (never those in keep) until a verified shard fits max_bytes, then
+        write it: the folder never holds more (the prefetch threads take turns)."""
         path = self.path(entry)
-        if not os.path.exists(path):
-            shards.write_atomic(path, raw)
         with self.lock:
             self.files[entry["sha256"]] = len(raw)
             self.files.move_to_end(entry["sha256"])
             self._evict(set(keep) | {entry["sha256"]})
+            if not os.path.exists(path):
+                shards.write_atomic(path, raw)
         return path
 
     def nbytes(self):
