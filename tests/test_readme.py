@@ -26,7 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP = [  # (reason, pattern of the line): what a CPU machine without network cannot run as written
     ("installs packages", r"^pip "),
     ("runs the whole test suite", r"pytest"),
-    ("needs GPUs", r"configs/(small|gpt2|sft_small|grpo_small|life|sft_life|dpo_life|grpo_life)\.py|out/small\b|--nnodes"),
+    ("needs GPUs", r"configs/(small|gpt2|sft_small|grpo_small|life|sft_life|dpo_life|grpo_life)\.py|out/small\b|--nnodes"
+                   r"|bench_life\.py"),
     ("needs more processes than this machine's 2 cores run well", r"--nproc_per_node=4"),
     ("needs the network (hub data, object storage)", r"hf:|s3://|--tasks=[^ ]*(hellaswag|arc_|piqa)\b|humaneval"),
     ("a path the user fills in", r"/path/to/|my\.jsonl|pairs\.jsonl|data/clean/mine|data/shards/mine|/local/ssd"),
