@@ -111,8 +111,11 @@ def test_readme_commands_run_in_order(tmp_path):
     assert failed is None, failed
     copies = []
     for i, lines in enumerate(rest):  # each later section on its own copy of the Quick start's folder
-        if any(not any(re.search(pat, cmd) for _, pat in SKIP) for cmd in lines):
-            copies.append((lines, shutil.copytree(work, tmp_path / f"block{i + 1}", symlinks=True)))
+        runs = [cmd for cmd in lines if not any(re.search(pat, cmd) for _, pat in SKIP)]
+        if runs:  # (its cost guessed: a line, two for a torchrun or a sweep; the longest sections start first)
+            cost = sum(1 + ("torchrun" in cmd or "sweep.py" in cmd) for cmd in runs)
+            copies.append((cost, lines, shutil.copytree(work, tmp_path / f"block{i + 1}", symlinks=True)))
+    copies = [(lines, folder) for _, lines, folder in sorted(copies, key=lambda c: -c[0])]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two sections at a time: the 2 cores
         results = list(pool.map(lambda job: run_block(job[0], job[1], env), copies))
     for r, s, f in results:
