@@ -36,6 +36,7 @@ import rewards
 from config import UserError
 
 NUMBER = re.compile(r"-?\d+")
+STEP = re.compile(r"^\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*=\s*(-?\d+)\s*$", re.M)  # a worked step line: x op y = z
 
 
 def user(text):
@@ -114,16 +115,20 @@ class Arithmetic(Task):
     worked=False (the default): the answer is the bare integer ("71"); reward() reads the first integer
     of the completion before its end-of-turn marker. worked=True: items carry a worked solution, one
     step a line, then the answer ("12 + 35 = 47\n47 * 3 = 141\n#### 141"); reward() is strict: the
-    last line '#### <the answer>'.
+    last line '#### <the answer>'. check_steps=True (worked only): the reward also asks every worked step
+    line to be the problem's own, right ("x op y = z" as in the solution): a right answer after wrong
+    steps, a lucky guess, earns 0 (in a small answer space luck pays, and RL learns to guess).
     """
     name = "arithmetic"
     ENUMERATE = 100_000
 
-    def __init__(self, max_operand=20, ops="+-", test_percent=10, terms=2, worked=False):
+    def __init__(self, max_operand=20, ops="+-", test_percent=10, terms=2, worked=False, check_steps=False):
         if max_operand < 1 or not ops or set(ops) - set("+-*") or not 0 < test_percent < 100 or terms < 2:
             raise TaskError("Arithmetic needs max_operand >= 1, ops from '+-*', 0 < test_percent < 100, terms >= 2")
-        self.max_operand, self.ops, self.test_percent, self.terms, self.worked = \
-            max_operand, ops, test_percent, terms, worked
+        if check_steps and not worked:
+            raise TaskError("check_steps=True checks worked steps: set worked=True too")
+        self.max_operand, self.ops, self.test_percent, self.terms, self.worked, self.check_steps = \
+            max_operand, ops, test_percent, terms, worked, check_steps
         self.size = (max_operand + 1) ** terms * len(ops) ** (terms - 1)  # before the never-negative rule
         self.train_problems = self.test_problems = None
         if self.size <= self.ENUMERATE:
@@ -204,13 +209,20 @@ class Arithmetic(Task):
     def reward(self, completion, item):
         if not self.worked:
             return 1.0 if first_integer(completion) == item["answer"] else 0.0
-        return 1.0 if same_number(rewards.strict_answer(completion, "####"), item["answer"]) else 0.0
+        if not same_number(rewards.strict_answer(completion, "####"), item["answer"]):
+            return 0.0
+        if self.check_steps:
+            got = STEP.findall(rewards.completion_text(completion).strip().rsplit("\n", 1)[0])
+            return float(got == STEP.findall(item["solution"]))
+        return 1.0
 
     def accuracy(self, completion, item):
         """worked: strict = the '####' last line, lenient = a final-answer marker, else the last number;
-        bare: strict = the completion is the number alone, lenient = its first integer (the reward)."""
+        bare: strict = the completion is the number alone, lenient = its first integer (the reward).
+        check_steps does not change them: they judge the answer."""
         if self.worked:
-            return self.reward(completion, item), float(same_number(rewards.lenient_answer(completion), item["answer"]))
+            return float(same_number(rewards.strict_answer(completion, "####"), item["answer"])), \
+                float(same_number(rewards.lenient_answer(completion), item["answer"]))
         return float(rewards.completion_text(completion).strip() == item["answer"]), self.reward(completion, item)
 
     def sft_examples(self, n, seed=0):
@@ -245,8 +257,8 @@ class MultiStep(Arithmetic):
     56\n#### 56"), the strict '####' reward. 2,510,050 problems (of 4e6 before the never-negative rule)."""
     name = "multistep"
 
-    def __init__(self, max_operand=99, ops="+-", test_percent=10, terms=3, worked=True):
-        super().__init__(max_operand, ops, test_percent, terms, worked)
+    def __init__(self, max_operand=99, ops="+-", test_percent=10, terms=3, worked=True, check_steps=False):
+        super().__init__(max_operand, ops, test_percent, terms, worked, check_steps)
 
 
 class Countdown(Task):
