@@ -3,7 +3,8 @@
 #   python dpo.py configs/dpo_life.py        (after sft.py configs/sft_life.py)
 init_from = "out/sft_life"
 out_dir = "out/dpo_life"
-task = "multistep"
+task = "arithmetic"
+task_args = dict(max_operand=9, terms=6, worked=True)
 n_pairs = 2000
 eval_pairs = 200
 beta = 0.1

@@ -12,7 +12,8 @@ valid ones). Large arithmetic (sampled, not listed) and Countdown keep train and
 question's hash whatever the seeds; their worked solutions are right step by step by Python's own
 arithmetic; strict and lenient accuracy score hand-made completions as worked by hand (a truncated
 one, the format missing, a number not given or used twice, code that must never run); DPO pairs
-reject a solution the reward rejects; the probe's reward is 1 exactly on its first character."""
+reject a solution the reward rejects; check_steps rewards a right answer only after the
+problem's own steps (a lucky answer after a wrong step earns 0); the probe's reward is 1 exactly on its first character."""
 import os
 import re
 
@@ -133,10 +134,11 @@ def check_worked(solution, question_expr, answer):
 def test_task_settings_from_a_plain_dict():
     t = tasks.get("arithmetic", dict(max_operand=999, ops="+-*", terms=3))
     assert (t.max_operand, t.ops, t.terms, t.worked) == (999, "+-*", 3, False) and t.train_problems is None
-    assert tasks.settings("multistep") == dict(max_operand=99, ops="+-", test_percent=10, terms=3, worked=True)
+    assert tasks.settings("multistep") == dict(max_operand=99, ops="+-", test_percent=10, terms=3, worked=True,
+                                              check_steps=False)
     assert tasks.get("countdown", {"numbers": 4}, max_target=500).count == 4
     with pytest.raises(UserError, match=r"^task 'arithmetic' has no setting 'max_op': its settings are max_operand=20, "
-                                        r"ops='\+-', test_percent=10, terms=2, worked=False$"):
+                                        r"ops='\+-', test_percent=10, terms=2, worked=False, check_steps=False$"):
         tasks.get("arithmetic", {"max_op": 5})
     with pytest.raises(UserError, match=r"^task 'countdown': numbers='3' must be a int \(default 3\)$"):
         tasks.get("countdown", {"numbers": "3"})
@@ -191,6 +193,25 @@ def test_worked_arithmetic_strict_and_lenient(completion, strict, lenient):
     bare = tasks.Arithmetic()    # the default: strict = the bare number alone, lenient = its first integer (the reward)
     assert [bare.accuracy(c, {"answer": "71"}) for c in ("71", " 71<|im_end|>", "71 apples", "7")] == \
         [(1.0, 1.0), (1.0, 1.0), (0.0, 1.0), (0.0, 0.0)]
+
+
+@pytest.mark.parametrize("completion, reward", [
+    ("35 * 3 = 105\n12 + 105 = 117\n#### 117", 1.0),
+    ("35 * 3 = 105\n12 + 105 = 117\n#### 117<|im_end|>", 1.0),
+    ("35 * 3 = 104\n12 + 104 = 117\n#### 117", 0.0),   # the right answer after a wrong step: luck
+    ("30 * 3 = 90\n12 + 90 = 102\n#### 117", 0.0),     # right arithmetic on the wrong numbers
+    ("12 + 105 = 117\n#### 117", 0.0),                  # a step left out
+    ("#### 117", 0.0),                                  # no steps at all
+    ("35 * 3 = 105\n12 + 105 = 117\n#### 118", 0.0),
+])
+def test_check_steps_rewards_only_the_problems_own_steps(completion, reward):
+    t = tasks.get("multistep", {"ops": "+-*", "check_steps": True})
+    item = t.item(12, "+", 35, "*", 3)
+    assert t.reward(completion, item) == reward
+    plain = tasks.get("multistep", {"ops": "+-*"})        # accuracy judges the answer alone, as without check_steps
+    assert t.accuracy(completion, item) == plain.accuracy(completion, item)
+    with pytest.raises(UserError, match="check_steps=True checks worked steps: set worked=True"):
+        tasks.get("arithmetic", {"check_steps": True})
 
 
 def test_worked_arithmetic_pairs_slip_one_step():
