@@ -38,6 +38,7 @@ import optim
 import parallel
 import tasks
 import weights
+from config import need
 from model import IGNORE
 
 # ours below, then TRL's other pair-local types (objectives.py, parity-tested against TRL). Not taken: aot and
@@ -292,9 +293,6 @@ def tokenize(pairs, encode, T):
 
 def check(cfg):
     """DPO's own settings, before any work is spent."""
-    def need(ok, msg):
-        if not ok:
-            raise config.ConfigError(msg)
     need(cfg.loss_type in LOSS_TYPES, f"loss_type={cfg.loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
     need(cfg.reference in REFERENCES, f"reference={cfg.reference!r}: choose one of {', '.join(REFERENCES)}")
     need(cfg.beta > 0 and 0 <= cfg.label_smoothing < 0.5,

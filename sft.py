@@ -43,6 +43,7 @@ import t5
 import tasks
 import tokenizer
 import weights
+from config import need
 from model import IGNORE, ModelConfig, Transformer
 
 SFT_DEFAULTS = dict(
@@ -68,9 +69,6 @@ RESUME_FREE = ("n_eval", "eval_every", "eval_tokens", "eval_batch", "merge", "ex
 
 def check(cfg, grid):
     """SFT's own settings, and a LoRA config the model cannot take: one message, before any work."""
-    def need(ok, msg):
-        if not ok:
-            raise config.ConfigError(msg)
     need(cfg.task or cfg.chat_data, "no training data: set chat_data (a file, folder or hf:<name>) or a task")
     need(cfg.n_train > 0 and cfg.n_eval >= 0 and cfg.eval_tokens > 0 and cfg.eval_batch > 0,
          "n_train, eval_tokens and eval_batch must be positive, n_eval >= 0")
