@@ -380,8 +380,7 @@ def main(argv):
         pol = policy_logps(net, seqs, held_ids, cfg, grid, autocast).T.flatten()
         m = metrics(objective(pol, ref_held, lens, cfg, 1, 1)[1], None, "eval_", cfg.rpo_alpha)
         logger.log(step, m)
-        held_out.setdefault("before", (step, m["eval_policy/accuracy"]))
-        held_out["after"] = (step, m["eval_policy/accuracy"])
+        lifecycle.track_held(held_out, step, m["eval_policy/accuracy"])
         say(f"step {step} | " + logs.fmt(m))
 
     def save():

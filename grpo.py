@@ -369,8 +369,7 @@ def main(argv):
                        grid.data_group, device)
         logger.log(step, m)
         key = "heldout_lenient" if "heldout_lenient" in m else "heldout_greedy"
-        held.setdefault("before", (step, m[key]))
-        held["after"] = (step, m[key])
+        lifecycle.track_held(held, step, m[key])
         say(f"step {step} | held-out ({len(test)} prompts) | " + logs.fmt(m))
 
     def save():

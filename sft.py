@@ -285,8 +285,7 @@ def main(argv):
         if m:
             logger.log(step, m)
             key = "accuracy" if items else "val_loss"
-            held.setdefault("before", (step, m[key]))
-            held["after"] = (step, m[key])
+            lifecycle.track_held(held, step, m[key])
             parts = [f"validation loss {m['val_loss']:.4f} ({len(held_rows)} rows)"] if held_rows else []
             if items:  # rank 0 always has an example
                 parts.append(f"accuracy {m['accuracy']:.1%} of {len(items)} {cfg.task} items | e.g. "
