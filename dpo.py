@@ -188,13 +188,6 @@ def pair_logps(fn, seqs, ids, mb, grid, autocast):
 
 # ----------------------------------------------------------------------------- policy, reference, one step
 
-def build(cfg, grid, load=None, frozen=False):
-    """The policy (or, frozen, a reference copy) in this run's layout, weights from load (weights.loader),
-    seeded by cfg.seed: without init_from the copy equals the policy's start. -> parallel.Net"""
-    m = weights.build_model(cfg, grid, frozen=frozen)
-    return parallel.parallelize(m, grid, cfg, load=load, optimizer=not frozen)
-
-
 def make_reference(kind, cfg, grid, net, seqs, autocast, table=None, load=None):
     """(x, y, pair indices) -> (2b,) reference log-probs, under no_grad. kind: copy (a frozen model,
     eval mode), adapters (the policy, LoRA off), precomputed (`table`, else computed now by the
@@ -204,7 +197,7 @@ def make_reference(kind, cfg, grid, net, seqs, autocast, table=None, load=None):
     pass by the policy before it trains, kept in memory and out_dir/ref_logps.pt (no reference
     model while training); "auto": adapters with LoRA, else copy (check)."""
     if kind == "copy":
-        ref = build(cfg, grid, load, frozen=True)
+        ref = weights.build_net(cfg, grid, load, frozen=True)
         ref.raw.eval()
         fn = torch.no_grad()(lambda x, y, idx: sequence_logps(ref, x, y))
         fn.model = ref.raw  # for the tests: it never receives a gradient
@@ -348,7 +341,7 @@ def main(argv):
 
     # ------------------------------------------------------------------------ policy, reference, resume
     load = weights.loader(cfg, grid)
-    net = build(cfg, grid, load)
+    net = weights.build_net(cfg, grid, load)
     table, held_ids = None, list(range(len(train), len(seqs))) or list(range(mb))  # (none held out: the first)
     if kind == "precomputed":  # by the policy now, before any step or resume: it is the reference
         cache, key = os.path.join(cfg.out_dir, "ref_logps.pt"), hashlib.sha256(repr(seqs).encode()).hexdigest()
