@@ -1,7 +1,6 @@
 """Pretraining data quality: normalisation, quality filters, exact and MinHash near-dedup.
 
-What a model learns is decided by its data, so this file holds the steps between raw files and
-the tokenizer: every removed document is counted under the reason it failed.
+The steps between raw files and the tokenizer; every removed document is counted under its reason.
 
     python clean.py IN_DIR_OR_FILE OUT_DIR [--dedup] [--threshold=0.8] [--processes=2] [--key=value]
 
@@ -10,7 +9,7 @@ and prints the counts. The data path calls `documents(docs, cfg, stats)` instead
 a generator out, one pass, the counts in `stats`.
 
 A document goes through these steps in order (each one's rules in its docstring, the thresholds
-in CleanConfig, each removal counted under its reason's name):
+in CleanConfig):
   1. normalise                  UTF-8, NFC, newlines, control characters; too_long, binary, empty
   2. guess_kind                 "code" or "prose", unless the caller knows (the CLI: the extension)
   3. prose_reason / code_reason Gopher's rules for prose; Codex / The Stack / StarCoder2's for code
@@ -122,16 +121,13 @@ class Stats:
             self.removed[reason] += 1
 
     def merge(self, other):
-        self.docs += other.docs
-        self.kept += other.kept
-        self.chars_in += other.chars_in
-        self.chars_out += other.chars_out
+        for name in ("docs", "kept", "chars_in", "chars_out"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         self.removed.update(other.removed)
         self.flagged.update(other.flagged)
 
     def report(self):
-        lines = [f"{self.docs} documents in, {self.kept} kept; {self.chars_in:,} chars in, "
-                 f"{self.chars_out:,} out"]
+        lines = [f"{self.docs} documents in, {self.kept} kept; {self.chars_in:,} chars in, {self.chars_out:,} out"]
         lines += [f"  removed {n:>8} {reason}" for reason, n in self.removed.most_common()]
         lines += [f"  flagged {n:>8} {reason} (kept: down-weighted)" for reason, n in self.flagged.most_common()]
         return "\n".join(lines)
@@ -174,8 +170,7 @@ def guess_kind(text):
     """'code' when at least 40% of the non-blank lines are indented, start with '#', '//' or '@',
     or end in one of  ; { } ( ) [ ] : , = \\  (prose lines end in words or . ? !); else 'prose'."""
     lines = [ln for ln in text.split("\n") if ln.strip()]
-    codey = sum(ln[0] in " \t#@" or ln.startswith("//") or ln.rstrip().endswith(CODE_LINE_END)
-                for ln in lines)
+    codey = sum(ln[0] in " \t#@" or ln.startswith("//") or ln.rstrip().endswith(CODE_LINE_END) for ln in lines)
     return "code" if codey >= 0.4 * len(lines) else "prose"
 
 
@@ -225,17 +220,16 @@ def ngram_chars(ids, lengths, n):
 
 
 def prose_reason(text, cfg):
-    """The first Gopher rule the text fails, or None: Gopher's MassiveText rules (Rae et al. 2021,
-    "Scaling Language Models", App. A.1.1 and Table A1), the reason in brackets:
+    """The first of Gopher's MassiveText rules (Rae et al. 2021, "Scaling Language Models", App.
+    A.1.1 and Table A1) the text fails, or None, the reason in brackets:
     50..100,000 words [words]; mean word length 3..10 [mean_word_length]; '#' or ellipses per word
     <= 0.1 [symbols]; <= 90% of lines starting with a bullet [bullets], <= 30% ending in an ellipsis
     [ellipsis]; >= 80% of words with a letter [alpha_words]; >= 2 stop words (the be to of and that
     have with) [stop_words]; duplicate lines / paragraphs <= 30% of lines / paragraphs and <= 20% of
     characters [dup_lines, dup_paragraphs, dup_line_chars, dup_paragraph_chars]; the most frequent
     2/3/4-gram <= 20/18/16% of the characters [top_2gram..]; characters inside n-grams that occur
-    more than once <= 15,14,13,12,11,10% for n = 5..10 [dup_5gram..]. Words are whitespace-separated
-    tokens with surrounding punctuation stripped (tokens of punctuation only are not words); blank
-    lines do not count as lines; characters are word characters; a duplicated n-gram counts all its
+    more than once <= 15,14,13,12,11,10% for n = 5..10 [dup_5gram..]. Words: words_of; blank lines
+    do not count as lines; characters are word characters; a duplicated n-gram counts all its
     occurrences, overlaps once."""
     words = words_of(text)
     if not cfg.min_words <= len(words) <= cfg.max_words:
@@ -279,8 +273,7 @@ def prose_reason(text, cfg):
 
 NON_ALNUM = re.compile(r"[\W_]+")
 BASE64 = re.compile(r"[A-Za-z0-9+/=\n]{64,}")
-# hex bytes, \x and \u escapes, number tables: runs of these characters (one character class is
-# fast in Python's re) that hold >= 16 separators (commas, backslashes) and are not mostly blank
+# hex bytes, \x \u escapes, number tables as one character class (fast in re); see encoded_runs
 DATA = re.compile(r"[0-9A-Fa-fxXlLuU.,+\-\s\\'\"]{64,}")
 
 
@@ -327,13 +320,16 @@ def code_reason(text, cfg):
     return None
 
 
-def clean_one(doc, cfg, kind="auto"):
-    """(text, None) when `doc` passes normalisation and the filters of its kind, else (None, reason)."""
+def clean_one(doc, cfg, kind="auto", tox=None, stats=None):
+    """(text, None) when `doc` passes normalisation, the filters of its kind and the toxicity filter
+    `tox` (a toxicity.Filter or None; what it flags but keeps is counted in stats), else (None, reason)."""
     text, reason = normalise(doc, cfg)
     if reason is None:
         if kind not in ("code", "prose"):
             kind = guess_kind(text)
         reason = code_reason(text, cfg) if kind == "code" else prose_reason(text, cfg)
+    if reason is None and tox:
+        reason = tox.check(text, stats)
     return (text, None) if reason is None else (None, reason)
 
 
@@ -394,14 +390,13 @@ def signature(hashes, perms, scheme, rows_per_step=4096):
 
 
 def lsh_params(threshold, num_perm, false_positive_weight=0.5):
-    """(bands, rows) minimising fp_w * P(candidate | J < t) area + fn_w * P(missed | J > t) area,
-    over b * r <= num_perm in datasketch's order (first minimum wins), as `_optimal_param`; the
-    integrals are exact here by Gauss-Legendre, the integrand being a polynomial. A pair is a
-    candidate when all r values of some band agree: probability 1 - (1 - J^r)^b. CleanConfig's
-    weights (0.1, 0.9), MinHashLSH(threshold, num_perm, weights=(0.1, 0.9)), favour recall: at 0.8
-    and 128 permutations b=14, r=9, a pair is a candidate with probability 0.87 at J=0.8, 0.975 at
-    0.85, 0.998 at 0.9, 0.44 at 0.7, 0.13 at 0.6 (weights (0.5, 0.5) would give b=9, r=13 and 0.40
-    at 0.8)."""
+    """(bands, rows) minimising fp_w * P(candidate | J < t) area + fn_w * P(missed | J > t) area over
+    b * r <= num_perm, in datasketch's order (first minimum wins) as its `_optimal_param`; the
+    integrals exact by Gauss-Legendre (the integrand is a polynomial). A pair is a candidate when all
+    r values of some band agree: probability 1 - (1 - J^r)^b. CleanConfig's weights (0.1, 0.9), as
+    MinHashLSH(threshold, num_perm, weights=(0.1, 0.9)), favour recall: at 0.8 and 128 permutations
+    b=14, r=9, a candidate with probability 0.87 at J=0.8, 0.975 at 0.85, 0.998 at 0.9, 0.44 at 0.7,
+    0.13 at 0.6 (weights (0.5, 0.5) would give b=9, r=13 and 0.40 at 0.8)."""
     b = np.concatenate([np.full(num_perm // bb, bb) for bb in range(1, num_perm + 1)]).astype(float)
     r = np.concatenate([np.arange(1, num_perm // bb + 1) for bb in range(1, num_perm + 1)]).astype(float)
     x, w = np.polynomial.legendre.leggauss(num_perm // 2 + 1)  # exact up to degree num_perm + 1
@@ -438,12 +433,11 @@ class MinHasher:
     MinHash over word 5-gram shingles (lower-cased \\w+ tokens joined by a space; a document of fewer
     than 5 tokens is one shingle), each shingle hashed as datasketch does (first 4 bytes of SHA-1,
     little-endian), `num_perm` universal-hash permutations drawn from np.random.RandomState(seed)
-    exactly as datasketch 2.0 draws them, so signatures equal
-    `datasketch.MinHash(num_perm, seed).update_batch(shingles)` bit for bit. scheme="affine32"
-    (datasketch's default: MurmurHash3's fmix32, then a*h+b mod 2^32, a odd, a bijection) or
-    "legacy" (datasketch < 2.0: (a*h+b) mod (2^61-1), masked to 32 bits). LSH: b bands of r rows
-    (lsh_params); two documents are candidates when all r values of some band agree, the same pairs
-    datasketch's MinHashLSH returns."""
+    exactly as datasketch 2.0 draws them: signatures equal `datasketch.MinHash(num_perm,
+    seed).update_batch(shingles)` bit for bit. scheme="affine32" (datasketch's default: MurmurHash3's
+    fmix32, then a*h+b mod 2^32, a odd, a bijection) or "legacy" (datasketch < 2.0: (a*h+b) mod
+    (2^61-1), masked to 32 bits). LSH: b bands of r rows (lsh_params); two documents are candidates
+    when all r values of some band agree, the same pairs datasketch's MinHashLSH returns."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -456,14 +450,12 @@ class MinHasher:
 
 
 class Deduper:
-    """Streaming dedup, first seen kept: `check(text)` -> None, "exact_duplicate" or
-    "near_duplicate" (a candidate of any earlier document). State: Python sets of keys.
-    exact: 64-bit BLAKE2b of the text with whitespace runs collapsed (exact_key). near: MinHash +
-    LSH (MinHasher). Rule: a document is removed when it is a candidate of an earlier document. So
-    the first document of every cluster is kept, no two kept documents are candidates, and each
-    decision depends only on earlier documents: this streaming pass and the two-phase corpus run
-    (clean_corpus, `duplicates`) remove the same documents. The sets cost about 60 B per key, b + 1
-    keys per document: fine to ~10M documents; beyond that, clean_corpus."""
+    """Streaming dedup: `check(text)` -> None, "exact_duplicate" (its exact_key seen before) or
+    "near_duplicate" (a MinHash + LSH candidate of an earlier document: MinHasher). So the first
+    document of every cluster is kept, no two kept documents are candidates, and each decision
+    depends only on earlier documents: the two-phase corpus run (clean_corpus, `duplicates`)
+    removes the same. State: Python sets, ~60 B per key, b + 1 keys per document (fine to ~10M
+    documents; beyond that, clean_corpus)."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -516,9 +508,7 @@ def documents(docs, cfg=None, stats=None, kind="auto"):
     dedup = Deduper(cfg)
     tox = toxicity_mod.Filter(cfg.toxicity, cfg.toxicity_threshold, cfg.toxicity_keep) if cfg.toxicity else None
     for doc in docs:
-        text, reason = clean_one(doc, cfg, kind)
-        if reason is None and tox:
-            reason = tox.check(text, stats)
+        text, reason = clean_one(doc, cfg, kind, tox, stats)
         if reason is None:
             reason = dedup.check(text)
         stats.count(len(doc) if isinstance(doc, (str, bytes)) else 0, text, reason)
@@ -527,10 +517,9 @@ def documents(docs, cfg=None, stats=None, kind="auto"):
 
 
 def features(docs, cfg, kinds="auto"):
-    """Phase 1 for a batch (a Pool worker, or datasets' map(batched=True)): per document the
-    cleaned text or None, the removal reason or None, the exact key and band keys (0 when
-    removed), and the MinHash signatures; plus the batch's Stats. Only for dedup across batches
-    is `duplicates` needed afterwards."""
+    """Phase 1 for a batch (a Pool worker, or datasets' map(batched=True)): per document the cleaned
+    text or None, the removal reason or None, the exact key and band keys (0 when removed) and the
+    MinHash signature; plus the batch's Stats. Dedup across batches: `duplicates` afterwards."""
     kinds = [kinds] * len(docs) if isinstance(kinds, str) else kinds
     hasher = MinHasher(cfg) if cfg.near_dedup else None
     stats, texts, reasons = Stats(), [], []
@@ -538,9 +527,7 @@ def features(docs, cfg, kinds="auto"):
     sigs = np.full((len(docs), cfg.num_perm if hasher else 0), 0xFFFFFFFF, dtype=np.uint32)
     tox = toxicity_mod.Filter(cfg.toxicity, cfg.toxicity_threshold, cfg.toxicity_keep) if cfg.toxicity else None
     for i, (doc, kind) in enumerate(zip(docs, kinds)):
-        text, reason = clean_one(doc, cfg, kind)
-        if reason is None and tox:
-            text, reason = (text, None) if tox.check(text, stats) is None else (None, "toxicity")
+        text, reason = clean_one(doc, cfg, kind, tox, stats)
         stats.count(len(doc) if isinstance(doc, (str, bytes)) else 0, text, reason)
         texts.append(text)
         reasons.append(reason)
@@ -566,13 +553,12 @@ def _features_star(args):
 def clean_corpus(records, out_path, cfg, processes=1, workdir=None, chunk=256, shard_docs=1 << 16):
     """Clean and dedup (name, doc, kind) records into a jsonl file of {"text", "source"}; Stats.
 
-    Parallel, bounded memory: phase 1 runs `features` over chunks of documents in a
-    multiprocessing Pool of `processes` (ordered, so deterministic); each worker cleans, filters and
-    computes signatures; the parent writes signature shards (num_perm x 4 B per document) and
-    band-key shards (b x 8 B) to disk, loaded back as np.memmap, and keeps 8 B per document (the
-    exact key). Phase 2 (`duplicates`) takes one band at a time, the first occurrence of each key
-    by np.unique: about 40 B per document in RAM at peak whatever num_perm is (1e9 documents:
-    40 GB; beyond that, split each band by key prefix).
+    Parallel, bounded memory: phase 1 runs `features` over chunks of documents in a multiprocessing
+    Pool of `processes` (ordered, so deterministic): each worker cleans, filters and computes band
+    keys; the parent writes them to disk as shards (b x 8 B per document), loaded back as np.memmap,
+    and keeps 8 B per document (the exact key). Phase 2 (`duplicates`) takes one band at a time, the
+    first occurrence of each key by np.unique: about 40 B per document in RAM at peak whatever
+    num_perm is (1e9 documents: 40 GB; beyond that, split each band by key prefix).
     Beyond one machine, no scheduler is needed: run `features` through datasets,
     `ds.map(clean.feature_columns, batched=True, num_proc=N, fn_kwargs=dict(cfg=cfg))` (text,
     reason or "", exact key, band keys per row; tested), or this CLI on one shard per node; gather
@@ -583,12 +569,9 @@ def clean_corpus(records, out_path, cfg, processes=1, workdir=None, chunk=256, s
         cleaned_path = os.path.join(tmp, "cleaned.jsonl")
         exact, lengths, shards, pending = [], [], [], []
 
-        def flush():
-            keys = np.concatenate([f["bands"] for f in pending])
-            sigs = np.concatenate([f["signature"] for f in pending])
+        def flush():  # the pending band keys as one shard on disk
             shards.append(os.path.join(tmp, f"bands_{len(shards):05d}.npy"))
-            np.save(shards[-1], keys)
-            np.save(os.path.join(tmp, f"signatures_{len(shards) - 1:05d}.npy"), sigs)
+            np.save(shards[-1], np.concatenate(pending))
             pending.clear()
 
         chunks = iter(lambda: list(islice(records, chunk)), [])
@@ -607,9 +590,9 @@ def clean_corpus(records, out_path, cfg, processes=1, workdir=None, chunk=256, s
                             if text is not None:
                                 out.write(json.dumps({"text": text, "source": name}, ensure_ascii=False) + "\n")
                         exact.append(f["exact"][keep])
-                        pending.append(dict(bands=f["bands"][keep], signature=f["signature"][keep]))
+                        pending.append(f["bands"][keep])
                         lengths.append(np.array([len(t) for t in f["text"] if t is not None], dtype=np.int64))
-                        if sum(len(p["bands"]) for p in pending) >= shard_docs:
+                        if sum(map(len, pending)) >= shard_docs:
                             flush()
         finally:
             if pool:
@@ -668,8 +651,7 @@ def read_corpus(path, text_field="text"):
 
 def parse_overrides(pairs, cfg):
     """--key=value pairs (Python literals, or bare strings) onto a CleanConfig."""
-    names = {f.name: f for f in fields(CleanConfig)}
-    changes = {}
+    names, changes = {f.name: f for f in fields(CleanConfig)}, {}
     for pair in pairs:
         key, eq, raw = pair[2:].partition("=")
         if not pair.startswith("--") or key not in names:

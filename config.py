@@ -39,6 +39,12 @@ class ConfigError(UserError, ValueError):
     """A config value that cannot work."""
 
 
+def need(ok, msg):
+    """Raise ConfigError(msg) unless ok: a check() reads as its list of conditions and messages."""
+    if not ok:
+        raise ConfigError(msg)
+
+
 class ConfigKeyError(UserError, KeyError):
     """An unknown config key."""
 
@@ -284,10 +290,6 @@ def validate(cfg, world=1):
             ModelConfig.from_cfg(cfg)  # model checks (heads divide width, known activation, ...)
         except (ValueError, TypeError) as e:
             raise ConfigError(str(e)) from e
-
-    def need(ok, msg):
-        if not ok:
-            raise ConfigError(msg)
     need(cfg.lr > 0, f"lr={cfg.lr} must be positive")
     need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1]")
     need(cfg.max_steps > 0, f"max_steps={cfg.max_steps} must be positive")

@@ -40,6 +40,7 @@ import fim as fim_mod
 import mix
 import parallel
 import stream
+from config import need
 
 
 # The data pipeline's config keys (pretraining and eval.py read them; config.load(extra=...))
@@ -76,9 +77,6 @@ SHARDS = "shards:"  # data="shards:<folder or URL>": a shard set streamed, not a
 
 def check_settings(cfg):
     """The data keys of a config, before any work: one message saying what to change."""
-    def need(ok, msg):
-        if not ok:
-            raise config.ConfigError(msg)
     need(cfg.dedup in ("none", "exact", "near"), f"dedup='{cfg.dedup}' must be none, exact or near")
     need(0 <= cfg.fim_rate <= 1 and 0 <= cfg.fim_spm_rate <= 1,
          f"fim_rate={cfg.fim_rate} and fim_spm_rate={cfg.fim_spm_rate} must be in [0, 1]")

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 import bert
-import config
 import t5
+from config import need
 from fused import IGNORE
 
 OBJECTIVES = ("lm", "mlm", "span")
@@ -34,9 +34,6 @@ OBJECTIVES = ("lm", "mlm", "span")
 
 def check(cfg, tok):
     """The objective's keys and the vocabulary it needs, before any work: one line saying what to change."""
-    def need(ok, msg):
-        if not ok:
-            raise config.ConfigError(msg)
     need(cfg.objective in OBJECTIVES, f"objective={cfg.objective!r} must be one of {', '.join(OBJECTIVES)}")
     if cfg.objective == "lm":
         return

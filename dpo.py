@@ -38,6 +38,7 @@ import optim
 import parallel
 import tasks
 import weights
+from config import need
 from model import IGNORE
 
 # ours below, then TRL's other pair-local types (objectives.py, parity-tested against TRL). Not taken: aot and
@@ -98,20 +99,18 @@ def pair_losses(pc, pr, rc, rr, lc, lr, loss_type="sigmoid", beta=0.1, eps=0.0, 
 
 
 def sequence_logps(fwd, x, y):
-    """(B,) sums of log p(y_t) over the positions where y != IGNORE (the answers), through the
-    model's loss path: -fwd(x, y, reduction="none") is (B, T) fp32 log-probs, 0 where ignored
-    (under TP the vocab-parallel cross-entropy: logits never gathered)."""
+    """(B,) sums of log p(y_t) where y != IGNORE (the answers), by the model's loss path: -fwd(x, y,
+    reduction="none") is (B, T) fp32 log-probs, 0 where ignored (TP: vocab-parallel, logits never gathered)."""
     return -fwd(x, y, reduction="none").sum(-1)
 
 
 def objective(logps, ref_logps, lens, cfg, n_pairs, n_tokens):
-    """logps, ref_logps, lens (2b,): summed log-probs and answer lengths, rows [chosen; rejected].
-    n_pairs, n_tokens: the global batch's pairs and chosen-answer tokens divided by the data-parallel
-    world (DataParallel and FSDP average gradients over ranks), so that the terms of every
-    micro-step and rank add up to the global batch's mean. -> (loss to backward, {metric: sum} of
-    this micro-batch: pairs, their losses, TRL's rewards / logps, policy/accuracy, nll, tokens).
-    The loss: pair_losses' mean over the global batch + rpo_alpha * NLL of the chosen answers, a
-    token mean over the global batch (RPO)."""
+    """logps, ref_logps, lens (2b,): summed log-probs and answer lengths, rows [chosen; rejected] ->
+    (loss to backward, {metric: sum} of this micro-batch: pairs, their losses, TRL's rewards / logps,
+    policy/accuracy, nll, tokens). The loss: pair_losses' mean over the global batch + rpo_alpha * the
+    chosen answers' NLL, a token mean over the global batch (RPO). n_pairs, n_tokens: the global batch's
+    pairs and chosen-answer tokens / the data-parallel world (DataParallel and FSDP average gradients
+    over ranks), so that the terms of every micro-step and rank add up to the global batch's mean."""
     (pc, pr), (rc, rr), (lc, lr) = logps.chunk(2), ref_logps.chunk(2), lens.to(logps).chunk(2)
     losses = pair_losses(pc, pr, rc, rr, lc, lr, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma,
                          cfg.f_divergence)
@@ -125,11 +124,6 @@ def objective(logps, ref_logps, lens, cfg, n_pairs, n_tokens):
                 "rewards/rejected": r, "rewards/accuracies": (c > r).to(c), "rewards/margins": c - r,
                 "logps/chosen": pc, "logps/rejected": pr, "policy/accuracy": (pc > pr).to(c), "nll": -pc, "tokens": lc}
         return loss, {k: t.sum().detach() for k, t in sums.items()}
-
-
-def add(total, sums):
-    """Running sums of objective()'s metrics (total None: the first)."""
-    return dict(sums) if total is None else {k: total[k] + v for k, v in sums.items()}
 
 
 def metrics(sums, group=None, prefix="", rpo_alpha=0.0):
@@ -151,9 +145,8 @@ def metrics(sums, group=None, prefix="", rpo_alpha=0.0):
 # ----------------------------------------------------------------------------- batches
 
 def collate(seqs, device="cpu"):
-    """[(prompt ids, chosen ids, rejected ids)] -> x, y (2b, L): rows [prompt+chosen ...;
-    prompt+rejected ...] right-padded (pad id 0, never attended to by a real token); y the next
-    token on answer positions, IGNORE on prompt and padding."""
+    """[(prompt, chosen, rejected ids)] -> x, y (2b, L): rows [prompt+chosen ...; prompt+rejected ...]
+    right-padded (pad id 0, never attended to by a real token); y: the next token if an answer's, else IGNORE."""
     rows = [(p, p + c) for p, c, _ in seqs] + [(p, p + r) for p, _, r in seqs]
     x = pad_sequence([torch.tensor(full[:-1]) for _, full in rows], batch_first=True)
     y = pad_sequence([torch.tensor([IGNORE] * (len(p) - 1) + full[len(p):]) for p, full in rows], batch_first=True,
@@ -187,23 +180,14 @@ def pair_logps(fn, seqs, ids, mb, grid, autocast):
 
 # ----------------------------------------------------------------------------- policy, reference, one step
 
-def build(cfg, grid, load=None, frozen=False):
-    """The policy (or, frozen, a reference copy) in this run's layout, weights from load (weights.loader),
-    seeded by cfg.seed: without init_from the copy equals the policy's start. -> parallel.Net"""
-    m = weights.build_model(cfg, grid, frozen=frozen)
-    return parallel.parallelize(m, grid, cfg, load=load, optimizer=not frozen)
-
-
 def make_reference(kind, cfg, grid, net, seqs, autocast, table=None, load=None):
-    """(x, y, pair indices) -> (2b,) reference log-probs, under no_grad. kind: copy (a frozen model,
-    eval mode), adapters (the policy, LoRA off), precomputed (`table`, else computed now by the
-    policy, which must not have trained yet), none (simpo: zeros, never read).
-    cfg.reference, never given a gradient: "copy", a frozen model loaded from init_from; "adapters"
-    (LoRA), the policy with its adapters off (lora.disabled: no second copy); "precomputed", one
-    pass by the policy before it trains, kept in memory and out_dir/ref_logps.pt (no reference
-    model while training); "auto": adapters with LoRA, else copy (check)."""
+    """The reference, never given a gradient: (x, y, pair indices) -> (2b,) log-probs under no_grad.
+    kind (check's; "auto": adapters with LoRA, else copy): "copy", a frozen model loaded from init_from,
+    in eval mode; "adapters" (LoRA), the policy with its adapters off (lora.disabled: no second copy);
+    "precomputed", `table`, else one pass now by the policy, which must not have trained yet (main keeps
+    it in out_dir/ref_logps.pt: no reference model while training); "none" (simpo): zeros, never read."""
     if kind == "copy":
-        ref = build(cfg, grid, load, frozen=True)
+        ref = weights.build_net(cfg, grid, load, frozen=True)
         ref.raw.eval()
         fn = torch.no_grad()(lambda x, y, idx: sequence_logps(ref, x, y))
         fn.model = ref.raw  # for the tests: it never receives a gradient
@@ -253,10 +237,9 @@ def train_step(net, reference, seqs, batch, cfg, grid, autocast, hooks=()):
 # ----------------------------------------------------------------------------- data
 
 def read_pairs(cfg):
-    """-> (train, held-out, Counter of skipped records) as [(prompt, chosen, rejected) messages]:
-    chat_data's records (chat.read_pairs), shuffled (seed), the last eval_pairs held out; else the
-    task's pairs on its training questions and, held out, on its test questions (tasks.py,
-    offline). chat.read_pairs reads text or messages, implicit prompts, files or hf:."""
+    """-> (train, held-out, Counter of skipped records), [(prompt, chosen, rejected) messages]: chat_data's
+    records (chat.read_pairs: text or messages, implicit prompts, files or hf:), shuffled (seed), the last
+    eval_pairs held out; else the task's pairs on its training and, held out, its test questions (offline)."""
     if cfg.chat_data:
         pairs, skipped = chat.read_pairs(cfg.chat_data, skip_bad=cfg.skip_bad_records, limit=cfg.chat_limit)
         g = torch.Generator().manual_seed(cfg.seed)
@@ -272,9 +255,8 @@ def tokenize(pairs, encode, T):
     """[(prompt, chosen, rejected) messages] -> ([(prompt, chosen, rejected ids)], Counter); encode(msgs,
     add_generation_prompt) -> (ids, mask) is chat.encode's. The prompt: the generation prompt's ids (as far
     as both renderings share them, as TRL); an answer: up to its last trained token (the end of turn).
-    Sequences of at most T+1 tokens (T = seq_len or block_size): the prompt is kept whole, answers
-    are cut (counted); a pair whose prompt leaves no room or whose answers become the same is
-    skipped (counted)."""
+    Sequences of at most T+1 tokens (T = seq_len or block_size): the prompt is kept whole, answers are
+    cut (counted); a pair whose prompt leaves no room or whose answers become the same is skipped (counted)."""
     out, counts = [], Counter()
     for prompt, chosen, rejected in pairs:
         p, _ = encode(prompt, True)
@@ -292,9 +274,6 @@ def tokenize(pairs, encode, T):
 
 def check(cfg):
     """DPO's own settings, before any work is spent."""
-    def need(ok, msg):
-        if not ok:
-            raise config.ConfigError(msg)
     need(cfg.loss_type in LOSS_TYPES, f"loss_type={cfg.loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
     need(cfg.reference in REFERENCES, f"reference={cfg.reference!r}: choose one of {', '.join(REFERENCES)}")
     need(cfg.beta > 0 and 0 <= cfg.label_smoothing < 0.5,
@@ -350,7 +329,7 @@ def main(argv):
 
     # ------------------------------------------------------------------------ policy, reference, resume
     load = weights.loader(cfg, grid)
-    net = build(cfg, grid, load)
+    net = weights.build_net(cfg, grid, load)
     table, held_ids = None, list(range(len(train), len(seqs))) or list(range(mb))  # (none held out: the first)
     if kind == "precomputed":  # by the policy now, before any step or resume: it is the reference
         cache, key = os.path.join(cfg.out_dir, "ref_logps.pt"), hashlib.sha256(repr(seqs).encode()).hexdigest()
@@ -382,8 +361,7 @@ def main(argv):
         pol = policy_logps(net, seqs, held_ids, cfg, grid, autocast).T.flatten()
         m = metrics(objective(pol, ref_held, lens, cfg, 1, 1)[1], None, "eval_", cfg.rpo_alpha)
         logger.log(step, m)
-        held_out.setdefault("before", (step, m["eval_policy/accuracy"]))
-        held_out["after"] = (step, m["eval_policy/accuracy"])
+        lifecycle.track_held(held_out, step, m["eval_policy/accuracy"])
         say(f"step {step} | " + logs.fmt(m))
 
     def save():
@@ -393,21 +371,21 @@ def main(argv):
     if cfg.eval_every and step == 0:
         evaluate()
     last, interrupt, stopped = cfg.stop_at or cfg.max_steps, lifecycle.Interrupt(grid), False
-    sums, logged = None, step
+    sums, logged = {}, step  # objective()'s metric sums since the last log line
     clock.lap()
     while step < last:
         lr = optim.set_lr(net.optimizer, step, cfg)
         batch = step_indices(step, len(train), cfg.batch_size, cfg.seed)
         probe.before(step)  # a statistics step (every grad_stats_every): activation hooks armed
         step_sums, grad_norm = train_step(net, reference, seqs, batch, cfg, grid, autocast, probe.hooks)
-        sums = add(sums, step_sums)
+        logs.add(sums, step_sums)
         step += 1
         probe.after(step, logger, say)  # its statistics logged, the ratio warning said
         if step % cfg.log_every == 0 or step == last:
             m = {**metrics(sums, grid.data_group, rpo_alpha=cfg.rpo_alpha), "lr": lr, "grad_norm": grad_norm.item(),
                  "pairs_s": (step - logged) * cfg.batch_size / clock.lap(), "mem_gb": logs.peak_memory_gb(grid.device)}
             logger.report(step, m, cfg.max_steps, say)
-            sums, logged = None, step
+            sums, logged = {}, step
         stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate if cfg.eval_every else None, say, clock)
         if stopped:
             break

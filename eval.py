@@ -232,7 +232,7 @@ def fewshot_contexts(docs, pool, n, seed, exclude_self):
     return out
 
 
-# ----------------------------------------------------------------------------- bits-per-byte windows, HumanEval
+# ----------------------------------------------------------------------------- bits-per-byte windows
 
 def corpus_windows(tok, source, T, max_tokens=0, text_field="text"):
     """Any corpus (corpus.iter_documents' sources) as token windows of T + 1 (consecutive windows share
@@ -259,22 +259,7 @@ def split_windows(cfg, grid, tok, T):
     return [x[0].tolist() + [int(y[0, -1])] for x, y in data.eval_batches(path, 1, T, 0, 1, n)]
 
 
-def humaneval(net, tok, items, ks=(1,), *, n=1, max_new_tokens=512, timeout=10.0, workers=4, **gen):
-    """pass@k on HumanEval items: n completions of each code_prompt by the fast decoder (generate_texts'
-    keywords in gen), cut at Codex's stop strings, judged on rank 0; every rank gets the metrics."""
-    texts = scoring.generate_texts(net, tok, [it["code_prompt"] for it in items], max_new_tokens, n=n, stops=CODE_STOPS, **gen)
-    return parallel.on_main(net.grid, lambda: scoring.code_scores(items, texts, ks, timeout, workers)[0])
-
-
 # ----------------------------------------------------------------------------- the CLI
-
-def split_argv(argv):
-    """A leading folder is the model (--init_from); a leading .py file is a config file."""
-    args = list(argv)
-    if args and not args[0].startswith("--") and not args[0].endswith(".py"):
-        args[0] = f"--init_from={args[0]}"
-    return args
-
 
 def checkpoint_folder(path):
     """A checkpoint folder, or a run folder's newest checkpoint."""
@@ -290,7 +275,9 @@ def checkpoint_folder(path):
 def load_config(argv):
     """cfg: the training keys, EVAL_DEFAULTS, then (our checkpoint) its model, tokenizer and corpus keys,
     then the command line; an HF folder's config.json sets the model keys (weights.configure)."""
-    args = split_argv(argv)
+    args = list(argv)
+    if args and not args[0].startswith("--") and not args[0].endswith(".py"):  # a leading folder: the model
+        args[0] = f"--init_from={args[0]}"  # (a leading .py file is a config file)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     extra = dict(data.DATA_DEFAULTS, **EVAL_DEFAULTS, micro_batch_size=8, batch_size=8 * world)  # micro_batch_size: rows per scoring forward
     if "--help" in args or "-h" in args:  # the keys, their defaults and comments; exits
@@ -312,10 +299,9 @@ def load_config(argv):
 
 
 def model_tokenizer(cfg):
-    """The tokenizer the model was trained with: tokenizer.for_cfg(cfg), with the chat template's special
-    tokens (chat.setup, as sample.py --chat) when the model is a chat stage's checkpoint or an HF folder
-    with a chat template, and its vocabulary has their ids (so that generated chat ids decode and the
-    end-of-turn id stops generation)."""
+    """The tokenizer the model was trained with (tokenizer.for_cfg), with the chat template's special tokens
+    (chat.setup, as sample.py --chat) when it is a chat stage's checkpoint or an HF folder with a chat
+    template whose ids its vocabulary has: generated chat ids decode, the end-of-turn id stops generation."""
     tok = tokenizer.for_cfg(cfg)
     if not (hasattr(cfg, "chat_template") or getattr(tok, "chat_template", None)):
         return tok
@@ -389,11 +375,13 @@ def run_task(name, source, cfg, net, tok, autocast, ks):
         windows = (corpus_windows(tok, cfg.bpb_data, T, cfg.bpb_tokens, cfg.text_field) if cfg.bpb_data
                    else split_windows(cfg, net.grid, tok, T))
         return scoring.bits_per_byte(net, tok, windows, cfg.micro_batch_size, autocast)
-    if spec.kind == "code":
-        return humaneval(net, tok, tasks.human_eval()[:cfg.limit or None], ks, n=cfg.n_samples,
-                         max_new_tokens=new_tokens(cfg, 512), timeout=cfg.code_timeout, workers=cfg.code_workers,
-                         temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.gen_batch_size,
-                         autocast=autocast)
+    if spec.kind == "code":  # pass@k: n completions of each code_prompt, cut at Codex's stops, judged on rank 0
+        items = tasks.human_eval()[:cfg.limit or None]
+        texts = scoring.generate_texts(net, tok, [it["code_prompt"] for it in items], new_tokens(cfg, 512),
+                                       n=cfg.n_samples, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+                                       stops=CODE_STOPS, batch_size=cfg.gen_batch_size, autocast=autocast)
+        return parallel.on_main(net.grid, lambda: scoring.code_scores(items, texts, ks, cfg.code_timeout,
+                                                                      cfg.code_workers)[0])
     # rank 0 reads the data (a hub download once), every rank gets the prompts; a bad record stops all
     docs, contexts = parallel.on_main(net.grid, lambda: task_prompts(name, source, cfg))
     if spec.kind == "mc":

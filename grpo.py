@@ -114,15 +114,14 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type="dapo", eps_low=0.2, eps
                 ref_logp=None, kl_ratio=True, level="token", n_seqs=None, n_tokens=None, max_len=None):
     """The clipped surrogate of one micro-batch -> (loss, sums for logging). logp, old_logp, ref_logp,
     mask (B, N): the completion tokens' log-probs under the policy (differentiable), the rollout policy
-    and the reference, and which count; adv (B,). kl_ratio: k3 times the ratio, the unbiased reverse-KL
-    gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl). Normalisers default to this batch's (n_seqs
+    and the reference (a frozen initial copy; LoRA: lora.disabled's base), and which count; adv (B,).
+    Per token -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) + beta k3 (times the ratio with
+    kl_ratio: the unbiased reverse-KL gradient, DeepSeek-V3.2, TRL's use_bias_correction_kl), the ratio
+    to the rollout policy per token or per completion (level "sequence": GSPO); then "grpo": token mean
+    per completion, then mean; "dapo": sum / the step's tokens; "dr_grpo": sum / (completions x
+    max_new_tokens). eps_high > eps_low: DAPO's clip-higher. Normalisers default to this batch's (n_seqs
     rows, n_tokens = mask.sum(), max_len = N); a step split over micro-batches and ranks passes its
-    totals / the data-parallel world (which averages gradients): the parts add up to the whole.
-    Per token -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) + beta k3, the ratio to the
-    rollout policy per token or per completion (level "sequence": GSPO); then "grpo": token mean per
-    completion, then mean; "dapo": sum / the step's tokens; "dr_grpo": sum / (completions x
-    max_new_tokens). eps_high > eps_low: DAPO's clip-higher. k3 is to a frozen initial copy (LoRA:
-    lora.disabled's base); with beta = 0 (the default) no reference is held."""
+    totals / the data-parallel world (which averages gradients): the parts add up to the whole."""
     mask = mask.float()
     eps_high = eps_low if eps_high is None else eps_high
     log_ratio = logp - old_logp
@@ -192,8 +191,7 @@ def score(r, rewards, grid, cfg, stops):
     statistics; dynamic_sampling leaves out groups of equal rewards, mask_truncated completions that did
     not stop. stats: global sums {reward, rewarded (completions with a reward), equal (groups of equal
     rewards), groups, truncated (completions that did not stop), gen_tokens (completion tokens)}."""
-    G, R, dev = cfg.group_size, rewards.numel(), rewards.device
-    T = r.prompt_len
+    G, R, T, dev = cfg.group_size, rewards.numel(), r.prompt_len, rewards.device
     last = r.tokens.gather(1, (T + r.lengths - 1)[:, None]).squeeze(1)
     stopped = torch.isin(last, torch.as_tensor(stops, device=dev))
     if not cfg.reward_truncated:
@@ -245,8 +243,7 @@ def reference_logprobs(fwd, batch, cfg):
 def learn(net, batch, cfg, autocast=contextlib.nullcontext(), hooks=()):
     """cfg.grpo_epochs optimizer steps on this rank's batch, each over micro-batches (gradients accumulated,
     reduced over data ranks on the last) -> the sums (kl, clipped low / high, tokens) of the last, its grad norm.
-    The learning rate is set by the caller (optim.set_lr). hooks: net.step's before_update, after_update
-    (gradstats.Probe.hooks)."""
+    The caller sets the learning rate (optim.set_lr). hooks: net.step's before_update, after_update (the Probe's)."""
     world, mb, R = net.grid.data_world, cfg.micro_batch_size, batch.tokens.shape[0]
     n_seqs, n_tokens = max(batch.n_seqs, 1) / world, max(batch.n_tokens, 1) / world
     for _ in range(cfg.grpo_epochs):
@@ -331,8 +328,7 @@ def main(argv):
     net = parallel.parallelize(raw, grid, cfg, load=weights.loader(cfg, grid))
     ref = None
     if cfg.beta and not cfg.lora_r:  # a frozen copy of the initial weights (LoRA: the base, adapters off)
-        ref = parallel.parallelize(weights.build_model(cfg, grid, frozen=True), grid, cfg,
-                                   load=weights.loader(cfg, grid), optimizer=False)
+        ref = weights.build_net(cfg, grid, weights.loader(cfg, grid), frozen=True)
     # rollouts and evals read a bf16 copy (generate.cast_copy; graphs kept: captured once), refreshed before use;
     # raw under TP (cut weights), LoRA (unmerged adapters), MoE (no nn.Linear experts), FSDP (a full copy per rank)
     plain = cfg.rollout_copy and grid.tp == 1 and not (cfg.lora_r or cfg.n_experts or cfg.data_parallel == "fsdp")
@@ -369,8 +365,7 @@ def main(argv):
                        grid.data_group, device)
         logger.log(step, m)
         key = "heldout_lenient" if "heldout_lenient" in m else "heldout_greedy"
-        held.setdefault("before", (step, m[key]))
-        held["after"] = (step, m[key])
+        lifecycle.track_held(held, step, m[key])
         say(f"step {step} | held-out ({len(test)} prompts) | " + logs.fmt(m))
 
     def save():
@@ -404,8 +399,7 @@ def main(argv):
         kl, low, high, clip_count, tokens = parallel.data_sum(sums.detach().float(), grid).tolist()
         t3 = clock.now()
         logs.add(tally, {**stats, "kl": kl, "clip_low": low, "clip_high": high, "clip_count": clip_count, "tokens": tokens,
-                         "t_rollout": t1 - t0,
-                         "t_reward": t2 - t1, "t_learn": t3 - t2, "steps": 1})
+                         "t_rollout": t1 - t0, "t_reward": t2 - t1, "t_learn": t3 - t2, "steps": 1})
         logs.add(judged_tally, judged)  # reward parts, accuracy: this rank's [sum, count]
         step += 1
         probe.after(step, logger, say)  # its statistics logged, the ratio warning said

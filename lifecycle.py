@@ -374,6 +374,12 @@ def end_of_step(step, last, cfg, interrupt, save, evaluate=None, say=print, cloc
     return False
 
 
+def track_held(held, step, value):
+    """An evaluation's held-out metric into held, for summary(): the first as "before", the latest as "after"."""
+    held.setdefault("before", (step, value))
+    held["after"] = (step, value)
+
+
 def summary(say, stage, step, clock, path, metric, held, stopped=False):
     """The last line of a stage: where its final checkpoint is, its held-out metric before -> after
     (held: {"before": (step, value), "after": (step, value)}, either may be missing), the time."""

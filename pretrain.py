@@ -154,8 +154,7 @@ def main(argv):
         val = (total[0] / total[1].clamp(min=1)).item()
         bpb = None if denoise else scoring.bpb_of(total[2:4])
         logger.log(step, {"val_loss": val} if denoise else {"val_loss": val, "val_bpb": bpb})
-        held.setdefault("before", (step, val))
-        held["after"] = (step, val)
+        lifecycle.track_held(held, step, val)
         scored = f" over {int(total[1]):,} predicted tokens" if denoise else f" | bpb {bpb:.4f}"
         write(f"step {step} | val loss {val:.4f}{scored} (the first {int(total[4]):,} of {meta['n_val']:,} "
               f"validation tokens; eval.py scores them all)")

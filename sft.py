@@ -43,6 +43,7 @@ import t5
 import tasks
 import tokenizer
 import weights
+from config import need
 from model import IGNORE, ModelConfig, Transformer
 
 SFT_DEFAULTS = dict(
@@ -68,9 +69,6 @@ RESUME_FREE = ("n_eval", "eval_every", "eval_tokens", "eval_batch", "merge", "ex
 
 def check(cfg, grid):
     """SFT's own settings, and a LoRA config the model cannot take: one message, before any work."""
-    def need(ok, msg):
-        if not ok:
-            raise config.ConfigError(msg)
     need(cfg.task or cfg.chat_data, "no training data: set chat_data (a file, folder or hf:<name>) or a task")
     need(cfg.n_train > 0 and cfg.n_eval >= 0 and cfg.eval_tokens > 0 and cfg.eval_batch > 0,
          "n_train, eval_tokens and eval_batch must be positive, n_eval >= 0")
@@ -287,8 +285,7 @@ def main(argv):
         if m:
             logger.log(step, m)
             key = "accuracy" if items else "val_loss"
-            held.setdefault("before", (step, m[key]))
-            held["after"] = (step, m[key])
+            lifecycle.track_held(held, step, m[key])
             parts = [f"validation loss {m['val_loss']:.4f} ({len(held_rows)} rows)"] if held_rows else []
             if items:  # rank 0 always has an example
                 parts.append(f"accuracy {m['accuracy']:.1%} of {len(items)} {cfg.task} items | e.g. "

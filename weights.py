@@ -3,6 +3,7 @@
     started = weights.configure(cfg)       # init_from's model keys and tokenizer become cfg's
     raw = weights.build_model(cfg, grid)   # the full model on the device, seeded; init_from's weights come next
     net = parallel.parallelize(raw, grid, cfg, load=weights.loader(cfg, grid))
+    ref = weights.build_net(cfg, grid, load, frozen=True)  # both in one call: a frozen reference (DPO, GRPO)
     weights.load_model("out/tiny/step_000300", model)     # sample.py, eval.py, plots: a plain model
 
 An HF folder is read by hf.py (each TP rank reads only its rows / columns); our checkpoints give
@@ -181,6 +182,12 @@ def build_model(cfg, grid, frozen=False):
     else:
         model = Transformer(mcfg).to(grid.device)
     return model.requires_grad_(not frozen)
+
+
+def build_net(cfg, grid, load=None, frozen=False):
+    """build_model, laid out by parallel.parallelize with load's weights (loader's) -> parallel.Net. frozen:
+    a reference copy (no gradients, no optimizer; without init_from it equals the policy's start)."""
+    return parallel.parallelize(build_model(cfg, grid, frozen=frozen), grid, cfg, load=load, optimizer=not frozen)
 
 
 def loader(cfg, grid):

@@ -45,6 +45,7 @@ import config
 import dpo
 import lora
 import parallel
+import weights
 from distributed import assert_close, spawn, train_cfg
 from model import IGNORE, ModelConfig, Transformer
 
@@ -231,7 +232,7 @@ def random_adapters(model, seed):
 def test_references_agree_and_get_no_gradient(one_thread):
     cfg, grid, nothing = small_cfg(lora_r=4), one_grid(), contextlib.nullcontext()
     seqs = random_seqs()
-    run = dpo.build(cfg, grid)  # fresh adapters: the policy still equals its base
+    run = weights.build_net(cfg, grid)  # fresh adapters: the policy still equals its base
     table = dpo.policy_logps(run, seqs, range(N), cfg, grid, nothing)
     lora.load(run.raw, grid, random_adapters(run.raw, 3))  # now it does not
     base = {n: p.clone() for n, p in run.raw.named_parameters() if not lora.is_adapter(n)}
@@ -279,7 +280,7 @@ def train(name, grid=None):
     if cfg.tp > 1 or cfg.data_parallel != "ddp":
         grid = parallel.init(cfg)
     seqs, nothing = random_seqs(), contextlib.nullcontext()
-    run = dpo.build(cfg, grid)
+    run = weights.build_net(cfg, grid)
     reference = dpo.make_reference(kind, cfg, grid, run, seqs, nothing)
     rec = {"metrics": [], "norms": []}
     for s in range(STEPS):
