@@ -4,7 +4,8 @@ Proves: every command line of the README's bash blocks that a CPU machine can ru
 the Quick start's in order in a scratch copy of the repository, then each later block's in order on
 its own copy of that folder (as a user follows the Quick start, then any section; two sections at a
 time), with only shortening overrides added (--max_steps=2, or the largest --*_every=N the line
-sets; evaluation off, --eval_every=0 and SFT's --n_eval=0, which other tests cover;
+sets; evaluation off, --eval_every=0 and SFT's --n_eval=0, which other tests cover; less generated
+data than a long run needs: SFT's --n_train=512, DPO's --n_pairs=128, GRPO's --train_prompts=128;
 --sample_tokens=0 / --tokens=8 where a sample would be long; a config's init_from naming a step
 folder that 2 steps did not write becomes its run folder), and exits 0: so no line reuses an
 out_dir an earlier one filled, and each line's inputs exist when it runs. A line is passed over only
@@ -73,7 +74,9 @@ def with_steps(cmd, work):
             every = [int(w.split("=")[1]) for w in words if re.fullmatch(r"--\w+_every=\d+", w)]
             sft = any(w.endswith("sft.py") for w in words)
             words += [f"--max_steps={max([2, *every])}", "--progress=False", "--eval_every=0"]
-            words += ["--n_eval=0"] if sft else []
+            words += ["--n_eval=0", "--n_train=512"] if sft else []
+            words += ["--n_pairs=128"] if any(w.endswith("dpo.py") for w in words) else []
+            words += ["--train_prompts=128"] if any(w.endswith("grpo.py") for w in words) else []
             words += (["--sample_tokens=0"] if any(w.endswith("pretrain.py") for w in words) else [])
             words += short_init(words, work)
         elif any(w.endswith("sample.py") for w in words):
