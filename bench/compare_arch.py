@@ -16,9 +16,13 @@ bert.mask_tokens), T5 span corruption (t5.span_corrupt: an input of T tokens fro
 t5.corrupted_lengths(T) asks for, the targets: sentinels, noise spans, eos).
 Measured on fixed held-out rows (the same masks and spans at every evaluation): validation loss
 per predicted token for all four (each of its own objective: the curves show how each learns, not
-which is better), and bits per byte of the held-out text for the two causal LMs (comparable across
-tokenizers and runs). Data: data.prepare of --data (default the standard library) with cl100k_base
-cut to --vocab ids; BERT's [MASK] and T5's sentinels are ids past it.
+which is better), bits per byte of the held-out text for the two causal LMs (comparable across
+tokenizers and runs), and a downstream probe for all four: is a window of T held-out tokens one
+passage, or its first half joined to another passage's second half? A logistic regression on the
+frozen model's last hidden states (the encoder's for T5: each half's mean and their product), fit
+on --probe_rows pairs and scored on as many others, before and after training (chance 50%).
+Data: data.prepare of --data (default the standard library) with cl100k_base cut to --vocab ids;
+BERT's [MASK] and T5's sentinels are ids past it.
 """
 import argparse
 import json
@@ -44,9 +48,9 @@ from model import ModelConfig, Transformer  # noqa: E402
 ARCHS = ("gpt2", "llama", "bert", "t5")
 SHAPES = {
     "tiny": dict(n_layer=2, n_embd=64, n_head=4, seq_len=64, batch=8, vocab=2048, steps=40, eval_every=10,
-                 eval_rows=32, lr=3e-3, warmup=5),
+                 eval_rows=32, probe_rows=128, lr=3e-3, warmup=5),
     "gpu": dict(n_layer=8, n_embd=512, n_head=8, seq_len=512, batch=64, vocab=32768, steps=2000, eval_every=250,
-                eval_rows=512, lr=1e-3, warmup=100),
+                eval_rows=512, probe_rows=2048, lr=1e-3, warmup=100),
 }
 
 
@@ -137,6 +141,55 @@ def evaluate(arch, model, held, nbytes, autocast):
     return nll / count, (text_nll / math.log(2) / text_bytes if text_bytes else None)
 
 
+def features(arch, model, x):
+    """(B, 3C) of rows x: the mean last hidden state of each half (the decoder's for the causal LMs, the
+    encoder's else) and their product, whose weighted sum is a similarity of the two halves."""
+    h = (model.hidden_states(x) if arch in ("gpt2", "llama") else model.encode(x)).float()
+    a, b = h[:, :h.shape[1] // 2].mean(1), h[:, h.shape[1] // 2:].mean(1)
+    return torch.cat([a, b, a * b], 1)
+
+
+def probe_rows(tokens, n, T, seed):
+    """n windows of T tokens, half of them one passage (label 1), half a passage's first half joined to
+    another's second half (label 0), from offsets drawn with seed; -> (rows (n, T), labels (n,))."""
+    g = np.random.default_rng(seed)
+    o, other = g.integers(0, len(tokens) - 2 * T, size=(2, n))
+    rows = np.stack([tokens[a:a + T].astype(np.int64) for a in o])
+    y = np.arange(n) % 2
+    for i in np.flatnonzero(y == 0):
+        rows[i, T // 2:] = tokens[other[i] + T // 2:other[i] + T]
+    return torch.from_numpy(rows), torch.from_numpy(y).float()
+
+
+@torch.no_grad()
+def pooled(arch, model, rows, s, dev, autocast):
+    model.eval()
+    out = []
+    for i in range(0, len(rows), s["batch"]):
+        with autocast:
+            out.append(features(arch, model, rows[i:i + s["batch"]].to(dev)))
+    model.train()
+    return torch.cat(out)
+
+
+def probe(arch, model, fit, test, s, dev, autocast):
+    """Held-out accuracy of a logistic regression on frozen features (standardised by the fit set's statistics)."""
+    (xf, yf), (xt, yt) = fit, test
+    f, t = pooled(arch, model, xf, s, dev, autocast), pooled(arch, model, xt, s, dev, autocast)
+    mu, sd = f.mean(0), f.std(0) + 1e-6
+    f, t, yf, yt = (f - mu) / sd, (t - mu) / sd, yf.to(dev), yt.to(dev)
+    with torch.enable_grad():
+        w = torch.zeros(f.shape[1], device=dev, requires_grad=True)
+        b = torch.zeros((), device=dev, requires_grad=True)
+        opt = torch.optim.Adam([w, b], lr=0.05)
+        for _ in range(300):
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(f @ w + b, yf) + 1e-3 * w.square().sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return float(((t @ w + b > 0).float() == yt).float().mean())
+
+
 def lr_at(step, s):
     if step < s["warmup"]:
         return s["lr"] * (step + 1) / s["warmup"]
@@ -153,13 +206,13 @@ def main(argv=None):
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--budget", default="flops", choices=("flops", "steps"),
                     help="flops: each model trains for the FLOPs of GPT-2's --steps; steps: all the same steps")
-    for k in ("steps", "eval_every", "batch", "seq_len", "vocab"):
+    keys = ("steps", "eval_every", "batch", "seq_len", "vocab", "probe_rows")
+    for k in keys:
         ap.add_argument(f"--{k}", type=int, default=None, help=f"override the shape's {k}")
     ap.add_argument("--png", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    s = dict(SHAPES[args.shape], **{k: getattr(args, k) for k in ("steps", "eval_every", "batch", "seq_len", "vocab")
-                                    if getattr(args, k) is not None})
+    s = dict(SHAPES[args.shape], **{k: getattr(args, k) for k in keys if getattr(args, k) is not None})
     dev = torch.device(args.device)
     autocast = torch.autocast("cuda", torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
     tok = tokenizer.get_tokenizer("cl100k_base", vocab=s["vocab"])
@@ -175,6 +228,7 @@ def main(argv=None):
               "val_tokens": len(val_tokens), "t5_raw_tokens_per_row": t5_lengths[0], "t5_target_len": t5_lengths[1],
               "rows": {}}
     n_sentinels = t5.span_counts(t5_lengths[0])[1]
+    fit, test = (probe_rows(val_tokens, s["probe_rows"], s["seq_len"], seed) for seed in (2, 3))
     budget = s["steps"] * flops_per_step("gpt2", build("gpt2", s, V, 0), s, t5_lengths)  # GPT-2's steps set it
     for arch in args.archs.split(","):
         torch.manual_seed(0)
@@ -193,6 +247,7 @@ def main(argv=None):
         row = dict(params=sum(p.numel() for p in model.parameters()), block_params=block_params(model),
                    flops_per_step=fps, steps=steps, curve=[])
         sched = dict(s, steps=steps, warmup=max(1, round(s["warmup"] * steps / s["steps"])))
+        row["probe_before"] = probe(arch, model, fit, test, s, dev, autocast)
         t0 = time.perf_counter()
         for step in range(steps + 1):
             if step % every == 0 or step == steps:
@@ -213,15 +268,18 @@ def main(argv=None):
         if dev.type == "cuda":
             torch.cuda.synchronize()
         row["train_s"] = time.perf_counter() - t0  # includes the evaluations
+        row["probe_after"] = probe(arch, model, fit, test, s, dev, autocast)
+        print(f"{arch:6s} probe: one passage or two? held-out accuracy {row['probe_before']:.3f} -> {row['probe_after']:.3f}")
         report["rows"][arch] = row
         del model, opt
-    print("\n| arch | params | block params | GFLOPs/step | steps | val loss/predicted token | val bpb | seconds |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| arch | params | block params | GFLOPs/step | steps | val loss/predicted token | val bpb | probe before -> after"
+          " | seconds |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for arch, r in report["rows"].items():
         last = r["curve"][-1]
         bpb = f"{last['val_bpb']:.4f}" if last["val_bpb"] else "n/a"
         print(f"| {arch} | {r['params']:,} | {r['block_params']:,} | {r['flops_per_step'] / 1e9:.3f} | {r['steps']} | "
-              f"{last['val_loss']:.4f} | {bpb} | {r['train_s']:.1f} |")
+              f"{last['val_loss']:.4f} | {bpb} | {r['probe_before']:.1%} -> {r['probe_after']:.1%} | {r['train_s']:.1f} |")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
@@ -235,7 +293,7 @@ def plot(report, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 4.5), gridspec_kw=dict(width_ratios=(1, 1, 0.7)))
     what = {"gpt2": "GPT-2 (next token)", "llama": "LLaMA (next token)", "bert": "BERT (masked tokens)",
             "t5": "T5 (span targets)"}
     for arch, r in report["rows"].items():
@@ -246,7 +304,14 @@ def plot(report, path):
     a.set(xlabel="training TFLOPs", ylabel="validation loss per predicted token (nats)",
           title="each on its own objective (not comparable across)")
     b.set(xlabel="training TFLOPs", ylabel="bits per byte (held-out text)", title="causal LMs: bits per byte")
-    for ax in (a, b):
+    names = list(report["rows"])
+    xs = np.arange(len(names))
+    c.bar(xs - 0.2, [report["rows"][n]["probe_before"] for n in names], 0.4, label="untrained")
+    c.bar(xs + 0.2, [report["rows"][n]["probe_after"] for n in names], 0.4, label="trained")
+    c.axhline(0.5, color="grey", ls="--", lw=1)
+    c.set(xticks=xs, xticklabels=names, ylim=(0.4, 1.0), ylabel="held-out accuracy",
+          title="probe: one passage or two? (frozen features)")
+    for ax in (a, b, c):
         ax.grid(alpha=0.3)
         ax.legend()
     s = report["shape"]
