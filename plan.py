@@ -19,8 +19,8 @@ head's bf16 output and its gradient, or chunked.py's one chunk), and a KV cache 
 The peak is the static part plus the larger of (every saved activation + the logits) and
 (checkpointed blocks' inputs + one block recomputed in backward).
 
-fit() walks LADDER, knobs ordered by their expected cost in speed (judged, not measured; each applied
-only where it lowers the total), until the plan fits gpu_gb. Dense models only (MoE refused); not
+fit() walks LADDER, knobs ordered by their cost in speed (recompute before 8-bit AdamW as measured on
+the 1B shape, BENCHMARKS.md; the rest judged; each applied only where it lowers the total), until the plan fits gpu_gb. Dense models only (MoE refused); not
 modelled: sequence parallelism, dropout masks, attention without flash kernels (T x T scores).
 """
 import copy
@@ -260,11 +260,11 @@ LADDER = [
     ("lora_base_dtype=bfloat16", lambda c, w: c.lora_r and c.lora_base_dtype == "float32", _set(lora_base_dtype="bfloat16")),
     ("data_parallel=fsdp", lambda c, w: w // c.tp > 1 and c.data_parallel != "fsdp" and not c.zero1,
      _set(data_parallel="fsdp")),
-    ("adamw_state=8bit", lambda c, w: not c.lora_r and c.adamw_state == "fp32", _set(adamw_state="8bit")),
     ("recompute=mlp (recompute the MLPs)", lambda c, w: not c.grad_checkpoint and not c.recompute,
      _set(recompute="mlp", recompute_every=1)),
     ("grad_checkpoint=True (recompute whole blocks)", lambda c, w: not c.grad_checkpoint,
      _set(grad_checkpoint=True, recompute="")),
+    ("adamw_state=8bit", lambda c, w: not c.lora_r and c.adamw_state == "fp32", _set(adamw_state="8bit")),
     ("micro_batch_size halved (more accumulation steps)", lambda c, w: c.micro_batch_size > 1, _halve_batch),
     ("lora_base_dtype=nf4 (QLoRA)", lambda c, w: c.lora_r and c.lora_base_dtype != "nf4", _set(lora_base_dtype="nf4")),
     ("adamw_state=offload (update on the CPU)", lambda c, w: not c.lora_r and c.adamw_state != "offload",
