@@ -19,9 +19,10 @@ head's bf16 output and its gradient, or chunked.py's one chunk), and a KV cache 
 The peak is the static part plus the larger of (every saved activation + the logits) and
 (checkpointed blocks' inputs + one block recomputed in backward).
 
-fit() walks LADDER, knobs ordered by their cost in speed (recompute before 8-bit AdamW as measured on
-the 1B shape, BENCHMARKS.md; the rest judged; each applied only where it lowers the total), until the plan fits gpu_gb. Dense models only (MoE refused); not
-modelled: sequence parallelism, dropout masks, attention without flash kernels (T x T scores).
+fit() walks LADDER, knobs ordered by their cost in speed (recompute before 8-bit AdamW as measured
+on the 1B shape, BENCHMARKS.md; the rest judged; each applied only where it lowers the total), until
+the plan fits gpu_gb. Dense models only (MoE refused); not modelled: sequence parallelism, dropout
+masks, attention without flash kernels (T x T scores).
 """
 import copy
 import sys
