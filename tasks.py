@@ -272,7 +272,8 @@ class Countdown(Task):
     expression ("25 + 11 = 36\n36 * 3 = 108\n#### (25 + 11) * 3"). The reward is strict: the last
     line '#### <expression>' reaching the target (expression_value: parsed, never run); lenient: any
     expression on a line (or either side of its '=') reaching it. At the defaults: 616,533 problems
-    (every number set's reachable targets, enumerated once); size is an upper bound (sets x targets).
+    (every number set's reachable targets, enumerated once; 479,013 with + - *, 3,752,106 with + - *
+    and numbers, targets up to 199); size is an upper bound (sets x targets).
     """
     name = "countdown"
     PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}

@@ -13,7 +13,8 @@ steps, torch.cuda.reset_peak_memory_stats(); the peak is max_memory_allocated ov
 steps (weights and optimizer state included, what plan.predict predicts; the CUDA context is not).
 
 Cases (rows): lora8b: Llama-3-8B shape, LoRA r=16 on all linears, bf16 base: as is, + chunked loss,
-+ whole-block checkpointing. qlora8b: the same on an NF4 base (double quantisation). full1b:
++ whole-block checkpointing. qlora8b: the same on an NF4 base (double quantisation). lean8b: both
+checkpointed with the residual stream in bf16. full1b:
 Llama-3.2-1B shape, full fine-tuning (AdamW) with the knobs plan.fit picks for cap_gib. pretrain1b:
 the same shape, Muon (momentum only) with plan.fit's knobs. ladder: the 1B full fine-tune with each
 knob added in turn (torchtune's ladder). hf8b / hf1b: transformers' LlamaForCausalLM (sdpa) + peft
@@ -59,6 +60,10 @@ CASES = {  # case -> [(row, shape, knobs)]; "fit" rows take plan.fit's knobs for
                ("+ recompute blocks", "1b", {**CHUNK, "fp32_residual": False, **CK}),
                ("+ 8-bit AdamW", "1b", {**CHUNK, "fp32_residual": False, **CK, "adamw_state": "8bit"}),
                ("offloaded AdamW instead", "1b", {**CHUNK, "fp32_residual": False, **CK, "adamw_state": "offload"})],
+    "lean8b": [("lora8b+chunk+ckpt, bf16 residual", "8b", {**LORA, **CHUNK, **CK, "fp32_residual": False}),
+               ("qlora8b+chunk+ckpt, bf16 residual", "8b", {**LORA, **CHUNK, **CK, "fp32_residual": False,
+                                                           "lora_base_dtype": "nf4"})],
+    "chunk8b": [("lora8b+chunk 256+ckpt, bf16 residual", "8b", {**LORA, "loss_chunk": 256, **CK, "fp32_residual": False})],
     "hf8b": [("hf lora8b", "8b", dict(hf=True, **LORA)), ("hf lora8b+ckpt", "8b", dict(hf=True, **LORA, **CK)),
              ("hf qlora8b+ckpt", "8b", {"hf": True, **LORA, **CK, "lora_base_dtype": "nf4"})],
     "hf1b": [("hf full1b", "1b", dict(hf=True)), ("hf full1b+ckpt", "1b", dict(hf=True, **CK))],
@@ -87,10 +92,11 @@ def ours(cfg):
     parallel.parallelize (chunked loss, LoRA / NF4, recompute, the optimizer, DataParallel), stepped as a
     stage steps (net.backward, net.step)."""
     grid = parallel.init(cfg)
-    nf4 = cfg.lora_r and cfg.lora_base_dtype == "nf4"
     torch.manual_seed(0)
-    model = materialize.build(ModelConfig.from_cfg(cfg), grid.device, materialize.storage_dtype(cfg), init=True,
-                              linear_device="cpu" if nf4 and grid.device.type == "cuda" else None)
+    # QLoRA's base is drawn on the GPU in bf16 and quantised there (a stage keeps it on the host until
+    # quantised: materialize.build's linear_device; drawing 7.5B weights on the host took minutes): the peak
+    # measured is the step's, after reset_peak_memory_stats, either way
+    model = materialize.build(ModelConfig.from_cfg(cfg), grid.device, materialize.storage_dtype(cfg), init=True)
     net = parallel.parallelize(model, grid, cfg)
     autocast = parallel.autocast(cfg, grid.device)
 

@@ -1,10 +1,11 @@
-# A model's life on one GPU, step 3: DPO on the SFT model: a correct worked solution chosen, a plausibly
-# wrong one rejected, with RPO's NLL on the chosen answers so that the policy's own preference is kept.
+# A model's life on one GPU, step 3: DPO on the SFT model: the worked solution chosen, the same plan with one
+# op changed (worked through correctly to a number that is not the target) rejected, with RPO's NLL on the
+# chosen answers so that the policy's own preference is kept.
 #   python dpo.py configs/dpo_life.py        (after sft.py configs/sft_life.py)
 init_from = "out/sft_life"
 out_dir = "out/dpo_life"
-task = "arithmetic"
-task_args = dict(max_operand=9, terms=6, worked=True)
+task = "countdown"
+task_args = dict(numbers=3, max_number=99, ops="+-*")
 n_pairs = 2000
 eval_pairs = 200
 beta = 0.1

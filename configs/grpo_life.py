@@ -1,25 +1,26 @@
 # A model's life on one GPU, step 4: GRPO on the same task from the DPO model (itself the SFT model,
-# aligned): 32 problems x 8 samples a step, reward 1 for the right '#### N' after the problem's own steps
-# (check_steps: a lucky answer after a wrong step earns 0).
+# aligned): 128 problems x 8 samples a step, reward 1 when the last line '#### <expression>' reaches the
+# target (each number at most once). 1,024 completions a step at lr 5e-6: at 256 a step and lr 1e-5 the
+# batch's noise, amplified by Adam's normalised steps, moved the SFT model more than its signal did.
 #   python grpo.py configs/grpo_life.py      (after dpo.py configs/dpo_life.py)
 init_from = "out/dpo_life"
 out_dir = "out/grpo_life"
-task = "arithmetic"
-task_args = dict(max_operand=9, terms=6, worked=True, check_steps=True)
-train_prompts = 4096
+task = "countdown"
+task_args = dict(numbers=3, max_number=99, ops="+-*")
+train_prompts = 16384
 eval_prompts = 500
-batch_size = 256
+batch_size = 1024           # completions per step: 128 problems x 8
 group_size = 8
-micro_batch_size = 128
+micro_batch_size = 256
 max_new_tokens = 64
 temperature = 1.0
 loss_type = "dapo"
 clip_high = 0.28
-lr = 1e-5
+lr = 5e-6
 warmup_steps = 10
 schedule = "constant"
 weight_decay = 0.0
-max_steps = 250
+max_steps = 200
 eval_every = 50
 log_every = 10
 ckpt_every = 0
