@@ -132,6 +132,7 @@ SHARED_DEFAULTS = dict(
     loss_chunk=0,            # >0: the loss in chunks of N tokens from the last hidden state, no logits held (chunked.py)
     recompute="",            # "" | block | attn | mlp: recompute that part of blocks in backward (recompute.py)
     recompute_every=1,       # recompute only blocks 0, k, 2k, ... (k = recompute_every)
+    offload_activations=False,  # the inputs recomputed parts keep wait in pinned host memory (recompute.py)
     adamw_state="fp32",      # fp32 | 8bit (block-wise 8-bit moments) | offload (state on the CPU): optim_memory.py
     gpu_memory=0.0,          # >0: print the memory plan (plan.py) for GPUs of this many GiB, what fits, and exit
     # evaluation and logging
@@ -165,7 +166,8 @@ RESUME_FREE = frozenset("""
     out_dir init_from ckpt_every keep_last stop_at
     device dtype compile threads grad_bucket_mb grad_reduce_dtype tp sequence_parallel data_parallel ep zero1
     pp pp_schedule pp_cut pp_micro
-    micro_batch_size ns_dtype grad_checkpoint fp32_residual loss_chunk recompute recompute_every gpu_memory
+    micro_batch_size ns_dtype grad_checkpoint fp32_residual loss_chunk recompute recompute_every offload_activations
+    gpu_memory
     eval_every log_every progress peak_tflops tensorboard wandb wandb_project mlflow mlflow_uri mlflow_experiment
     grad_stats_every ratio_low ratio_high ratio_patience act_saturate act_dead_eps
 """.split())
@@ -356,6 +358,9 @@ def validate(cfg, world=1):
     need(not (cfg.recompute and cfg.grad_checkpoint),
          f"recompute='{cfg.recompute}' and grad_checkpoint=True both recompute (grad_checkpoint is recompute='block' "
          f"on every block): drop one")
+    need(not cfg.offload_activations or cfg.recompute or cfg.grad_checkpoint,
+         "offload_activations=True moves what recomputed blocks keep to the host: set grad_checkpoint=True or "
+         "recompute")
     need(cfg.adamw_state in ("fp32", "8bit", "offload"),
          f"adamw_state='{cfg.adamw_state}' must be fp32, 8bit or offload")
     need(not (cfg.adamw_state != "fp32" and cfg.optimizer == "muon" and cfg.data_parallel == "fsdp"),

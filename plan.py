@@ -20,9 +20,9 @@ The peak is the static part plus the larger of (every saved activation + the log
 (checkpointed blocks' inputs + one block recomputed in backward).
 
 fit() walks LADDER, knobs ordered by their cost in speed (recompute before 8-bit AdamW as measured
-on the 1B shape, BENCHMARKS.md; the rest judged; each applied only where it lowers the total), until
-the plan fits gpu_gb. Dense models only (MoE refused); not modelled: sequence parallelism, dropout
-masks, attention without flash kernels (T x T scores).
+on the 1B shape, BENCHMARKS.md; the rest judged, offload_activations among them; each applied only
+where it lowers the total), until the plan fits gpu_gb. Dense models only (MoE refused); not
+modelled: sequence parallelism, dropout masks, attention without flash kernels (T x T scores).
 """
 import copy
 import sys
@@ -122,9 +122,21 @@ def activations(cfg, tokens, tp=1, compute=2):
         kept, redo = full - part + norm + res * m.n_embd, part - norm
     else:
         kept, redo = full, 0
+    if mode and cfg.offload_activations:  # each part's input waits on the host: in backward
+        kept, redo = kept - res * m.n_embd, redo + 2 * res * m.n_embd  # its own is back and the next one's coming
     final = block_bytes(cfg, tp, compute, "norm") + (2 * m.n_embd if compute == 2 else 0)  # norm_f, the head's input
     saved = tokens * ((m.n_layer - n_ck) * full + n_ck * kept + final)
     return saved, tokens * redo
+
+
+def offloaded_bytes(cfg, tokens):
+    """Pinned host bytes of the inputs offload_activations keeps there (0 without it)."""
+    m = ModelConfig.from_cfg(cfg)
+    mode, every = recompute_of(cfg)
+    if not (mode and cfg.offload_activations):
+        return 0
+    res = 4 if (m.fp32_residual or compute_bytes(cfg) == 4) else 2
+    return tokens * -(-m.n_layer // every) * res * m.n_embd
 
 
 def logits_bytes(cfg, tokens, tp=1, compute=2, head_trains=True, buckets=False):
@@ -219,7 +231,7 @@ def predict(cfg, world=1, decode=None):
         peak = static + grads + saved + max(logit, redo)
     else:  # one process: gradients appear as backward frees the activations
         peak = static + max(saved + max(logit, redo), grads)
-    host = (4 + 8 + 4) * trained if kind == "offload" else 0
+    host = ((4 + 8 + 4) * trained if kind == "offload" else 0) + offloaded_bytes(cfg, tokens)
     return {"rows": rows, "total": peak, "host": host, "world": world, "dp": dp, "tp": tp}
 
 
@@ -265,6 +277,8 @@ LADDER = [
      _set(recompute="mlp", recompute_every=1)),
     ("grad_checkpoint=True (recompute whole blocks)", lambda c, w: not c.grad_checkpoint,
      _set(grad_checkpoint=True, recompute="")),
+    ("offload_activations=True (block inputs in host memory)", lambda c, w: (c.grad_checkpoint or c.recompute)
+     and not c.offload_activations, _set(offload_activations=True)),
     ("adamw_state=8bit", lambda c, w: not c.lora_r and c.adamw_state == "fp32", _set(adamw_state="8bit")),
     ("micro_batch_size halved (more accumulation steps)", lambda c, w: c.micro_batch_size > 1, _halve_batch),
     ("lora_base_dtype=nf4 (QLoRA)", lambda c, w: c.lora_r and c.lora_base_dtype != "nf4", _set(lora_base_dtype="nf4")),

@@ -1,8 +1,9 @@
 """Selective activation checkpointing: recompute in backward what a forward would otherwise keep,
-for every k-th block, or only the attention or only the MLP of those blocks.
+for every k-th block, or only the attention or only the MLP of those blocks; optionally what each
+keeps (its input) waits in pinned host memory instead of on the GPU.
 
     recompute.apply(model, mode="mlp", every=1)   # in place, after the TP cut / LoRA, before FSDP, DP, compile
-    python sft.py configs/sft_small.py --recompute=mlp --recompute_every=2    # parallelize calls it
+    recompute.apply(model, "block", offload=True)  # python sft.py ... --recompute=block --offload_activations=True
 
 Modes (config keys recompute / recompute_every; plan.py predicts per token and block what each keeps):
   "block"  the whole block keeps only its input (model.py's grad_checkpoint=True is this at every=1)
@@ -10,16 +11,20 @@ Modes (config keys recompute / recompute_every; plan.py predicts per token and b
            and their product, 4 x hidden values per token), for the price of recomputing its matmuls
   "attn"   the attention keeps only its input (q, k, v, rotations, the output recomputed; with
            flash / efficient SDPA there are no T x T scores to save, so this saves less)
-every = k: blocks 0, k, 2k, ... are checkpointed, the others keep everything (memory between the
-modes' extremes, recompute only where needed).
+every = k: blocks 0, k, 2k, ... are checkpointed, the others keep everything.
 
-How: the chosen modules' forward is wrapped on the instance by Checkpointed, which calls
-torch.utils.checkpoint (non-reentrant, RNG state preserved: dropout masks are drawn again the
-same) in training forwards that record gradients and carry no KV cache, and the plain forward
-otherwise (evaluation, generation). Parameter names, state dicts and hooks are unchanged;
-fsdp.FSDP's hooks stay around the block (a recompute runs inside the block's backward, after FSDP
-has gathered it again); copy.deepcopy(model) carries the wrappers along, pointing at the copy.
+How: the chosen modules' forward is wrapped on the instance by Checkpointed: torch.utils.checkpoint
+(non-reentrant, RNG state preserved: dropout masks drawn again the same) in training forwards that
+record gradients and carry no KV cache, the plain forward otherwise (evaluation, generation).
+Parameter names, state dicts and hooks are unchanged; fsdp.FSDP's hooks stay around the block;
+copy.deepcopy(model) carries the wrappers along, pointing at the copy. offload (offload_activations):
+Offloaded instead, an autograd Function that copies the input to pinned host memory on a side stream,
+and in backward copies it back (each backward first starts the copy the next one needs: Offloader),
+recomputes the module and returns the gradients of the input and the parameters. On the CPU the
+copy is a copy: the gradients equal checkpoint's bitwise (tests/test_recompute.py).
 """
+import dataclasses
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -30,16 +35,116 @@ def has_cache(args, kwargs):
     return kwargs.get("cache") is not None or any(hasattr(a, "update") and hasattr(a, "length") for a in args)
 
 
-class Checkpointed:
-    """A module's forward, recomputed in backward when it trains (see the module docstring)."""
+class Offloader:
+    """The host copies of one model's offloaded inputs in forward order, and the side stream that moves
+    them: each backward fetches its own input and starts the copy of the one before it (the next
+    backward's), so that the transfer overlaps this backward's compute."""
 
-    def __init__(self, module, forward):
-        self.module, self.forward = module, forward
+    def __init__(self):
+        self.saved, self.stream = [], None
+
+    def __deepcopy__(self, memo):  # a copied model (copy.deepcopy) gets its own, empty
+        return Offloader()
+
+    def side_stream(self, device):
+        if device.type != "cuda":
+            return None
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        return self.stream
+
+    def put(self, x):
+        """x -> an entry {host, device, stream, index}: x copied to pinned host memory (off the compute stream)."""
+        stream = self.side_stream(x.device)
+        entry = {"device": x.device, "stream": stream, "back": None, "index": len(self.saved)}
+        if stream is None:
+            entry["host"] = x.detach().clone()
+        else:
+            entry["host"] = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(stream):
+                entry["host"].copy_(x.detach(), non_blocking=True)
+            x.record_stream(stream)  # its GPU memory is not reused before the copy is done
+        self.saved.append(entry)
+        return entry
+
+    def fetch(self, entry):
+        """Start copying entry's input back to its device (once) -> the tensor it will be."""
+        if entry["back"] is None:
+            if entry["stream"] is None:
+                entry["back"] = entry["host"]
+            else:
+                with torch.cuda.stream(entry["stream"]):
+                    entry["back"] = entry["host"].to(entry["device"], non_blocking=True)
+        return entry["back"]
+
+    def take(self, entry):
+        """entry's input on its device, ready for the compute stream; the previous entry's copy started."""
+        x = self.fetch(entry)
+        if entry["stream"] is not None:
+            torch.cuda.current_stream(entry["device"]).wait_stream(entry["stream"])
+            x.record_stream(torch.cuda.current_stream(entry["device"]))
+        i = entry["index"]
+        if 0 < i <= len(self.saved) and self.saved[i - 1] is not None:
+            self.fetch(self.saved[i - 1])  # the next backward's input, while this one computes
+        if i < len(self.saved):
+            self.saved[i] = None
+        if all(e is None for e in self.saved):
+            self.saved.clear()  # a forward's inputs all consumed: the next forward starts at 0
+        return x
+
+
+class Offloaded(torch.autograd.Function):
+    """y = fn(x) keeping nothing on x's device for backward: x waits on the host (Offloader.put); backward
+    brings it back, recomputes fn under the forward's autocast and RNG state, and returns the gradients of
+    x and of params (fn's parameters that train)."""
+
+    @staticmethod
+    def forward(ctx, fn, offloader, x, *params):
+        dev = x.device
+        ctx.fn, ctx.offloader, ctx.n = fn, offloader, len(params)
+        ctx.autocast = (torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type))
+        ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+        ctx.entry, ctx.params = offloader.put(x), params
+        ctx.x_grad = x.requires_grad
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x = ctx.offloader.take(ctx.entry).detach().requires_grad_(ctx.x_grad)
+        dev = x.device
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.set_rng_state(ctx.rng[0])
+            if ctx.rng[1] is not None:
+                torch.cuda.set_rng_state(ctx.rng[1], dev)
+            with torch.enable_grad(), torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
+                y = ctx.fn(x)
+        inputs = ((x,) if ctx.x_grad else ()) + tuple(ctx.params)
+        grads = list(torch.autograd.grad(y, inputs, dy, allow_unused=True)) if inputs else []
+        dx = grads.pop(0) if ctx.x_grad else None
+        return (None, None, dx, *grads)
+
+
+class Checkpointed:
+    """A module's forward, recomputed in backward when it trains (see the module docstring); offloader:
+    its input kept on the host meanwhile (Offloaded), where no other argument needs a gradient."""
+
+    def __init__(self, module, forward, offloader=None):
+        self.module, self.forward, self.offloader = module, forward, offloader
 
     def __call__(self, *args, **kwargs):
         if self.module.training and torch.is_grad_enabled() and not has_cache(args, kwargs):
+            rest = list(args[1:]) + list(kwargs.values())
+            if self.offloader is not None and not any(torch.is_tensor(a) and a.requires_grad for a in rest):
+                return self.offloaded(args, kwargs)
             return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
         return self.forward(*args, **kwargs)
+
+    @torch.compiler.disable  # host copies and side streams: the module runs eagerly (compile skips it)
+    def offloaded(self, args, kwargs):
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        return Offloaded.apply(lambda x: self.forward(x, *args[1:], **kwargs), self.offloader, args[0], *params)
 
 
 def targets(model, mode, every):
@@ -52,15 +157,22 @@ def targets(model, mode, every):
     return [b if mode == "block" else getattr(b, mode) for b in blocks]
 
 
-def apply(model, mode="block", every=1):
+def apply(model, mode="block", every=1, offload=False):
     """Checkpoint `mode` ("block", "attn" or "mlp") of every `every`-th block of a model.Transformer,
-    in place; mode "" does nothing. Returns model."""
+    in place; mode "" does nothing. offload: their inputs on the host until backward (with
+    grad_checkpoint=True: every block's, which then goes through this file). Returns model."""
+    if offload and model.cfg.grad_checkpoint and not mode:  # the same recompute, through Checkpointed
+        model.cfg, mode, every = dataclasses.replace(model.cfg, grad_checkpoint=False), "block", 1
     if not mode:
+        if offload:
+            raise ValueError("offload_activations=True keeps checkpointed inputs on the host: set grad_checkpoint=True "
+                             "or recompute (block, attn or mlp)")
         return model
     if model.cfg.grad_checkpoint:
         raise ValueError("grad_checkpoint=True already recomputes every block: drop it, or set recompute=''")
+    offloader = Offloader() if offload else None
     for m in targets(model, mode, every):
         if isinstance(m.forward, Checkpointed):
             raise ValueError("recompute.apply: this model is checkpointed already")
-        m.forward = Checkpointed(m, m.forward)
+        m.forward = Checkpointed(m, m.forward, offloader)
     return model

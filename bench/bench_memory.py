@@ -14,10 +14,10 @@ steps (weights and optimizer state included, what plan.predict predicts; the CUD
 
 Cases (rows): lora8b: Llama-3-8B shape, LoRA r=16 on all linears, bf16 base: as is, + chunked loss,
 + whole-block checkpointing. qlora8b: the same on an NF4 base (double quantisation). lean8b: both
-checkpointed with the residual stream in bf16. full1b:
-Llama-3.2-1B shape, full fine-tuning (AdamW) with the knobs plan.fit picks for cap_gib. pretrain1b:
-the same shape, Muon (momentum only) with plan.fit's knobs. ladder: the 1B full fine-tune with each
-knob added in turn (torchtune's ladder). hf8b / hf1b: transformers' LlamaForCausalLM (sdpa) + peft
+checkpointed with the residual stream in bf16; offload8b: and the blocks' inputs in host memory
+(offload_activations). full1b: Llama-3.2-1B shape, full fine-tuning (AdamW) with the knobs plan.fit
+picks for cap_gib. pretrain1b: the same shape, Muon (momentum only) with plan.fit's knobs. ladder: the
+1B full fine-tune with each knob added in turn (torchtune's ladder). hf8b / hf1b: transformers' LlamaForCausalLM (sdpa) + peft
 LoRA (bitsandbytes 4-bit where installed) / full fine-tuning, with and without gradient checkpointing.
 """
 import argparse
@@ -47,6 +47,7 @@ SHAPES = {
 LORA = dict(lora_r=16, lora_alpha=32.0, lora_base_dtype="bfloat16")
 CK = dict(grad_checkpoint=True)
 CHUNK = dict(loss_chunk=1024)
+LEAN, OFF = dict(fp32_residual=False), dict(offload_activations=True)
 CASES = {  # case -> [(row, shape, knobs)]; "fit" rows take plan.fit's knobs for cap_gib
     "lora8b": [("lora8b", "8b", LORA), ("lora8b+chunk", "8b", {**LORA, **CHUNK}),
                ("lora8b+chunk+ckpt", "8b", {**LORA, **CHUNK, **CK})],
@@ -64,6 +65,10 @@ CASES = {  # case -> [(row, shape, knobs)]; "fit" rows take plan.fit's knobs for
                ("qlora8b+chunk+ckpt, bf16 residual", "8b", {**LORA, **CHUNK, **CK, "fp32_residual": False,
                                                            "lora_base_dtype": "nf4"})],
     "chunk8b": [("lora8b+chunk 256+ckpt, bf16 residual", "8b", {**LORA, "loss_chunk": 256, **CK, "fp32_residual": False})],
+    "offload8b": [("lora8b+chunk+ckpt+offload, bf16 residual", "8b", {**LORA, **CHUNK, **CK, **LEAN, **OFF}),
+                  ("the same, 1 x 2048 tokens", "8b", {**LORA, **CHUNK, **CK, **LEAN, **OFF, "micro_batch_size": 1}),
+                  ("qlora8b+chunk+ckpt+offload, bf16 residual", "8b", {**LORA, **CHUNK, **CK, **LEAN, **OFF,
+                                                                      "lora_base_dtype": "nf4"})],
     "hf8b": [("hf lora8b", "8b", dict(hf=True, **LORA)), ("hf lora8b+ckpt", "8b", dict(hf=True, **LORA, **CK)),
              ("hf qlora8b+ckpt", "8b", {"hf": True, **LORA, **CK, "lora_base_dtype": "nf4"})],
     "hf1b": [("hf full1b", "1b", dict(hf=True)), ("hf full1b+ckpt", "1b", dict(hf=True, **CK))],

@@ -6,7 +6,7 @@ Proves:
   activations per token and block, logits (materialised and chunked) and the peak of a small LLaMA-style
   model (C 64, 4 heads, 2 kv heads, hidden 192, 2 blocks, vocab 512, 2 x 32 tokens) equal the
   values written out term by term below, also for LoRA r=4 (adapters counted by hand), whole-block
-  checkpointing, FSDP over 2 GPUs and a KV cache;
+  checkpointing (its inputs offloaded to the host too), FSDP over 2 GPUs and a KV cache;
 - measured (saved-tensor hooks, unique storages, bf16 autocast on CPU): the bytes a forward keeps
   for backward (activations + autocast's weight copies) are the plan's within 1% (full fine-tuning,
   whole-block checkpointing, LoRA);
@@ -63,6 +63,9 @@ def test_checkpointing_chunking_fsdp_cache_by_hand():
     r, t = rows(dict(grad_checkpoint=True))
     assert r["activations"] == TOK * (L * 4 * C + FINAL)  # each block keeps its fp32 input only
     assert r["recompute"] == TOK * (ATTN + MLP)
+    r, t = rows(dict(grad_checkpoint=True, offload_activations=True))  # the inputs on the host, 2 back in backward
+    assert r["activations"] == TOK * FINAL and r["recompute"] == TOK * (ATTN + MLP + 2 * 4 * C)
+    assert t["host"] == TOK * L * 4 * C
     r, _ = rows(dict(recompute="mlp"))
     assert r["activations"] == TOK * (L * (ATTN + NORM + 4 * C) + FINAL)  # the MLP's norm and its input
     assert r["recompute"] == TOK * (MLP - NORM)

@@ -8,8 +8,12 @@ Proves:
   recompute = mlp / attn / block at every 1 and 2 (within 1%), and less than without;
 - evaluation and KV-cache generation run the plain forward (no checkpoint under no_grad or with a
   cache: the same greedy tokens); a deepcopy keeps its wrappers on the copy; bad settings refuse;
-- FSDP2 and DP2 (2 gloo processes) with recompute=mlp every 2 / block every 2 equal one process
-  (weights after 2 AdamW steps with clipping, relative error <= 1e-5).
+- offload (the kept inputs on the host, recompute.Offloaded): the same bitwise equalities for every
+  mode, LoRA and grad_checkpoint=True; the host copies exist between forward and backward (one per
+  checkpointed part) and are gone after it; compiled (aot_eager) the same; without a recompute the
+  setting is refused;
+- FSDP2 and DP2 (2 gloo processes) with recompute=mlp every 2 / block every 2, and DP2 and FSDP2 with
+  offloaded blocks, equal one process (weights after 2 AdamW steps with clipping, relative error <= 1e-5).
 """
 import copy
 import os
@@ -17,6 +21,7 @@ import os
 import pytest
 import torch
 
+import config
 import generate
 import lora
 import parallel
@@ -47,10 +52,11 @@ def loss_and_grads(model, seed=0):
 
 @pytest.mark.parametrize("mode", recompute.MODES)
 @pytest.mark.parametrize("every", [1, 2])
-def test_gradients_equal_no_checkpointing(mode, every):
+@pytest.mark.parametrize("offload", [False, True])
+def test_gradients_equal_no_checkpointing(mode, every, offload):
     for kw in (dict(), dict(dropout=0.1)):
         ref = model_of(**kw)
-        model = recompute.apply(copy.deepcopy(ref), mode, every)
+        model = recompute.apply(copy.deepcopy(ref), mode, every, offload)
         assert sum(isinstance(m.forward, recompute.Checkpointed) for m in model.modules()) == (3 if every == 1 else 2)
         (l1, g1), (l0, g0) = loss_and_grads(model), loss_and_grads(ref)
         assert torch.equal(l1, l0) and g1.keys() == g0.keys()
@@ -64,9 +70,32 @@ def test_lora_gradients_equal():
     ref = lora.apply(model_of(), cfg, parallel.init(cfg))
     lora.load(ref, parallel.init(cfg), {n: 0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1))
                                         for n, p in ref.named_parameters() if lora.is_adapter(n)})
-    model = recompute.apply(copy.deepcopy(ref), "mlp")
+    for mode, offload in (("mlp", False), ("block", True)):
+        model = recompute.apply(copy.deepcopy(ref), mode, 1, offload)
+        (l1, g1), (l0, g0) = loss_and_grads(model), loss_and_grads(ref)
+        assert torch.equal(l1, l0) and g1.keys() == g0.keys() and all(torch.equal(g1[k], g0[k]) for k in g0)
+
+
+def test_offload_keeps_inputs_on_the_host_until_backward():
+    ref = model_of(dropout=0.1)
+    model = recompute.apply(model_of(dropout=0.1, grad_checkpoint=True), "", 1, offload=True)  # grad_checkpoint's way
+    assert not model.cfg.grad_checkpoint and all(isinstance(b.forward, recompute.Checkpointed) for b in model.blocks)
     (l1, g1), (l0, g0) = loss_and_grads(model), loss_and_grads(ref)
-    assert torch.equal(l1, l0) and g1.keys() == g0.keys() and all(torch.equal(g1[k], g0[k]) for k in g0)
+    assert torch.equal(l1, l0) and all(torch.equal(g1[k], g0[k]) for k in g0)
+    offloader = model.blocks[0].forward.offloader
+    x = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    loss = model(x, x)
+    assert len(offloader.saved) == 3 and all(e["host"].shape == (2, 16, 32) for e in offloader.saved)
+    loss.backward()
+    assert offloader.saved == []
+    assert copy.deepcopy(model).blocks[0].forward.offloader is not offloader
+    compiled = torch.compile(recompute.apply(model_of(dropout=0.1), "block", 1, True), backend="aot_eager")
+    (l2, g2) = loss_and_grads(compiled)  # compile leaves the offloaded blocks eager: the same numbers
+    assert torch.equal(l2, l0) and all(torch.equal(g2[f"_orig_mod.{k}"], g0[k]) for k in g0)
+    with pytest.raises(ValueError, match="offload_activations"):
+        recompute.apply(model_of(), "", 1, offload=True)
+    with pytest.raises(config.ConfigError, match="offload_activations"):
+        config.validate(config.load(["--offload_activations=True", "--device=cpu"]), 1)
 
 
 def kept_bytes(model, T=12):
@@ -118,9 +147,9 @@ def test_eval_and_generation_run_plain():
 
 # ----------------------------------------------------------------------------- layouts
 
-def train(cfg, grid, mode, every):
+def train(cfg, grid, mode, every, offload=False):
     torch.manual_seed(0)
-    model = recompute.apply(Transformer(ModelConfig.from_cfg(cfg)), mode, every)
+    model = recompute.apply(Transformer(ModelConfig.from_cfg(cfg)), mode, every, offload)
     net = parallel.parallelize(model, grid, cfg)
     per = distributed.G // grid.data_world
     for s in range(2):
@@ -131,14 +160,15 @@ def train(cfg, grid, mode, every):
 
 
 def _layouts(rank, out_dir):
-    for dp, mode, every in (("fsdp", "mlp", 2), ("ddp", "block", 2)):
+    for name, dp, mode, every, offload in (("fsdp", "fsdp", "mlp", 2, False), ("ddp", "ddp", "block", 2, False),
+                                           ("ddp_off", "ddp", "block", 1, True), ("fsdp_off", "fsdp", "block", 1, True)):
         cfg = train_cfg(SMALL, data_parallel=dp)
-        torch.save(train(cfg, parallel.init(cfg), mode, every), os.path.join(out_dir, f"{dp}_{rank}.pt"))
+        torch.save(train(cfg, parallel.init(cfg), mode, every, offload), os.path.join(out_dir, f"{name}_{rank}.pt"))
 
 
 def test_fsdp2_and_dp2_equal_one_process(tmp_path):
     spawn(_layouts, 2, str(tmp_path))
     cfg = train_cfg(SMALL)
     ref = train(cfg, parallel.init(cfg), "", 1)
-    for dp in ("fsdp", "ddp"):
-        assert_close(torch.load(tmp_path / f"{dp}_0.pt", weights_only=True), ref, f"{dp}2 weights")
+    for name in ("fsdp", "ddp", "ddp_off", "fsdp_off"):
+        assert_close(torch.load(tmp_path / f"{name}_0.pt", weights_only=True), ref, f"{name}2 weights")
