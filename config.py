@@ -134,6 +134,8 @@ SHARED_DEFAULTS = dict(
     recompute_every=1,       # recompute only blocks 0, k, 2k, ... (k = recompute_every)
     offload_activations=False,  # the inputs recomputed parts keep wait in pinned host memory (recompute.py)
     adamw_state="fp32",      # fp32 | 8bit (block-wise 8-bit moments) | offload (state on the CPU): optim_memory.py
+    optimizer_in_backward=False,  # each parameter updated as its gradient arrives, which is then freed (one GPU,
+                                  # one micro-batch a step, grad_clip=0): optim_memory.InBackwardAdamW
     gpu_memory=0.0,          # >0: print the memory plan (plan.py) for GPUs of this many GiB, what fits, and exit
     # evaluation and logging
     eval_every=250,          # steps between held-out evaluations (0: none)
@@ -167,7 +169,7 @@ RESUME_FREE = frozenset("""
     device dtype compile threads grad_bucket_mb grad_reduce_dtype tp sequence_parallel data_parallel ep zero1
     pp pp_schedule pp_cut pp_micro
     micro_batch_size ns_dtype grad_checkpoint fp32_residual loss_chunk recompute recompute_every offload_activations
-    gpu_memory
+    optimizer_in_backward gpu_memory
     eval_every log_every progress peak_tflops tensorboard wandb wandb_project mlflow mlflow_uri mlflow_experiment
     grad_stats_every ratio_low ratio_high ratio_patience act_saturate act_dead_eps
 """.split())
@@ -361,6 +363,18 @@ def validate(cfg, world=1):
     need(not cfg.offload_activations or cfg.recompute or cfg.grad_checkpoint,
          "offload_activations=True moves what recomputed blocks keep to the host: set grad_checkpoint=True or "
          "recompute")
+    inb = "optimizer_in_backward=True updates each parameter during backward"
+    need(not cfg.optimizer_in_backward or world == 1, f"{inb}, before other ranks' gradients could be summed: one "
+         f"process only (this run has {world})")
+    need(not cfg.optimizer_in_backward or cfg.grad_clip == 0, f"{inb}, before the norm of all gradients exists: "
+         f"set grad_clip=0 (now {cfg.grad_clip})")
+    need(not cfg.optimizer_in_backward or cfg.batch_size <= cfg.micro_batch_size, f"{inb}: gradients cannot "
+         f"accumulate over micro-batches; set micro_batch_size >= batch_size={cfg.batch_size}")
+    need(not cfg.optimizer_in_backward or (cfg.optimizer == "adamw" and cfg.adamw_state == "fp32" and not cfg.zero1
+                                           and cfg.data_parallel == "ddp" and cfg.dtype != "float16"
+                                           and not cfg.grad_stats_every),
+         f"{inb}: AdamW with fp32 state and data_parallel='ddp' only, not with fp16 loss scaling (which may skip "
+         f"a step) or grad_stats_every (which reads the gradients)")
     need(cfg.adamw_state in ("fp32", "8bit", "offload"),
          f"adamw_state='{cfg.adamw_state}' must be fp32, 8bit or offload")
     need(not (cfg.adamw_state != "fp32" and cfg.optimizer == "muon" and cfg.data_parallel == "fsdp"),

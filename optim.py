@@ -25,8 +25,9 @@ def param_groups(model, weight_decay):
 
 
 def build_optimizer(model, cfg, grid=None):
-    """AdamW (torch's; cfg.adamw_state 8bit or offload: optim_memory's, its AdamW part under Muon too),
-    or muon.Muon when cfg.optimizer == "muon" or cfg.zero1 (grid needed for TP and ZeRO-1). model:
+    """AdamW (torch's; cfg.adamw_state 8bit or offload: optim_memory's, its AdamW part under Muon too;
+    optimizer_in_backward: optim_memory.InBackwardAdamW), or muon.Muon when cfg.optimizer == "muon" or
+    cfg.zero1 (grid needed for TP and ZeRO-1). model:
     the (cut) module or an fsdp.FSDP wrapper. Every group may carry "lr_scale": the loop sets
     lr = lr_at(step) * lr_scale."""
     if cfg.optimizer not in ("adamw", "muon"):
@@ -35,7 +36,8 @@ def build_optimizer(model, cfg, grid=None):
         return muon.build(model, cfg, grid)
     small = optim_memory.build(cfg.adamw_state, param_groups(model, cfg.weight_decay), lr=cfg.lr,
                                betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                               wrapper=model if isinstance(model, fsdp.FSDP) else None)
+                               wrapper=model if isinstance(model, fsdp.FSDP) else None,
+                               in_backward=cfg.optimizer_in_backward)
     if small is not None:
         return small
     on_cuda = next(model.parameters()).is_cuda

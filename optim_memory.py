@@ -1,5 +1,6 @@
-"""AdamW with less on the GPU: 8-bit block-wise state (AdamW8bit), or state and master weights in
-CPU memory with the update on the CPU (OffloadAdamW). Both are torch AdamW in every other respect.
+"""AdamW with less on the GPU: 8-bit block-wise state (AdamW8bit), state and master weights in CPU
+memory with the update on the CPU (OffloadAdamW), or each update fused into backward so that the
+gradients never all exist at once (InBackwardAdamW). All are torch AdamW in every other respect.
 
     opt = optim_memory.build("8bit" | "offload", optim.param_groups(model, wd), lr, betas, eps)  # DP, one GPU
     muon.Muon(groups, ..., zero1=True, adamw=optim_memory.factory("8bit"))    # ZeRO-1: each owner's AdamW part
@@ -302,15 +303,58 @@ class OffloadAdamW(_Base):
         return loss
 
 
+# ----------------------------------------------------------------------------- the step fused into backward
+
+class InBackwardAdamW(torch.optim.Optimizer):
+    """torch AdamW with each parameter's update fused into backward (torchtune's optimizer_in_bwd): a
+    post-accumulate-grad hook updates the parameter as soon as its gradient exists, then frees the
+    gradient, so no moment of a step holds every gradient. One process, one micro-batch per step, no
+    clipping (config.validate refuses the rest). param_groups, state, state_dict and load_state_dict are
+    torch AdamW's (checkpoints resume either way); step() has nothing left to do; grad_norm() is the norm
+    of the gradients the hooks saw since the last call. Bitwise torch.optim.AdamW(foreach=False) on CPU."""
+
+    in_backward = True
+
+    def __init__(self, groups, lr, betas, eps):
+        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
+        self.sq, self.where = None, {}  # where: parameter -> its group's index (load_state_dict makes new groups)
+        for i, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                self.where[p] = i
+                p.register_post_accumulate_grad_hook(self.update)
+
+    @torch.no_grad()
+    def update(self, p):
+        g, st = self.param_groups[self.where[p]], self.state[p]
+        if not st:  # torch AdamW's entries, as its first step makes them
+            st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                      exp_avg_sq=torch.zeros_like(p))
+        sq = p.grad.float().square().sum()
+        self.sq = sq if self.sq is None else self.sq + sq
+        torch_adamw([p], [p.grad], [st["exp_avg"]], [st["exp_avg_sq"]], [], [st["step"]], foreach=False,
+                    amsgrad=False, beta1=g["betas"][0], beta2=g["betas"][1], lr=g["lr"],
+                    weight_decay=g["weight_decay"], eps=g["eps"], maximize=False)
+        p.grad = None
+
+    def step(self, closure=None):
+        return closure_loss(closure)  # every update ran in backward
+
+    def grad_norm(self):
+        """The norm of the gradients since the last call (0 when none came)."""
+        sq, self.sq = self.sq, None
+        return torch.zeros(()) if sq is None else sq.sqrt()
+
+
 def bytes_per_param(kind):
     """GPU bytes of AdamW state per trained parameter: 'fp32' 8, '8bit' 2 (+ 8 / 256 of absmax), 'offload' 0."""
     return {"fp32": 8.0, "8bit": 2.0 + 2 * 4 / 256, "offload": 0.0}[kind]
 
 
-def build(kind, groups, lr, betas, eps, wrapper=None):
-    """The AdamW of kind 'fp32' (None: torch's, the caller builds it), '8bit' or 'offload'."""
+def build(kind, groups, lr, betas, eps, wrapper=None, in_backward=False):
+    """The AdamW of kind 'fp32' (None: torch's, the caller builds it; in_backward: InBackwardAdamW), '8bit'
+    or 'offload'."""
     if kind == "fp32":
-        return None
+        return InBackwardAdamW(groups, lr=lr, betas=betas, eps=eps) if in_backward else None
     if kind not in ("8bit", "offload"):
         raise ValueError(f"adamw_state='{kind}' must be fp32, 8bit or offload")
     cls = AdamW8bit if kind == "8bit" else OffloadAdamW

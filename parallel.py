@@ -360,6 +360,8 @@ class Net:
         skip = self.scaler is not None and self.scaler.unscale_(self.scaler.grads(self.wrapper))  # collective
         if skip:
             norm = torch.full((), float("inf"), device=self.grid.device)
+        elif getattr(self.optimizer, "in_backward", False):  # optim_memory.InBackwardAdamW: updated already
+            norm = self.optimizer.grad_norm()
         else:
             if before_update is not None:
                 before_update()
@@ -457,6 +459,9 @@ def parallelize(model, grid, cfg, load=None, optimizer=True, compile_kwargs=None
     if load is not None:
         load(model)  # initial weights: each TP rank reads only its slices; every expert still here
     dtype = amp_dtype(cfg, grid.device)
+    if cfg.optimizer_in_backward and dtype == torch.float16:  # dtype=auto on a GPU without bf16
+        raise config.ConfigError("optimizer_in_backward=True cannot run with fp16 loss scaling (a step it skips has "
+                                 "already been taken): set dtype=float32 or bfloat16")
     if cfg.lora_r and any(p.requires_grad for p in model.parameters()):
         lora.apply(model, cfg, grid)  # freeze the base, add adapters cut like their base (lora.py)
         if cfg.lora_base_dtype == "nf4":  # the base in 4 bits, the rest frozen in the compute dtype

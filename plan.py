@@ -44,8 +44,8 @@ def compute_bytes(cfg, cuda=True):
 
 def count(cfg):
     """Parameter counts of the model cfg describes (built on the meta device, LoRA applied when
-    lora_r > 0): {trained, frozen, block_matrices, matrices (blocks + untied head), largest, unit,
-    root, muon, nf4_bytes}; unit: the largest block's parameters, root: the rest (FSDP units)."""
+    lora_r > 0): {trained, frozen, block_matrices, matrices (blocks + untied head), largest,
+    largest_trained, unit, root, muon, nf4_bytes}; unit: the largest block's parameters, root: the rest (FSDP units)."""
     if getattr(cfg, "objective", "lm") != "lm":
         raise NotImplementedError(f"plan: objective={cfg.objective!r} builds a BERT / T5; the plan models the decoder")
     mcfg = ModelConfig.from_cfg(cfg)
@@ -66,6 +66,7 @@ def count(cfg):
                 frozen=sum(p.numel() for _, p in named if not p.requires_grad),
                 matrices=sum(p.numel() for n, p in mats if not lora.is_adapter(n)),
                 largest=max(p.numel() for _, p in mats),
+                largest_trained=max([p.numel() for _, p in named if p.requires_grad] or [0]),
                 base_linear=sum(p.numel() for n, p in named if n in base),
                 largest_base=max([p.numel() for n, p in named if n in base] or [0]),
                 nf4_bytes=sum(qlora.nf4_bytes(p.numel()) for n, p in named if n in base),
@@ -196,6 +197,8 @@ def predict(cfg, world=1, decode=None):
     # gradients
     if fsdp:
         grads, gnote = 4 * trained / dp + (4 + a) * n["unit"] / tp, f"fp32 shards (1/{dp}) + one block's full gradient"
+    elif cfg.optimizer_in_backward:  # each gradient used and freed as it arrives: the largest one at a time
+        grads, gnote = 4 * n["largest_trained"], "updated in backward: one gradient at a time (the largest, fp32)"
     else:
         grads, gnote = 4 * trained, "fp32" + (" (DataParallel's buckets stay full size under ZeRO-1)" if zero1 else "")
     rows.append(("gradients", grads, gnote))
@@ -227,8 +230,8 @@ def predict(cfg, world=1, decode=None):
                      f"{decode[0]} rows x {decode[1]} positions, bf16"))
     cache = sum(b for name, b, _ in rows if name == "kv cache")
     static = sum(b for name, b, _ in rows if name in ("weights", "compute copies", "optimizer state")) + cache
-    if dp > 1 or fsdp:  # DataParallel's buckets (and FSDP's shards) hold the gradients all along
-        peak = static + grads + saved + max(logit, redo)
+    if dp > 1 or fsdp or cfg.optimizer_in_backward:  # the gradients (buckets, shards, or the one being used)
+        peak = static + grads + saved + max(logit, redo)  # held all along, beside the activations
     else:  # one process: gradients appear as backward frees the activations
         peak = static + max(saved + max(logit, redo), grads)
     host = ((4 + 8 + 4) * trained if kind == "offload" else 0) + offloaded_bytes(cfg, tokens)
@@ -279,6 +282,9 @@ LADDER = [
      _set(grad_checkpoint=True, recompute="")),
     ("offload_activations=True (block inputs in host memory)", lambda c, w: (c.grad_checkpoint or c.recompute)
      and not c.offload_activations, _set(offload_activations=True)),
+    ("optimizer_in_backward=True, grad_clip=0 (each update in backward, no clipping)", lambda c, w: w == 1
+     and not c.optimizer_in_backward and c.optimizer == "adamw" and c.adamw_state == "fp32" and not c.lora_r
+     and c.batch_size <= c.micro_batch_size, _set(optimizer_in_backward=True, grad_clip=0.0)),
     ("adamw_state=8bit", lambda c, w: not c.lora_r and c.adamw_state == "fp32", _set(adamw_state="8bit")),
     ("micro_batch_size halved (more accumulation steps)", lambda c, w: c.micro_batch_size > 1, _halve_batch),
     ("lora_base_dtype=nf4 (QLoRA)", lambda c, w: c.lora_r and c.lora_base_dtype != "nf4", _set(lora_base_dtype="nf4")),

@@ -7,40 +7,19 @@ Every row generates --new tokens (256) after --prompt random tokens (64) for B p
 with temperature 1 and top-k 50, no stop tokens, bf16 weights (fp32 on CPU), random init (the
 124m and 1b LLaMA shapes of bench.py and bench/bench_parallel.py). tokens/s = B * new / seconds of
 one whole call (prefill, capture and compilation guards included), timed after one untimed
-warm-up call of the same shape (compilation happens there).
-
-rows  ours-eager        generate.generate: the eager KV-cache loop (the reference path)
-      ours-static       generate.decode(graph=False): static cache, the step run uncaptured
-      ours-graph        generate.decode: the step captured as a CUDA graph by hand and replayed
-      ours-compile      generate.decode(compile=True): torch.compile'd step, then captured
-      ours-lora         ours-compile on the model with LoRA adapters (r=16, every linear) applied on the fly
-      ours-lora-merged  the same adapters merged into the weights first (lora.merge)
-      hf-dynamic        transformers generate, its default dynamic cache (SDPA)
-      hf-static         transformers generate, cache_implementation="static" (its own auto-compile)
-A row "name:variant" runs the ours-* row with decode() settings VARIANTS[variant] (bare: "all",
-today's defaults). "before" is the decoder BENCHMARKS.md measured first (whole-cache attention,
-two gate/up matmuls, the race over the whole vocabulary); the table's "vs before" column divides
-by the row of the same name with variant "before" at that point.
+warm-up call of the same shape (compilation happens there). The rows are ROWS' (below); a row
+"name:variant" runs the ours-* row with decode() settings VARIANTS[variant] (bare: "all", today's
+defaults). "before" is the decoder BENCHMARKS.md measured first; the table's "vs before" column
+divides by the row of the same name with variant "before" at that point.
 
 --rows run at every --points entry (shape:batch, in priority order); the --explore rows (the
 settings one by one) at the first point, where the list says "explore"; the --profile rows of the
 first point run once more, uncaptured, under torch.profiler: GPU kernels per decode step, GPU time
 per step and the kernels that take it (CPU: top-level ATen ops per step; the JSON lists every one).
-
-bound: the memory-bandwidth limit of a decode step, tokens/s = B / (bytes / bandwidth), bytes =
-the weights read once per step (every parameter but the token embedding) + the KV cache read at
-the mean context (prompt + new/2 keys per row); bandwidth = a measured 1 GiB device copy (read +
-write bytes / seconds). `of_bound` = tokens/s / bound.
-
-checks (first; fp32 and bf16, 124m, prompts of different lengths): greedy decode (graph; compile
-too with --check_compile) vs the eager path: token agreement rate, tokens per row before the first
-difference (fp32: all identical; bf16: near-ties flip, then the rows go apart); max |log-prob -
-teacher-forced log_softmax| of tokens sampled with top-k; fp32: sampled tokens of the captured
-step = the uncaptured step's (same seed), a call replaying kept graphs (keep=) = a fresh one, also
-under bf16 autocast (greedy; the graphs replayed after the autocast context that captured them).
-
-Rows run in priority order until --budget_s has passed; later ones are listed as skipped. A failing
-row prints its error and the table goes on.
+Each row also reports `of_bound`, tokens/s over the memory-bandwidth limit (bound()), and the run
+starts with checks() (correctness of the fast paths against the eager one). Rows run in priority
+order until --budget_s has passed; later ones are listed as skipped. A failing row prints its error
+and the table goes on.
 """
 import argparse
 import copy
@@ -77,8 +56,16 @@ SHAPES = {  # name -> (model config, prompt length, new tokens)
     "1b": (dict(LLAMA, block_size=2048, n_layer=16, n_embd=2048, n_head=16, n_kv_head=8, ffn_hidden=8192), 64, 256),
     "tiny": (dict(LLAMA, vocab_size=512, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64), 8, 16),
 }
-ROWS = ("ours-eager", "ours-static", "ours-graph", "ours-compile", "ours-lora", "ours-lora-merged", "hf-dynamic",
-        "hf-static")
+ROWS = {  # name -> what it runs
+    "ours-eager": "generate.generate: the eager KV-cache loop (the reference path)",
+    "ours-static": "generate.decode(graph=False): static cache, the step run uncaptured",
+    "ours-graph": "generate.decode: the step captured as a CUDA graph by hand and replayed",
+    "ours-compile": "generate.decode(compile=True): torch.compile'd step, then captured",
+    "ours-lora": "ours-compile on the model with LoRA adapters (r=16, every linear) applied on the fly",
+    "ours-lora-merged": "the same adapters merged into the weights first (lora.merge)",
+    "hf-dynamic": "transformers generate, its default dynamic cache (SDPA)",
+    "hf-static": "transformers generate, cache_implementation='static' (its own auto-compile)",
+}
 BEFORE = dict(bucket=0, fuse_mlp=False, candidates=False)
 VARIANTS = {  # decode() keyword arguments; "compile": torch.compile's (compile rows only); "keep": keep={}
     "before": BEFORE,                               # the first measured decoder
@@ -188,6 +175,9 @@ def hf_model(ctx):
 
 
 def bound(model, B, T, N, bw):
+    """The memory-bandwidth limit of a decode step, tokens/s = B / (bytes / bandwidth): bytes = the weights
+    read once per step (every parameter but the token embedding) + the KV cache read at the mean context
+    (prompt + new/2 keys per row); bw = a measured 1 GiB device copy (read + write bytes / seconds)."""
     c = model.cfg
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "tok_emb.weight")
     if c.tie_embeddings:
@@ -280,8 +270,12 @@ def profile_row(name, ctx, x, N):
 
 
 def checks():
-    """Greedy agreement with the eager path and log-prob error, fp32 and bf16 (124m; tiny on CPU);
-    fp32: captured = uncaptured sampled tokens, kept graphs = a fresh call."""
+    """fp32 and bf16 (124m; tiny on CPU), prompts of different lengths: greedy decode (graph; compile too with
+    --check_compile) vs the eager path: token agreement rate, tokens per row before the first difference
+    (fp32: all identical; bf16: near-ties flip, then the rows go apart); max |log-prob - teacher-forced
+    log_softmax| of tokens sampled with top-k; fp32: sampled tokens of the captured step = the uncaptured
+    step's (same seed), a call replaying kept graphs (keep=) = a fresh one, also under bf16 autocast (greedy;
+    the graphs replayed after the autocast context that captured them)."""
     shape = "124m" if cuda else "tiny"
     out = {}
     for dt in ((torch.float32, torch.bfloat16) if cuda else (torch.float32,)):

@@ -48,6 +48,7 @@ LORA = dict(lora_r=16, lora_alpha=32.0, lora_base_dtype="bfloat16")
 CK = dict(grad_checkpoint=True)
 CHUNK = dict(loss_chunk=1024)
 LEAN, OFF = dict(fp32_residual=False), dict(offload_activations=True)
+INB = dict(optimizer_in_backward=True, grad_clip=0.0)
 CASES = {  # case -> [(row, shape, knobs)]; "fit" rows take plan.fit's knobs for cap_gib
     "lora8b": [("lora8b", "8b", LORA), ("lora8b+chunk", "8b", {**LORA, **CHUNK}),
                ("lora8b+chunk+ckpt", "8b", {**LORA, **CHUNK, **CK})],
@@ -59,6 +60,7 @@ CASES = {  # case -> [(row, shape, knobs)]; "fit" rows take plan.fit's knobs for
                ("+ bf16 residual", "1b", {**CHUNK, "fp32_residual": False}),
                ("+ recompute mlp", "1b", {**CHUNK, "fp32_residual": False, "recompute": "mlp"}),
                ("+ recompute blocks", "1b", {**CHUNK, "fp32_residual": False, **CK}),
+               ("+ optimizer in backward", "1b", {**CHUNK, "fp32_residual": False, **CK, **INB}),
                ("+ 8-bit AdamW", "1b", {**CHUNK, "fp32_residual": False, **CK, "adamw_state": "8bit"}),
                ("offloaded AdamW instead", "1b", {**CHUNK, "fp32_residual": False, **CK, "adamw_state": "offload"})],
     "lean8b": [("lora8b+chunk+ckpt, bf16 residual", "8b", {**LORA, **CHUNK, **CK, "fp32_residual": False}),
@@ -184,7 +186,8 @@ def child(row, shape, knobs, args):
     if not knobs.get("hf"):
         out["predicted_gib"] = round(plan.predict(cfg)["total"] / 2**30, 3)
     out["knobs"] = {k: getattr(cfg, k) for k in ("lora_r", "lora_base_dtype", "loss_chunk", "grad_checkpoint", "recompute",
-                                                 "fp32_residual", "adamw_state", "optimizer", "micro_batch_size")}
+                                                 "fp32_residual", "adamw_state", "optimizer", "micro_batch_size",
+                                                 "offload_activations", "optimizer_in_backward")}
     try:
         step, dev = theirs(cfg) if knobs.get("hf") else ours(cfg)
         g = torch.Generator().manual_seed(0)

@@ -8,47 +8,10 @@
     torchrun --nproc_per_node=4 bench/bench_parallel.py combo              # TP2xDP2, TP2xFSDP2, EP2xDP2 vs FSDP2 over 4
     torchrun --nproc_per_node=2 bench/bench_parallel.py check-compile      # compiled FSDP == eager FSDP (inductor)
 
-speed rows (same global batch: --batch sequences per GPU for the data-parallel forms, the same
-total on the TP group): ours-fsdp (fsdp.FSDP, bf16 compute, fp32 master shards and reduce) vs
-torch-fsdp2 (`fully_shard` per block and on the root, MixedPrecisionPolicy(bf16 params, fp32
-reduce)); ours-dp (dp.DataParallel) vs torch-ddp (DistributedDataParallel, 25 MB buckets);
-ours-tp (tp.tensor_parallel over all GPUs, dp = 1); compiled: ours-fsdp-compiled (FSDP.compile:
-each block's forward, the final norm and the head's loss compiled, the gather hooks eager) vs
-torch-fsdp2-compiled (torchtitan's recipe: each block replaced by torch.compile(block), then
-fully_shard per block and on the root: FSDP2's hooks run eagerly around the compiled block),
-ours-tp-compiled (torch.compile of the TP model, as parallel.parallelize: TP's collectives traced
-into the graph) and ours-tp-sp-compiled (the same with sequence parallelism). The other rows run
-eager. bf16 autocast, fused AdamW, random tokens. tokens/s counts the global batch once; MFU = tokens/s * model.flops_per_token(T) / (peak * GPUs). Compilation happens in the warm-up
-steps (not timed); each row starts with torch._dynamo.reset() (no graphs of the previous row).
-
-check-compile: eager vs compiled (inductor, the backend the CPU tests cannot afford) on --shape
-(default "small"), --steps steps on the same data: ours-fsdp in fp32 (TF32 off) with and without
-activation checkpointing and in bf16 compute with it; ours-tp over all GPUs with and without
-sequence parallelism, fp32 and bf16: losses and weights after the last step (relative error
-<= 1e-4; bf16: 1e-2), the graphs compiled after step 1 and after the last (equal: no
-recompilation). Exits 1 when a check fails.
-
-capacity: for growing LLaMA shapes, FSDP over all GPUs with activation checkpointing, each
-process capped at --cap_gb of GPU memory (torch.cuda.set_per_process_memory_fraction, set after
-the model is built and sharded, so the cap covers training, not the one-off full-size init);
-a row passes when --steps optimizer steps complete.
-
-moe: the shape with 8 experts, top-2, in every layer (1b: 16 layers of width 2048, experts of
-4096 hidden units: 3.6B parameters, 1.2B active). moe-dp: every GPU holds every expert
-(moe.expert_parallel with ep = 1, dp.DataParallel over all GPUs); moe-ep: experts sharded
-over all GPUs (ep = world, dp = 1), tokens exchanged with all_to_all; both dropless; moe-ep-cap:
-EP with capacity_factor 1.25 (static shapes, no host sync); moe-ep-loop (CUDA only): moe-ep with
-the experts as one matmul each (MoE.expert_mm = "loop") instead of grouped matmuls, which "auto"
-picks on Hopper in bf16; moe-ep-compiled (CUDA only): moe-ep under torch.compile of the whole
-model, as parallel.parallelize (the dropless exchange's host sync breaks the graph once per
-layer). Same --batch sequences per GPU in every row; MFU counts active parameters
-(model.flops_per_token).
-
-combo (4+ GPUs, world = 2 x 2): tp2-dp2 (tp.tensor_parallel over pairs of neighbouring GPUs,
-DataParallel over the pairs), tp2-fsdp2 (the same with fsdp.FSDP over the pairs), torch-fsdp2
-(fully_shard over every GPU) on the dense shape; ep2-dp2 (experts over pairs, DataParallel over
-the pairs) and moe-torch-fsdp2 on the MoE shape. --batch sequences per data-parallel rank (a TP
-pair shares one batch), so every row steps on the same global batch of its shape.
+What each mode runs and compares is MODES' (below; also in --help). Every row: bf16 autocast, fused
+AdamW, random tokens; tokens/s counts the global batch once; MFU = tokens/s *
+model.flops_per_token(T) / (peak * GPUs). Compilation happens in the warm-up steps (not timed); each
+row starts with torch._dynamo.reset() (no graphs of the previous row).
 """
 import argparse
 import gc
@@ -87,8 +50,36 @@ CAPACITY = [  # (name, shape): 2.1B, 2.5B, 2.9B, 3.3B parameters at width 2560
     (f"{L}-layers", dict(LLAMA, block_size=2048, n_layer=L, n_embd=2560, n_head=20, n_kv_head=4,
                           ffn_hidden=10240, grad_checkpoint=True)) for L in (20, 24, 28, 32)]
 
-p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-p.add_argument("mode", choices=["speed", "capacity", "moe", "combo", "check-compile"])
+MODES = {  # mode -> its rows, what they compare
+    "speed": "the same global batch (--batch sequences per GPU for the data-parallel forms, the same total on "
+             "the TP group): ours-fsdp (fsdp.FSDP, bf16 compute, fp32 master shards and reduce) vs torch-fsdp2 "
+             "(fully_shard per block and on the root, MixedPrecisionPolicy(bf16 params, fp32 reduce)); ours-dp "
+             "(dp.DataParallel) vs torch-ddp (DistributedDataParallel, 25 MB buckets); ours-tp (tp.tensor_parallel "
+             "over all GPUs, dp = 1); compiled: ours-fsdp-compiled (FSDP.compile: each block's forward, the final "
+             "norm and the head's loss compiled, the gather hooks eager) vs torch-fsdp2-compiled (torchtitan's "
+             "recipe: each block replaced by torch.compile(block), then fully_shard per block and on the root), "
+             "ours-tp-compiled (torch.compile of the TP model: TP's collectives traced into the graph) and "
+             "ours-tp-sp-compiled (the same with sequence parallelism); the other rows eager",
+    "capacity": "for growing LLaMA shapes, FSDP over all GPUs with activation checkpointing, each process capped "
+                "at --cap_gb (set_per_process_memory_fraction after the model is built and sharded: the cap covers "
+                "training, not the one-off full-size init); a row passes when --steps optimizer steps complete",
+    "moe": "the shape with 8 experts, top-2, in every layer (1b: experts of 4096 hidden units, 3.6B parameters, "
+           "1.2B active): moe-dp (every GPU every expert, DataParallel), moe-ep (experts over all GPUs, all_to_all, "
+           "dropless), moe-ep-cap (EP, capacity_factor 1.25: static shapes, no host sync), moe-ep-loop (CUDA: one "
+           "matmul per expert, MoE.expert_mm='loop', which 'auto' picks on Hopper in bf16), moe-ep-compiled (CUDA: "
+           "whole-model compile; the dropless exchange's host sync breaks the graph once per layer); the same "
+           "--batch per GPU; MFU counts active parameters",
+    "combo": "4+ GPUs as 2 x 2: tp2-dp2, tp2-fsdp2 and torch-fsdp2 over every GPU on the dense shape; ep2-dp2 and "
+             "moe-torch-fsdp2 on the MoE shape; --batch sequences per data-parallel rank (a TP pair shares one)",
+    "check-compile": "eager vs compiled (inductor) on --shape (default small), --steps steps on the same data: "
+                     "ours-fsdp in fp32 (TF32 off) with and without activation checkpointing and bf16 with it; "
+                     "ours-tp with and without sequence parallelism, fp32 and bf16: losses and weights after the "
+                     "last step (relative error <= 1e-4; bf16: 1e-2), the graphs after step 1 and the last equal "
+                     "(no recompilation); exits 1 when a check fails",
+}
+p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="\n".join(f"{k}: {v}" for k, v in MODES.items()))
+p.add_argument("mode", choices=list(MODES))
 p.add_argument("--shape", choices=list(SHAPES), default=None, help="default: 1b (check-compile: small)")
 p.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
 p.add_argument("--steps", type=int, default=10)

@@ -13,8 +13,11 @@ Proves (CPU, one process unless said):
   half the clean steps); settings fp16 (or an NF4 base in fp32) cannot run with stop the script
   with one line, exit status 2, before out_dir exists;
 - the knobs that do not change the math keep it through pretrain.py (loss_chunk + recompute=mlp
-  every 2nd block + adamw_state=offload: the fp32 run's losses within 1e-5), and a resumed run may
-  change them (RESUME_FREE); a changed adamw_state is refused;
+  every 2nd block + adamw_state=offload + offload_activations: the fp32 run's losses within 1e-5;
+  optimizer_in_backward with grad_checkpoint: torch AdamW's losses within 1e-5, each update done
+  in backward, no gradient left), and a resumed run may change them (RESUME_FREE); a changed
+  adamw_state is refused; optimizer_in_backward with clipping or micro-batches, offload_activations
+  without a recompute: one line;
 - --gpu_memory=24 prints plan.py's table (and, for a budget it exceeds, fit()'s knobs) and exits 0
   before any work: no out_dir, no data folder (pretrain.py, sft.py).
 """
@@ -89,6 +92,15 @@ def test_parallelize_applies_each_knob():
     assert isinstance(net_of(adamw_state="offload").optimizer, optim_memory.OffloadAdamW)
     assert isinstance(net_of(optimizer="muon", adamw_state="8bit").optimizer.adamw, optim_memory.AdamW8bit)
     assert net_of(dtype="float16").scaler is not None
+    inb = net_of(optimizer_in_backward=True, grad_clip=0.0, grad_checkpoint=True, offload_activations=True)
+    assert isinstance(inb.optimizer, optim_memory.InBackwardAdamW)
+    assert all(isinstance(b.forward, recompute.Checkpointed) and b.forward.offloader for b in inb.raw.blocks)
+    x = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    before = [p.detach().clone() for p in inb.raw.parameters()]
+    inb.backward(inb(x, x))  # the update happens here
+    assert all(p.grad is None for p in inb.raw.parameters())
+    assert not any(torch.equal(a, p) for a, p in zip(before, inb.raw.parameters()))
+    assert inb.step(0.0) > 0  # the norm of the gradients the update saw
     q = net_of(lora_r=4, lora_base_dtype="nf4", dtype="bfloat16")
     assert len(qlora.dequantized_state(q.raw)) == len(lora.adapted(q.raw)) > 0
     assert all(isinstance(m, qlora.QLoRALinear) for m in lora.adapted(q.raw))
@@ -155,6 +167,9 @@ def test_fp16_on_cpu_trains_and_resumes_exactly(tmp_path, data_dir):
     (["--lora_r=4", "--lora_base_dtype=nf4"], "lora_base_dtype='nf4' computes in 16 bits"),
     (["--recompute=mlp", "--grad_checkpoint=True"], "both recompute"),
     (["--adamw_state=4bit"], "adamw_state='4bit' must be fp32, 8bit or offload"),
+    (["--optimizer_in_backward=True"], "set grad_clip=0 (now 1.0)"),
+    (["--optimizer_in_backward=True", "--grad_clip=0"], "set micro_batch_size >= batch_size=4"),
+    (["--offload_activations=True"], "set grad_checkpoint=True or recompute"),
 ])
 def test_refusals_are_one_line_before_work(tmp_path, args, msg):
     out = tmp_path / "out"
@@ -168,7 +183,7 @@ def test_knobs_keep_the_math_and_may_change_on_resume(tmp_path, data_dir):
     base, knobs, part = (str(tmp_path / n) for n in ("base", "knobs", "part"))
     pretrain(common + [f"--out_dir={base}"])
     pretrain(common + [f"--out_dir={knobs}", "--loss_chunk=16", "--recompute=mlp", "--recompute_every=2",
-                       "--adamw_state=offload"])
+                       "--adamw_state=offload", "--offload_activations=True"])
     a, b = losses(base), losses(knobs)
     assert sorted(a) == sorted(b) == list(range(1, 7))
     assert all(abs(a[s] - b[s]) <= 1e-5 * abs(a[s]) for s in a), (a, b)
@@ -179,6 +194,13 @@ def test_knobs_keep_the_math_and_may_change_on_resume(tmp_path, data_dir):
     assert all(abs(a[s] - c[s]) <= 1e-5 * abs(a[s]) for s in a), (a, c)
     r = pretrain(common + [f"--out_dir={part}", "--resume", "--adamw_state=8bit"], check=False)
     assert r.returncode == 2 and "adamw_state: 'fp32' -> '8bit'" in r.stderr
+    # the update in backward: torch AdamW's losses, one micro-batch a step and no clipping on both sides
+    whole = ["--micro_batch_size=4", "--grad_clip=0"]
+    plain, inb = str(tmp_path / "plain"), str(tmp_path / "inb")
+    pretrain(common + whole + [f"--out_dir={plain}"])
+    pretrain(common + whole + [f"--out_dir={inb}", "--optimizer_in_backward=True", "--grad_checkpoint=True"])
+    a, b = losses(plain), losses(inb)
+    assert sorted(a) == sorted(b) == list(range(1, 7)) and all(abs(a[s] - b[s]) <= 1e-5 * abs(a[s]) for s in a), (a, b)
 
 
 def test_gpu_memory_prints_the_plan_and_exits_before_work(tmp_path):

@@ -19,7 +19,11 @@ Proves:
   a code now and then: measured 9e-4); 8-bit FSDP2, whose quantisation blocks follow the shards,
   not the parameters: within twice the distance of one process's 8-bit run from fp32 AdamW
   (measured: the same distance, 6e-3), state within 5e-2 (measured 1.8e-2); weights bitwise
-  identical across ranks under DP and ZeRO-1.
+  identical across ranks under DP and ZeRO-1;
+- InBackwardAdamW (each update in backward): after every backward no gradient is left, and 5 steps
+  (two weight-decay groups, tied embeddings) are bitwise torch.optim.AdamW(foreach=False): losses,
+  weights and state; grad_norm() is the norm clip_grad_norm_ reports (1e-6); its state_dict loads into
+  torch AdamW and back, and both train on as the original.
 """
 import copy
 import io
@@ -236,3 +240,43 @@ def test_layouts_equal_one_process(tmp_path):
                 assert all(st["step"].item() == STEPS for st in s.values())
             if layout != "fsdp2":  # replicas / owners' broadcasts: bitwise the same on both ranks
                 assert all(torch.equal(recs[0][2][n], recs[1][2][n]) for n in recs[0][2])
+
+
+def tied(seed=0):
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig.from_cfg(train_cfg(SMALL, tie_embeddings=True)))
+
+
+def test_in_backward_is_torch_adamw_bitwise():
+    ref, model = tied(), tied()
+    assert model.head.weight is model.tok_emb.weight  # tied: its two gradients arrive as one, one update
+    h = dict(lr=SMALL["lr"], betas=(0.9, 0.95), eps=SMALL["eps"])
+    ro = torch.optim.AdamW(optim.param_groups(ref, 0.1), foreach=False, **h)
+    mo = optim_memory.InBackwardAdamW(optim.param_groups(model, 0.1), **h)
+    for s in range(5):
+        loss, rloss = model(*batch(s)), ref(*batch(s))
+        loss.backward()
+        assert all(p.grad is None for p in model.parameters())  # each freed as soon as it was used
+        rloss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
+        ro.step()
+        ro.zero_grad()
+        assert torch.equal(loss, rloss) and abs(mo.grad_norm().item() - norm.item()) <= 1e-6 * norm.item()
+        mo.step()
+    assert params_equal(model, ref) and mo.grad_norm().item() == 0.0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert all(torch.equal(mo.state[p][k], ro.state[q][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    # the same state_dict either way: torch AdamW resumes from it, and it from torch AdamW's
+    twin, back = tied(1), tied(2)
+    twin.load_state_dict(model.state_dict())
+    back.load_state_dict(model.state_dict())
+    to = torch.optim.AdamW(optim.param_groups(twin, 0.1), foreach=False, **h)
+    to.load_state_dict(copy.deepcopy(mo.state_dict()))  # copies: load_state_dict shares tensors
+    bo = optim_memory.InBackwardAdamW(optim.param_groups(back, 0.1), **h)
+    bo.load_state_dict(copy.deepcopy(ro.state_dict()))
+    for s in range(5, 7):
+        for m, o in ((twin, to), (back, bo), (model, mo)):
+            m(*batch(s)).backward()
+            o.step()
+            o.zero_grad()
+    assert params_equal(twin, model) and params_equal(back, model)

@@ -2,9 +2,9 @@
 against the bytes autograd really keeps on CPU.
 
 Proves:
-- parameter counts, weights, bf16 compute copies, gradients, AdamW / 8-bit / offloaded state,
-  activations per token and block, logits (materialised and chunked) and the peak of a small LLaMA-style
-  model (C 64, 4 heads, 2 kv heads, hidden 192, 2 blocks, vocab 512, 2 x 32 tokens) equal the
+- parameter counts, weights, bf16 compute copies, gradients (also updated in backward), AdamW /
+  8-bit / offloaded state, activations per token and block, logits (materialised and chunked) and the
+  peak of a small LLaMA-style model (C 64, 4 heads, 2 kv heads, hidden 192, 2 blocks, vocab 512, 2 x 32 tokens) equal the
   values written out term by term below, also for LoRA r=4 (adapters counted by hand), whole-block
   checkpointing (its inputs offloaded to the host too), FSDP over 2 GPUs and a KV cache;
 - measured (saved-tensor hooks, unique storages, bf16 autocast on CPU): the bytes a forward keeps
@@ -57,6 +57,8 @@ def test_full_fine_tuning_by_hand():
     assert r8["optimizer state"] == pytest.approx(P * (2 + 8 / 256))
     ro, to = rows(dict(adamw_state="offload"))
     assert ro["optimizer state"] == 0 and to["host"] == 16 * P
+    ri, ti = rows(dict(optimizer_in_backward=True, grad_clip=0.0))  # one gradient at a time: the largest, V x C
+    assert ri["gradients"] == 4 * V * C and ti["total"] == static + 4 * V * C + r["activations"] + r["logits"]
 
 
 def test_checkpointing_chunking_fsdp_cache_by_hand():
