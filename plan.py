@@ -45,7 +45,8 @@ def compute_bytes(cfg, cuda=True):
 def count(cfg):
     """Parameter counts of the model cfg describes (built on the meta device, LoRA applied when
     lora_r > 0): {trained, frozen, block_matrices, matrices (blocks + untied head), largest,
-    largest_trained, unit, root, muon, nf4_bytes}; unit: the largest block's parameters, root: the rest (FSDP units)."""
+    largest_trained, unit, root, muon, nf4_bytes}; unit: the largest block's parameters, root: the
+    rest (FSDP units)."""
     if getattr(cfg, "objective", "lm") != "lm":
         raise NotImplementedError(f"plan: objective={cfg.objective!r} builds a BERT / T5; the plan models the decoder")
     mcfg = ModelConfig.from_cfg(cfg)

@@ -87,7 +87,7 @@ class Offloader:
         i = entry["index"]
         if 0 < i <= len(self.saved) and self.saved[i - 1] is not None:
             self.fetch(self.saved[i - 1])  # the next backward's input, while this one computes
-        if i < len(self.saved):
+        if i < len(self.saved):  # (a forward whose backward never ran may have been cleared under it)
             self.saved[i] = None
         if all(e is None for e in self.saved):
             self.saved.clear()  # a forward's inputs all consumed: the next forward starts at 0
@@ -102,7 +102,7 @@ class Offloaded(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, offloader, x, *params):
         dev = x.device
-        ctx.fn, ctx.offloader, ctx.n = fn, offloader, len(params)
+        ctx.fn, ctx.offloader = fn, offloader
         ctx.autocast = (torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type))
         ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
         ctx.entry, ctx.params = offloader.put(x), params
@@ -135,8 +135,8 @@ class Checkpointed:
 
     def __call__(self, *args, **kwargs):
         if self.module.training and torch.is_grad_enabled() and not has_cache(args, kwargs):
-            rest = list(args[1:]) + list(kwargs.values())
-            if self.offloader is not None and not any(torch.is_tensor(a) and a.requires_grad for a in rest):
+            if self.offloader is not None and not any(torch.is_tensor(a) and a.requires_grad
+                                                      for a in list(args[1:]) + list(kwargs.values())):
                 return self.offloaded(args, kwargs)
             return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
         return self.forward(*args, **kwargs)
