@@ -84,6 +84,7 @@ class Offloader:
         if entry["stream"] is not None:
             torch.cuda.current_stream(entry["device"]).wait_stream(entry["stream"])
             x.record_stream(torch.cuda.current_stream(entry["device"]))
+        entry["host"] = entry["back"] = None  # from here on only the caller holds it: autograd keeps ctx to the end
         i = entry["index"]
         if 0 < i <= len(self.saved) and self.saved[i - 1] is not None:
             self.fetch(self.saved[i - 1])  # the next backward's input, while this one computes
