@@ -1,7 +1,7 @@
 # A model's life on one GPU, step 4: GRPO on the same task from the DPO model (itself the SFT model,
 # aligned): 128 problems x 8 samples a step, reward 1 when the last line '#### <expression>' reaches the
-# target (each number at most once). 1,024 completions a step at lr 5e-6: at 256 a step and lr 1e-5 the
-# batch's noise, amplified by Adam's normalised steps, moved the SFT model more than its signal did.
+# target (each number at most once). 1,024 completions a step at lr 5e-6: every earlier run, at 256 a step
+# and lr 1e-5, lost greedy accuracy before it gained (a small batch's step is mostly noise: BENCHMARKS.md).
 #   python grpo.py configs/grpo_life.py      (after dpo.py configs/dpo_life.py)
 init_from = "out/dpo_life"
 out_dir = "out/grpo_life"
