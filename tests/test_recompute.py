@@ -12,8 +12,9 @@ Proves:
   mode, LoRA and grad_checkpoint=True; the host copies exist between forward and backward (one per
   checkpointed part) and are gone after it; compiled (aot_eager) the same; without a recompute the
   setting is refused;
-- FSDP2 and DP2 (2 gloo processes) with recompute=mlp every 2 / block every 2, and DP2 and FSDP2 with
-  offloaded blocks, equal one process (weights after 2 AdamW steps with clipping, relative error <= 1e-5).
+- FSDP2 and DP2 (2 gloo processes) with recompute=mlp every 2 / block every 2, DP2 and FSDP2 with
+  offloaded blocks and TP2 with offloaded MLPs equal one process (weights after 2 AdamW steps with
+  clipping, relative error <= 1e-5).
 """
 import copy
 import os
@@ -162,8 +163,9 @@ def train(cfg, grid, mode, every, offload=False):
 
 def _layouts(rank, out_dir):
     for name, dp, mode, every, offload in (("fsdp", "fsdp", "mlp", 2, False), ("ddp", "ddp", "block", 2, False),
-                                           ("ddp_off", "ddp", "block", 1, True), ("fsdp_off", "fsdp", "block", 1, True)):
-        cfg = train_cfg(SMALL, data_parallel=dp)
+                                           ("ddp_off", "ddp", "block", 1, True), ("fsdp_off", "fsdp", "block", 1, True),
+                                           ("tp_off", "ddp", "mlp", 1, True)):
+        cfg = train_cfg(SMALL, data_parallel=dp, tp=2 if name == "tp_off" else 1)
         torch.save(train(cfg, parallel.init(cfg), mode, every, offload), os.path.join(out_dir, f"{name}_{rank}.pt"))
 
 
@@ -171,5 +173,5 @@ def test_fsdp2_and_dp2_equal_one_process(tmp_path):
     spawn(_layouts, 2, str(tmp_path))
     cfg = train_cfg(SMALL)
     ref = train(cfg, parallel.init(cfg), "", 1)
-    for name in ("fsdp", "ddp", "ddp_off", "fsdp_off"):
+    for name in ("fsdp", "ddp", "ddp_off", "fsdp_off", "tp_off"):
         assert_close(torch.load(tmp_path / f"{name}_0.pt", weights_only=True), ref, f"{name}2 weights")
