@@ -12,13 +12,14 @@ storage dtype (the LoRA bases in bf16; QLoRA's linears on the host until quantis
 steps, torch.cuda.reset_peak_memory_stats(); the peak is max_memory_allocated over the --steps timed
 steps (weights and optimizer state included, what plan.predict predicts; the CUDA context is not).
 
-Cases (rows): lora8b: Llama-3-8B shape, LoRA r=16 on all linears, bf16 base: as is, + chunked loss,
-+ whole-block checkpointing. qlora8b: the same on an NF4 base (double quantisation). lean8b: both
-checkpointed with the residual stream in bf16; offload8b: and the blocks' inputs in host memory
-(offload_activations). full1b: Llama-3.2-1B shape, full fine-tuning (AdamW) with the knobs plan.fit
+Cases (rows): lora8b: Llama-3-8B shape, LoRA r=16 on all linears, bf16 base: as is, + chunked loss, +
+whole-block checkpointing. qlora8b: the same on an NF4 base (double quantisation). lean8b: both
+checkpointed with the residual stream in bf16 (chunk8b: LoRA's with 256-token loss chunks); offload8b:
+and the blocks' inputs in host memory (offload_activations). full1b: Llama-3.2-1B shape, full fine-tuning (AdamW) with the knobs plan.fit
 picks for cap_gib. pretrain1b: the same shape, Muon (momentum only) with plan.fit's knobs. ladder: the
-1B full fine-tune with each knob added in turn (torchtune's ladder). hf8b / hf1b: transformers' LlamaForCausalLM (sdpa) + peft
-LoRA (bitsandbytes 4-bit where installed) / full fine-tuning, with and without gradient checkpointing.
+1B full fine-tune with each knob added in turn (torchtune's ladder; the optimizer in backward among them). hf8b / hf1b: transformers'
+LlamaForCausalLM (sdpa) + peft LoRA (bitsandbytes 4-bit where installed) / full fine-tuning, with and
+without gradient checkpointing.
 """
 import argparse
 import json
@@ -63,10 +64,9 @@ CASES = {  # case -> [(row, shape, knobs)]; "fit" rows take plan.fit's knobs for
                ("+ optimizer in backward", "1b", {**CHUNK, "fp32_residual": False, **CK, **INB}),
                ("+ 8-bit AdamW", "1b", {**CHUNK, "fp32_residual": False, **CK, "adamw_state": "8bit"}),
                ("offloaded AdamW instead", "1b", {**CHUNK, "fp32_residual": False, **CK, "adamw_state": "offload"})],
-    "lean8b": [("lora8b+chunk+ckpt, bf16 residual", "8b", {**LORA, **CHUNK, **CK, "fp32_residual": False}),
-               ("qlora8b+chunk+ckpt, bf16 residual", "8b", {**LORA, **CHUNK, **CK, "fp32_residual": False,
-                                                           "lora_base_dtype": "nf4"})],
-    "chunk8b": [("lora8b+chunk 256+ckpt, bf16 residual", "8b", {**LORA, "loss_chunk": 256, **CK, "fp32_residual": False})],
+    "lean8b": [("lora8b+chunk+ckpt, bf16 residual", "8b", {**LORA, **CHUNK, **CK, **LEAN}),
+               ("qlora8b+chunk+ckpt, bf16 residual", "8b", {**LORA, **CHUNK, **CK, **LEAN, "lora_base_dtype": "nf4"})],
+    "chunk8b": [("lora8b+chunk 256+ckpt, bf16 residual", "8b", {**LORA, "loss_chunk": 256, **CK, **LEAN})],
     "offload8b": [("lora8b+chunk+ckpt+offload, bf16 residual", "8b", {**LORA, **CHUNK, **CK, **LEAN, **OFF}),
                   ("the same, 1 x 2048 tokens", "8b", {**LORA, **CHUNK, **CK, **LEAN, **OFF, "micro_batch_size": 1}),
                   ("qlora8b+chunk+ckpt+offload, bf16 residual", "8b", {**LORA, **CHUNK, **CK, **LEAN, **OFF,
