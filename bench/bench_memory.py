@@ -15,11 +15,11 @@ steps (weights and optimizer state included, what plan.predict predicts; the CUD
 Cases (rows): lora8b: Llama-3-8B shape, LoRA r=16 on all linears, bf16 base: as is, + chunked loss, +
 whole-block checkpointing. qlora8b: the same on an NF4 base (double quantisation). lean8b: both
 checkpointed with the residual stream in bf16 (chunk8b: LoRA's with 256-token loss chunks); offload8b:
-and the blocks' inputs in host memory (offload_activations). full1b: Llama-3.2-1B shape, full fine-tuning (AdamW) with the knobs plan.fit
-picks for cap_gib. pretrain1b: the same shape, Muon (momentum only) with plan.fit's knobs. ladder: the
-1B full fine-tune with each knob added in turn (torchtune's ladder; the optimizer in backward among them). hf8b / hf1b: transformers'
-LlamaForCausalLM (sdpa) + peft LoRA (bitsandbytes 4-bit where installed) / full fine-tuning, with and
-without gradient checkpointing.
+and the blocks' inputs in host memory (offload_activations). full1b: Llama-3.2-1B shape, full fine-
+tuning (AdamW) with the knobs plan.fit picks for cap_gib. pretrain1b: the same shape, Muon (momentum
+only) with plan.fit's knobs. ladder: the 1B full fine-tune with each knob added in turn (torchtune's
+ladder; the optimizer in backward among them). hf8b / hf1b: transformers' LlamaForCausalLM (sdpa) + peft
+LoRA (bitsandbytes 4-bit where installed) / full fine-tuning, with and without gradient checkpointing.
 """
 import argparse
 import json
