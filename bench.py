@@ -106,7 +106,7 @@ autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != tor
 mcfg = ModelConfig(**{**SHAPES[args.shape], **({"block_size": args.seq_len} if args.seq_len else {}),
                       "fp32_residual": bool(args.fp32_residual)})  # the HF peer keeps its own (fp32)
 T, B = mcfg.block_size, args.batch
-opt_cfg = SimpleNamespace(optimizer="adamw", zero1=False, adamw_state="fp32", lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+opt_cfg = SimpleNamespace(optimizer="adamw", zero1=False, adamw_state="fp32", optimizer_in_backward=False, lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 peak = logs.peak_tflops(device, args.peak_tflops)  # TFLOP/s per GPU; None on CPU / unknown GPU
 with torch.device("meta"):
     flops_per_token = Transformer(mcfg).flops_per_token(T)  # counts shapes only: no memory

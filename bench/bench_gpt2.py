@@ -66,7 +66,7 @@ def nanogpt():
 def ours(fp32_residual=True):
     model = Transformer(ModelConfig(**GPT2, fp32_residual=fp32_residual)).to(dev)
     opt = optim.build_optimizer(model, argparse.Namespace(optimizer="adamw", zero1=False, adamw_state="fp32", lr=6e-4, beta1=0.9, beta2=0.95,
-                                                          eps=1e-8, weight_decay=0.1))
+                                                          eps=1e-8, weight_decay=0.1, optimizer_in_backward=False))
     return model, model, opt
 
 

@@ -100,7 +100,7 @@ say = print if main else (lambda *a, **k: None)
 if cuda:
     torch.backends.cuda.matmul.allow_tf32 = True
 dtype = torch.bfloat16 if cuda else torch.float32
-opt_cfg = SimpleNamespace(optimizer="adamw", zero1=False, adamw_state="fp32", lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+opt_cfg = SimpleNamespace(optimizer="adamw", zero1=False, adamw_state="fp32", optimizer_in_backward=False, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 peak = logs.peak_tflops(device)
 
 
