@@ -16,14 +16,15 @@ Proves (CPU, one process unless said):
   every 2nd block + adamw_state=offload + offload_activations: the fp32 run's losses within 1e-5;
   optimizer_in_backward with grad_checkpoint: torch AdamW's losses within 1e-5, each update done
   in backward, no gradient left), and a resumed run may change them (RESUME_FREE); a changed
-  adamw_state is refused; optimizer_in_backward with clipping or micro-batches, offload_activations
-  without a recompute: one line;
+  adamw_state is refused; optimizer_in_backward with clipping, micro-batches, 8-bit state or two
+  processes, offload_activations without a recompute: config.load's ConfigError (the one-line path);
 - --gpu_memory=24 prints plan.py's table (and, for a budget it exceeds, fit()'s knobs) and exits 0
   before any work: no out_dir, no data folder (pretrain.py, sft.py).
 """
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -167,15 +168,29 @@ def test_fp16_on_cpu_trains_and_resumes_exactly(tmp_path, data_dir):
     (["--lora_r=4", "--lora_base_dtype=nf4"], "lora_base_dtype='nf4' computes in 16 bits"),
     (["--recompute=mlp", "--grad_checkpoint=True"], "both recompute"),
     (["--adamw_state=4bit"], "adamw_state='4bit' must be fp32, 8bit or offload"),
-    (["--optimizer_in_backward=True"], "set grad_clip=0 (now 1.0)"),
-    (["--optimizer_in_backward=True", "--grad_clip=0"], "set micro_batch_size >= batch_size=4"),
-    (["--offload_activations=True"], "set grad_checkpoint=True or recompute"),
 ])
 def test_refusals_are_one_line_before_work(tmp_path, args, msg):
     out = tmp_path / "out"
     r = pretrain([f"--data_dir={tmp_path}/data", f"--out_dir={out}"] + args, check=False)
     assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--optimizer_in_backward=True"], "set grad_clip=0 (now 1.0)"),
+    (["--optimizer_in_backward=True", "--grad_clip=0"], "set micro_batch_size >= batch_size=4"),
+    (["--optimizer_in_backward=True", "--grad_clip=0", "--micro_batch_size=4", "--adamw_state=8bit"],
+     "AdamW with fp32 state"),
+    (["--offload_activations=True"], "set grad_checkpoint=True or recompute"),
+])
+def test_memory_knob_refusals(args, msg):  # config.validate as above, in this process (no start-up)
+    shared = ["--batch_size=4", "--micro_batch_size=2", "--device=cpu"]
+    with pytest.raises(config.ConfigError, match=re.escape(msg)):
+        config.load(shared + args)  # load validates
+    config.load(shared + ["--optimizer_in_backward=True", "--grad_clip=0", "--micro_batch_size=4"])  # accepted
+    with pytest.raises(config.ConfigError, match="one process only"):
+        config.load(["--batch_size=8", "--micro_batch_size=4", "--device=cpu", "--optimizer_in_backward=True",
+                     "--grad_clip=0"], world=2)
 
 
 def test_knobs_keep_the_math_and_may_change_on_resume(tmp_path, data_dir):
