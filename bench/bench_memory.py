@@ -101,7 +101,7 @@ def ours(cfg):
     grid = parallel.init(cfg)
     torch.manual_seed(0)
     # QLoRA's base is drawn on the GPU in bf16 and quantised there (a stage keeps it on the host until
-    # quantised: materialize.build's linear_device; drawing 7.5B weights on the host took minutes): the peak
+    # quantised: materialize.build's linear_device; built on the host, two rows did not finish in 420 s): the peak
     # measured is the step's, after reset_peak_memory_stats, either way
     model = materialize.build(ModelConfig.from_cfg(cfg), grid.device, materialize.storage_dtype(cfg), init=True)
     net = parallel.parallelize(model, grid, cfg)
