@@ -5,7 +5,7 @@
 init_from = "out/sft_life"
 out_dir = "out/dpo_life"
 task = "countdown"
-task_args = dict(numbers=3, max_number=99, ops="+-*")
+task_args = dict(numbers=3, max_number=199, max_target=199, ops="+-*")
 n_pairs = 2000
 eval_pairs = 200
 beta = 0.1

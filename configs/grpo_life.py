@@ -6,7 +6,7 @@
 init_from = "out/dpo_life"
 out_dir = "out/grpo_life"
 task = "countdown"
-task_args = dict(numbers=3, max_number=99, ops="+-*")
+task_args = dict(numbers=3, max_number=199, max_target=199, ops="+-*")
 train_prompts = 16384
 eval_prompts = 500
 batch_size = 1024           # completions per step: 128 problems x 8
