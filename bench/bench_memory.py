@@ -18,10 +18,11 @@ checkpointed with the residual stream in bf16 (chunk8b: LoRA's with 256-token lo
 and the blocks' inputs in host memory (offload_activations). full1b: Llama-3.2-1B shape, full fine-
 tuning (AdamW) with the knobs plan.fit picks for cap_gib. pretrain1b: the same shape, Muon (momentum
 only) with plan.fit's knobs. ladder: the 1B full fine-tune with each knob added in turn (torchtune's
-ladder; the optimizer in backward among them). hf8b / hf1b: transformers' LlamaForCausalLM (sdpa) + peft
+ladder; the optimizer in backward among them). hf8b / hf1b (hfq8b: its QLoRA row alone): transformers' LlamaForCausalLM (sdpa) + peft
 LoRA (bitsandbytes 4-bit where installed) / full fine-tuning, with and without gradient checkpointing.
 """
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -75,6 +76,7 @@ CASES = {  # case -> [(row, shape, knobs)]; "fit" rows take plan.fit's knobs for
              ("hf qlora8b+ckpt", "8b", {"hf": True, **LORA, **CK, "lora_base_dtype": "nf4"})],
     "hf1b": [("hf full1b", "1b", dict(hf=True)), ("hf full1b+ckpt", "1b", dict(hf=True, **CK))],
 }
+CASES["hfq8b"] = CASES["hf8b"][2:]  # their QLoRA row alone
 
 
 def make_cfg(shape, knobs, args):
@@ -132,7 +134,10 @@ def theirs(cfg):
         import tempfile
         folder = tempfile.mkdtemp()  # random bf16 weights, saved, then loaded quantised (bitsandbytes quantises on load)
         with torch.device(dev):
-            hf_from_config(transformers, hc, torch.bfloat16).save_pretrained(folder)
+            src = hf_from_config(transformers, hc, torch.bfloat16)
+        src.save_pretrained(folder)
+        del src  # the bf16 source off the GPU before the quantised load (a model holds reference cycles)
+        gc.collect()
         torch.cuda.empty_cache()
         q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                             bnb_4bit_compute_dtype=torch.bfloat16)
@@ -188,8 +193,12 @@ def child(row, shape, knobs, args):
     out["knobs"] = {k: getattr(cfg, k) for k in ("lora_r", "lora_base_dtype", "loss_chunk", "grad_checkpoint", "recompute",
                                                  "fp32_residual", "adamw_state", "optimizer", "micro_batch_size",
                                                  "offload_activations", "optimizer_in_backward")}
+    phase = "building the model"
     try:
         step, dev = theirs(cfg) if knobs.get("hf") else ours(cfg)
+        phase = "training"
+        if cuda:
+            out["built_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)
         g = torch.Generator().manual_seed(0)
         T, B = cfg.block_size, cfg.micro_batch_size
         x = torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(dev)
@@ -213,7 +222,7 @@ def child(row, shape, knobs, args):
             if "predicted_gib" in out:
                 out["error_pct"] = round(100 * (out["predicted_gib"] / out["measured_gib"] - 1), 1)
     except torch.OutOfMemoryError:
-        out["oom"] = f"out of memory under the {args.cap_gib:g} GiB cap"
+        out["oom"] = f"out of memory under the {args.cap_gib:g} GiB cap, {phase}"
     except ImportError as e:
         out["skipped"] = f"needs {e.name}"
     return out
