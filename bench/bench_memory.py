@@ -18,8 +18,9 @@ checkpointed with the residual stream in bf16 (chunk8b: LoRA's with 256-token lo
 and the blocks' inputs in host memory (offload_activations). full1b: Llama-3.2-1B shape, full fine-
 tuning (AdamW) with the knobs plan.fit picks for cap_gib. pretrain1b: the same shape, Muon (momentum
 only) with plan.fit's knobs. ladder: the 1B full fine-tune with each knob added in turn (torchtune's
-ladder; the optimizer in backward among them). hf8b / hf1b (hfq8b: its QLoRA row alone): transformers' LlamaForCausalLM (sdpa) + peft
-LoRA (bitsandbytes 4-bit where installed) / full fine-tuning, with and without gradient checkpointing.
+ladder; the optimizer in backward among them). hf8b / hf1b (hfq8b: its QLoRA row alone): transformers'
+LlamaForCausalLM (sdpa) + peft LoRA (bitsandbytes 4-bit where installed) / full fine-tuning, with and without
+gradient checkpointing.
 """
 import argparse
 import gc
