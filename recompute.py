@@ -144,8 +144,9 @@ class Checkpointed:
 
     @torch.compiler.disable  # host copies and side streams: the module runs eagerly (compile skips it)
     def offloaded(self, args, kwargs):
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        return Offloaded.apply(lambda x: self.forward(x, *args[1:], **kwargs), self.offloader, args[0], *params)
+        params, forward, rest = [p for p in self.module.parameters() if p.requires_grad], self.forward, args[1:]
+        # the closure holds the other arguments only: one holding args would keep x on the device to the end
+        return Offloaded.apply(lambda x: forward(x, *rest, **kwargs), self.offloader, args[0], *params)
 
 
 def targets(model, mode, every):

@@ -10,8 +10,9 @@ Proves:
   cache: the same greedy tokens); a deepcopy keeps its wrappers on the copy; bad settings refuse;
 - offload (the kept inputs on the host, recompute.Offloaded): the same bitwise equalities for every
   mode, LoRA and grad_checkpoint=True; the host copies exist between forward and backward (one per
-  checkpointed part) and are gone after it; compiled (aot_eager) the same; without a recompute the
-  setting is refused;
+  checkpointed part) and are gone after it, and no input stays on its device between forward and
+  backward (checkpointing without offload keeps them: the control); compiled (aot_eager) the same;
+  without a recompute the setting is refused; on a GPU (side stream) offloaded = checkpointed = plain;
 - FSDP2 and DP2 (2 gloo processes) with recompute=mlp every 2 / block every 2, DP2 and FSDP2 with
   offloaded blocks and TP2 with offloaded MLPs equal one process (weights after 2 AdamW steps with
   clipping, relative error <= 1e-5).
@@ -199,3 +200,23 @@ def test_offload_on_gpu_equals_checkpointing(mode):
                 torch.testing.assert_close(gr, out[0][1][n], rtol=1e-5, atol=1e-7)
         parts = [m.forward for m in models[2].modules() if isinstance(m.forward, recompute.Checkpointed)]
         assert len(parts) == 3 and all(f.offloader.saved == [] for f in parts)  # every host copy taken back
+
+
+@pytest.mark.parametrize("mode", recompute.MODES)
+def test_offloaded_inputs_leave_the_device_in_forward(mode):
+    """Between forward and backward nothing holds an offloaded part's input on its device (only the host copy):
+    each part's input tensor is freed once the forward has passed it; checkpointed without offload, it is kept."""
+    import gc
+    import weakref
+    for offload in (True, False):
+        model, seen = recompute.apply(model_of(), mode, 1, offload), []
+        parts = [m for m in model.modules() if isinstance(m.forward, recompute.Checkpointed)]
+        hooks = [m.register_forward_pre_hook(lambda m, args: seen.append(weakref.ref(args[0]))) for m in parts]
+        x = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+        loss = model(x, x)
+        gc.collect()
+        alive = [r() is not None for r in seen]
+        assert len(alive) == 3 and (not any(alive) if offload else all(alive)), (offload, alive)
+        loss.backward()
+        for h in hooks:
+            h.remove()
