@@ -10,7 +10,7 @@ AdamW8bit (bitsandbytes' block-wise 8-bit Adam, Dettmers et al. 2022): each mome
 uint8 codes (same shape as the parameter) plus one fp32 absmax per block of 256 elements; m uses
 the signed dynamic code book, v the unsigned one. A step dequantises a slice of 2^20 elements,
 runs torch AdamW's single-tensor arithmetic on it in fp32 (decoupled decay, lerp for m, bias
-corrections as Python floats) and quantises the new moments back; parameters under min_8bit_size
+corrections as Python floats) and quantises the new moments back (quant.bins: a table, no search); parameters under min_8bit_size
 elements (norms, biases) keep fp32 state and step exactly as torch.optim.AdamW.
 
 OffloadAdamW (ZeRO-Offload's idea): exp_avg, exp_avg_sq and an fp32 master copy of every parameter
@@ -107,8 +107,11 @@ class AdamW8bit(_Base):
         self.codes = {}  # device -> (signed map for m, unsigned map for v)
 
     def code(self, device):
+        """(signed book, unsigned book) on device, and their quant.bins tables (nearest code without a search)."""
         if device not in self.codes:
-            self.codes[device] = (quant.dynamic_map(True).to(device), quant.dynamic_map(False).to(device))
+            books = (quant.dynamic_map(True), quant.dynamic_map(False))
+            self.codes[device] = tuple(c.to(device) for c in books) + tuple(
+                tuple(t.to(device) if torch.is_tensor(t) else t for t in quant.bins(c)) for c in books)
         return self.codes[device]
 
     def quantized(self, p):
@@ -125,7 +128,7 @@ class AdamW8bit(_Base):
             for k in ("exp_avg", "exp_avg_sq"):
                 st[k] = st[k].to(p.device, torch.float32) if k in st else torch.zeros_like(p, dtype=torch.float32)
             return st
-        for k, code in zip(("exp_avg", "exp_avg_sq"), self.code(p.device)):
+        for k, code in zip(("exp_avg", "exp_avg_sq"), self.code(p.device)[:2]):
             if k in st:  # (requantize: values that were dequantised come back with their absmax)
                 st[k + "_q"], st[k + "_absmax"] = quant.requantize(st.pop(k).to(p.device), code, self.block)
             elif k + "_q" not in st:
@@ -141,7 +144,7 @@ class AdamW8bit(_Base):
             return {}
         if "exp_avg" in st:
             return {k: st[k] for k in STANDARD}
-        m, v = self.code(p.device)
+        m, v = self.code(p.device)[:2]
         return {"step": st["step"],
                 "exp_avg": quant.dequantize(st["exp_avg_q"], st["exp_avg_absmax"], m, self.block),
                 "exp_avg_sq": quant.dequantize(st["exp_avg_sq_q"], st["exp_avg_sq_absmax"], v, self.block)}
@@ -168,7 +171,7 @@ class AdamW8bit(_Base):
 
     def update_8bit(self, p, lr, wd, b1, b2, eps):
         """torch AdamW's single-tensor arithmetic on dequantised slices of p's moments."""
-        st, (cm, cv), B = self.state[p], self.code(p.device), self.block
+        st, (cm, cv, tm, tv), B = self.state[p], self.code(p.device), self.block
         st["step"] += 1
         step = st["step"].item()
         step_size, bc2_sqrt = lr / (1 - b1 ** step), (1 - b2 ** step) ** 0.5
@@ -184,8 +187,8 @@ class AdamW8bit(_Base):
             m.lerp_(gr, 1 - b1)
             v.mul_(b2).addcmul_(gr, gr, value=1 - b2)
             x.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-step_size)
-            mq[a:b], st["exp_avg_absmax"][blocks] = quant.quantize(m, cm, B)
-            vq[a:b], st["exp_avg_sq_absmax"][blocks] = quant.quantize(v, cv, B)
+            mq[a:b], st["exp_avg_absmax"][blocks] = quant.quantize(m, cm, B, tm)
+            vq[a:b], st["exp_avg_sq_absmax"][blocks] = quant.quantize(v, cv, B, tv)
 
 
 # ----------------------------------------------------------------------------- CPU offload

@@ -67,13 +67,42 @@ def _blocks(x, block):
     return (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(-1, block), n
 
 
-def quantize(x, code, block=256):
-    """x (any shape) -> (uint8 codes shaped like x, fp32 absmax per block): code[q] * absmax ~ x."""
+def bins(code, bits=16):
+    """A lookup table that finds the nearest code of an fp32 value without a binary search: the
+    value's top `bits` bits (sign, exponent, leading mantissa) name a bin; table[bin] counts the
+    midpoints below the bin, and at most one midpoint lies inside it (checked), so the code is
+    table[bin] + (mids[table[bin]] < x): bucketize's answer, bit for bit. None when some bin holds two."""
+    mids = (code[:-1] + code[1:]) / 2
+    shift = 32 - bits
+    lo = torch.arange(2 ** bits, dtype=torch.int64) << shift
+    hi = lo + (1 << shift) - 1
+    f = [torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32).view(torch.float32) for v in (lo, hi)]
+    neg = lo >= 2 ** 31  # negative floats: the larger the bits, the more negative
+    low, high = torch.where(neg, f[1], f[0]), torch.where(neg, f[0], f[1])
+    table = torch.bucketize(low, mids)
+    finite = low.isfinite() & high.isfinite()
+    if (torch.bucketize(high, mids, right=True) - table)[finite].max() > 1:
+        return None
+    return table.to(torch.int32), torch.cat((mids, mids.new_tensor([float("inf")]))), shift
+
+
+def nearest(scaled, code, table=None):
+    """Index of the nearest entry of the sorted book `code` for each fp32 value in [-1, 1] (uint8):
+    torch.bucketize on the midpoints, or the same answer from a bins() table (no search)."""
+    if table is None:
+        return torch.bucketize(scaled, (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
+    counts, mids, shift = table
+    base = counts.index_select(0, (scaled.view(torch.int32) >> shift) & ((1 << (32 - shift)) - 1))
+    return (mids.index_select(0, base) < scaled).to(torch.uint8).add_(base.to(torch.uint8))
+
+
+def quantize(x, code, block=256, table=None):
+    """x (any shape) -> (uint8 codes shaped like x, fp32 absmax per block): code[q] * absmax ~ x.
+    table: bins(code) on x's device, for speed (the same codes)."""
     xb, n = _blocks(x, block)
     absmax = xb.abs().amax(dim=1)
     scaled = (xb * (1.0 / absmax.clamp(min=1e-38))[:, None]).clamp_(-1, 1).view(-1)[:n]
-    code = code.to(x.device)
-    q = torch.bucketize(scaled, (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
+    q = nearest(scaled.contiguous(), code.to(x.device), table)
     return q.view(x.shape), absmax
 
 
@@ -102,7 +131,7 @@ def requantize(x, code, block=256):
 def dequantize(q, absmax, code, block=256, out=None):
     """Codes (any shape) and absmax per block -> fp32 values shaped like q (or written into out)."""
     n = q.numel()
-    v = code.to(q.device)[q.reshape(-1).long()]
+    v = code.to(q.device).index_select(0, q.reshape(-1).int())
     pad = -n % block
     v = (torch.nn.functional.pad(v, (0, pad)) if pad else v).view(-1, block).mul_(absmax[:, None]).view(-1)[:n]
     if out is None:

@@ -77,7 +77,8 @@ CASES = {  # case -> [(row, shape, knobs)]; "fit" rows take plan.fit's knobs for
              ("hf qlora8b+ckpt", "8b", {"hf": True, **LORA, **CK, "lora_base_dtype": "nf4"})],
     "hf1b": [("hf full1b", "1b", dict(hf=True)), ("hf full1b+ckpt", "1b", dict(hf=True, **CK))],
 }
-CASES["hfq8b"] = CASES["hf8b"][2:]  # their QLoRA row alone
+CASES["hfq8b"] = CASES["hf8b"][2:] + [("hf qlora8b+ckpt, 1 x 2048", "8b", {"hf": True, **LORA, **CK, "micro_batch_size": 1,
+                                                                           "lora_base_dtype": "nf4"})]
 
 
 def make_cfg(shape, knobs, args):
@@ -222,8 +223,10 @@ def child(row, shape, knobs, args):
             out["measured_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
             if "predicted_gib" in out:
                 out["error_pct"] = round(100 * (out["predicted_gib"] / out["measured_gib"] - 1), 1)
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as e:
         out["oom"] = f"out of memory under the {args.cap_gib:g} GiB cap, {phase}"
+        out["oom_detail"] = " ".join(str(e).split())[:400]  # the allocation asked for, what was held
+        out["peak_before_oom_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     except ImportError as e:
         out["skipped"] = f"needs {e.name}"
     return out

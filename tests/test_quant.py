@@ -6,6 +6,7 @@ Proves:
   extremes of the decimal-exponent construction; NF4's 16 entries are QLoRA's table;
 - quantize picks the nearest code of every scaled value (brute-force argmin over the book) for
   random blocks of every size class (a short last block included); all-zero blocks stay zero;
+- the bin table (bins) finds bucketize's code bit for bit, midpoints and their neighbours included;
 - a hand-worked NF4 block: codes, packed bytes (first element in the high nibble), dequantised values;
 - dequantise then quantise gives the same codes (unsigned and NF4: every block; signed: blocks
   whose largest magnitude is positive); requantize gives codes and absmax back for every block
@@ -54,6 +55,27 @@ def test_nearest_code(code_name):
     zq, za = quant.quantize(torch.zeros(10), code, 4)
     assert (quant.dequantize(zq, za, code, 4) == 0).all()
 
+
+
+@pytest.mark.parametrize("code_name", ["signed", "unsigned", "nf4"])
+def test_bin_table_equals_bucketize(code_name):
+    """bins(): the nearest code found by a table lookup is bucketize's, bit for bit, also on the midpoints,
+    their float neighbours, signed zeros, subnormals and the ends of [-1, 1]."""
+    code = {"signed": quant.dynamic_map(True), "unsigned": quant.dynamic_map(False), "nf4": quant.nf4_map()}[code_name]
+    mids = (code[:-1] + code[1:]) / 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200_000, generator=g) * torch.logspace(-9, 0, 200_000)
+    up, down = torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0))
+    x = torch.cat([x, mids, -mids, up, down, -up, -down, torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 1e-38])])
+    x = x.clamp(-1, 1)
+    table = quant.bins(code)
+    assert table is not None
+    assert torch.equal(quant.nearest(x, code, table), quant.nearest(x, code))
+    q1, a1 = quant.quantize(x * 3, code, 64, table)
+    q2, a2 = quant.quantize(x * 3, code, 64)
+    assert torch.equal(q1, q2) and torch.equal(a1, a2)
+    # a book with two midpoints inside one bin of 2^-7 relative width has no table
+    assert quant.bins(torch.tensor([0.0, 0.5, 0.5001, 0.5002, 1.0])) is None
 
 def test_nf4_hand_worked_block():
     w = torch.tensor([2.0, -1.0, 0.5, 0.0])  # absmax 2 -> scaled [1, -0.5, 0.25, 0]
