@@ -133,6 +133,7 @@ SHARED_DEFAULTS = dict(
     recompute="",            # "" | block | attn | mlp: recompute that part of blocks in backward (recompute.py)
     recompute_every=1,       # recompute only blocks 0, k, 2k, ... (k = recompute_every)
     offload_activations=False,  # the inputs recomputed parts keep wait in pinned host memory (recompute.py)
+    embed_on_host=False,     # LoRA: the frozen token embedding stays in host memory, rows looked up there (materialize.py)
     adamw_state="fp32",      # fp32 | 8bit (block-wise 8-bit moments) | offload (state on the CPU): optim_memory.py
     optimizer_in_backward=False,  # each parameter updated as its gradient arrives, which is then freed (one GPU,
                                   # one micro-batch a step, grad_clip=0): optim_memory.InBackwardAdamW
@@ -169,6 +170,7 @@ RESUME_FREE = frozenset("""
     device dtype compile threads grad_bucket_mb grad_reduce_dtype tp sequence_parallel data_parallel ep zero1
     pp pp_schedule pp_cut pp_micro
     micro_batch_size ns_dtype grad_checkpoint fp32_residual loss_chunk recompute recompute_every offload_activations
+    embed_on_host
     optimizer_in_backward gpu_memory
     eval_every log_every progress peak_tflops tensorboard wandb wandb_project mlflow mlflow_uri mlflow_experiment
     grad_stats_every ratio_low ratio_high ratio_patience act_saturate act_dead_eps
@@ -363,6 +365,10 @@ def validate(cfg, world=1):
     need(not cfg.offload_activations or cfg.recompute or cfg.grad_checkpoint,
          "offload_activations=True moves what recomputed blocks keep to the host: set grad_checkpoint=True or "
          "recompute")
+    need(not cfg.embed_on_host or (cfg.lora_r and not cfg.tie_embeddings and cfg.tp == 1 and cfg.pp == 1
+                                   and cfg.data_parallel == "ddp"),
+         "embed_on_host=True keeps a frozen, untied token embedding on the host: it needs lora_r > 0, "
+         "tie_embeddings=False, tp=1, pp=1 and data_parallel=ddp")
     inb = "optimizer_in_backward=True updates each parameter during backward"
     need(not cfg.optimizer_in_backward or world == 1, f"{inb}, before other ranks' gradients could be summed: one "
          f"process only (this run has {world})")

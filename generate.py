@@ -468,7 +468,8 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
     mlps = [m for m in model.modules() if getattr(m, "split", False)]
     tensor_parallel = not isinstance(model.head, torch.nn.Linear)
     if graph is None:
-        graph = dev.type == "cuda" and not moes and not tensor_parallel
+        graph = dev.type == "cuda" and not moes and not tensor_parallel and model.tok_emb.weight.device == dev
+        # (embed_on_host: a lookup on the host cannot be captured)
     triton_here = fused.available(idx) and dev == torch.device("cuda", torch.cuda.current_device())
     alibi = model.cfg.pos_emb == "alibi"  # per-head score biases: SDPA takes them, triton and flex one bias per row
     for bad, msg in [

@@ -19,9 +19,14 @@ linear_device (QLoRA): the blocks' linear weights live there (the host) instead,
 dtype, while everything else is on `device`; the loader fills them, lora.apply adapts them, and
 qlora.quantize(model, device=...) moves each one to the GPU as 4-bit codes, one weight at a time:
 the GPU never holds the bf16 base (the host holds it, once, while it loads).
+
+host_embedding(model) (embed_on_host): a frozen token embedding (LoRA, untied) moves to host memory;
+its lookup runs there and only the looked-up rows (tokens x n_embd) go to the GPU: an 8B Llama's
+128k x 4096 table is 1 GiB the GPU no longer holds. Names, state dicts and hooks are unchanged.
 """
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import model as model_lib
 from model import Transformer
@@ -62,3 +67,29 @@ def storage_dtype(cfg, compute=torch.bfloat16):
     if cfg.lora_r and cfg.lora_base_dtype == "nf4" and compute != torch.float32:
         return compute
     return torch.bfloat16 if cfg.lora_r and cfg.lora_base_dtype in ("bfloat16", "nf4") else torch.float32
+
+
+class HostEmbedding(nn.Embedding):
+    """An nn.Embedding whose (frozen) weight stays in host memory: the lookup runs there and the rows
+    go to the ids' device; .to() / .cuda() leave the weight where it is."""
+
+    def forward(self, idx):
+        rows = F.embedding(idx.cpu(), self.weight, self.padding_idx, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse)
+        return rows.to(idx.device, non_blocking=False)
+
+    def _apply(self, fn, recurse=True):
+        return self
+
+
+def host_embedding(model):
+    """model.tok_emb -> HostEmbedding, its weight moved to the host (in place; returns model). Refused
+    for an embedding that trains or is tied to the head (the head's matmul needs it on the GPU)."""
+    emb = model.tok_emb
+    if emb.weight.requires_grad or getattr(model.cfg, "tie_embeddings", False):
+        raise ValueError("embed_on_host=True keeps a frozen, untied token embedding on the host: this one "
+                         + ("trains" if emb.weight.requires_grad else "is tied to the head"))
+    if not isinstance(emb, HostEmbedding):
+        emb.weight.data = emb.weight.data.cpu()
+        emb.__class__ = HostEmbedding
+    return model

@@ -8,9 +8,10 @@ gradients never all exist at once (InBackwardAdamW). All are torch AdamW in ever
 
 AdamW8bit (bitsandbytes' block-wise 8-bit Adam, Dettmers et al. 2022): each moment is quant.py's
 uint8 codes (same shape as the parameter) plus one fp32 absmax per block of 256 elements; m uses
-the signed dynamic code book, v the unsigned one. A step dequantises a slice of 2^20 elements,
-runs torch AdamW's single-tensor arithmetic on it in fp32 (decoupled decay, lerp for m, bias
-corrections as Python floats) and quantises the new moments back (quant.bins: a table, no search); parameters under min_8bit_size
+the signed dynamic code book, v the unsigned one. A step dequantises a slice of 2^20 elements
+(2^22 on a GPU, where torch.compile fuses the slice into one pass), runs torch AdamW's
+single-tensor arithmetic on it in fp32 (decoupled decay, lerp for m, bias corrections as Python
+floats) and quantises the new moments back (quant.bins: a table, no search); parameters under min_8bit_size
 elements (norms, biases) keep fp32 state and step exactly as torch.optim.AdamW.
 
 OffloadAdamW (ZeRO-Offload's idea): exp_avg, exp_avg_sq and an fp32 master copy of every parameter
@@ -100,10 +101,12 @@ class AdamW8bit(_Base):
     """AdamW with block-wise 8-bit moments (the module docstring)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, block=256,
-                 min_8bit_size=4096, wrapper=None, chunk=1 << 20):
+                 min_8bit_size=4096, wrapper=None, chunk=None, compiled=None):
         super().__init__(params, lr, betas, eps, weight_decay, wrapper)
         self.block, self.min_8bit_size = block, min_8bit_size
-        self.chunk = max(block, chunk // block * block)  # elements per slice, whole blocks
+        self.chunk = chunk  # elements per slice (whole blocks); None: 2^20 on the CPU, 2^22 on a GPU
+        self.compiled = compiled  # None: torch.compile the slice update on a GPU (one fused pass), eager elsewhere
+        self.fns = {}  # compiled or not -> the slice update
         self.codes = {}  # device -> (signed map for m, unsigned map for v)
 
     def code(self, device):
@@ -170,25 +173,40 @@ class AdamW8bit(_Base):
         return loss
 
     def update_8bit(self, p, lr, wd, b1, b2, eps):
-        """torch AdamW's single-tensor arithmetic on dequantised slices of p's moments."""
-        st, (cm, cv, tm, tv), B = self.state[p], self.code(p.device), self.block
+        """torch AdamW's single-tensor arithmetic on dequantised slices of p's moments (slice_update)."""
+        st, books, B = self.state[p], self.code(p.device), self.block
         st["step"] += 1
         step = st["step"].item()
         step_size, bc2_sqrt = lr / (1 - b1 ** step), (1 - b2 ** step) ** 0.5
         P, G = p.view(-1), p.grad.reshape(-1)
-        mq, vq = st["exp_avg_q"].view(-1), st["exp_avg_sq_q"].view(-1)
-        for a in range(0, P.numel(), self.chunk):
-            b = min(a + self.chunk, P.numel())
+        mq, vq, ma, va = st["exp_avg_q"].view(-1), st["exp_avg_sq_q"].view(-1), st["exp_avg_absmax"], st["exp_avg_sq_absmax"]
+        compiled = P.is_cuda if self.compiled is None else self.compiled
+        if compiled not in self.fns:
+            self.fns[compiled] = torch.compile(slice_update) if compiled else slice_update
+        chunk = self.chunk or (1 << 22 if P.is_cuda else 1 << 20)
+        chunk = max(B, chunk // B * B)
+        for a in range(0, P.numel(), chunk):
+            b = min(a + chunk, P.numel())
             blocks = slice(a // B, -(-b // B))
-            m = quant.dequantize(mq[a:b], st["exp_avg_absmax"][blocks], cm, B)
-            v = quant.dequantize(vq[a:b], st["exp_avg_sq_absmax"][blocks], cv, B)
-            x, gr = P[a:b], G[a:b].float()
-            x.mul_(1 - lr * wd)
-            m.lerp_(gr, 1 - b1)
-            v.mul_(b2).addcmul_(gr, gr, value=1 - b2)
-            x.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-step_size)
-            mq[a:b], st["exp_avg_absmax"][blocks] = quant.quantize(m, cm, B, tm)
-            vq[a:b], st["exp_avg_sq_absmax"][blocks] = quant.quantize(v, cv, B, tv)
+            self.fns[compiled](P[a:b], G[a:b], mq[a:b], vq[a:b], ma[blocks], va[blocks], books, B,
+                               1 - lr * wd, b1, b2, eps, step_size, bc2_sqrt)
+
+
+def slice_update(x, g, mq, vq, ma, va, books, block, decay, b1, b2, eps, step_size, bc2_sqrt):
+    """One slice of AdamW8bit's step, in place: parameters x (fp32), gradient g, the moments' codes
+    (mq, vq) and absmax (ma, va) dequantised, updated as torch AdamW does, quantised back. Plain
+    tensor code: on a GPU torch.compile fuses it (the floats are not specialised: one graph)."""
+    cm, cv, tm, tv = books
+    m, v = quant.dequantize(mq, ma, cm, block), quant.dequantize(vq, va, cv, block)
+    gr = g.float()
+    x.mul_(decay)
+    m.lerp_(gr, 1 - b1)
+    v.mul_(b2).addcmul_(gr, gr, value=1 - b2)
+    x.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-step_size)
+    for q, amax, new, code, table in ((mq, ma, m, cm, tm), (vq, va, v, cv, tv)):
+        codes, scale = quant.quantize(new, code, block, table)
+        q.copy_(codes)
+        amax.copy_(scale)
 
 
 # ----------------------------------------------------------------------------- CPU offload

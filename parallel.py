@@ -37,6 +37,7 @@ import dp
 import fsdp
 import gpus
 import lora
+import materialize
 import moe
 import optim
 import pp
@@ -445,7 +446,9 @@ def parallelize(model, grid, cfg, load=None, optimizer=True, compile_kwargs=None
     that is frozen already (a reference model); lora_base_dtype="nf4": the base quantised to 4 bits
     (qlora.py) and moved to grid.device (materialize.build may keep it on the host until then).
     cfg.loss_chunk > 0: the loss in chunks (chunked.py); cfg.recompute: selective activation
-    checkpointing (recompute.py). An fp16 compute dtype gives the Net a loss scaler (scaler.py).
+    checkpointing (recompute.py); cfg.embed_on_host: a frozen token embedding moved to the host
+    (materialize.host_embedding) once DataParallel has broadcast it. An fp16 compute dtype gives the
+    Net a loss scaler (scaler.py).
     A model without trainable parameters (a frozen reference) gets no optimizer and stays
     replicated (DataParallel: broadcast once, nothing to reduce), also under data_parallel="fsdp".
     Partly frozen models work: frozen parameters are neither reduced nor optimised.
@@ -487,5 +490,7 @@ def parallelize(model, grid, cfg, load=None, optimizer=True, compile_kwargs=None
                                   reduce_dtype=getattr(torch, cfg.grad_reduce_dtype))
         # DataParallel's hooks live on the parameters, outside the graph; TP's collectives inside it
         fwd = torch.compile(model, **(compile_kwargs or {})) if cfg.compile else model
+    if cfg.embed_on_host:  # after DataParallel's broadcast, which reads every tensor on the GPU
+        materialize.host_embedding(model)
     loss_scaler = scaler.LossScaler(device=grid.device) if opt is not None and dtype == torch.float16 else None
     return Net(model, wrapper, fwd, opt, grid, pipe, loss_scaler)

@@ -12,7 +12,8 @@ nvidia-smi adds), the memory of building the model before the step (weights.py's
 weights (storage dtype, sharded as the layout shards them), bf16 compute copies (autocast keeps a
 bf16 copy of each fp32 matrix it multiplies, until backward), gradients (fp32; DataParallel's
 buckets are allocated once, full size, also under ZeRO-1), optimizer state (AdamW 8 B per trained
-parameter, Muon's momentum 4, optim_memory's 8-bit ~2.03, offloaded 0), activations autograd keeps
+parameter, Muon's momentum 4, optim_memory's 8-bit ~2.03, offloaded 0; embed_on_host: the LoRA
+base's token embedding in host memory), activations autograd keeps
 for backward (per token and block, from the ops of model.py's Block under bf16 autocast: the
 formula in block_bytes, equal to the bytes measured on CPU, tests/test_plan.py), the logits (the
 head's bf16 output and its gradient, or chunked.py's one chunk), and a KV cache when decoding.
@@ -179,8 +180,11 @@ def predict(cfg, world=1, decode=None):
         other = frozen - n["base_linear"] / tp
         fbytes = (n["nf4_bytes"] / tp + 2 * other / shard) if base == "nf4" else \
             frozen * (2 if base == "bfloat16" else 4) / shard
-        rows.append(("weights", 4 * trained / shard + fbytes,
-                     f"{n['trained'] / 1e6:.1f}M trained (fp32) + {n['frozen'] / 1e9:.2f}B frozen ({base})"))
+        m = ModelConfig.from_cfg(cfg)
+        embed = m.padded_vocab * m.n_embd * (4 if base == "float32" else 2) if cfg.embed_on_host else 0
+        rows.append(("weights", 4 * trained / shard + fbytes - embed,
+                     f"{n['trained'] / 1e6:.1f}M trained (fp32) + {n['frozen'] / 1e9:.2f}B frozen ({base})"
+                     + (", the token embedding on the host" if embed else "")))
     else:
         rows.append(("weights", 4 * trained / shard, f"{n['trained'] / 1e9:.2f}B parameters, fp32"
                      + (f", 1/{dp} each (FSDP)" if fsdp else "")))
@@ -235,7 +239,8 @@ def predict(cfg, world=1, decode=None):
         peak = static + grads + saved + max(logit, redo)  # held all along, beside the activations
     else:  # one process: gradients appear as backward frees the activations
         peak = static + max(saved + max(logit, redo), grads)
-    host = ((4 + 8 + 4) * trained if kind == "offload" else 0) + offloaded_bytes(cfg, tokens)
+    host = ((4 + 8 + 4) * trained if kind == "offload" else 0) + offloaded_bytes(cfg, tokens) + \
+        (embed if cfg.lora_r else 0)
     return {"rows": rows, "total": peak, "host": host, "world": world, "dp": dp, "tp": tp}
 
 
@@ -283,6 +288,8 @@ LADDER = [
      _set(grad_checkpoint=True, recompute="")),
     ("offload_activations=True (block inputs in host memory)", lambda c, w: (c.grad_checkpoint or c.recompute)
      and not c.offload_activations, _set(offload_activations=True)),
+    ("embed_on_host=True (the frozen token embedding in host memory)", lambda c, w: c.lora_r and not c.embed_on_host
+     and not c.tie_embeddings and c.tp == 1 and c.pp == 1 and c.data_parallel == "ddp", _set(embed_on_host=True)),
     ("optimizer_in_backward=True, grad_clip=0 (each update in backward, no clipping)", lambda c, w: w == 1
      and not c.optimizer_in_backward and c.optimizer == "adamw" and c.adamw_state == "fp32" and not c.lora_r
      and c.batch_size <= c.micro_batch_size, _set(optimizer_in_backward=True, grad_clip=0.0)),

@@ -15,7 +15,8 @@ steps (weights and optimizer state included, what plan.predict predicts; the CUD
 Cases (rows): lora8b: Llama-3-8B shape, LoRA r=16 on all linears, bf16 base: as is, + chunked loss, +
 whole-block checkpointing. qlora8b: the same on an NF4 base (double quantisation). lean8b: both
 checkpointed with the residual stream in bf16 (chunk8b: LoRA's with 256-token loss chunks); offload8b:
-and the blocks' inputs in host memory (offload_activations). full1b: Llama-3.2-1B shape, full fine-
+and the blocks' inputs in host memory (offload_activations); host8b: and the frozen token embedding
+too (embed_on_host). full1b: Llama-3.2-1B shape, full fine-
 tuning (AdamW) with the knobs plan.fit picks for cap_gib. pretrain1b: the same shape, Muon (momentum
 only) with plan.fit's knobs. ladder: the 1B full fine-tune with each knob added in turn (torchtune's
 ladder; the optimizer in backward among them). hf8b / hf1b (hfq8b: its QLoRA row alone): transformers'
@@ -50,7 +51,7 @@ SHAPES = {
 LORA = dict(lora_r=16, lora_alpha=32.0, lora_base_dtype="bfloat16")
 CK = dict(grad_checkpoint=True)
 CHUNK = dict(loss_chunk=1024)
-LEAN, OFF = dict(fp32_residual=False), dict(offload_activations=True)
+LEAN, OFF, HOST = dict(fp32_residual=False), dict(offload_activations=True), dict(embed_on_host=True)
 INB = dict(optimizer_in_backward=True, grad_clip=0.0)
 CASES = {  # case -> [(row, shape, knobs)]; "fit" rows take plan.fit's knobs for cap_gib
     "lora8b": [("lora8b", "8b", LORA), ("lora8b+chunk", "8b", {**LORA, **CHUNK}),
@@ -73,10 +74,16 @@ CASES = {  # case -> [(row, shape, knobs)]; "fit" rows take plan.fit's knobs for
                   ("the same, 1 x 2048 tokens", "8b", {**LORA, **CHUNK, **CK, **LEAN, **OFF, "micro_batch_size": 1}),
                   ("qlora8b+chunk+ckpt+offload, bf16 residual", "8b", {**LORA, **CHUNK, **CK, **LEAN, **OFF,
                                                                       "lora_base_dtype": "nf4"})],
+    "host8b": [("lora8b+chunk+ckpt+offload+embed on host, bf16 residual", "8b", {**LORA, **CHUNK, **CK, **LEAN, **OFF, **HOST}),
+               ("the same, 1 x 2048 tokens", "8b", {**LORA, **CHUNK, **CK, **LEAN, **OFF, **HOST, "micro_batch_size": 1}),
+               ("lora8b+chunk+ckpt+embed on host, bf16 residual", "8b", {**LORA, **CHUNK, **CK, **LEAN, **HOST}),
+               ("qlora8b+chunk+ckpt+offload+embed on host, bf16 residual", "8b", {**LORA, **CHUNK, **CK, **LEAN, **OFF,
+                                                                                 **HOST, "lora_base_dtype": "nf4"})],
     "hf8b": [("hf lora8b", "8b", dict(hf=True, **LORA)), ("hf lora8b+ckpt", "8b", dict(hf=True, **LORA, **CK)),
              ("hf qlora8b+ckpt", "8b", {"hf": True, **LORA, **CK, "lora_base_dtype": "nf4"})],
     "hf1b": [("hf full1b", "1b", dict(hf=True)), ("hf full1b+ckpt", "1b", dict(hf=True, **CK))],
 }
+CASES["ladder8"] = CASES["ladder"][6:7]  # the 8-bit AdamW row alone
 CASES["hfq8b"] = CASES["hf8b"][2:] + [("hf qlora8b+ckpt, 1 x 2048", "8b", {"hf": True, **LORA, **CK, "micro_batch_size": 1,
                                                                            "lora_base_dtype": "nf4"})]
 
@@ -194,7 +201,7 @@ def child(row, shape, knobs, args):
         out["predicted_gib"] = round(plan.predict(cfg)["total"] / 2**30, 3)
     out["knobs"] = {k: getattr(cfg, k) for k in ("lora_r", "lora_base_dtype", "loss_chunk", "grad_checkpoint", "recompute",
                                                  "fp32_residual", "adamw_state", "optimizer", "micro_batch_size",
-                                                 "offload_activations", "optimizer_in_backward")}
+                                                 "offload_activations", "optimizer_in_backward", "embed_on_host")}
     phase = "building the model"
     try:
         step, dev = theirs(cfg) if knobs.get("hf") else ours(cfg)

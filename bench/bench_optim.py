@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=2 bench/bench_optim.py step         # 2 GPUs: DataParallel, with/without ZeRO-1
     python bench/bench_optim.py step --shape=tiny --device=cpu --steps=2 --warmup=1   # smoke test
     python bench/bench_optim.py curves out/adamw out/muon --png=muon_vs_adamw.png    # two pretrain runs
+    python bench/bench_optim.py state8 --shape=1b                 # 8-bit AdamW's step: ours, bitsandbytes, torch
 
 step rows (same model, data and batch; bf16 autocast, torch.compile, dp.DataParallel):
 adamw (torch.optim.AdamW, fused), muon (muon.Muon: NS in bf16, batched over equal shapes; AdamW
@@ -12,6 +13,11 @@ gradients reduced to their owners, parameters all-gathered). Per row: training s
 (--accum micro-steps of forward + backward, sync, clip, step, zero_grad), the optimizer step alone (CUDA events
 around clip + opt.step(), no extra syncs), peak memory (torch.cuda.max_memory_allocated over the
 timed steps, less what was allocated before the row was built) and optimizer-state bytes per GPU.
+
+state8 rows (the parameters of the shape, fp32, random gradients; the step alone, CUDA-synchronised,
+median of --steps after --warmup): torch.optim.AdamW (fused), optim_memory.AdamW8bit eager with
+slices of 2^20 and 2^22 elements and compiled (its GPU default), bitsandbytes.optim.AdamW8bit where
+installed; and how far the compiled step lands from the eager one after 3 steps from one start.
 
 curves: reads the train_metrics.jsonl of two pretrain.py runs (the first is the baseline),
 reports the step where the second first reaches the baseline's final validation loss (linear
@@ -44,6 +50,8 @@ from model import ModelConfig, Transformer
 
 LLAMA = dict(pos_emb="rope", norm="rmsnorm", activation="swiglu", tie_embeddings=False)
 SHAPES = {"124m": dict(LLAMA, vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+          "1b": dict(LLAMA, vocab_size=128256, block_size=2048, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048,
+                     ffn_hidden=8192, tie_embeddings=True),
           "tiny": dict(LLAMA, vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64)}
 
 
@@ -192,9 +200,80 @@ def step_rows(args):
     parallel.shutdown()
 
 
+def state8(args):
+    """8-bit AdamW's step against torch's fused AdamW and bitsandbytes' (the module docstring)."""
+    import materialize
+    import optim_memory
+    dev = torch.device(args.device)
+    torch.manual_seed(0)
+    model = materialize.build(ModelConfig(**SHAPES[args.shape]), dev, torch.float32, init=True)
+    params = list(model.parameters())
+    start = [p.detach().clone() for p in params]
+    grads = [torch.randn_like(p) * 1e-3 for p in params]
+    n = sum(p.numel() for p in params)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def reset():
+        with torch.no_grad():
+            for p, s0, g in zip(params, start, grads):
+                p.copy_(s0)
+                p.grad = g
+
+    def timed(opt):
+        reset()
+        times = []
+        for i in range(args.warmup + args.steps):
+            sync()
+            t0 = time.perf_counter()
+            opt.step()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return sorted(times[args.warmup:])[args.steps // 2]
+
+    kw = dict(lr=1e-3, weight_decay=0.01)
+    makers = [("torch AdamW, fused", lambda: torch.optim.AdamW(params, fused=dev.type == "cuda", **kw)),
+              ("ours 8-bit, eager, slices of 2^20", lambda: optim_memory.AdamW8bit(params, chunk=1 << 20, compiled=False, **kw)),
+              ("ours 8-bit, eager, slices of 2^22", lambda: optim_memory.AdamW8bit(params, chunk=1 << 22, compiled=False, **kw)),
+              ("ours 8-bit, compiled, slices of 2^22", lambda: optim_memory.AdamW8bit(params, compiled=dev.type == "cuda", **kw))]
+    try:
+        import bitsandbytes
+        makers.append((f"bitsandbytes {bitsandbytes.__version__} AdamW8bit", lambda: bitsandbytes.optim.AdamW8bit(params, **kw)))
+    except ImportError as e:
+        print(f"bitsandbytes: not installed ({e})")
+    rows = []
+    print(f"# bench_optim state8 | {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'} | {args.shape}: "
+          f"{n / 1e9:.3f}B parameters | torch {torch.__version__} | {time.strftime('%Y-%m-%d %H:%M')}")
+    for name, make in makers:
+        try:
+            opt = make()
+            row = {"row": name, "step_s": round(timed(opt), 5)}
+        except Exception as e:  # a peer that cannot run here is a result too
+            row = {"row": name, "error": f"{type(e).__name__}: {e}"[:300]}
+        opt = None
+        rows.append(row)
+        print(f"| {name:<40} | " + (f"{row['step_s'] * 1e3:.1f} ms a step" if "step_s" in row else row["error"]), flush=True)
+    after = []
+    for compiled in (False, True):  # 3 steps from one start: how far the fused step lands from the eager one
+        reset()
+        opt = optim_memory.AdamW8bit(params, compiled=compiled, **kw)
+        for _ in range(3):
+            opt.step()
+        after.append([p.detach().clone() for p in params])
+    moved = max((a - s0).abs().max().item() for a, s0 in zip(after[0], start))
+    apart = max((a - b).abs().max().item() for a, b in zip(*after))
+    print(f"compiled vs eager after 3 steps: largest difference {apart:.3g}, largest change {moved:.3g}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": args.shape, "params": n, "rows": rows, "compiled_vs_eager": apart, "largest_change": moved},
+                      f, indent=1)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("mode", choices=["step", "curves"])
+    p.add_argument("mode", choices=["step", "curves", "state8"])
     p.add_argument("runs", nargs="*", help="curves: two pretrain out_dirs, the baseline first")
     p.add_argument("--png", default="")
     p.add_argument("--shape", choices=list(SHAPES), default="124m")
@@ -208,4 +287,4 @@ if __name__ == "__main__":
     args = p.parse_args()
     if args.mode == "curves" and len(args.runs) != 2:
         p.error("curves needs two run folders (the baseline first)")
-    curves(args) if args.mode == "curves" else step_rows(args)
+    {"curves": curves, "step": step_rows, "state8": state8}[args.mode](args)

@@ -9,8 +9,13 @@ Proves:
   tables), where Transformer(cfg).to(bf16), today's path, peaks at the fp32 model and more;
 - init=True: norms are ones, matrices are N(0, init_std) (std within 10%); linear_device places the
   blocks' linears apart from the rest; the QLoRA path (bf16 build, HF weights, lora.apply,
-  qlora.quantize) gives the logits of the same path from hf.load_hf.
+  qlora.quantize) gives the logits of the same path from hf.load_hf;
+- embed_on_host (parallelize -> host_embedding): a LoRA run with a token row trained (train_tokens'
+  hook on the embedding) gives bitwise the losses and adapters of the same run without it over 3
+  steps; the table is a HostEmbedding that .to() / .double() leave in place, with the same state-dict
+  keys; an embedding that trains or is tied to the head is refused.
 """
+import pytest
 import torch
 
 import hf
@@ -81,3 +86,35 @@ def test_qlora_path_equals_load_hf(tmp_path):
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
             out.append(m.eval()(torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(0))))
     assert torch.equal(out[0], out[1])
+
+
+def test_embed_on_host_equals_the_embedding_on_the_device():
+    base = dict(vocab_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=16,
+                lora_r=4, lora_alpha=8.0, lr=1e-2, batch_size=2, micro_batch_size=2)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 128, (3, 2, 16), generator=g), torch.randint(0, 128, (3, 2, 16), generator=g)
+    runs = []
+    for host in (False, True):
+        cfg = train_cfg(base, embed_on_host=host)
+        grid = parallel.init(cfg)
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig.from_cfg(cfg))
+        lora.train_tokens(model, [int(x[0, 0, 0])], grid)  # a hook on the embedding's output
+        net = parallel.parallelize(model, grid, cfg)
+        losses = []
+        for i in range(3):
+            loss = net(x[i], y[i])
+            net.backward(loss)
+            net.step(1.0)
+            losses.append(loss.item())
+        runs.append((losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, model))
+    (l0, a0, m0), (l1, a1, m1) = runs
+    assert l0 == l1 and a0.keys() == a1.keys() and all(torch.equal(a0[k], a1[k]) for k in a0)
+    assert isinstance(m1.tok_emb, materialize.HostEmbedding) and m1.state_dict().keys() == m0.state_dict().keys()
+    m1.double()
+    assert m1.tok_emb.weight.dtype == torch.float32 and m1.blocks[0].norm1.weight.dtype == torch.float64
+    tied = Transformer(ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16, block_size=8, tie_embeddings=True))
+    with pytest.raises(ValueError, match="tied to the head"):
+        materialize.host_embedding(tied.requires_grad_(False))
+    with pytest.raises(ValueError, match="trains"):
+        materialize.host_embedding(Transformer(ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16, block_size=8)))

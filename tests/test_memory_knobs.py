@@ -17,7 +17,7 @@ Proves (CPU, one process unless said):
   optimizer_in_backward with grad_checkpoint: torch AdamW's losses within 1e-5, each update done
   in backward, no gradient left), and a resumed run may change them (RESUME_FREE); a changed
   adamw_state is refused; optimizer_in_backward with clipping, micro-batches, 8-bit state or two
-  processes, offload_activations without a recompute: config.load's ConfigError (the one-line path);
+  processes, offload_activations without a recompute, embed_on_host without LoRA: config.load's ConfigError (the one-line path);
 - --gpu_memory=24 prints plan.py's table (and, for a budget it exceeds, fit()'s knobs) and exits 0
   before any work: no out_dir, no data folder (pretrain.py, sft.py).
 """
@@ -182,6 +182,7 @@ def test_refusals_are_one_line_before_work(tmp_path, args, msg):
     (["--optimizer_in_backward=True", "--grad_clip=0", "--micro_batch_size=4", "--adamw_state=8bit"],
      "AdamW with fp32 state"),
     (["--offload_activations=True"], "set grad_checkpoint=True or recompute"),
+    (["--embed_on_host=True"], "it needs lora_r > 0, tie_embeddings=False"),
 ])
 def test_memory_knob_refusals(args, msg):  # config.validate as above, in this process (no start-up)
     shared = ["--batch_size=4", "--micro_batch_size=2", "--device=cpu"]

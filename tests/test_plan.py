@@ -5,7 +5,7 @@ Proves:
 - parameter counts, weights, bf16 compute copies, gradients (also updated in backward), AdamW /
   8-bit / offloaded state, activations per token and block, logits (materialised and chunked) and the
   peak of a small LLaMA-style model (C 64, 4 heads, 2 kv heads, hidden 192, 2 blocks, vocab 512, 2 x 32 tokens) equal the
-  values written out term by term below, also for LoRA r=4 (adapters counted by hand), whole-block
+  values written out term by term below, also for LoRA r=4 (adapters counted by hand; the embedding on the host), whole-block
   checkpointing (its inputs offloaded to the host too), FSDP over 2 GPUs and a KV cache;
 - measured (saved-tensor hooks, unique storages, bf16 autocast on CPU): the bytes a forward keeps
   for backward (activations + autocast's weight copies) are the plan's within 1% (full fine-tuning,
@@ -97,6 +97,9 @@ def test_lora_by_hand():
     attn = norm + 2 * C + 2 * (H + 2 * KV) * D + 2 * (H + KV) * D + 4 * H + 2 * H * D + 2 * 4 * 4
     mlp = norm + 2 * C + 4 * 2 * F + 2 * 4 * 3
     assert r["activations"] == TOK * (L * (attn + mlp) + norm + 2 * C)
+    re_, te = rows(dict(lora_r=4, lora_base_dtype="bfloat16", embed_on_host=True))  # the V x C bf16 table on the host
+    assert re_["weights"] == r["weights"] - 2 * V * C and te["host"] == 2 * V * C
+    assert te["total"] == t["total"] - 2 * V * C
     rq, _ = rows(dict(lora_r=4, lora_base_dtype="nf4"))
     # 4-bit base matrices: half a byte each + a byte per block of 64 + fp32 absmax per 256 blocks + offset
     nf4 = L * sum(n // 2 + n // 64 + 4 * -(-(n // 64) // 256) + 4 for n in ((H + 2 * KV) * D * C, C * C, 2 * F * C, C * F))
