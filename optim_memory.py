@@ -185,24 +185,26 @@ class AdamW8bit(_Base):
             self.fns[compiled] = torch.compile(slice_update) if compiled else slice_update
         chunk = self.chunk or (1 << 22 if P.is_cuda else 1 << 20)
         chunk = max(B, chunk // B * B)
+        # the step's numbers as one fp32 tensor: a compiled update takes new values without recompiling
+        k = torch.tensor([1 - lr * wd, 1 - b1, b2, 1 - b2, bc2_sqrt, eps, step_size]).to(P.device, non_blocking=True)
         for a in range(0, P.numel(), chunk):
             b = min(a + chunk, P.numel())
             blocks = slice(a // B, -(-b // B))
-            self.fns[compiled](P[a:b], G[a:b], mq[a:b], vq[a:b], ma[blocks], va[blocks], books, B,
-                               1 - lr * wd, b1, b2, eps, step_size, bc2_sqrt)
+            self.fns[compiled](P[a:b], G[a:b], mq[a:b], vq[a:b], ma[blocks], va[blocks], books, B, k)
 
 
-def slice_update(x, g, mq, vq, ma, va, books, block, decay, b1, b2, eps, step_size, bc2_sqrt):
+def slice_update(x, g, mq, vq, ma, va, books, block, k):
     """One slice of AdamW8bit's step, in place: parameters x (fp32), gradient g, the moments' codes
-    (mq, vq) and absmax (ma, va) dequantised, updated as torch AdamW does, quantised back. Plain
-    tensor code: on a GPU torch.compile fuses it (the floats are not specialised: one graph)."""
+    (mq, vq) and absmax (ma, va) dequantised, updated as torch AdamW does (k: 1 - lr wd, 1 - beta1,
+    beta2, 1 - beta2, sqrt(bias correction 2), eps, lr / bias correction 1), quantised back. Plain
+    tensor code: on a GPU torch.compile fuses it into a few kernels."""
     cm, cv, tm, tv = books
     m, v = quant.dequantize(mq, ma, cm, block), quant.dequantize(vq, va, cv, block)
     gr = g.float()
-    x.mul_(decay)
-    m.lerp_(gr, 1 - b1)
-    v.mul_(b2).addcmul_(gr, gr, value=1 - b2)
-    x.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-step_size)
+    x.mul_(k[0])
+    m.lerp_(gr, k[1])
+    v.mul_(k[2]).add_(gr * gr * k[3])
+    x.sub_(m / (v.sqrt() / k[4] + k[5]) * k[6])
     for q, amax, new, code, table in ((mq, ma, m, cm, tm), (vq, va, v, cv, tv)):
         codes, scale = quant.quantize(new, code, block, table)
         q.copy_(codes)
