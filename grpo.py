@@ -78,6 +78,10 @@ DEFAULTS = dict(
     out_dir="out/grpo",       # checkpoints and metrics
 )
 EXTRA = {**chat.CHAT_DEFAULTS, **DEFAULTS}  # this script's keys beyond config.py's (config.load(extra=...))
+# a log line's means over its steps: name -> (the tally's sum, what it is divided by)
+LOGGED = {"reward": ("reward", "rewarded"), "frac_equal_groups": ("equal", "groups"), "kl": ("kl", "tokens"),
+          "clip_low": ("clip_low", "clip_count"), "clip_high": ("clip_high", "clip_count"),
+          "t_rollout": ("t_rollout", "steps"), "t_reward": ("t_reward", "steps"), "t_learn": ("t_learn", "steps")}
 RESUME_FREE = ("eval_prompts", "dead_steps", "eval_prompt_data", "eval_percent")  # a resumed run may change it (with config.RESUME_FREE)
 
 # ----------------------------------------------------------------------------- the math
@@ -269,28 +273,23 @@ def learn(net, batch, cfg, autocast=contextlib.nullcontext(), hooks=()):
 
 def check(cfg, grid):
     """Settings that cannot work, found before any work is spent."""
-    G = cfg.group_size
-    for bad, msg in [
-        (G < 2, f"group_size={G} must be >= 2 (advantages compare samples of one prompt)"),
-        (cfg.batch_size % G, f"batch_size={cfg.batch_size} (completions per step): a multiple of group_size={G}"),
-        (cfg.loss_type not in LOSS_TYPES, f"loss_type={cfg.loss_type!r} must be one of {', '.join(LOSS_TYPES)}"),
-        (cfg.scale_rewards not in SCALES, f"scale_rewards={cfg.scale_rewards!r} must be one of {', '.join(SCALES)}"),
-        (cfg.importance_level not in ("token", "sequence"),
-         f"importance_level={cfg.importance_level!r} must be token or sequence"),
-        (not 0 <= cfg.clip_low < 1 or cfg.clip_high < 0, f"clip_low={cfg.clip_low} must be in [0, 1), clip_high >= 0"),
-        (cfg.beta < 0 or cfg.temperature <= 0, f"beta={cfg.beta} must be >= 0 and temperature={cfg.temperature} > 0"),
-        (min(cfg.max_new_tokens, cfg.grpo_epochs, cfg.train_prompts) < 1,
-         "max_new_tokens, grpo_epochs and train_prompts must be >= 1"),
-        (cfg.prompt_data and cfg.task_args, "task_args set the task; prompt_data replaces the task: give one"),
-        (cfg.eval_prompt_data and not cfg.prompt_data, "eval_prompt_data is held out from prompt_data: set both"),
-        (cfg.ep > 1, f"ep={cfg.ep}: expert-parallel ranks would stop decoding at different steps; use ep=1"),
-        (cfg.dead_steps < 1, f"dead_steps={cfg.dead_steps} must be >= 1"),
-        (cfg.pp > 1, f"pp={cfg.pp}: GRPO's rollouts decode with the whole model every step, which a pipeline "
-                     f"stage does not hold (pp.py); use pp=1"),
-        (cfg.eval_every and cfg.eval_prompts < grid.data_world,
-         f"eval_prompts={cfg.eval_prompts} must be >= the {grid.data_world} data ranks")]:
-        if bad:
-            raise config.ConfigError(msg)
+    G, need = cfg.group_size, config.need
+    for key, allowed in (("loss_type", LOSS_TYPES), ("scale_rewards", SCALES), ("importance_level", ("token", "sequence"))):
+        need(getattr(cfg, key) in allowed, f"{key}={getattr(cfg, key)!r} must be one of {', '.join(allowed)}")
+    need(G >= 2, f"group_size={G} must be >= 2 (advantages compare samples of one prompt)")
+    need(cfg.batch_size % G == 0, f"batch_size={cfg.batch_size} (completions per step): a multiple of group_size={G}")
+    need(0 <= cfg.clip_low < 1 and cfg.clip_high >= 0, f"clip_low={cfg.clip_low} must be in [0, 1), clip_high >= 0")
+    need(cfg.beta >= 0 and cfg.temperature > 0, f"beta={cfg.beta} must be >= 0 and temperature={cfg.temperature} > 0")
+    need(min(cfg.max_new_tokens, cfg.grpo_epochs, cfg.train_prompts) >= 1,
+         "max_new_tokens, grpo_epochs and train_prompts must be >= 1")
+    need(not (cfg.prompt_data and cfg.task_args), "task_args set the task; prompt_data replaces the task: give one")
+    need(not cfg.eval_prompt_data or cfg.prompt_data, "eval_prompt_data is held out from prompt_data: set both")
+    need(cfg.ep == 1, f"ep={cfg.ep}: expert-parallel ranks would stop decoding at different steps; use ep=1")
+    need(cfg.dead_steps >= 1, f"dead_steps={cfg.dead_steps} must be >= 1")
+    need(cfg.pp == 1, f"pp={cfg.pp}: GRPO's rollouts decode with the whole model every step, which a pipeline "
+                      f"stage does not hold (pp.py); use pp=1")
+    need(not cfg.eval_every or cfg.eval_prompts >= grid.data_world,
+         f"eval_prompts={cfg.eval_prompts} must be >= the {grid.data_world} data ranks")
 
 
 def main(argv):
@@ -315,9 +314,8 @@ def main(argv):
         raise config.ConfigError(f"prompts of up to {longest} tokens + max_new_tokens={cfg.max_new_tokens} exceed "
                                  f"block_size={cfg.block_size}: generate fewer tokens")
     stops = sorted({tok.eot_id, tok.eos_id})  # a completion ends with (and learns) its end-of-turn token
-    sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p, stop_tokens=stops, pad_id=0)
-    if device.type == "cuda":  # the decode step compiled, then captured
-        sampling.update(compile=cfg.compile)
+    sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p, stop_tokens=stops, pad_id=0,
+                    compile=cfg.compile and device.type == "cuda")  # on a GPU the decode step compiled, then captured
     lease = lifecycle.claim(cfg, grid, free=RESUME_FREE)  # out_dir locked, resume picked, settings checked
     for line in [started, *lease.notes, f"config:\n{config.show(cfg)}",
                  f"data: {note}; {P} prompts x {G} samples per step", lifecycle.layout(cfg, grid)]:
@@ -406,13 +404,10 @@ def main(argv):
         if step == first:
             say(f"first step done {clock.since_start():.1f} s after start")
         if step % cfg.log_every == 0 or step == last:  # means over the steps since the last log line
-            k, n, tokens = tally["steps"], tally["steps"] * P * G, max(tally["tokens"], 1)
-            m = {"reward": tally["reward"] / max(tally["rewarded"], 1), "frac_equal_groups": tally["equal"] /
-                 tally["groups"], "len": tally["gen_tokens"] / n, "truncated": tally["truncated"] / n,
-                 "kl": tally["kl"] / tokens, "clip_low": tally["clip_low"] / max(tally["clip_count"], 1),
-                 "clip_high": tally["clip_high"] / max(tally["clip_count"], 1), "grad_norm": float(norm), "lr": lr, "t_rollout": tally["t_rollout"] / k,
-                 "t_reward": tally["t_reward"] / k, "t_learn": tally["t_learn"] / k,
-                 "gen_tok_s": tally["gen_tokens"] / tally["t_rollout"], **logs.means(judged_tally, grid.data_group, device)}
+            n = tally["steps"] * P * G
+            m = {k: tally[a] / max(tally[b], 1) for k, (a, b) in LOGGED.items()}
+            m.update(len=tally["gen_tokens"] / n, truncated=tally["truncated"] / n, grad_norm=float(norm), lr=lr,
+                     gen_tok_s=tally["gen_tokens"] / tally["t_rollout"], **logs.means(judged_tally, grid.data_group, device))
             logger.report(step, m, cfg.max_steps, say)
             tally, judged_tally, why = {}, {}, diagnose(m, cfg)
             dead = dead + (step - logged) if why else 0
