@@ -10,7 +10,8 @@ What is predicted: torch.cuda.max_memory_allocated() of one steady-state step (o
 exists, a step after the first), per GPU. Not included: the CUDA context and allocator slack (what
 nvidia-smi adds), the memory of building the model before the step (weights.py's job). Terms:
 weights (storage dtype, sharded as the layout shards them), bf16 compute copies (autocast keeps a
-bf16 copy of each fp32 matrix it multiplies, until backward), gradients (fp32; DataParallel's
+bf16 copy of each fp32 matrix it multiplies, until backward; a
+recomputed part's are made again in backward, one part at a time), gradients (fp32; DataParallel's
 buckets are allocated once, full size, also under ZeRO-1), optimizer state (AdamW 8 B per trained
 parameter, Muon's momentum 4, optim_memory's 8-bit ~2.03, offloaded 0; embed_on_host: the LoRA
 base's token embedding in host memory), activations autograd keeps
@@ -73,7 +74,10 @@ def count(cfg):
                 largest_base=max([p.numel() for n, p in named if n in base] or [0]),
                 nf4_bytes=sum(qlora.nf4_bytes(p.numel()) for n, p in named if n in base),
                 unit=max(blocks), root=sum(p.numel() for n, p in named if not n.startswith("blocks.")),
-                muon=sum(p.numel() for n, p in named if p.requires_grad and n.startswith("blocks.") and p.dim() >= 2))
+                muon=sum(p.numel() for n, p in named if p.requires_grad and n.startswith("blocks.") and p.dim() >= 2),
+                **{f"{part}_matrices": sum(p.numel() for n, p in named if n.startswith(f"blocks.0.{prefix}")
+                                           and p.dim() >= 2 and not lora.is_adapter(n))
+                   for part, prefix in (("block", ""), ("attn", "attn."), ("mlp", "mlp."))})
 
 
 # ----------------------------------------------------------------------------- activations
@@ -190,10 +194,16 @@ def predict(cfg, world=1, decode=None):
                      + (f", 1/{dp} each (FSDP)" if fsdp else "")))
     # bf16 compute copies of fp32 matrices (autocast: kept for backward), or FSDP's gathered units
     fp32_mats = n["matrices"] / tp if not cfg.lora_r or cfg.lora_base_dtype == "float32" else 0
+    redo_copies = 0  # the copies of the part recomputed in backward
     if a == 2 and fsdp:
         copies, note = 2 * (2 * n["unit"] + n["root"]) / tp, "FSDP: two blocks and the root gathered in 16 bits"
-    elif a == 2 and fp32_mats:
-        copies, note = 2 * fp32_mats, "autocast's 16-bit copy of every fp32 matrix, kept for backward"
+    elif a == 2 and fp32_mats:  # a recomputed part's copies are made again in backward, one part at a time
+        mode, every = recompute_of(cfg)
+        part = n[f"{mode}_matrices"] / tp if mode else 0
+        redo_copies = 2 * part
+        copies = 2 * (fp32_mats - -(-ModelConfig.from_cfg(cfg).n_layer // every) * part)
+        note = "autocast's 16-bit copy of every fp32 matrix, kept for backward" + (
+            f" (not those of the recomputed {mode}s)" if mode else "")
     elif cfg.lora_r and cfg.lora_base_dtype == "nf4":
         copies, note = 8 * n["largest_base"] / tp, "one NF4 weight dequantised at a time (fp32 values, index, bf16)"
     else:
@@ -220,6 +230,7 @@ def predict(cfg, world=1, decode=None):
     rows.append(("optimizer state", opt, onote))
     # activations, logits, cache
     saved, redo = activations(cfg, tokens, tp, a)
+    redo += redo_copies
     mode, every = recompute_of(cfg)
     rows.append(("activations", saved, f"{tokens} tokens x {ModelConfig.from_cfg(cfg).n_layer} blocks, "
                  + (f"checkpointed: {mode}, every {every}" if mode else "no checkpointing")))
