@@ -76,7 +76,7 @@ class HostEmbedding(nn.Embedding):
     def forward(self, idx):
         rows = F.embedding(idx.cpu(), self.weight, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, self.sparse)
-        return rows.to(idx.device, non_blocking=False)
+        return rows.to(idx.device)
 
     def _apply(self, fn, recurse=True):
         return self

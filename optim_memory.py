@@ -10,8 +10,8 @@ AdamW8bit (bitsandbytes' block-wise 8-bit Adam, Dettmers et al. 2022): each mome
 uint8 codes (same shape as the parameter) plus one fp32 absmax per block of 256 elements; m uses
 the signed dynamic code book, v the unsigned one. A step dequantises a slice of 2^20 elements
 (2^22 on a GPU, where torch.compile fuses the slice into one pass), runs torch AdamW's
-single-tensor arithmetic on it in fp32 (decoupled decay, lerp for m, bias corrections as Python
-floats) and quantises the new moments back (quant.bins: a table, no search); parameters under min_8bit_size
+single-tensor formulas on it in fp32 (decoupled decay, lerp for m; the step's numbers, bias
+corrections included, as one fp32 tensor) and quantises the new moments back (quant.bins: a table, no search); parameters under min_8bit_size
 elements (norms, biases) keep fp32 state and step exactly as torch.optim.AdamW.
 
 OffloadAdamW (ZeRO-Offload's idea): exp_avg, exp_avg_sq and an fp32 master copy of every parameter
@@ -173,7 +173,7 @@ class AdamW8bit(_Base):
         return loss
 
     def update_8bit(self, p, lr, wd, b1, b2, eps):
-        """torch AdamW's single-tensor arithmetic on dequantised slices of p's moments (slice_update)."""
+        """torch AdamW's single-tensor formulas on dequantised slices of p's moments (slice_update)."""
         st, books, B = self.state[p], self.code(p.device), self.block
         st["step"] += 1
         step = st["step"].item()
@@ -186,7 +186,7 @@ class AdamW8bit(_Base):
         chunk = self.chunk or (1 << 22 if P.is_cuda else 1 << 20)
         chunk = max(B, chunk // B * B)
         # the step's numbers as one fp32 tensor: a compiled update takes new values without recompiling
-        k = torch.tensor([1 - lr * wd, 1 - b1, b2, 1 - b2, bc2_sqrt, eps, step_size]).to(P.device, non_blocking=True)
+        k = torch.tensor([1 - lr * wd, 1 - b1, b2, 1 - b2, bc2_sqrt, eps, step_size]).to(P.device)
         for a in range(0, P.numel(), chunk):
             b = min(a + chunk, P.numel())
             blocks = slice(a // B, -(-b // B))
