@@ -11,6 +11,8 @@ tokens per step (torchtune's batch 2, packed 2048). The model is built by materi
 storage dtype (the LoRA bases in bf16; QLoRA's linears on the host until quantised). After --warmup
 steps, torch.cuda.reset_peak_memory_stats(); the peak is max_memory_allocated over the --steps timed
 steps (weights and optimizer state included, what plan.predict predicts; the CUDA context is not).
+Then one more step measured by phases (phases_gib: allocated before it, each of forward, backward and
+the optimizer step's peak and what it leaves), where the plan's terms can be told apart.
 
 Cases (rows): lora8b: Llama-3-8B shape, LoRA r=16 on all linears, bf16 base: as is, + chunked loss, +
 whole-block checkpointing. qlora8b: the same on an NF4 base (double quantisation). lean8b: both
@@ -19,9 +21,9 @@ and the blocks' inputs in host memory (offload_activations); host8b: and the fro
 too (embed_on_host). full1b: Llama-3.2-1B shape, full fine-
 tuning (AdamW) with the knobs plan.fit picks for cap_gib. pretrain1b: the same shape, Muon (momentum
 only) with plan.fit's knobs. ladder: the 1B full fine-tune with each knob added in turn (torchtune's
-ladder; the optimizer in backward among them). hf8b / hf1b (hfq8b: its QLoRA row alone): transformers'
-LlamaForCausalLM (sdpa) + peft LoRA (bitsandbytes 4-bit where installed) / full fine-tuning, with and without
-gradient checkpointing.
+ladder; the optimizer in backward among them). parts1b: pretrain1b with and without the chunked
+loss. hf8b / hf1b (hfq8b: its QLoRA row alone): transformers' LlamaForCausalLM (sdpa) + peft LoRA
+(bitsandbytes 4-bit where installed) / full fine-tuning, with and without gradient checkpointing.
 """
 import argparse
 import gc
@@ -80,12 +82,13 @@ CASES = {  # case -> [(row, shape, knobs)]; "fit" rows take plan.fit's knobs for
                ("qlora8b+chunk+ckpt+offload+embed on host, bf16 residual", "8b", {**LORA, **CHUNK, **CK, **LEAN, **OFF,
                                                                                  **HOST, "lora_base_dtype": "nf4"})],
     "hf8b": [("hf lora8b", "8b", dict(hf=True, **LORA)), ("hf lora8b+ckpt", "8b", dict(hf=True, **LORA, **CK)),
-             ("hf qlora8b+ckpt", "8b", {"hf": True, **LORA, **CK, "lora_base_dtype": "nf4"})],
+             ("hf qlora8b+ckpt", "8b", {"hf": True, **LORA, **CK, "lora_base_dtype": "nf4"}),
+             ("hf qlora8b+ckpt, 1 x 2048", "8b", {"hf": True, **LORA, **CK, "micro_batch_size": 1, "lora_base_dtype": "nf4"})],
     "hf1b": [("hf full1b", "1b", dict(hf=True)), ("hf full1b+ckpt", "1b", dict(hf=True, **CK))],
 }
+CASES["parts1b"] = CASES["pretrain1b"] + [("pretrain1b muon + chunked loss", "1b", dict(optimizer="muon", **CHUNK))]
 CASES["ladder8"] = CASES["ladder"][6:7]  # the 8-bit AdamW row alone
-CASES["hfq8b"] = CASES["hf8b"][2:] + [("hf qlora8b+ckpt, 1 x 2048", "8b", {"hf": True, **LORA, **CK, "micro_batch_size": 1,
-                                                                           "lora_base_dtype": "nf4"})]
+CASES["hfq8b"] = CASES["hf8b"][2:]
 
 
 def make_cfg(shape, knobs, args):
@@ -118,11 +121,14 @@ def ours(cfg):
     net = parallel.parallelize(model, grid, cfg)
     autocast = parallel.autocast(cfg, grid.device)
 
-    def step(x, y):
+    def step(x, y, mark=lambda phase: None):
         with autocast:
             loss = net(x, y)
+        mark("forward")
         net.backward(loss)
+        mark("backward")
         net.step(1.0)
+        mark("step")
         return loss.detach()
     return step, grid.device
 
@@ -167,13 +173,16 @@ def theirs(cfg):
     opt = torch.optim.AdamW(params, lr=cfg.lr, fused=dev.type == "cuda")
     autocast = torch.autocast(dev.type, torch.bfloat16, enabled=cfg.dtype == "bfloat16")
 
-    def step(x, y):
+    def step(x, y, mark=lambda phase: None):
         with autocast:
             loss = model(input_ids=x, labels=x).loss
+        mark("forward")
         loss.backward()
+        mark("backward")
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        mark("step")
         return loss.detach()
     return step, dev
 
@@ -230,12 +239,29 @@ def child(row, shape, knobs, args):
             out["measured_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
             if "predicted_gib" in out:
                 out["error_pct"] = round(100 * (out["predicted_gib"] / out["measured_gib"] - 1), 1)
+            out["phases_gib"] = phases(step, x, y)
     except torch.OutOfMemoryError as e:
         out["oom"] = f"out of memory under the {args.cap_gib:g} GiB cap, {phase}"
         out["oom_detail"] = " ".join(str(e).split())[:400]  # the allocation asked for, what was held
         out["peak_before_oom_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     except ImportError as e:
         out["skipped"] = f"needs {e.name}"
+    return out
+
+
+def phases(step, x, y):
+    """One more step, measured by parts: memory allocated before it, then each phase's (forward, backward,
+    optimizer step) peak and what it leaves allocated, in GiB (where a plan's terms can be told apart)."""
+    torch.cuda.synchronize()
+    out = {"before": round(torch.cuda.memory_allocated() / 2**30, 3)}
+    torch.cuda.reset_peak_memory_stats()
+
+    def mark(phase):
+        torch.cuda.synchronize()
+        out[phase] = {"peak": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+                      "after": round(torch.cuda.memory_allocated() / 2**30, 3)}
+        torch.cuda.reset_peak_memory_stats()
+    step(x, y, mark)
     return out
 
 

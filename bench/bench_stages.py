@@ -5,7 +5,7 @@
 
 Each stage script of each tree runs as its users run it (`python <tree>/sft.py ...`) on the same model
 folder and data, the trees alternating (A B ... A B) for --rounds, and reports what it logs itself:
-SFT tok_s (on the folder's DPO prompts and chosen answers) and DPO pairs_s of the last log interval,
+SFT tok_s (on the folder's DPO prompts and chosen answers) and DPO pairs_s, the median log interval after the first,
 GRPO's median step time (rollout + reward + learn)
 and rollout tokens/s over its steps after the first. Comparing a tree with another one (a commit before
 a refactor) in one call is what the house issue's "no throughput loss" asks for.
@@ -69,10 +69,9 @@ def run(tree, stage, model, out, extra, sft, prompts):
     with open(os.path.join(out, "train_metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     rows = [m for m in rows if "lr" in m]
-    if stage == "sft":
-        return {"tok_s": rows[-1]["tok_s"]}
-    if stage == "dpo":
-        return {"pairs_s": rows[-1]["pairs_s"]}
+    if stage in ("sft", "dpo"):  # the median log interval after the first (which holds the warm-up)
+        key = "tok_s" if stage == "sft" else "pairs_s"
+        return {key: statistics.median(m[key] for m in rows[1:] or rows)}
     later = rows[1:]
     return {"s_per_step": statistics.median(m["t_rollout"] + m["t_reward"] + m["t_learn"] for m in later),
             "rollout_tok_s": statistics.median(m["gen_tok_s"] for m in later)}
