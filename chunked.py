@@ -118,6 +118,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         g = g.float().masked_fill(targets == ignore_index, 0.0) / temperature  # d nll / d z, per token
         dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_x else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        part = torch.empty(w.shape, dtype=cd, device=w.device) if need_w else None  # a chunk's dW, then added up
         N = x.shape[0]
         with torch.autocast(x.device.type, enabled=False):
             for a in range(0, N, chunk):
@@ -144,7 +145,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 if need_x:
                     dx[a:b] = (dz @ w).float()
                 if need_w:
-                    dw[:n_real] += (dz.T @ xc).float()
+                    dw[:n_real] += torch.mm(dz.T, xc, out=part)  # (no fp32 copy of it: the add upcasts)
         return (dx.to(x.dtype) if need_x else None, dw.to(weight.dtype) if need_w else None,
                 None, None, None, None, None, None)
 

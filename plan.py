@@ -33,6 +33,7 @@ from types import SimpleNamespace
 import torch
 
 import lora
+import muon
 import optim_memory
 import qlora
 from model import ModelConfig, Transformer
@@ -47,8 +48,8 @@ def compute_bytes(cfg, cuda=True):
 def count(cfg):
     """Parameter counts of the model cfg describes (built on the meta device, LoRA applied when
     lora_r > 0): {trained, frozen, block_matrices, matrices (blocks + untied head), largest,
-    largest_trained, unit, root, muon, nf4_bytes}; unit: the largest block's parameters, root: the
-    rest (FSDP units)."""
+    largest_trained, unit, root, muon, muon_batch, nf4_bytes}; unit: the largest block's parameters,
+    root: the rest (FSDP units); muon_batch: Muon's largest Newton-Schulz batch (matrices of one shape)."""
     if getattr(cfg, "objective", "lm") != "lm":
         raise NotImplementedError(f"plan: objective={cfg.objective!r} builds a BERT / T5; the plan models the decoder")
     mcfg = ModelConfig.from_cfg(cfg)
@@ -61,6 +62,13 @@ def count(cfg):
             c.lora_base_dtype = "float32"  # counted here; storage bytes below
             lora.apply(model, c, SimpleNamespace(tp=1, device=torch.device("cuda")))
     named = list(model.named_parameters())
+    muon.mark_splits(model)
+    ns = {}  # Muon's Newton-Schulz batches: elements per matrix shape (rows <= cols), fused weights split
+    for n, p in named:
+        if p.requires_grad and n.startswith("blocks.") and p.dim() >= 2:
+            for rows in getattr(p, "muon_split", None) or [p.shape[-2]]:
+                key = tuple(sorted((rows, p.shape[-1])))
+                ns[key] = ns.get(key, 0) + rows * p.shape[-1] * (p.numel() // (p.shape[-2] * p.shape[-1]))
     head = "tok_emb.weight" if mcfg.tie_embeddings else "head.weight"  # (a tied head is listed once, as tok_emb)
     mats = [(n, p) for n, p in named if p.dim() >= 2 and (n.startswith("blocks.") or n == head)]
     base = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, lora.LoRALinear)}
@@ -75,6 +83,7 @@ def count(cfg):
                 nf4_bytes=sum(qlora.nf4_bytes(p.numel()) for n, p in named if n in base),
                 unit=max(blocks), root=sum(p.numel() for n, p in named if not n.startswith("blocks.")),
                 muon=sum(p.numel() for n, p in named if p.requires_grad and n.startswith("blocks.") and p.dim() >= 2),
+                muon_batch=max(ns.values() or [0]), head_matrix=dict(named)[head].numel(),
                 **{f"{part}_matrices": sum(p.numel() for n, p in named if n.startswith(f"blocks.0.{prefix}")
                                            and p.dim() >= 2 and not lora.is_adapter(n))
                    for part, prefix in (("block", ""), ("attn", "attn."), ("mlp", "mlp."))})
@@ -82,17 +91,19 @@ def count(cfg):
 
 # ----------------------------------------------------------------------------- activations
 
-def block_bytes(cfg, tp=1, compute=2, part="all"):
+def block_bytes(cfg, tp=1, compute=2, part="all", fused_norm=True):
     """Bytes autograd keeps per token for one block of model.py (prenorm), by the ops it runs under
     autocast (compute = 2: bf16 activations, fp32 residual stream; 4: fp32). part: "attn", "mlp"
-    (each with its norm), "norm" (one norm's share) or "all". Each term names the tensor it is."""
+    (each with its norm), "norm" (one norm's share) or "all". fused_norm: F.rms_norm is CUDA's fused
+    kernel (input and rstd kept); False: the composite one a CPU runs (the normalised input too, for
+    the weight's gradient). Each term names the tensor it is."""
     m = ModelConfig.from_cfg(cfg)
     C, H, KV, D, F = m.n_embd, m.n_head // tp, max(1, m.kv_heads // tp), m.head_dim, m.hidden // tp
     a, res = compute, 4 if (m.fp32_residual or compute == 4) else 2
     cast = C * a if a == 2 else 0  # autocast's bf16 copy of an fp32 input (fp32 compute: the input itself)
     rms = m.norm == "rmsnorm"
-    # a norm keeps its input, rstd (LayerNorm: + mean) and, when its weight trains, the normalised input
-    norm = res * C + (4 if rms else 8) + (4 * C if rms and not cfg.lora_r else 0)
+    # a norm keeps its input, rstd (LayerNorm: + mean) and, composite with its weight trained, the normalised input
+    norm = res * C + (4 if rms else 8) + (4 * C if rms and not cfg.lora_r and not fused_norm else 0)
     r = cfg.lora_r or 0
     attn = norm + (cast or 4 * C) + a * (H + 2 * KV) * D + 4 * H + a * H * D  # ..., bf16 input, qkv out, lse, out
     if m.pos_emb == "rope":
@@ -115,23 +126,24 @@ def recompute_of(cfg):
     return cfg.recompute, max(1, cfg.recompute_every)
 
 
-def activations(cfg, tokens, tp=1, compute=2):
-    """(bytes saved over every block and the final norm, bytes of one part recomputed in backward)."""
+def activations(cfg, tokens, tp=1, compute=2, fused_norm=True):
+    """(bytes saved over every block and the final norm, bytes of one part recomputed in backward);
+    fused_norm: block_bytes'."""
     m = ModelConfig.from_cfg(cfg)
     mode, every = recompute_of(cfg)
-    full = block_bytes(cfg, tp, compute)
+    full = block_bytes(cfg, tp, compute, fused_norm=fused_norm)
     res = 4 if (m.fp32_residual or compute == 4) else 2
     n_ck = -(-m.n_layer // every) if mode else 0  # blocks 0, every, 2 every, ... are checkpointed
     if mode == "block":  # the block's input only
         kept, redo = res * m.n_embd, full
     elif mode in ("attn", "mlp"):  # the module's input (its norm's output) instead of its internals
-        part, norm = block_bytes(cfg, tp, compute, mode), block_bytes(cfg, tp, compute, "norm")
+        part, norm = (block_bytes(cfg, tp, compute, k, fused_norm) for k in (mode, "norm"))
         kept, redo = full - part + norm + res * m.n_embd, part - norm
     else:
         kept, redo = full, 0
     if mode and cfg.offload_activations:  # each part's input waits on the host: in backward
         kept, redo = kept - res * m.n_embd, redo + 2 * res * m.n_embd  # its own is back and the next one's coming
-    final = block_bytes(cfg, tp, compute, "norm") + (2 * m.n_embd if compute == 2 else 0)  # norm_f, the head's input
+    final = block_bytes(cfg, tp, compute, "norm", fused_norm) + (2 * m.n_embd if compute == 2 else 0)  # norm_f, the head's input
     saved = tokens * ((m.n_layer - n_ck) * full + n_ck * kept + final)
     return saved, tokens * redo
 
@@ -147,17 +159,21 @@ def offloaded_bytes(cfg, tokens):
 
 
 def logits_bytes(cfg, tokens, tp=1, compute=2, head_trains=True, buckets=False):
-    """The loss's peak: logits kept for backward and their gradient (or one chunk of them), and the
-    head weight's gradient being made (buckets: DataParallel already holds its fp32 .grad)."""
+    """The loss's peak in backward: logits kept for backward and their gradient (or one chunk of them),
+    and the head weight's gradient being made (buckets: DataParallel already holds its fp32 .grad)."""
     m = ModelConfig.from_cfg(cfg)
     Vp, V, C = m.padded_vocab // tp, -(-m.vocab_size // tp), m.n_embd
     chunk = cfg.loss_chunk
-    if chunk:  # one chunk's logits and their gradient (fused.py's kernels on a GPU), the fp32 lse; dW in fp32
-        return min(chunk, tokens) * Vp * 2 * compute + 4 * tokens + (4 * C * Vp if head_trains else 0)
+    if chunk:  # one chunk's logits and their gradient (fused.py's kernels on a GPU), the fp32 lse; chunked.py's
+        # backward: the (fp32) head in the compute dtype, dW (fp32) and one chunk's dW in the compute dtype
+        w = (compute * (compute == 2) + compute + 4) * C * Vp if head_trains else 0
+        return min(chunk, tokens) * Vp * 2 * compute + 4 * tokens + w
     dw = (compute + (0 if buckets else 4)) * C * Vp if head_trains else 0  # dW in the compute dtype (+ the fp32 .grad)
     if tp > 1:  # tp.py's vocab-parallel loss: the local logits, an fp32 softmax saved, the gradient
         return tokens * (compute * Vp + 4 * Vp + compute * Vp) + dw
-    return tokens * (compute * Vp + compute * V) + dw  # the head's output (kept for backward) + its gradient (fused.py)
+    # one phase at a time: the logits (kept for backward) and their gradient (fused.py); the gradient and the
+    # head's dW in the compute dtype (the logits freed); dW and its fp32 cast (the gradient freed)
+    return max(tokens * (compute * Vp + compute * V), tokens * compute * V + compute * C * Vp * head_trains, dw)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -201,7 +217,8 @@ def predict(cfg, world=1, decode=None):
         mode, every = recompute_of(cfg)
         part = n[f"{mode}_matrices"] / tp if mode else 0
         redo_copies = 2 * part
-        copies = 2 * (fp32_mats - -(-ModelConfig.from_cfg(cfg).n_layer // every) * part)
+        head = n["head_matrix"] / tp if cfg.loss_chunk else 0  # chunked.py casts the head itself (logits_bytes)
+        copies = 2 * (fp32_mats - head - -(-ModelConfig.from_cfg(cfg).n_layer // every) * part)
         note = "autocast's 16-bit copy of every fp32 matrix, kept for backward" + (
             f" (not those of the recomputed {mode}s)" if mode else "")
     elif cfg.lora_r and cfg.lora_base_dtype == "nf4":
@@ -244,12 +261,21 @@ def predict(cfg, world=1, decode=None):
         m = ModelConfig.from_cfg(cfg)
         rows.append(("kv cache", 2 * m.n_layer * max(1, m.kv_heads // tp) * m.head_dim * 2 * decode[0] * decode[1],
                      f"{decode[0]} rows x {decode[1]} positions, bf16"))
+    m = ModelConfig.from_cfg(cfg)
+    tied = 4 * m.padded_vocab * m.n_embd / tp if m.tie_embeddings and head_trains and not fsdp else 0
+    if tied:
+        rows.append(("embedding grad", tied, "the tied embedding's lookup gradient, made while the head's is held"))
+    step_tmp = 0
+    if cfg.optimizer == "muon" and not cfg.lora_r:  # the updates (fp32), Newton-Schulz's largest batch twice (bf16)
+        step_tmp = (4 * n["muon"] / tp + 2 * 2 * n["muon_batch"]) / (dp if zero1 else 1)
+        rows.append(("optimizer step", step_tmp, "Muon's updates (fp32) and its largest Newton-Schulz batch, twice in bf16"))
     cache = sum(b for name, b, _ in rows if name == "kv cache")
-    static = sum(b for name, b, _ in rows if name in ("weights", "compute copies", "optimizer state")) + cache
+    static = sum(b for name, b, _ in rows if name in ("weights", "optimizer state")) + cache
+    end = grads + max(tied, step_tmp)  # the end of backward, the optimizer step: activations and copies freed
     if dp > 1 or fsdp or cfg.optimizer_in_backward:  # the gradients (buckets, shards, or the one being used)
-        peak = static + grads + saved + max(logit, redo)  # held all along, beside the activations
+        peak = static + max(copies + grads + saved + max(logit, redo), end)  # held all along, beside the activations
     else:  # one process: gradients appear as backward frees the activations
-        peak = static + max(saved + max(logit, redo), grads)
+        peak = static + max(copies + saved + max(logit, redo), end)
     host = ((4 + 8 + 4) * trained if kind == "offload" else 0) + offloaded_bytes(cfg, tokens) + \
         (embed if cfg.lora_r else 0)
     return {"rows": rows, "total": peak, "host": host, "world": world, "dp": dp, "tp": tp}

@@ -88,6 +88,7 @@ CASES = {  # case -> [(row, shape, knobs)]; "fit" rows take plan.fit's knobs for
 }
 CASES["parts1b"] = CASES["pretrain1b"] + [("pretrain1b muon + chunked loss", "1b", dict(optimizer="muon", **CHUNK))]
 CASES["ladder8"] = CASES["ladder"][6:7]  # the 8-bit AdamW row alone
+CASES["nofit1b"] = CASES["ladder"][:3]  # the rows over 24 GiB: their peaks with --cap_gib=0 (no cap)
 CASES["hfq8b"] = CASES["hf8b"][2:]
 
 
