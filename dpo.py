@@ -301,11 +301,7 @@ def main(argv):
     autocast = parallel.autocast(cfg, grid.device)
     dropout = (cfg.dropout, cfg.lora_dropout)
     cfg.dropout = cfg.lora_dropout = 0.0  # log-probs must be deterministic (TRL's disable_dropout too)
-    started = weights.configure(cfg) or "no init_from: random initial weights"  # init_from's shape and tokenizer
-    tok, template = chat.setup(cfg)  # the template's special tokens added; cfg.vocab_size covers them
-    if not cfg.init_from:
-        cfg.vocab_size = tok.n_vocab
-    config.validate(cfg, grid.world)  # the model keys just changed
+    started, tok, template = weights.configure_chat(cfg, grid.world)  # init_from's shape, the template's tokens
     kind = check(cfg)
     lifecycle.preflight(cfg, grid)  # the GPUs and the memory plan, said once (--gpu_memory: the plan, then exit)
     T, mb = cfg.seq_len or cfg.block_size, cfg.micro_batch_size
@@ -344,15 +340,15 @@ def main(argv):
     reference = make_reference(kind, cfg, grid, net, seqs, autocast, table, load)
     ref_held = pair_logps(reference, seqs, held_ids, mb, grid, autocast).T.flatten()  # [chosen; rejected]
     lens = torch.tensor([len(seqs[i][k]) for k in (1, 2) for i in held_ids], device=grid.device)
-    trainer, step = lifecycle.resume(lease, net), 0  # the policy and optimizer; the reference stays the start's
+    trainer, step = lifecycle.resume(lease, net, say)  # the policy and optimizer; the reference stays the start's
     if trainer:
-        step, then = trainer["step"], torch.tensor(trainer["loader"]["ref_held"], device=grid.device)
+        then = torch.tensor(trainer["loader"]["ref_held"], device=grid.device)
         tol = 1e-4 if parallel.amp_dtype(cfg, grid.device) == torch.float32 else 3e-2  # layouts round differently
         if not torch.allclose(ref_held, then, rtol=tol, atol=tol) and not cfg.force_resume:
             raise checkpoint.ResumeMismatch(f"the reference differs from the one this run started with (log-probs "
                                             f"{then[:3].tolist()} then, {ref_held[:3].tolist()} now): init_from "
                                             f"changed? Point it at the model DPO started from, or --force_resume=True")
-        say(f"resumed from {lease.resume_from} at step {step}; the reference is the one DPO started with")
+        say("the reference is the one DPO started with (its held-out log-probs as then)")
     logger = logs.Logger(cfg, grid)
     probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
     held_out, saved = {}, {}  # the held-out metric at the first and latest evaluation; the latest checkpoint

@@ -390,6 +390,11 @@ class Rollout:
     lengths: torch.Tensor   # (R,) generated tokens per row, the stop token included
     prompt_len: int         # T: generated tokens start at column T
 
+    def texts(self, tok, stops=()):
+        """Each row's generated text, without its stop token (one of stops) when it stopped."""
+        gen = zip(self.tokens[:, self.prompt_len:].tolist(), self.lengths.tolist())
+        return [tok.decode(t[:n - (t[n - 1] in stops)]) for t, n in gen]
+
 
 @torch.no_grad()
 def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, top_p=None,

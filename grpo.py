@@ -3,21 +3,18 @@
     python grpo.py configs/grpo_tiny.py                                  # the arithmetic task on CPU
     torchrun --nproc_per_node=2 grpo.py configs/grpo_tiny.py --data_parallel=fsdp --init_from=out/sft_tiny
 
-A step: P prompts -> G samples each from the fast decoder (generate.decode; the rollout policy's
-log-probs come with the tokens) -> the task's rewards -> advantages -> grpo_epochs optimizer steps
-on the rollout. The math, plain functions at the top (tests compare them with TRL's GRPOTrainer):
-advantages (scaled by group, batch or not), policy_loss (the clipped surrogate per token or per
-completion, its grpo / dapo / dr_grpo normalisers, clip-higher) and k3 (the KL to a frozen initial
-copy, held only when beta > 0). Every log-prob (rollout, policy, reference) is of logits /
-temperature. A completion's end-of-turn token is in its mask: the policy learns to stop (as TRL).
-mask_truncated drops completions cut at max_new_tokens, dynamic_sampling the groups of equal
-rewards (DAPO, no refill: only normalisers change).
+A step: P prompts -> G samples each from the fast decoder (generate.decode, with the rollout policy's
+log-probs) -> the task's rewards -> advantages -> grpo_epochs optimizer steps on the rollout. The math,
+plain functions at the top (tests compare them with TRL's GRPOTrainer): advantages, policy_loss (the
+clipped surrogate per token or per completion, grpo / dapo / dr_grpo normalisers, clip-higher) and k3
+(the KL to a frozen initial copy, held only when beta > 0). Every log-prob is of logits / temperature;
+a completion's end-of-turn token is in its mask (the policy learns to stop, as TRL). mask_truncated
+drops completions cut at max_new_tokens, dynamic_sampling the groups of equal rewards (DAPO, no refill).
 
-Layouts: each data rank rolls out a contiguous slice of the P x G (a group may span ranks: rewards are
-gathered before the advantages), seeded by the step and its data rank, so the TP ranks of a group draw
-the same tokens; FSDP gathers the parameters once around the rollout. Normalisers are the step's global
-counts: DP / FSDP steps equal one process. The log splits each step's time into rollout / reward /
-learn. Importing this file runs nothing: main() does the work.
+Layouts: each data rank rolls out a contiguous slice of the P x G (rewards are gathered before the
+advantages: a group may span ranks), seeded by the step and its data rank (a group's TP ranks draw the
+same tokens); FSDP gathers the parameters once around the rollout. Normalisers are the step's global
+counts: DP / FSDP steps equal one process. The log splits each step's time into rollout / reward / learn.
 """
 import contextlib
 import sys
@@ -39,8 +36,7 @@ import prompts
 import weights
 from model import IGNORE
 
-# ours, then TRL's cispo and sapo (objectives.py, parity-tested against TRL). Not taken: bnpo (a token mean
-# per micro-batch: the loss would depend on micro_batch_size and the layout; dapo is its per-step form)
+# ours, then TRL's cispo and sapo (objectives.py). Not bnpo: its per-micro-batch token mean depends on the layout
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo", "sapo")
 SCALES = ("group", "batch", "none")
 
@@ -48,13 +44,11 @@ SCALES = ("group", "batch", "none")
 DEFAULTS = dict(
     task="arithmetic",        # tasks.get(name): prompts with answers and the reward that checks them
     task_args={},             # the task's settings, e.g. dict(max_operand=999, terms=3) (tasks.settings(name))
-    prompt_data="",           # your prompts instead of a task: .jsonl/.json/.parquet, a folder, hf:<name> (prompts.py:
-                              # GSM8K question/answer '#### N', MATH problem/solution \boxed{}, or prompt + answer)
+    prompt_data="",           # your prompts instead of a task: a file, folder or hf:<name> of GSM8K / MATH / prompt records
     eval_prompt_data="",      # held-out prompts from another source ("": eval_percent of prompt_data)
     eval_percent=5.0,         # share of prompt_data held out (by a hash of the prompt: never trained on)
     prompt_instruction="",    # appended to each prompt ("auto": the answer format's own instruction)
-    reward="",                # "" (the task's, or math on prompt_data) | math | strict | lenient | format | code |
-                              # path/to/file.py:function, weighted sums as "math,format:0.2"
+    reward="",                # "" (the task's; math on prompt_data) | math | strict | lenient | format | code | file.py:fn | "math,format:0.2"
     train_prompts=4096,       # task.train(n, seed): the prompts the steps cycle through
     eval_prompts=128,         # held-out prompts (reward sampled and greedy, strict and lenient accuracy)
     group_size=8,             # G samples per prompt: batch_size / G prompts per step
@@ -280,12 +274,11 @@ def check(cfg, grid):
     need(cfg.batch_size % G == 0, f"batch_size={cfg.batch_size} (completions per step): a multiple of group_size={G}")
     need(0 <= cfg.clip_low < 1 and cfg.clip_high >= 0, f"clip_low={cfg.clip_low} must be in [0, 1), clip_high >= 0")
     need(cfg.beta >= 0 and cfg.temperature > 0, f"beta={cfg.beta} must be >= 0 and temperature={cfg.temperature} > 0")
-    need(min(cfg.max_new_tokens, cfg.grpo_epochs, cfg.train_prompts) >= 1,
-         "max_new_tokens, grpo_epochs and train_prompts must be >= 1")
+    need(min(cfg.max_new_tokens, cfg.grpo_epochs, cfg.train_prompts, cfg.dead_steps) >= 1,
+         "max_new_tokens, grpo_epochs, train_prompts and dead_steps must be >= 1")
     need(not (cfg.prompt_data and cfg.task_args), "task_args set the task; prompt_data replaces the task: give one")
     need(not cfg.eval_prompt_data or cfg.prompt_data, "eval_prompt_data is held out from prompt_data: set both")
     need(cfg.ep == 1, f"ep={cfg.ep}: expert-parallel ranks would stop decoding at different steps; use ep=1")
-    need(cfg.dead_steps >= 1, f"dead_steps={cfg.dead_steps} must be >= 1")
     need(cfg.pp == 1, f"pp={cfg.pp}: GRPO's rollouts decode with the whole model every step, which a pipeline "
                       f"stage does not hold (pp.py); use pp=1")
     need(not cfg.eval_every or cfg.eval_prompts >= grid.data_world,
@@ -299,20 +292,15 @@ def main(argv):
     clock, say = lifecycle.Clock(grid.device), lifecycle.say(grid)
     autocast = parallel.autocast(cfg, grid.device)
     device, G, P = grid.device, cfg.group_size, cfg.batch_size // cfg.group_size
-    started = weights.configure(cfg) or "no init_from: random initial weights"  # init_from's shape and tokenizer
-    tok, template = chat.setup(cfg)  # the chat template's special tokens added; vocab_size grown to fit
-    if not cfg.init_from:
-        cfg.vocab_size = tok.n_vocab
-    config.validate(cfg, grid.world)  # the model keys just changed
+    started, tok, template = weights.configure_chat(cfg, grid.world)  # init_from's shape, the template's tokens
     check(cfg, grid)
     lifecycle.preflight(cfg, grid)  # the GPUs and the memory plan, said once (--gpu_memory: the plan, then exit)
     train, test, reward, accuracy_fn, note = prompts.for_run(cfg)  # a task's, or prompt_data's
     train_ids, test_ids = ([chat.encode(tok, template, it["prompt"], add_generation_prompt=True)[0] for it in items]
                            for items in (train, test))
     longest = max(map(len, train_ids + test_ids))
-    if longest + cfg.max_new_tokens > cfg.block_size:
-        raise config.ConfigError(f"prompts of up to {longest} tokens + max_new_tokens={cfg.max_new_tokens} exceed "
-                                 f"block_size={cfg.block_size}: generate fewer tokens")
+    config.need(longest + cfg.max_new_tokens <= cfg.block_size, f"prompts of up to {longest} tokens + max_new_tokens="
+                f"{cfg.max_new_tokens} exceed block_size={cfg.block_size}: generate fewer tokens")
     stops = sorted({tok.eot_id, tok.eos_id})  # a completion ends with (and learns) its end-of-turn token
     sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p, stop_tokens=stops, pad_id=0,
                     compile=cfg.compile and device.type == "cuda")  # on a GPU the decode step compiled, then captured
@@ -331,20 +319,14 @@ def main(argv):
     # raw under TP (cut weights), LoRA (unmerged adapters), MoE (no nn.Linear experts), FSDP (a full copy per rank)
     plain = cfg.rollout_copy and grid.tp == 1 and not (cfg.lora_r or cfg.n_experts or cfg.data_parallel == "fsdp")
     policy, keep = (generate.cast_copy(raw, parallel.amp_dtype(cfg, device)) if plain else raw), {}
-    trainer, step = lifecycle.resume(lease, net), 0  # prompts and sampling seeds follow from the step
-    if trainer:
-        step = trainer["step"]
-        say(f"resumed from {lease.resume_from} at step {step}")
+    trainer, step = lifecycle.resume(lease, net, say)  # prompts and sampling seeds follow from the step
     logger = logs.Logger(cfg, grid)
     probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
     held, saved = {}, {}  # the held-out metric at the first and latest evaluation; the latest checkpoint
 
     def rewards_of(r, items, which):
-        """prompts.judge of the completions of r (as text, without their stop token): (rewards (N,), NaN where
-        none; {key: [sum, count]} to log)."""
-        gen = zip(r.tokens[:, r.prompt_len:].tolist(), r.lengths.tolist())
-        texts = [tok.decode(t[:n - (t[n - 1] in stops)]) for t, n in gen]  # n - 1 tokens when it stopped
-        total, sums = prompts.judge(reward, accuracy_fn, [items[i] for i in which], texts)
+        """prompts.judge of r's completions: (rewards (N,), NaN where none; {key: [sum, count]} to log)."""
+        total, sums = prompts.judge(reward, accuracy_fn, [items[i] for i in which], r.texts(tok, stops))
         return torch.tensor([float("nan") if v is None else float(v) for v in total], device=device), sums
 
     def evaluate():
@@ -389,11 +371,10 @@ def main(argv):
         if cfg.beta:
             with (contextlib.nullcontext() if ref else lora.disabled(raw)), net.full_params(), autocast:
                 batch.ref = reference_logprobs(ref if ref else raw, batch, cfg)
-        sums, norm = torch.zeros(5, device=device), torch.zeros(())
         lr = optim.set_lr(net.optimizer, step, cfg)
         probe.before(step)  # a statistics step (every grad_stats_every): activation hooks armed
-        if batch.n_seqs:  # dynamic sampling may leave no group
-            sums, norm = learn(net, batch, cfg, autocast, probe.hooks)
+        sums, norm = (learn(net, batch, cfg, autocast, probe.hooks) if batch.n_seqs  # dynamic sampling may leave
+                      else (torch.zeros(5, device=device), torch.zeros(())))          # no group
         kl, low, high, clip_count, tokens = parallel.data_sum(sums.detach().float(), grid).tolist()
         t3 = clock.now()
         logs.add(tally, {**stats, "kl": kl, "clip_low": low, "clip_high": high, "clip_count": clip_count, "tokens": tokens,
@@ -410,11 +391,10 @@ def main(argv):
                      gen_tok_s=tally["gen_tokens"] / tally["t_rollout"], **logs.means(judged_tally, grid.data_group, device))
             logger.report(step, m, cfg.max_steps, say)
             tally, judged_tally, why = {}, {}, diagnose(m, cfg)
-            dead = dead + (step - logged) if why else 0
+            dead, logged = (dead + step - logged if why else 0), step
             if why and dead >= cfg.dead_steps and not warned.get(why):
                 warned[why] = True
                 say(f"warning: no learning signal in the last {dead} steps: {why}")
-            logged = step
         stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate if cfg.eval_every else None, say, clock)
         if stopped:
             break

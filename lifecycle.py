@@ -1,7 +1,7 @@
 """A run's life: the run folder it owns, the checkpoint it resumes, its signals, the end of each step.
 
     lease = lifecycle.claim(cfg, grid, free=RESUME_FREE)   # out_dir locked, resume picked, settings checked
-    trainer = lifecycle.resume(lease, net)                 # weights, optimizer, RNG of the checkpoint (or None)
+    trainer, step = lifecycle.resume(lease, net, say)      # weights, optimizer, RNG of the checkpoint (or None, 0)
     clock, interrupt = lifecycle.Clock(device), lifecycle.Interrupt(grid)
     while step < last: ...; step += 1
         if lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate, say, clock): break
@@ -280,13 +280,13 @@ def check_resume(path, cfg, free=()):
     return ([f"resume: changed (harmless): {x}" for x in info] +
             [f"resume: changed (forced by force_resume): {x}" for x in refused])
 
-def resume(lease, net):
+def resume(lease, net, say=print):
     """Load lease.resume_from (a checkpoint saved by any layout) into net: weights, optimizer state,
     the fp16 loss scale (a checkpoint saved without one leaves the scaler fresh) and this rank's
-    RNG. Returns the trainer dict (step, loader, cfg, run_id), or None for a fresh run. Collective
-    under FSDP and EP."""
+    RNG, and say so. Returns (the trainer dict (step, loader, cfg, run_id), its step), or (None, 0)
+    for a fresh run. Collective under FSDP and EP."""
     if not lease.resume_from:
-        return None
+        return None, 0
     weights, optim_state, trainer = checkpoint.load(lease.resume_from, net.raw.cfg, net.optimizer is not None)
     have, got = ({k for k in names if lora.is_adapter(k)} for names in (net.state_names(), weights))
     if have != got:  # (resume's config check refuses changed lora_* settings first)
@@ -295,7 +295,8 @@ def resume(lease, net):
     if net.scaler is not None and "scaler" in trainer:
         net.scaler.load_state_dict(trainer["scaler"])
     checkpoint.set_rng_state(trainer, net.grid.rank)
-    return trainer
+    say(f"resumed from {lease.resume_from} at step {trainer['step']}")
+    return trainer, trainer["step"]
 
 
 def save(net, cfg, lease, step, loader_state=None, extra=None, optimizer=True):

@@ -118,11 +118,9 @@ def main(argv):
     flops_per_token = denoising.flops_per_token(raw, cfg) if denoise else raw.flops_per_token(T)
     # in place: TP cut, init_from weights, EP cut, then FSDP or the optimizer + DataParallel (ZeRO-1), compile
     net = parallel.parallelize(raw, grid, cfg, load=weights.loader(cfg, grid))
-    trainer, step = lifecycle.resume(lease, net), 0  # saved by any layout: full tensors, cut to this one
+    trainer, step = lifecycle.resume(lease, net, say)  # saved by any layout: full tensors, cut to this one
     if trainer:
         loader.load_state_dict(trainer["loader"])
-        step = trainer["step"]
-        say(f"resumed from {lease.resume_from} at step {step}")
     peak = logs.peak_tflops(grid.device, cfg.peak_tflops)
     say(f"model: {n_params / 1e6:.2f}M parameters ({n_active / 1e6:.2f}M active, {n_body / 1e6:.2f}M active "
         f"non-embedding), {flops_per_token / 1e6:.1f} MFLOPs/token, peak {peak or 'n/a'} TFLOP/s per device")

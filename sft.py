@@ -41,7 +41,6 @@ import prefix as pfx
 import seq2seq
 import t5
 import tasks
-import tokenizer
 import weights
 from config import need
 from model import IGNORE, ModelConfig, Transformer
@@ -216,15 +215,8 @@ def main(argv):
     grid = parallel.init(cfg, cfg.threads)
     clock, say = lifecycle.Clock(grid.device), lifecycle.say(grid)
     autocast = parallel.autocast(cfg, grid.device)
-    started = weights.configure(cfg) or "no init_from: random initial weights"  # init_from's shape and tokenizer
+    started, tok, template = weights.configure_chat(cfg, grid.world, seq2seq=True)  # a T5 init_from: no template
     cfg.objective = getattr(cfg, "objective", "lm")  # init_from's: a T5 ("span") trains sequence to sequence
-    if cfg.objective == "lm":
-        tok, template = chat.setup(cfg)  # the template's special tokens added; cfg.vocab_size covers them
-    else:  # a T5: plain text in and out (seq2seq.rows), no template
-        tok, template = tokenizer.for_cfg(cfg), None
-    if not cfg.init_from:
-        cfg.vocab_size = tok.n_vocab
-    config.validate(cfg, grid.world)  # the model keys just changed
     check(cfg, grid)
     lifecycle.preflight(cfg, grid)  # the GPUs and the memory plan, said once (--gpu_memory: the plan, then exit)
     T = min(cfg.seq_len or cfg.block_size, cfg.block_size - cfg.prefix_tokens)  # (a prefix takes positions too)
@@ -264,11 +256,9 @@ def main(argv):
     raw = weights.build_model(cfg, grid)  # from the same seed on every rank (LoRA from init_from: in its storage dtype)
     # in place: TP cut, init_from weights (vocabulary grown), LoRA adapters, EP cut, FSDP or DataParallel
     net = parallel.parallelize(raw, grid, cfg, load=with_prefix(weights.loader(cfg, grid), cfg))
-    trainer, step = lifecycle.resume(lease, net), 0  # saved by any layout (adapters and frozen base too)
+    trainer, step = lifecycle.resume(lease, net, say)  # saved by any layout (adapters and frozen base too)
     if trainer:
         loader.load_state_dict(trainer["loader"])
-        step = trainer["step"]
-        say(f"resumed from {lease.resume_from} at step {step}")
     n_train = sum(p.numel() for p in raw.parameters() if p.requires_grad)  # (prefix tuning: the prefix's)
     say(f"model: {raw.num_params() / 1e6:.2f}M parameters, {n_train / 1e6:.3f}M trained")
     logger = logs.Logger(cfg, grid)

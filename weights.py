@@ -1,6 +1,7 @@
 """A run's initial weights: init_from (our checkpoint or run folder, or a local HF folder), and weights into a plain model.
 
     started = weights.configure(cfg)       # init_from's model keys and tokenizer become cfg's
+    started, tok, template = weights.configure_chat(cfg, grid.world)   # SFT, DPO, GRPO: and the chat template
     raw = weights.build_model(cfg, grid)   # the full model on the device, seeded; init_from's weights come next
     net = parallel.parallelize(raw, grid, cfg, load=weights.loader(cfg, grid))
     ref = weights.build_net(cfg, grid, load, frozen=True)  # both in one call: a frozen reference (DPO, GRPO)
@@ -21,6 +22,7 @@ from types import SimpleNamespace
 import torch
 
 import bert
+import chat
 import checkpoint
 import config
 import hf
@@ -28,6 +30,7 @@ import lora
 import materialize
 import parallel
 import t5
+import tokenizer
 import tp
 from model import ModelConfig, Transformer
 
@@ -139,6 +142,22 @@ def init_family(path):
     if hf.is_hf_folder(path):
         return {"bert": "mlm", "t5": "span"}.get(hf.read_config(path).get("model_type"), "lm")
     return init_checkpoint(path)[1].get("objective", "lm")
+
+
+def configure_chat(cfg, world, seq2seq=False):
+    """A chat stage's configure step -> (configure's line, tokenizer, template): init_from's model keys and
+    tokenizer (configure), the chat template's special tokens (chat.setup; seq2seq and a T5 init_from: its
+    plain tokenizer, no template), vocab_size the tokenizer's without init_from, cfg validated again (its
+    model keys just changed)."""
+    started = configure(cfg) or "no init_from: random initial weights"
+    if seq2seq and getattr(cfg, "objective", "lm") != "lm":  # a T5: plain text in and out (seq2seq.rows)
+        tok, template = tokenizer.for_cfg(cfg), None
+    else:
+        tok, template = chat.setup(cfg)
+    if not cfg.init_from:
+        cfg.vocab_size = tok.n_vocab
+    config.validate(cfg, world)
+    return started, tok, template
 
 
 def configure_family(cfg, objective):

@@ -4,11 +4,11 @@
     python bench/bench_nf4.py --device=cpu --tiny       # smoke test
 
 Rows per weight shape (out x in), median of --steps CUDA-synchronised calls after --warmup:
-dequantise: quant.nf4_dequantize of the packed codes with double-quantised absmaxes (qlora.NF4Weight's
-work) eager and under torch.compile, bitsandbytes.functional.dequantize_4bit (nf4, compressed statistics);
-linear: qlora.NF4Linear's forward + backward (dx; the weight is frozen) of x (tokens x in, bf16), eager
-and with the dequantisation compiled, bitsandbytes.matmul_4bit's, and F.linear on the bf16 weight (the
-floor). Also how far our dequantised weight lands from bitsandbytes' (both quantise the same weight).
+dequantise: qlora.NF4Weight.dequantize (quant.nf4_dequantize of the packed codes, double-quantised
+absmaxes), bitsandbytes.functional.dequantize_4bit (nf4, compressed statistics); linear: qlora.NF4Linear's
+forward + backward (dx; the weight is frozen) of x (tokens x in, bf16), bitsandbytes.matmul_4bit's, and
+F.linear on the bf16 weight (the floor). Also how far our dequantised weight lands from bitsandbytes'
+(both quantise the same weight).
 """
 import argparse
 import json
@@ -59,7 +59,6 @@ def rows_for(name, shape, args):
     w = torch.randn(shape, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
     x = torch.randn(args.tokens, shape[1], device=dev, generator=g, dtype=torch.bfloat16, requires_grad=True)
     nf4 = qlora.NF4Weight(Weight(w), "weight", 64, True)
-    fast = qlora.NF4Weight(Weight(w), "weight", 64, True, compiled=True)
     out = []
 
     def linear(weight):
@@ -73,10 +72,8 @@ def rows_for(name, shape, args):
         y = F.linear(x, w)
         y.backward(torch.ones_like(y))
         x.grad = None
-    out.append({"shape": name, "row": "dequantise, ours eager", "ms": timed(lambda: nf4.dequantize(torch.bfloat16), args)})
-    out.append({"shape": name, "row": "dequantise, ours compiled", "ms": timed(lambda: fast.dequantize(torch.bfloat16), args)})
-    out.append({"shape": name, "row": "linear fwd+bwd, ours eager", "ms": timed(linear(nf4), args)})
-    out.append({"shape": name, "row": "linear fwd+bwd, ours compiled", "ms": timed(linear(fast), args)})
+    out.append({"shape": name, "row": "dequantise, ours", "ms": timed(lambda: nf4.dequantize(torch.bfloat16), args)})
+    out.append({"shape": name, "row": "linear fwd+bwd, ours", "ms": timed(linear(nf4), args)})
     out.append({"shape": name, "row": "linear fwd+bwd, bf16 weight (F.linear)", "ms": timed(dense, args)})
     try:
         import bitsandbytes as bnb

@@ -110,4 +110,5 @@ def full_state(raw, optimizer, grid, wrapper=None):
 def load_checkpoint(path, raw, optimizer, grid, wrapper=None):
     """lifecycle.resume into a model laid out by hand: weights, optimizer state, RNG; the trainer dict."""
     import lifecycle
-    return lifecycle.resume(lifecycle.Lease(None, path, None), parallel.Net(raw, wrapper, raw, optimizer, grid))
+    return lifecycle.resume(lifecycle.Lease(None, path, None), parallel.Net(raw, wrapper, raw, optimizer, grid),
+                            say=lambda line: None)[0]

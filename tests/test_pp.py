@@ -118,7 +118,7 @@ def train(case, resume=None, save=None, first=0):
     torch.manual_seed(0)
     net = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg)
     if resume:
-        lifecycle.resume(lifecycle.Lease(None, resume, None), net)
+        lifecycle.resume(lifecycle.Lease(None, resume, None), net, say=lambda line: None)
     m, rec = case.get("micro", 1), {"losses": [], "norms": []}
     for step in range(first, case.get("steps", STEPS)):
         if save and step == save[1]:
