@@ -6,20 +6,16 @@
     python sft.py configs/sft_small.py --lora_r=16 --gpu_memory=24         # any stage: advice(), then exit
     python plan.py --stage=sft configs/sft_small.py --lora_r=16 --gpu_memory=24 --world=2   # other GPU counts
 
-What is predicted: torch.cuda.max_memory_allocated() of one steady-state step (optimizer state
-exists, a step after the first), per GPU. Not included: the CUDA context and allocator slack (what
-nvidia-smi adds), the memory of building the model before the step (weights.py's job). Terms:
-weights (storage dtype, sharded as the layout shards them), bf16 compute copies (autocast keeps a
-bf16 copy of each fp32 matrix it multiplies, until backward; a
-recomputed part's are made again in backward, one part at a time), gradients (fp32; DataParallel's
-buckets are allocated once, full size, also under ZeRO-1), optimizer state (AdamW 8 B per trained
-parameter, Muon's momentum 4, optim_memory's 8-bit ~2.03, offloaded 0; embed_on_host: the LoRA
-base's token embedding in host memory), activations autograd keeps
-for backward (per token and block, from the ops of model.py's Block under bf16 autocast: the
-formula in block_bytes, equal to the bytes measured on CPU, tests/test_plan.py), the logits (the
-head's bf16 output and its gradient, or chunked.py's one chunk), and a KV cache when decoding.
-The peak is the static part plus the larger of (every saved activation + the logits) and
-(checkpointed blocks' inputs + one block recomputed in backward).
+What is predicted: torch.cuda.max_memory_allocated() of one steady-state step, per GPU (not the CUDA
+context, allocator slack, or building the model: weights.py's job). Terms: weights (storage dtype,
+sharded as the layout shards them); bf16 compute copies autocast keeps of fp32 matrices (a recomputed
+part's made again in backward); gradients (fp32; DataParallel's buckets full size, ZeRO-1 too);
+optimizer state (AdamW 8 B a parameter, Muon's momentum 4, 8-bit ~2.03, offloaded 0); activations
+(block_bytes: per token and block from model.py's ops, equal to the bytes a CPU keeps with its
+composite rms_norm, tests/test_plan.py); the loss's largest backward phase (logits, or chunked.py's
+chunk and head buffers); a tied embedding's lookup gradient; Muon's step temporaries; a KV cache. Peak:
+weights + state + the larger of backward's holding (copies, activations, logits or one part recomputed;
+gradients too under DP / FSDP) and its end / the optimizer step (the gradients + the embedding's or Muon's).
 
 fit() walks LADDER, knobs ordered by their cost in speed (recompute before 8-bit AdamW as measured
 on the 1B shape, BENCHMARKS.md; the rest judged, offload_activations among them; each applied only
