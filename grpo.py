@@ -140,9 +140,8 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type="dapo", eps_low=0.2, eps
     elif loss_type == "dr_grpo":
         loss = (per_token * mask).sum() / (n_seqs * (logp.shape[1] if max_len is None else max_len))
     elif loss_type in ("cispo", "sapo"):
-        loss = objectives.policy_loss(logp, old_logp, adv, mask, loss_type=loss_type, eps_low=eps_low, eps_high=eps_high,
-                                      beta=beta, ref_logp=ref_logp, kl_ratio=kl_ratio, level=level, n_seqs=n_seqs,
-                                      n_tokens=n_tokens)
+        loss = objectives.policy_loss(logp, old_logp, adv, mask, loss_type=loss_type, eps_low=eps_low, eps_high=eps_high, beta=beta,
+                                      ref_logp=ref_logp, kl_ratio=kl_ratio, level=level, n_seqs=n_seqs, n_tokens=n_tokens)
     else:
         raise ValueError(f"loss_type={loss_type!r} must be one of {', '.join(LOSS_TYPES)}")
     with torch.no_grad():  # logged as TRL logs them: k3 (times the ratio with kl_ratio), clip fractions
@@ -184,11 +183,10 @@ class Batch:
 
 def score(r, rewards, grid, cfg, stops):
     """A Rollout and this rank's rewards (NaN: none) -> (Batch, stats). A completion cut at max_new_tokens
-    earns 0 unless reward_truncated (an answer that never ended is not an answer; rewarded, the policy
-    learns that stopping does not matter). Every data rank's rewards are gathered before the group
-    statistics; dynamic_sampling leaves out groups of equal rewards, mask_truncated completions that did
-    not stop. stats: global sums {reward, rewarded (completions with a reward), equal (groups of equal
-    rewards), groups, truncated (completions that did not stop), gen_tokens (completion tokens)}."""
+    earns 0 unless reward_truncated (an answer that never ended is not an answer). Every data rank's
+    rewards are gathered before the group statistics; dynamic_sampling leaves out groups of equal rewards,
+    mask_truncated completions that did not stop. stats: global sums {reward, rewarded (completions with a
+    reward), equal (groups of equal rewards), groups, truncated (did not stop), gen_tokens}."""
     G, R, T, dev = cfg.group_size, rewards.numel(), r.prompt_len, rewards.device
     last = r.tokens.gather(1, (T + r.lengths - 1)[:, None]).squeeze(1)
     stopped = torch.isin(last, torch.as_tensor(stops, device=dev))
@@ -279,8 +277,7 @@ def check(cfg, grid):
     need(not (cfg.prompt_data and cfg.task_args), "task_args set the task; prompt_data replaces the task: give one")
     need(not cfg.eval_prompt_data or cfg.prompt_data, "eval_prompt_data is held out from prompt_data: set both")
     need(cfg.ep == 1, f"ep={cfg.ep}: expert-parallel ranks would stop decoding at different steps; use ep=1")
-    need(cfg.pp == 1, f"pp={cfg.pp}: GRPO's rollouts decode with the whole model every step, which a pipeline "
-                      f"stage does not hold (pp.py); use pp=1")
+    need(cfg.pp == 1, f"pp={cfg.pp}: rollouts decode with the whole model, which a pipeline stage does not hold; use pp=1")
     need(not cfg.eval_every or cfg.eval_prompts >= grid.data_world,
          f"eval_prompts={cfg.eval_prompts} must be >= the {grid.data_world} data ranks")
 
@@ -312,9 +309,8 @@ def main(argv):
     # ------------------------------------------------------------------------ policy, reference, resume
     raw = weights.build_model(cfg, grid)  # from the same seed on every rank: identical initial weights
     net = parallel.parallelize(raw, grid, cfg, load=weights.loader(cfg, grid))
-    ref = None
-    if cfg.beta and not cfg.lora_r:  # a frozen copy of the initial weights (LoRA: the base, adapters off)
-        ref = weights.build_net(cfg, grid, weights.loader(cfg, grid), frozen=True)
+    # the reference: a frozen copy of the initial weights (LoRA: the base, adapters off)
+    ref = weights.build_net(cfg, grid, weights.loader(cfg, grid), frozen=True) if cfg.beta and not cfg.lora_r else None
     # rollouts and evals read a bf16 copy (generate.cast_copy; graphs kept: captured once), refreshed before use;
     # raw under TP (cut weights), LoRA (unmerged adapters), MoE (no nn.Linear experts), FSDP (a full copy per rank)
     plain = cfg.rollout_copy and grid.tp == 1 and not (cfg.lora_r or cfg.n_experts or cfg.data_parallel == "fsdp")
@@ -344,8 +340,7 @@ def main(argv):
                         **{k.replace("accuracy", "heldout"): v for k, v in judged.items() if k.startswith("accuracy_")}},
                        grid.data_group, device)
         logger.log(step, m)
-        key = "heldout_lenient" if "heldout_lenient" in m else "heldout_greedy"
-        lifecycle.track_held(held, step, m[key])
+        lifecycle.track_held(held, step, m.get("heldout_lenient", m["heldout_greedy"]))
         say(f"step {step} | held-out ({len(test)} prompts) | " + logs.fmt(m))
 
     def save():
