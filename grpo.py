@@ -309,8 +309,7 @@ def main(argv):
     # ------------------------------------------------------------------------ policy, reference, resume
     raw = weights.build_model(cfg, grid)  # from the same seed on every rank: identical initial weights
     net = parallel.parallelize(raw, grid, cfg, load=weights.loader(cfg, grid))
-    # the reference: a frozen copy of the initial weights (LoRA: the base, adapters off)
-    ref = weights.build_net(cfg, grid, weights.loader(cfg, grid), frozen=True) if cfg.beta and not cfg.lora_r else None
+    ref = weights.build_net(cfg, grid, weights.loader(cfg, grid), frozen=True) if cfg.beta and not cfg.lora_r else None  # frozen start (LoRA: its base)
     # rollouts and evals read a bf16 copy (generate.cast_copy; graphs kept: captured once), refreshed before use;
     # raw under TP (cut weights), LoRA (unmerged adapters), MoE (no nn.Linear experts), FSDP (a full copy per rank)
     plain = cfg.rollout_copy and grid.tp == 1 and not (cfg.lora_r or cfg.n_experts or cfg.data_parallel == "fsdp")
@@ -326,8 +325,7 @@ def main(argv):
         return torch.tensor([float("nan") if v is None else float(v) for v in total], device=device), sums
 
     def evaluate():
-        """Held-out prompts (split over data ranks): G samples each (fixed seed) and the greedy answer: their mean
-        reward and, greedy, strict and lenient accuracy."""
+        """Held-out prompts over the data ranks, G samples (fixed seed) and greedy: mean rewards, strict / lenient accuracy."""
         mine = list(range(grid.data_rank, len(test), grid.data_world))
         with net.full_params(), autocast:
             model, prompts_ = generate.refresh(policy, raw), [test_ids[i] for i in mine]
