@@ -64,7 +64,7 @@ def count(cfg):
         if p.requires_grad and n.startswith("blocks.") and p.dim() >= 2:
             for rows in getattr(p, "muon_split", None) or [p.shape[-2]]:
                 key = tuple(sorted((rows, p.shape[-1])))
-                ns[key] = ns.get(key, 0) + rows * p.shape[-1] * (p.numel() // (p.shape[-2] * p.shape[-1]))
+                ns[key] = ns.get(key, 0) + rows * p.shape[-1]
     head = "tok_emb.weight" if mcfg.tie_embeddings else "head.weight"  # (a tied head is listed once, as tok_emb)
     mats = [(n, p) for n, p in named if p.dim() >= 2 and (n.startswith("blocks.") or n == head)]
     base = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, lora.LoRALinear)}
@@ -253,11 +253,10 @@ def predict(cfg, world=1, decode=None):
                  else "materialised: the head's output and its gradient"))
     if redo:
         rows.append(("recompute", redo, "one checkpointed part rebuilt in backward (when the logits are gone)"))
+    m = ModelConfig.from_cfg(cfg)
     if decode:
-        m = ModelConfig.from_cfg(cfg)
         rows.append(("kv cache", 2 * m.n_layer * max(1, m.kv_heads // tp) * m.head_dim * 2 * decode[0] * decode[1],
                      f"{decode[0]} rows x {decode[1]} positions, bf16"))
-    m = ModelConfig.from_cfg(cfg)
     tied = 4 * m.padded_vocab * m.n_embd / tp if m.tie_embeddings and head_trains and not fsdp else 0
     if tied:
         rows.append(("embedding grad", tied, "the tied embedding's lookup gradient, made while the head's is held"))
