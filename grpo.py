@@ -277,7 +277,7 @@ def check(cfg, grid):
     need(not (cfg.prompt_data and cfg.task_args), "task_args set the task; prompt_data replaces the task: give one")
     need(not cfg.eval_prompt_data or cfg.prompt_data, "eval_prompt_data is held out from prompt_data: set both")
     need(cfg.ep == 1, f"ep={cfg.ep}: expert-parallel ranks would stop decoding at different steps; use ep=1")
-    need(cfg.pp == 1, f"pp={cfg.pp}: rollouts decode with the whole model, which a pipeline stage does not hold; use pp=1")
+    need(cfg.pp == 1, f"pp={cfg.pp}: GRPO's rollouts decode with the whole model, which a pipeline stage does not hold; use pp=1")
     need(not cfg.eval_every or cfg.eval_prompts >= grid.data_world,
          f"eval_prompts={cfg.eval_prompts} must be >= the {grid.data_world} data ranks")
 
