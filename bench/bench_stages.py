@@ -5,10 +5,11 @@
 
 Each stage script of each tree runs as its users run it (`python <tree>/sft.py ...`) on the same model
 folder and data, the trees alternating (A B ... A B) for --rounds, and reports what it logs itself:
-SFT tok_s (on the folder's DPO prompts and chosen answers) and DPO pairs_s, the median log interval after the first,
-GRPO's median step time (rollout + reward + learn)
-and rollout tokens/s over its steps after the first. Comparing a tree with another one (a commit before
-a refactor) in one call is what the house issue's "no throughput loss" asks for.
+SFT tok_s (on the folder's DPO prompts and chosen answers) and DPO pairs_s, the median log interval after the first
+(every interval in "intervals": the trees see the same batches, so intervals pair up), GRPO's median step time
+(rollout + reward + learn; every step in "steps") and rollout tokens/s over its steps after the first.
+Comparing a tree with another one (a commit before a refactor) in one call is what the house issue's
+"no throughput loss" asks for.
 """
 import argparse
 import json
@@ -71,10 +72,11 @@ def run(tree, stage, model, out, extra, sft, prompts):
     rows = [m for m in rows if "lr" in m]
     if stage in ("sft", "dpo"):  # the median log interval after the first (which holds the warm-up)
         key = "tok_s" if stage == "sft" else "pairs_s"
-        return {key: statistics.median(m[key] for m in rows[1:] or rows)}
-    later = rows[1:]
-    return {"s_per_step": statistics.median(m["t_rollout"] + m["t_reward"] + m["t_learn"] for m in later),
-            "rollout_tok_s": statistics.median(m["gen_tok_s"] for m in later)}
+        every = [m[key] for m in rows[1:] or rows]
+        return {key: statistics.median(every), "intervals": every}
+    steps = [m["t_rollout"] + m["t_reward"] + m["t_learn"] for m in rows[1:]]
+    return {"s_per_step": statistics.median(steps), "steps": steps,
+            "rollout_tok_s": statistics.median(m["gen_tok_s"] for m in rows[1:])}
 
 
 def main():
