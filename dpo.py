@@ -77,25 +77,16 @@ def pair_losses(pc, pr, rc, rr, lc, lr, loss_type="sigmoid", beta=0.1, eps=0.0, 
         robust   (-(1-eps) log s(beta D) + eps log s(-beta D)) / (1 - 2 eps)       (as TRL)
         cdpo     -(1-eps) log s(beta D) - eps log s(-beta D)   conservative DPO (TRL <= 0.28's sigmoid)
         simpo    -(1-eps) log s(z) - eps log s(-z), z = beta (pc/lc - pr/lr) - gamma   reference-free (TRL's CPO)
-    The rest (exo_pair ... sigmoid_norm) and the f-divergences (divergence) are objectives.pair_losses'."""
+    objectives.pair_losses computes them (and the rest, exo_pair ... sigmoid_norm, and the f-divergences) as TRL,
+    but simpo (objectives.simpo_loss) and cdpo (here)."""
     if loss_type == "simpo":  # reference-free: the reference terms are not read
         return objectives.simpo_loss(pc, pr, lc, lr, beta, gamma, eps)
-    if loss_type not in LOSS_TYPES[:5] or divergence != "reverse_kl":
-        return objectives.pair_losses(pc, pr, rc, rr, lc, lr, loss_type, beta, eps,
-                                      divergence=divergence)
-    dc, dr = pc - rc, pr - rr
-    z = beta * (dc - dr)
-    if loss_type == "sigmoid":
-        return -F.logsigmoid(z)
-    if loss_type == "hinge":
-        return torch.relu(1 - z)
-    if loss_type == "ipo":
-        return (dc / lc - dr / lr - 1 / (2 * beta)) ** 2
-    if loss_type == "robust":
-        return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
     if loss_type == "cdpo":
+        z = beta * ((pc - rc) - (pr - rr))
         return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
-    raise ValueError(f"loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
+    return objectives.pair_losses(pc, pr, rc, rr, lc, lr, loss_type, beta, eps, divergence=divergence)
 
 
 def sequence_logps(fwd, x, y):
