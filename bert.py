@@ -32,14 +32,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+import hf
 from config import ConfigError
 from model import Block, DenseCounts, ModelConfig, Transformer, activation_fn, round_up
 from fused import IGNORE
 
 HEADS = ("mlm", "sequence", "token")
 ARCHS = {"mlm": "BertForMaskedLM", "sequence": "BertForSequenceClassification", "token": "BertForTokenClassification"}
+VOCAB_ROWS = ("tok_emb.weight", "head.bias")  # padded to the model's vocabulary: zero rows in, cut on export
 HF_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
 
@@ -259,21 +260,10 @@ def load_hf(path, dtype=torch.float32):
         src = {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): k
                for k in f.keys()}
         bare = not any(k.startswith("bert.") for k in src)
-        names, used = hf_names(cfg), set()
-        params = dict(model.named_parameters())
-        for ours, theirs in names.items():
-            theirs = [n.removeprefix("bert.") if bare else n for n in theirs]
-            missing = [n for n in theirs if n not in src]
-            if missing:
-                raise ConfigError(f"{path}: {missing[0]} missing: not a {ARCHS[cfg.head]} checkpoint?")
-            t = torch.cat([f.get_tensor(src[n]) for n in theirs])
-            p = params[ours]
-            if ours in ("tok_emb.weight", "head.bias"):  # padded vocabulary rows: zeros, never read
-                t = torch.cat([t, t.new_zeros(p.shape[0] - t.shape[0], *t.shape[1:])])
-            if t.shape != p.shape:
-                raise ConfigError(f"{path}: {ours} is {tuple(t.shape)} from {theirs}, the model's {tuple(p.shape)}")
-            p.copy_(t)
-            used.update(theirs)
+        names = {ours: [n.removeprefix("bert.") if bare else n for n in theirs]
+                 for ours, theirs in hf_names(cfg).items()}
+        used = hf.read_mapped(model, names, lambda n: f.get_tensor(src[n]) if n in src else None, path,
+                              f"{ARCHS[cfg.head]} checkpoint", VOCAB_ROWS)
     skipped = ("pooler.", "cls.seq_relationship.", "position_ids", "cls.predictions.decoder.")
     unused = [k for k in src if k not in used and not any(s in k for s in skipped)]
     if unused:
@@ -298,19 +288,7 @@ def config_to_hf(cfg):
 
 def export_hf(model, out_dir):
     """Write a Bert as an HF folder (config.json, model.safetensors) transformers loads as ARCHS[head]."""
-    cfg, params = model.cfg, dict(model.named_parameters())
-    tensors = {}
-    for ours, theirs in hf_names(cfg).items():
-        t = params[ours].detach()
-        t = t[:cfg.vocab_size] if ours in ("tok_emb.weight", "head.bias") else t
-        for name, piece in zip(theirs, t.chunk(len(theirs))):
-            tensors[name] = piece.contiguous().cpu()
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(dict(config_to_hf(cfg), torch_dtype=str(next(model.parameters()).dtype).removeprefix("torch.")),
-                  f, indent=2)
-    return out_dir
+    return hf.write_mapped(model, hf_names(model.cfg), config_to_hf(model.cfg), out_dir, VOCAB_ROWS)
 
 
 def flops_per_token(cfg, T=None, predicted=1.0):

@@ -421,7 +421,42 @@ def export_hf(model, out_dir, tokenizer=None, model_type=None):
 
 
 
-# ----------------------------------------------------------------------------- tokenizers
+# ----------------------------------------------------------------------------- name-mapped folders (BERT, T5)
+
+def read_mapped(model, names, get, path, what, vocab):
+    """Copy HF tensors into `model` by a name map (ours -> the HF names stacked along rows: bert.hf_names,
+    t5.hf_names); get(name) gives a tensor, or None where the file has none. The `vocab` parameters get
+    zero rows past the folder's vocabulary (never read). Returns the HF names read."""
+    params, used = dict(model.named_parameters()), set()
+    for ours, theirs in names.items():
+        parts = [get(n) for n in theirs]
+        if any(t is None for t in parts):
+            missing = [n for n, t in zip(theirs, parts) if t is None]
+            raise config.ConfigError(f"{path}: {missing[0]} missing: not a {what}?")
+        t, p = torch.cat(parts), params[ours]
+        if ours in vocab:
+            t = torch.cat([t, t.new_zeros(p.shape[0] - t.shape[0], *t.shape[1:])])
+        if t.shape != p.shape:
+            raise config.ConfigError(f"{path}: {ours} is {tuple(t.shape)} from {theirs}, the model's {tuple(p.shape)}")
+        p.copy_(t)
+        used.update(theirs)
+    return used
+
+
+def write_mapped(model, names, hf_config, out_dir, vocab):
+    """Write `model` as an HF folder (model.safetensors, config.json = hf_config + torch_dtype) by a name map
+    as read_mapped's; the `vocab` parameters lose their padded rows."""
+    params, tensors = dict(model.named_parameters()), {}
+    for ours, theirs in names.items():
+        t = params[ours].detach()
+        t = t[:model.cfg.vocab_size] if ours in vocab else t
+        for name, piece in zip(theirs, t.chunk(len(theirs))):
+            tensors[name] = piece.contiguous().cpu()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    write_json(os.path.join(out_dir, "config.json"), dict(hf_config, torch_dtype=dtype))
+    return out_dir
 
 
 if __name__ == "__main__":  # a library module, not a script: running it (--help or not) says what it holds

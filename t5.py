@@ -33,12 +33,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+import hf
 from config import ConfigError
 from generate import KVCache, sample
 from model import DenseCounts, RMSNorm, Transformer, activate, round_up
 
+VOCAB_ROWS = ("tok_emb.weight", "head.weight")  # padded to the model's vocabulary: zero rows in, cut on export
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gated-gelu": lambda x: F.gelu(x, approximate="tanh"),
                "gated-silu": F.silu}  # HF's feed_forward_proj; gated-gelu is HF's gelu_new (tanh)
 
@@ -478,18 +479,8 @@ def load_hf(path, dtype=torch.float32):
         keys = set(st.keys())
         cfg = config_from_hf(json.load(f), untied)
         model = T5(cfg).to(dtype)
-        params, used = dict(model.named_parameters()), set()
-        for ours, theirs in hf_names(cfg).items():
-            missing = [n for n in theirs if n not in keys]
-            if missing:
-                raise ConfigError(f"{path}: {missing[0]} missing: not a T5ForConditionalGeneration of this config?")
-            t, p = torch.cat([st.get_tensor(n) for n in theirs]), params[ours]
-            if ours in ("tok_emb.weight", "head.weight"):  # padded vocabulary rows: zeros, never read
-                t = torch.cat([t, t.new_zeros(p.shape[0] - t.shape[0], *t.shape[1:])])
-            if t.shape != p.shape:
-                raise ConfigError(f"{path}: {ours} is {tuple(t.shape)} from {theirs}, the model's {tuple(p.shape)}")
-            p.copy_(t)
-            used.update(theirs)
+        used = hf.read_mapped(model, hf_names(cfg), lambda n: st.get_tensor(n) if n in keys else None, path,
+                              "T5ForConditionalGeneration of this config", VOCAB_ROWS)
     copies = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"}  # tied copies
     unused = sorted(keys - used - copies)
     if unused:
@@ -499,23 +490,12 @@ def load_hf(path, dtype=torch.float32):
 
 def export_hf(model, out_dir):
     """Write a T5 as an HF folder transformers loads as T5ForConditionalGeneration."""
-    cfg, params = model.cfg, dict(model.named_parameters())
-    tensors = {}
-    for ours, theirs in hf_names(cfg).items():
-        t = params[ours].detach()
-        t = t[:cfg.vocab_size] if ours in ("tok_emb.weight", "head.weight") else t
-        for name, piece in zip(theirs, t.chunk(len(theirs))):
-            tensors[name] = piece.contiguous().cpu()
-    hf = dict(architectures=["T5ForConditionalGeneration"], model_type="t5", vocab_size=cfg.vocab_size,
-              d_model=cfg.n_embd, d_kv=cfg.head_dim, d_ff=cfg.ffn_hidden, num_layers=cfg.n_layer,
-              num_decoder_layers=cfg.decoder_layers, num_heads=cfg.n_head, feed_forward_proj=cfg.activation,
-              relative_attention_num_buckets=cfg.num_buckets, relative_attention_max_distance=cfg.max_distance,
-              dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm_eps, initializer_factor=cfg.init_factor,
-              is_encoder_decoder=True, pad_token_id=cfg.pad_id, decoder_start_token_id=cfg.decoder_start_id,
-              tie_word_embeddings=cfg.tie_embeddings, scale_decoder_outputs=cfg.scale_logits,
-              torch_dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    return out_dir
+    cfg = model.cfg
+    config = dict(architectures=["T5ForConditionalGeneration"], model_type="t5", vocab_size=cfg.vocab_size,
+                  d_model=cfg.n_embd, d_kv=cfg.head_dim, d_ff=cfg.ffn_hidden, num_layers=cfg.n_layer,
+                  num_decoder_layers=cfg.decoder_layers, num_heads=cfg.n_head, feed_forward_proj=cfg.activation,
+                  relative_attention_num_buckets=cfg.num_buckets, relative_attention_max_distance=cfg.max_distance,
+                  dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm_eps, initializer_factor=cfg.init_factor,
+                  is_encoder_decoder=True, pad_token_id=cfg.pad_id, decoder_start_token_id=cfg.decoder_start_id,
+                  tie_word_embeddings=cfg.tie_embeddings, scale_decoder_outputs=cfg.scale_logits)
+    return hf.write_mapped(model, hf_names(cfg), config, out_dir, VOCAB_ROWS)
