@@ -46,6 +46,15 @@ DOC_SEPARATOR = re.compile(r"(?:<\|endoftext\|>|\f)(?:\r?\n)?")  # splits a .txt
 MAX_INVALID = 0.1       # a file with more invalid UTF-8 than this share of its bytes is not text
 
 
+def add_arguments(parser):
+    """A CLI's corpus arguments (bpe.py, shards.py): SOURCE, OUT, --text_field, --max_docs (0: all)."""
+    parser.add_argument("source", help=SOURCES)
+    parser.add_argument("out")
+    parser.add_argument("--text_field", default="text", help="the records' text field (jsonl, parquet, hf:)")
+    parser.add_argument("--max_docs", type=int, default=0, help="read at most this many documents (0: all)")
+    return parser
+
+
 def _few(names, k=3):
     return ", ".join(names[:k]) + (", ..." if len(names) > k else "")
 
