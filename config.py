@@ -244,7 +244,8 @@ def parse_override(arg, d):
 
 
 def read_file(path, d):
-    """Execute a config file (plain Python) and keep its public assignments."""
+    """Execute a config file (plain Python) and keep its public assignments; it may import another's keys
+    (`from configs.tiny import data`: the stage scripts' folder is on sys.path)."""
     if not os.path.isfile(path):
         raise MissingFileError(f"config file '{path}' not found (configs live in configs/, e.g. configs/tiny.py)")
     scope = {}

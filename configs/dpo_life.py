@@ -2,10 +2,9 @@
 # op changed (worked through correctly to a number that is not the target) rejected, with RPO's NLL on the
 # chosen answers so that the policy's own preference is kept.
 #   python dpo.py configs/dpo_life.py        (after sft.py configs/sft_life.py)
+from configs.sft_life import task, task_args  # the same Countdown as SFT
 init_from = "out/sft_life"
 out_dir = "out/dpo_life"
-task = "countdown"
-task_args = dict(numbers=3, max_number=199, max_target=199, ops="+-*")
 n_pairs = 2000
 eval_pairs = 200
 beta = 0.1

@@ -3,10 +3,9 @@
 # target (each number at most once). 1,024 completions a step at lr 5e-6: every earlier run, at 256 a step
 # and lr 1e-5, lost greedy accuracy before it gained (a small batch's step is mostly noise: BENCHMARKS.md).
 #   python grpo.py configs/grpo_life.py      (after dpo.py configs/dpo_life.py)
+from configs.sft_life import task, task_args  # the same Countdown as SFT
 init_from = "out/dpo_life"
 out_dir = "out/grpo_life"
-task = "countdown"
-task_args = dict(numbers=3, max_number=199, max_target=199, ops="+-*")
 train_prompts = 16384
 eval_prompts = 500
 batch_size = 1024           # completions per step: 128 problems x 8

@@ -2,20 +2,10 @@
 #   python pretrain.py configs/life.py && python sft.py configs/sft_life.py && python dpo.py configs/dpo_life.py \
 #     && python grpo.py configs/grpo_life.py && python eval.py ... (README: "A model's life on one GPU")
 # 300 steps of 128 x 1024 tokens of the interpreter's Python files (no cleaning: it is the quick version).
+from configs.small import (tokenizer, tokenizer_vocab, pad_vocab_multiple, n_layer, n_head, n_kv_head, n_embd,
+                           block_size, activation, norm, pos_emb, fp32_residual)  # small.py's model, unchanged
 out_dir = "out/life"
 data = "python"
-tokenizer = "cl100k_base"
-tokenizer_vocab = 32768
-pad_vocab_multiple = 128
-n_layer = 12
-n_head = 12
-n_kv_head = 4
-n_embd = 768
-block_size = 1024
-activation = "swiglu"
-norm = "rmsnorm"
-pos_emb = "rope"
-fp32_residual = False
 batch_size = 128
 micro_batch_size = 32
 max_steps = 300
