@@ -280,11 +280,11 @@ def check_resume(path, cfg, free=()):
     return ([f"resume: changed (harmless): {x}" for x in info] +
             [f"resume: changed (forced by force_resume): {x}" for x in refused])
 
-def resume(lease, net, say=print):
+def resume(lease, net, say):
     """Load lease.resume_from (a checkpoint saved by any layout) into net: weights, optimizer state,
     the fp16 loss scale (a checkpoint saved without one leaves the scaler fresh) and this rank's
-    RNG, and say so. Returns (the trainer dict (step, loader, cfg, run_id), its step), or (None, 0)
-    for a fresh run. Collective under FSDP and EP."""
+    RNG, and say so (say: the stage's rank-0 line writer). Returns (the trainer dict (step, loader,
+    cfg, run_id), its step), or (None, 0) for a fresh run. Collective under FSDP and EP."""
     if not lease.resume_from:
         return None, 0
     weights, optim_state, trainer = checkpoint.load(lease.resume_from, net.raw.cfg, net.optimizer is not None)
@@ -353,13 +353,13 @@ class Interrupt:
         for s, h in self.previous.items():
             signal.signal(s, h)
 
-def end_of_step(step, last, cfg, interrupt, save, evaluate=None, say=print, clock=None):
+def end_of_step(step, last, cfg, interrupt, save, evaluate, say, clock=None):
     """A stage script's work after optimizer step `step` (of `last`), in this order: a signal
     (every rank agrees) saves and stops; the checkpoint cadence (cfg.ckpt_every, and the last step);
     the evaluation (every cfg.eval_every steps, and always at the last step: pass evaluate=None for
-    none) after the checkpoint, so that an evaluation
-    that fails never costs the steps before it. Both stay off clock (the throughput timer). Returns
-    True when the run must stop."""
+    none) after the checkpoint, so that an evaluation that fails never costs the steps before it.
+    Both stay off clock (the throughput timer); say is the stage's rank-0 line writer. Returns True
+    when the run must stop."""
     if interrupt.requested():
         save()
         say(f"{interrupt.name()}: saved step {step} in {cfg.out_dir}; continue with --resume")
