@@ -10,15 +10,13 @@ AdamW8bit (bitsandbytes' block-wise 8-bit Adam, Dettmers et al. 2022): each mome
 uint8 codes (same shape as the parameter) plus one fp32 absmax per block of 256 elements; m uses
 the signed dynamic code book, v the unsigned one. A step dequantises a slice of 2^20 elements
 (2^22 on a GPU, where torch.compile fuses the slice into one pass), runs torch AdamW's
-single-tensor formulas on it in fp32 (decoupled decay, lerp for m; the step's numbers, bias
-corrections included, as one fp32 tensor) and quantises the new moments back (quant.bins: a table, no search); parameters under min_8bit_size
-elements (norms, biases) keep fp32 state and step exactly as torch.optim.AdamW.
+single-tensor formulas on it in fp32 and quantises the new moments back (quant.bins: a table, no
+search); parameters under min_8bit_size elements (norms, biases) step exactly as torch.optim.AdamW.
 
 OffloadAdamW (ZeRO-Offload's idea): exp_avg, exp_avg_sq and an fp32 master copy of every parameter
 live in (pinned) CPU memory, updated there by torch's own AdamW (functional, foreach). step() copies
-the gradients to the host bucket by bucket on a side stream, updates each bucket as soon as its copy
-has landed (the next buckets' copies run meanwhile) and copies the new
-parameters back on a second stream, so the transfers overlap the CPU's arithmetic (bf16: via the master).
+the gradients to the host bucket by bucket on a side stream, updates each bucket once it has landed
+and copies the new parameters back on a second stream: transfers overlap the CPU's arithmetic.
 
 Layouts: state for the tensors given, so DP, ZeRO-1 (muon's `adamw=`) and FSDP (flat shards) work unchanged.
 Checkpoints: full_optim_state() gives torch AdamW's layout-free form {name: {step, exp_avg,

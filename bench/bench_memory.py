@@ -16,14 +16,12 @@ the optimizer step's peak and what it leaves), where the plan's terms can be tol
 
 Cases (rows): lora8b: Llama-3-8B shape, LoRA r=16 on all linears, bf16 base: as is, + chunked loss, +
 whole-block checkpointing. qlora8b: the same on an NF4 base (double quantisation). lean8b: both
-checkpointed with the residual stream in bf16 (chunk8b: LoRA's with 256-token loss chunks); offload8b:
-and the blocks' inputs in host memory (offload_activations); host8b: and the frozen token embedding
-too (embed_on_host). full1b: Llama-3.2-1B shape, full fine-
-tuning (AdamW) with the knobs plan.fit picks for cap_gib. pretrain1b: the same shape, Muon (momentum
-only) with plan.fit's knobs. ladder: the 1B full fine-tune with each knob added in turn (torchtune's
-ladder; the optimizer in backward among them). parts1b: pretrain1b with and without the chunked
-loss. hf8b / hf1b (hfq8b: its QLoRA row alone): transformers' LlamaForCausalLM (sdpa) + peft LoRA
-(bitsandbytes 4-bit where installed) / full fine-tuning, with and without gradient checkpointing.
+checkpointed, the residual stream in bf16 (chunk8b: with 256-token loss chunks); offload8b: the blocks'
+inputs in host memory; host8b: and the frozen token embedding too. full1b: Llama-3.2-1B shape, full
+fine-tuning (AdamW) with plan.fit's knobs for cap_gib; pretrain1b: Muon with plan.fit's knobs; ladder:
+the 1B fine-tune with each knob added in turn (torchtune's ladder); parts1b: pretrain1b with and
+without the chunked loss. hf8b / hf1b (hfq8b: its QLoRA row): transformers' LlamaForCausalLM (sdpa) +
+peft LoRA (bitsandbytes 4-bit where installed) / full fine-tuning, with and without checkpointing.
 """
 import argparse
 import gc

@@ -9,21 +9,18 @@
 step rows (same model, data and batch; bf16 autocast, torch.compile, dp.DataParallel):
 adamw (torch.optim.AdamW, fused), muon (muon.Muon: NS in bf16, batched over equal shapes; AdamW
 for embeddings/head/norms), and with 2+ GPUs adamw-zero1 / muon-zero1 (optimizer state sharded,
-gradients reduced to their owners, parameters all-gathered). Per row: training step time
-(--accum micro-steps of forward + backward, sync, clip, step, zero_grad), the optimizer step alone (CUDA events
-around clip + opt.step(), no extra syncs), peak memory (torch.cuda.max_memory_allocated over the
-timed steps, less what was allocated before the row was built) and optimizer-state bytes per GPU.
+gradients reduced to their owners, parameters all-gathered). Per row: training step time (--accum
+micro-steps, sync, clip, step, zero_grad), the optimizer step alone (CUDA events around clip +
+opt.step()), peak memory (over the timed steps, less what the row had before) and state bytes per GPU.
 
 state8 rows (the parameters of the shape, fp32, random gradients; the step alone, CUDA-synchronised,
 median of --steps after --warmup): torch.optim.AdamW (fused), optim_memory.AdamW8bit eager with
 slices of 2^20 and 2^22 elements and compiled (its GPU default), bitsandbytes.optim.AdamW8bit where
 installed; and how far the compiled step lands from the eager one after 3 steps from one start.
 
-curves: reads the train_metrics.jsonl of two pretrain.py runs (the first is the baseline),
-reports the step where the second first reaches the baseline's final validation loss (linear
-interpolation between evaluations) as a fraction of the baseline's steps and the largest loss
-difference at common steps (for equivalence runs of two layouts), and plots both training and
-validation curves to --png (matplotlib, imported only here).
+curves: two pretrain.py runs' train_metrics.jsonl (the first the baseline): the step where the second
+first reaches the baseline's final validation loss (interpolated) as a fraction of the baseline's steps,
+the largest loss difference at common steps, and both runs' curves in --png (matplotlib).
 """
 import argparse
 import contextlib
