@@ -430,8 +430,8 @@ def read_mapped(model, names, get, path, what, vocab):
     params, used = dict(model.named_parameters()), set()
     for ours, theirs in names.items():
         parts = [get(n) for n in theirs]
-        if any(t is None for t in parts):
-            missing = [n for n, t in zip(theirs, parts) if t is None]
+        missing = [n for n, t in zip(theirs, parts) if t is None]
+        if missing:
             raise config.ConfigError(f"{path}: {missing[0]} missing: not a {what}?")
         t, p = torch.cat(parts), params[ours]
         if ours in vocab:
