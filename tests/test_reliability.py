@@ -12,6 +12,7 @@ Proves, each case a finding of issue 13 that failed before:
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,7 +100,9 @@ def test_sigterm_saves_and_resumes_exactly(tmp_path, data_dir):
     assert 3 <= k < 5000 and done == list(range(1, k + 1))
     assert f"SIGTERM: saved step {k}" in stdout, stdout[-2000:] + stderr[-2000:]
     assert os.path.isfile(os.path.join(part, f"step_{k:06d}", "complete.json"))
-    assert "exitcode" not in stderr  # torchrun reports no failed worker: both exited 0
+    # torchrun reports no failed worker (its table's "exitcode  : N" line): both exited 0. Its own traceback for
+    # the SIGTERM it got may show a source line naming exitcode, depending on where the signal found it
+    assert not re.search(r"exitcode\s+:", stderr), stderr[-3000:]
     # the same run uninterrupted, and the interrupted one resumed, to step k + 3
     full = str(tmp_path / "full")
     run(common + [f"--out_dir={full}", f"--stop_at={k + 3}"])
