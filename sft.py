@@ -175,17 +175,20 @@ def accuracy(net, tok, template, task, items, cfg, autocast):
 
 @torch.no_grad()
 def held_out_loss(net, rows, cfg, autocast):
-    """Mean NLL over the assistant tokens of the held-out rows (split over data ranks in micro-batches)."""
+    """Mean NLL over the assistant tokens of the held-out rows (split over data ranks in micro-batches).
+    Every micro-batch has micro_batch_size rows, as training's do (row 0 fills it, its targets IGNORE): a
+    compiled forward that met another batch size would be recompiled for any size, training's included."""
     grid, mb = net.grid, cfg.micro_batch_size
     total = torch.zeros(2, device=grid.device)
     net.raw.eval()
     for start in range(0, len(rows), mb * grid.data_world):
-        mine = rows[start + grid.data_rank * mb:start + (grid.data_rank + 1) * mb] or rows[:1]  # spares redo row 0
-        x, y, pos, mask = (chat.batch if cfg.objective == "lm" else seq2seq.batch)(mine, grid.device)
+        mine = rows[start + grid.data_rank * mb:start + (grid.data_rank + 1) * mb]
+        x, y, pos, mask = (chat.batch if cfg.objective == "lm" else seq2seq.batch)(
+            mine + rows[:1] * (mb - len(mine)), grid.device)
+        y[len(mine):] = IGNORE  # (the filling rows count for nothing)
         with autocast:
             nll = net(x, y, **forward_kwargs(pos, mask)).float()
-        mine_real = start + grid.data_rank * mb < len(rows)
-        total += torch.stack([nll, (y != IGNORE).sum().float()]) * mine_real
+        total += torch.stack([nll, (y != IGNORE).sum().float()])
     net.raw.train()
     parallel.data_sum(total, grid)
     return (total[0] / total[1].clamp(min=1)).item()

@@ -275,6 +275,29 @@ def test_loss_equals_trl(hf_chat, tmp_path):
     assert_close(grads[2], grads[0], "two micro-steps' gradients")
 
 
+def test_held_out_loss_runs_training_shaped_batches(init):
+    """held_out_loss feeds the net micro_batch_size rows each time (5 rows, micro-batches of 2: the last
+    filled with row 0, its targets IGNORE) and returns the mean NLL over the real rows' trained tokens,
+    worked out here from the model's logits and torch's cross_entropy on all 5 rows at once."""
+    cfg = run_cfg(**TINY, micro_batch_size=2, objective="lm")  # (sft.main sets objective from init_from)
+    tok, template = chat.setup(cfg)
+    convs = [[{"role": "user", "content": f"What is {i} + {i}?"}, {"role": "assistant", "content": str(2 * i)}]
+             for i in range(5)]
+    rows = chat.pack([chat.encode(tok, template, c) for c in convs], 24, one_per_row=True)[0]
+    grid = parallel.init(cfg)
+    torch.manual_seed(0)
+    net = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg)
+    shapes = []
+    net.raw.register_forward_pre_hook(lambda mod, args: shapes.append(tuple(args[0].shape)))
+    got = sft.held_out_loss(net, rows, cfg, contextlib.nullcontext())
+    assert shapes == [(2, 24)] * 3
+    x, y, pos, mask = chat.batch(rows)
+    with torch.no_grad():
+        logits = net.raw(x, pos=pos, attn_mask=mask)
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE)
+    assert abs(got - want.item()) <= 1e-5 * want.item(), (got, want.item())
+
+
 def test_hf_vocabulary_grows(hf_chat):
     folder, hf_tok = hf_chat
     cfg = run_cfg(init_from=folder)
