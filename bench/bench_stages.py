@@ -7,7 +7,8 @@ Each stage script of each tree runs as its users run it (`python <tree>/sft.py .
 folder and data, the trees alternating (A B ... A B) for --rounds, and reports what it logs itself:
 SFT tok_s (on the folder's DPO prompts and chosen answers) and DPO pairs_s, the median log interval after the first
 (every interval in "intervals": the trees see the same batches, so intervals pair up), GRPO's median step time
-(rollout + reward + learn; every step in "steps") and rollout tokens/s over its steps after the first.
+(rollout + reward + learn; every step in "steps", its parts and mean completion length in "parts") and
+rollout tokens/s over its steps after the first.
 Comparing a tree with another one (a commit before a refactor) in one call is what the house issue's
 "no throughput loss" asks for.
 """
@@ -76,7 +77,8 @@ def run(tree, stage, model, out, extra, sft, prompts):
         return {key: statistics.median(every), "intervals": every}
     steps = [m["t_rollout"] + m["t_reward"] + m["t_learn"] for m in rows[1:]]
     return {"s_per_step": statistics.median(steps), "steps": steps,
-            "rollout_tok_s": statistics.median(m["gen_tok_s"] for m in rows[1:])}
+            "rollout_tok_s": statistics.median(m["gen_tok_s"] for m in rows[1:]),
+            "parts": {k: [m.get(k) for m in rows[1:]] for k in ("t_rollout", "t_reward", "t_learn", "len")}}
 
 
 def main():
