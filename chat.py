@@ -38,9 +38,9 @@ import numpy as np
 import torch
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-import corpus
 import data
 import tokenizer
+from corpora import corpus
 from model import IGNORE
 
 FORMATS = ("alpaca", "sharegpt", "messages", "prompt_completion")

@@ -31,11 +31,10 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-import bert
 import config
 import lora
-import t5
 from config import UserError
+from encoders import bert, t5
 from model import Transformer
 
 MANIFEST = "complete.json"

@@ -35,6 +35,10 @@ class UserError(Exception):
     """The user must fix something (a setting, a path, a file): printed once, without a traceback."""
 
 
+class DataError(UserError, ValueError):
+    """A problem with the data or data settings a user gave: the message says what is wrong and what to change."""
+
+
 class ConfigError(UserError, ValueError):
     """A config value that cannot work."""
 
@@ -471,9 +475,13 @@ def _comments(path):
     return out
 
 
+NOT_WINGS = ("tests", "configs", "bench", "docker", "runs", "docs")  # folders whose .py files hold no keys
+
+
 def _sources(script=None):
     here = os.path.dirname(os.path.abspath(__file__))
-    files = sorted(glob.glob(os.path.join(here, "*.py")))
+    files = sorted(glob.glob(os.path.join(here, "*.py")) + glob.glob(os.path.join(here, "*", "*.py")))
+    files = [f for f in files if os.path.basename(os.path.dirname(f)) not in NOT_WINGS]
     first = [os.path.abspath(script)] if script and os.path.isfile(script) else []
     return first + [f for f in files if f not in first]
 

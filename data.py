@@ -33,15 +33,13 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-import clean as clean_mod
 import config
-import corpus
-import fim as fim_mod
-import mix
 import parallel
-import stream
 from config import need
-
+from corpora import clean as clean_mod
+from corpora import corpus
+from corpora import fim as fim_mod
+from corpora import mix, stream
 
 # The data pipeline's config keys (pretraining and eval.py read them; config.load(extra=...))
 DATA_DEFAULTS = dict(

@@ -29,17 +29,16 @@ from torch.nn.utils.rnn import pad_sequence
 import chat
 import checkpoint
 import config
-import gradstats
 import lifecycle
 import logs
 import lora
-import objectives
 import optim
 import parallel
-import tasks
 import weights
 from config import need
 from model import IGNORE
+from posttrain import objectives, tasks
+from tools import gradstats
 
 # ours below, then TRL's other pair-local types (objectives.py, parity-tested against TRL). Not taken: aot and
 # aot_unpaired (sorted over the batch: the loss would depend on how pairs are split over micro-batches and

@@ -33,18 +33,17 @@ import torch
 import chat
 import checkpoint
 import config
-import corpus
 import data
-import evaltasks
 import hf
 import lifecycle
 import parallel
-import scoring
-import tasks
 import tokenizer
 import weights
+from corpora import corpus
 from model import ModelConfig, Transformer
-from scoring import EvalError
+from posttrain import tasks
+from tools import evaltasks, scoring
+from tools.scoring import EvalError
 
 EVAL_DEFAULTS = dict(
     tasks="bpb",           # comma separated: bpb, hellaswag, arc_easy, arc_challenge, piqa, mc, gsm8k, humaneval;

@@ -25,16 +25,15 @@ import torch
 import chat
 import config
 import generate
-import gradstats
 import lifecycle
 import logs
 import lora
-import objectives
 import optim
 import parallel
-import prompts
 import weights
 from model import IGNORE
+from posttrain import objectives, prompts
+from tools import gradstats
 
 # ours, then TRL's cispo and sapo (objectives.py). Not bnpo: its per-micro-batch token mean depends on the layout
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo", "sapo")

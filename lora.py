@@ -33,9 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-import fsdp
-import tp
 from model import ModelConfig
+from parallelism import fsdp, tp
 
 # our linear -> the HF modules its output rows are made of, in order (LLaMA family / GPT-2 / MPT)
 HF_MODULES = {

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import tp
+from parallelism import tp
 
 
 def _size(group):

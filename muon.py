@@ -26,10 +26,9 @@ layout.
 import torch
 import torch.distributed as dist
 
-import fsdp
 import gpus
-import optim_memory
-import tp
+from memory import optim_memory
+from parallelism import fsdp, tp
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 

@@ -8,9 +8,9 @@ import math
 
 import torch
 
-import fsdp
 import muon
-import optim_memory
+from memory import optim_memory
+from parallelism import fsdp
 
 
 def param_groups(model, weight_decay):

@@ -31,20 +31,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import chunked
 import config
-import dp
-import fsdp
 import gpus
 import lora
-import materialize
 import moe
 import optim
-import pp
-import qlora
-import recompute
-import scaler
-import tp
+from memory import chunked, materialize, qlora, recompute, scaler
+from parallelism import dp, fsdp, pp, tp
 
 
 @dataclass

@@ -30,8 +30,7 @@ import torch
 
 import lora
 import muon
-import optim_memory
-import qlora
+from memory import optim_memory, qlora
 from model import ModelConfig, Transformer
 
 GiB = 2 ** 30

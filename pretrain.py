@@ -23,18 +23,17 @@ from tqdm import tqdm
 
 import config
 import data
-import denoising
 import generate
-import gradstats
 import lifecycle
 import logs
 import moe
 import optim
 import parallel
-import scoring
 import tokenizer
 import weights
+from encoders import denoising
 from fused import IGNORE
+from tools import gradstats, scoring
 
 PRETRAIN_DEFAULTS = dict(
     out_dir="out/pretrain",  # checkpoints and metrics

@@ -30,12 +30,12 @@ import torch
 import chat
 import checkpoint
 import config
-import fim
 import generate
 import hf
 import tokenizer
 import weights
-from corpus import DataError
+from corpora import fim
+from corpora.corpus import DataError
 from model import ModelConfig, Transformer
 
 
@@ -129,7 +129,7 @@ def main(argv=None):
             ids = fim.prompt(tok, a.prefix or "", a.suffix or "", spm=spm)
         except DataError as e:
             p.error(str(e))
-        stops += list(fim.sentinels(tok))
+        stops += list(tokenizer.fim_sentinels(tok))
     else:
         ids = tok.encode(a.prompt) or [tok.eos_id]
     new = min(a.tokens, cfg.block_size - len(ids))

@@ -30,20 +30,19 @@ import chat
 import checkpoint
 import config
 import generate
-import gradstats
 import hf
 import lifecycle
 import logs
 import lora
 import optim
 import parallel
-import prefix as pfx
-import seq2seq
-import t5
-import tasks
 import weights
 from config import need
+from encoders import prefix as pfx
+from encoders import seq2seq, t5
 from model import IGNORE, ModelConfig, Transformer
+from posttrain import tasks
+from tools import gradstats
 
 SFT_DEFAULTS = dict(
     out_dir="out/sft",  # checkpoints and metrics

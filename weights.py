@@ -21,18 +21,17 @@ from types import SimpleNamespace
 
 import torch
 
-import bert
 import chat
 import checkpoint
 import config
 import hf
 import lora
-import materialize
 import parallel
-import t5
 import tokenizer
-import tp
+from encoders import bert, t5
+from memory import materialize
 from model import ModelConfig, Transformer
+from parallelism import tp
 
 
 def init_checkpoint(path):

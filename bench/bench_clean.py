@@ -17,7 +17,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import clean  # noqa: E402  (the repository root is not on sys.path when run as a script)
+from corpora import clean  # noqa: E402  (the repository root is not on sys.path when run as a script)
 
 
 def corpus(root, limit):

@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import bert  # noqa: E402
 import logs  # noqa: E402
-import t5  # noqa: E402
+from encoders import bert  # noqa: E402
+from encoders import t5  # noqa: E402
 from fused import IGNORE  # noqa: E402
 
 SHAPES = {  # bert-base-uncased; t5-v1_1-base (gated GELU, its own head)

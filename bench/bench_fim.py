@@ -32,9 +32,10 @@ sys.path.insert(0, ROOT)  # run from the repo root as a script in bench/: import
 
 import torch  # noqa: E402
 
-import fim  # noqa: E402
 import generate  # noqa: E402
 import sample  # noqa: E402
+import tokenizer  # noqa: E402
+from corpora import fim  # noqa: E402
 
 
 def cases(files, n, context, seed, match=""):
@@ -74,7 +75,7 @@ def main():
     a = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tok, cfg = sample.load(a.path, device)
-    stops = [tok.eos_id] + list(fim.sentinels(tok))
+    stops = [tok.eos_id] + list(tokenizer.fim_sentinels(tok))
     files = sorted(glob.glob(os.path.join(ROOT, a.files)))  # an absolute --files stays as it is
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     t0 = time.perf_counter()

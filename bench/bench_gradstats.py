@@ -29,13 +29,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import config
 import data
-import gradstats
 import logs
 import optim
 import parallel
 import pretrain
 import tokenizer
 import weights
+from tools import gradstats
 
 
 def batches(cfg, grid, T, data_dir):

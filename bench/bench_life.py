@@ -65,7 +65,7 @@ def main():
                                           "--lr=2e-5", "--max_steps=60", "--overwrite=True", "--progress=False",
                                           *a.extra.split()], a.out)
         shutil.copy(os.path.join(grpo, "train_metrics.jsonl"), os.path.join(a.out, "grpo_collapse_metrics.jsonl"))
-    import plots
+    from tools import plots
     print(plots.life_report({name: os.path.join(a.out, f"{name}_metrics.jsonl") for name in dirs}, a.out))
 
 

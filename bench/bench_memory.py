@@ -36,9 +36,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import config  # noqa: E402
-import materialize  # noqa: E402
 import parallel  # noqa: E402
 import plan  # noqa: E402
+from memory import materialize  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
 SHAPES = {

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import qlora  # noqa: E402
-import quant  # noqa: E402
+from memory import qlora  # noqa: E402
+from memory import quant  # noqa: E402
 
 SHAPES = {"gate/up": (14336, 4096), "down": (4096, 14336), "qkv": (6144, 4096)}
 

@@ -39,11 +39,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import config
-import dp
 import logs
 import optim
 import parallel
 from model import ModelConfig, Transformer
+from parallelism import dp
 
 LLAMA = dict(pos_emb="rope", norm="rmsnorm", activation="swiglu", tie_embeddings=False)
 SHAPES = {"124m": dict(LLAMA, vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
@@ -199,8 +199,7 @@ def step_rows(args):
 
 def state8(args):
     """8-bit AdamW's step against torch's fused AdamW and bitsandbytes' (the module docstring)."""
-    import materialize
-    import optim_memory
+    from memory import materialize, optim_memory
     dev = torch.device(args.device)
     torch.manual_seed(0)
     model = materialize.build(ModelConfig(**SHAPES[args.shape]), dev, torch.float32, init=True)

@@ -29,14 +29,12 @@ import torch.distributed as dist
 # folder up: put the root first on sys.path so `python bench/bench_parallel.py` works from any folder.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import dp
-import fsdp
 import logs
 import moe
 import optim
 import parallel
-import tp
 from model import ModelConfig, Transformer
+from parallelism import dp, fsdp, tp
 
 LLAMA = dict(vocab_size=50304, activation="swiglu", norm="rmsnorm", pos_emb="rope")
 SHAPES = {  # ~1B: Llama-3.2-1B-like width/depth with a 50k vocabulary (1.21B parameters)

@@ -38,13 +38,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import config  # noqa: E402  (the repository root is not on sys.path when run as a script)
-import corpus  # noqa: E402
 import data  # noqa: E402
-import mix  # noqa: E402
 import pretrain  # noqa: E402
-import shards  # noqa: E402
-import stream  # noqa: E402
 import tokenizer  # noqa: E402
+from corpora import corpus  # noqa: E402
+from corpora import mix  # noqa: E402
+from corpora import shards  # noqa: E402
+from corpora import stream  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
 KINDS = ("memmap", "local", "s3")  # s3 left out where moto or s3fs is not installed (a GPU box without network)

@@ -49,7 +49,7 @@ def sft_data(model, folder):
 
 def prompt_file(folder, n=4096, seed=1337):
     """The Arithmetic task's training problems as a GSM8K-style file (question / answer '#### N')."""
-    import tasks
+    from posttrain import tasks
     path = os.path.join(folder, "prompts.jsonl")
     with open(path, "w") as out:
         for it in tasks.get("arithmetic").train(n, seed):

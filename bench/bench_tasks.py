@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import chat  # noqa: E402
 import data  # noqa: E402
 import generate  # noqa: E402
-import tasks  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
+from posttrain import tasks  # noqa: E402
 
 
 def evaluate(model, tok, template, task, items, k, max_new_tokens, seed):

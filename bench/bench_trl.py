@@ -37,9 +37,9 @@ VOCAB = {"1b": 50304, "124m": 50304, "tiny": 512}
 
 
 def make(a):
-    import corpus
     import hf
     import tokenizer
+    from corpora import corpus
     from model import ModelConfig, Transformer
     tok = tokenizer.get_tokenizer("cl100k_base", VOCAB[a.shape])
     os.makedirs(a.out, exist_ok=True)

@@ -36,14 +36,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import bert  # noqa: E402
 import data  # noqa: E402
 import optim  # noqa: E402
-import scoring  # noqa: E402
-import t5  # noqa: E402
 import tokenizer  # noqa: E402
+from encoders import bert  # noqa: E402
+from encoders import t5  # noqa: E402
 from fused import IGNORE  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
+from tools import scoring  # noqa: E402
 
 ARCHS = ("gpt2", "llama", "bert", "t5")
 SHAPES = {

@@ -28,14 +28,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from distributed import assert_close as assert_rel
+from distributed import spawn, train_cfg
 
 import generate
 import hf
 import parallel
-import pp
-import tp
-from distributed import assert_close as assert_rel, spawn, train_cfg
 from model import ModelConfig, Transformer, alibi_slopes
+from parallelism import pp, tp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V = 97

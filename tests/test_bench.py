@@ -21,7 +21,7 @@ def run(cmd, tmp_path):
 
 
 def test_single_eager(tmp_path):
-    rep = run([sys.executable, "bench.py", "single", "--runs=ours-eager,hf-eager"], tmp_path)
+    rep = run([sys.executable, "bench/bench.py", "single", "--runs=ours-eager,hf-eager"], tmp_path)
     ours, hf = rep["rows"]
     assert ours["tokens_per_s"] > 0 and ours["mfu"] is None and "error" not in ours
     # HF row: measured when transformers is installed, otherwise skipped with a reason, never an error
@@ -33,7 +33,7 @@ def test_single_eager(tmp_path):
 
 def test_dp_eager_two_processes(tmp_path):
     rep = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "bench.py", "dp", "--compile=0"], tmp_path)
+               "bench/bench.py", "dp", "--compile=0"], tmp_path)
     rows = {r["run"]: r for r in rep["rows"]}
     assert set(rows) == {"ours-1gpu", "ours-dp", "torch-ddp"}
     assert all(r.get("tokens_per_s", 0) > 0 for r in rows.values()), rows

@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import bert
 from config import ConfigError
+from encoders import bert
 from fused import IGNORE
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -13,10 +13,8 @@ import sysconfig
 import numpy as np
 import pytest
 
-import bpe
-import corpus
-import shards
 import tokenizer
+from corpora import bpe, corpus, shards
 
 LIB = sysconfig.get_paths()["stdlib"]
 TEXTS = ["naïve café — 東京 🙂 12345 don't  \n\n\tx = {'a': [1, 2]}", "Ünïcödé ελληνικά русский العربية", "", " "]

@@ -21,13 +21,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-
-import chunked
-import parallel
-import tp
 from distributed import assert_close, spawn, train_cfg
 from meter import PeakBytes
+
+import parallel
+from memory import chunked
 from model import IGNORE, ModelConfig, Transformer
+from parallelism import tp
 
 MODEL = dict(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16)
 

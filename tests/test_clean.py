@@ -14,7 +14,7 @@ from itertools import combinations
 import numpy as np
 import pytest
 
-import clean
+from corpora import clean
 
 CFG = clean.CleanConfig()
 

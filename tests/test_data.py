@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
-import corpus  # noqa: E402
+from corpora import corpus  # noqa: E402
 import data  # noqa: E402
 import tokenizer  # noqa: E402
 

@@ -25,17 +25,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from distributed import assert_close
 from safetensors.torch import load_file
 
-import bert
 import config
-import denoising
 import parallel
 import pretrain
-import t5
 import tokenizer
 import weights
-from distributed import assert_close
+from encoders import bert, denoising, t5
 from fused import IGNORE
 
 pytestmark = pytest.mark.usefixtures("one_thread")

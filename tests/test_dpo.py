@@ -37,6 +37,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed import assert_close, spawn, train_cfg
 from safetensors.torch import load_file
 
 import chat
@@ -46,7 +47,6 @@ import dpo
 import lora
 import parallel
 import weights
-from distributed import assert_close, spawn, train_cfg
 from model import IGNORE, ModelConfig, Transformer
 
 V, N = 97, 24
@@ -420,7 +420,7 @@ def test_trl_types_and_smoothing_settings():
     """TRL's other pair-local loss types run through dpo.objective as objectives.pair_losses computes them
     (objectives' tests hold them to TRL's trainers); simpo applies label_smoothing as TRL's CPO does;
     label_smoothing on a type that ignores it, and layout-dependent types, are refused in one line."""
-    import objectives
+    from posttrain import objectives
     g = torch.Generator().manual_seed(0)
     pc, pr, rc, rr = (torch.randn(6, generator=g) for _ in range(4))
     lc, lr = torch.tensor([3., 4, 5, 6, 7, 8]), torch.tensor([2., 4, 6, 8, 9, 3])

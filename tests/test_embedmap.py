@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed import train_cfg
 
 import checkpoint
-import embedmap
 import hf
 import tokenizer
-from distributed import train_cfg
 from model import ModelConfig, Transformer
+from tools import embedmap
 
 TINY = dict(vocab_size=300, tokenizer_vocab=300, block_size=32, n_layer=2, n_head=4, n_embd=32)
 

@@ -12,14 +12,13 @@ import os
 
 import pytest
 import torch
+from distributed import G, assert_close, spawn, train_cfg
 
-import bert
-import fsdp
 import optim
 import parallel
-import t5
-from distributed import G, assert_close, spawn, train_cfg
+from encoders import bert, t5
 from fused import IGNORE
+from parallelism import fsdp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, STEPS = 97, 3

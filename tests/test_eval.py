@@ -33,18 +33,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from distributed import spawn
 
-import corpus
 import eval as ev
-import evaltasks
 import generate
 import hf
 import parallel
-import scoring
-import tasks
 import tokenizer
-from distributed import spawn
+from corpora import corpus
 from model import ModelConfig, Transformer
+from posttrain import tasks
+from tools import evaltasks, scoring
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SHAPE = dict(block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, init_std=0.2)

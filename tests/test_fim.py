@@ -40,11 +40,10 @@ import numpy as np
 import pytest
 import torch
 
-import corpus
 import data
-import fim
 import sample
 import tokenizer
+from corpora import corpus, fim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -115,7 +114,7 @@ def _reference_fragments(text, n):
 
 
 def _layout_ids(tok, mode, text, a, b):
-    pre, mid, suf = fim.sentinels(tok)
+    pre, mid, suf = tokenizer.fim_sentinels(tok)
     parts = [[pre], tok.encode(text[:a]), [suf], tok.encode(text[b:]), [mid], tok.encode(text[a:b])]
     if mode == "spm":
         parts = [[pre, suf], tok.encode(text[b:]), [mid], tok.encode(text[:a]), tok.encode(text[a:b])]
@@ -165,7 +164,7 @@ def test_rates_on_10000_documents(tmp_path, tok, rate, spm_rate):
     meta, train, _, _ = _prepare(tmp_path, docs, tok, fim_rate=rate, fim_spm_rate=spm_rate)
     seqs = _split_docs(train, tok.eos_id)
     refs = [_reference_plan(d, i, rate, spm_rate, 0) for i, d in enumerate(docs)]
-    pre, _, suf = fim.sentinels(tok)
+    pre, _, suf = tokenizer.fim_sentinels(tok)
     for seq, ref in zip(seqs, refs):  # the data follows the documented draws (full check: first test)
         assert (seq[0] == pre) == (ref is not None) and (ref is None or (seq[1] == suf) == (ref[0] == "spm" or not ref[1]))
     modes = [r[0] if r else "plain" for r in refs]
@@ -182,7 +181,7 @@ def test_rates_on_10000_documents(tmp_path, tok, rate, spm_rate):
 def test_validation_plain_and_targets_unmasked(tmp_path, tok):
     meta, train, val, out = _prepare(tmp_path, DOCS, tok, fim_rate=0.5, val_fraction=0.05)
     assert meta["val_split"] == "documents" and meta["n_val_docs"] > 5
-    assert not set(fim.sentinels(tok)) & set(val.tolist())  # validation stays plain
+    assert not set(tokenizer.fim_sentinels(tok)) & set(val.tolist())  # validation stays plain
     plain = {d for d in DOCS}
     assert all(_decode(s, tok) == ("plain", tok.decode(s[:-1])) and tok.decode(s[:-1]) in plain
                for s in _split_docs(val, tok.eos_id))
@@ -196,7 +195,7 @@ def test_validation_plain_and_targets_unmasked(tmp_path, tok):
         x, y = loader.next()
         assert torch.equal(x[:, 1:], y[:, :-1]) and (y >= 0).all()
         targets |= set(y.flatten().tolist())
-    assert set(fim.sentinels(tok)) | {tok.eos_id} <= targets
+    assert set(tokenizer.fim_sentinels(tok)) | {tok.eos_id} <= targets
 
 
 def test_tokens_split_keeps_the_cut_document_plain(tmp_path, tok):
@@ -250,7 +249,7 @@ def test_long_documents_fim_in_fragments(tmp_path, tok):
 
 def test_prompt_is_the_training_context(tmp_path, tok):
     docs = [f"def f{i}(a):\n    b = a * {i}\n    return b + {i * 3}\n" for i in range(30)]
-    pre, mid, suf = fim.sentinels(tok)
+    pre, mid, suf = tokenizer.fim_sentinels(tok)
     for spm in (False, True):
         _, train, _, _ = _prepare(tmp_path, docs, tok, f"spm{spm}", fim_rate=1.0, fim_spm_rate=float(spm))
         seqs = _split_docs(train, tok.eos_id)
@@ -276,17 +275,17 @@ def test_prompt_is_the_training_context(tmp_path, tok):
 
 def test_sentinels_and_refusals(tmp_path):
     full = tokenizer.get_tokenizer("cl100k_base", fim=True)
-    assert fim.sentinels(full) == (100258, 100259, 100260)  # tiktoken's published ids
+    assert tokenizer.fim_sentinels(full) == (100258, 100259, 100260)  # tiktoken's published ids
     for vocab in (512, 4096, 32768):
         t = tokenizer.get_tokenizer("cl100k_base", vocab, fim=True)
-        assert fim.sentinels(t) == (vocab - 4, vocab - 3, vocab - 2) and t.eos_id == vocab - 1 == t.n_vocab - 1
+        assert tokenizer.fim_sentinels(t) == (vocab - 4, vocab - 3, vocab - 2) and t.eos_id == vocab - 1 == t.n_vocab - 1
         assert t.decode([vocab - 4]) == "<|fim_prefix|>"
         assert t.enc.decode_single_token_bytes(vocab - 5) == full.enc.decode_single_token_bytes(vocab - 5)
         plain = tokenizer.get_tokenizer("cl100k_base", vocab)
         assert plain.special_tokens == {"<|endoftext|>": vocab - 1}  # unchanged without fim
         assert plain.enc.decode_single_token_bytes(vocab - 2) == full.enc.decode_single_token_bytes(vocab - 2)
         with pytest.raises(corpus.DataError, match="no fill-in-the-middle sentinels"):
-            fim.sentinels(plain)
+            tokenizer.fim_sentinels(plain)
     with pytest.raises(corpus.DataError, match="needs 260 <= vocab"):
         tokenizer.get_tokenizer("cl100k_base", 259, fim=True)  # 256 bytes + 3 sentinels + EOS do not fit
     for vocab in (0, 4096):

@@ -36,12 +36,11 @@ import torch
 import chat
 import checkpoint
 import config
-import corpus
 import eval as ev
-import evaltasks
 import hf
-import scoring
+from corpora import corpus
 from model import ModelConfig, Transformer
+from tools import evaltasks, scoring
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SHAPE = ["--tokenizer_vocab=512", "--vocab_size=512", "--block_size=64", "--n_layer=1", "--n_head=2", "--n_embd=32", "--device=cpu"]
@@ -253,7 +252,7 @@ def test_help_of_eval_hf_fim(capsys):
     assert line.split() == ["n_samples=1", *"generations per problem (pass@k needs k <= n_samples)".split()]
     with pytest.raises(scoring.EvalError, match=r"name the model: .*\(--help lists the keys\)"):
         ev.main(["--tasks=bpb"])
-    import fim
+    from corpora import fim
     for module in (hf, fim):
         r = subprocess.run([sys.executable, module.__file__, "--help"], capture_output=True, text=True,
                            env=dict(os.environ, OMP_NUM_THREADS="1"))

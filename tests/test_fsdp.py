@@ -16,18 +16,18 @@ compile with FSDP.
 import os
 from types import SimpleNamespace
 
+import distributed
 import pytest
 import torch
+from distributed import assert_close, rel_err, spawn, train_cfg
 
 import config
-import fsdp
 import generate
 import optim
 import parallel
-from tp import tensor_parallel
-import distributed
-from distributed import assert_close, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer
+from parallelism import fsdp
+from parallelism.tp import tensor_parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 G, T, STEPS = 8, 16, 3  # global batch (sequences), sequence length, optimizer steps

@@ -48,13 +48,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from distributed import spawn, train_cfg
 
 import generate
 import lora
 import parallel
-import tp
-from distributed import spawn, train_cfg
 from model import ModelConfig, Transformer
+from parallelism import tp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

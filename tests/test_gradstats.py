@@ -23,15 +23,14 @@ import os
 import subprocess
 import sys
 
+import distributed
 import pytest
 import torch
-
-import gradstats
-import parallel
-import plots
-import distributed
 from distributed import spawn, train_cfg
+
+import parallel
 from model import ModelConfig, Transformer
+from tools import gradstats, plots
 
 G, T, STEPS, ACCUM = 8, 16, 3, 2
 SMALL = dict(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=1, n_embd=32,

@@ -255,7 +255,9 @@ def test_all_logprobs_use_the_temperature():
 
 def test_lora_reference_is_the_base():
     import types
+
     from distributed import train_cfg
+
     import parallel
     model = build()
     tokens = torch.randint(0, V, (3, 12), generator=torch.Generator().manual_seed(0))
@@ -355,6 +357,7 @@ def part(r, rows):
 
 def grpo_cfg(**kw):
     from distributed import train_cfg
+
     # reward_truncated=True: TRL's semantics (a cut completion keeps its reward), what the parity tests compare
     return train_cfg({**grpo.DEFAULTS, **LLAMA}, **{**dict(group_size=G, max_new_tokens=N, temperature=0.8,
                                                            micro_batch_size=2, reward_truncated=True), **kw})
@@ -448,8 +451,9 @@ def _layouts(rank, out_dir):
 
 
 def test_layouts_equal_one_process(tmp_path):
-    import parallel
     from distributed import assert_close, rel_err, spawn
+
+    import parallel
     spawn(_layouts, 4, str(tmp_path))
     cfg = grpo_cfg(**LAYOUT_CFG)
     model = build()
@@ -479,6 +483,7 @@ def test_main_runs_and_logs(tmp_path, capsys):
     their time, the held-out reward is logged before and after, a checkpoint is written; bad
     settings stop before any work."""
     import json
+
     import config
     out = tmp_path / "run"
     args = ["--device=cpu", "--tokenizer_vocab=300", "--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=48",
@@ -509,8 +514,9 @@ def test_main_rollout_copy_and_reward_plot(tmp_path, monkeypatch):
     plots.py draws the reward panel (training, held-out sampled and greedy) and the step-time panel
     from the run's log."""
     import json
-    import plots
-    import tasks
+
+    from posttrain import tasks
+    from tools import plots
     monkeypatch.setattr(tasks.Arithmetic, "reward", lambda self, completion, item: float(len(completion) % 2))
     args = ["--device=cpu", "--tokenizer_vocab=300", "--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=48",
             "--batch_size=8", "--group_size=4", "--micro_batch_size=8", "--max_steps=3", "--train_prompts=16",
@@ -535,7 +541,7 @@ def test_trl_policy_types_and_logged_metrics():
     """cispo and sapo through grpo.policy_loss are objectives.policy_loss's (objectives' tests hold them to
     TRL's GRPOTrainer); the logged KL is k3 times the ratio (kl_ratio, as TRL logs it) and sequence-level
     clip fractions count rows, as objectives.kl_sums / clip_sums compute them."""
-    import objectives
+    from posttrain import objectives
     g = torch.Generator().manual_seed(0)
     B, N = 4, 6
     logp, old, ref = (torch.randn(B, N, generator=g) * 0.1 - 2 for _ in range(3))

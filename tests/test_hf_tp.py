@@ -13,13 +13,13 @@ import os
 from types import SimpleNamespace
 
 import torch
+from distributed import spawn
 
 import generate
 import hf
 import parallel
-import tp
-from distributed import spawn
 from model import Transformer
+from parallelism import tp
 
 GEN = "qwen2"  # the architecture whose greedy generation is also compared
 

@@ -3,8 +3,9 @@
 Proves: every module imports on its own in a fresh interpreter (so no import order hides a
 cycle or a missing import); the graph of every import statement, at any depth of any top-level
 file (lazy imports included), has no cycle; and no file uses another module's private names
-(`from m import _x`, `m._x`, also through an alias). The benchmark scripts (bench*.py) are part
-of the static checks but are not imported: importing one runs it (tests/test_bench.py does).
+(`from m import _x`, `m._x`, also through an alias). Modules are the root's
+files and those of its one-level wings (`memory/quant.py` is `memory.quant`); the benchmark scripts in
+bench/ are not modules (importing one runs it: tests/test_bench.py runs them).
 """
 import ast
 import os
@@ -16,32 +17,56 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+NOT_WINGS = {"tests", "configs", "bench", "docker", "runs", "docs", "data", "out"}
+
+
+def wings(root=ROOT):
+    """The one-level folders that hold modules (each with an empty __init__.py)."""
+    return sorted(d for d in os.listdir(root) if d not in NOT_WINGS and not d.startswith((".", "_"))
+                  and os.path.isfile(os.path.join(root, d, "__init__.py")))
+
+
 def modules(root=ROOT):
-    return sorted(f[:-3] for f in os.listdir(root) if f.endswith(".py"))
+    """The root's modules ("model") and the wings' ("memory.quant")."""
+    out = [f[:-3] for f in os.listdir(root) if f.endswith(".py")]
+    for w in wings(root):
+        out += [f"{w}.{f[:-3]}" for f in os.listdir(os.path.join(root, w)) if f.endswith(".py") and f != "__init__.py"]
+    return sorted(out)
 
 
 def graph(root=ROOT):
     """{module: (set of our modules it imports, [private-name uses as 'file:line: text'])}."""
     mods = set(modules(root))
+
+    def ours(name):  # "memory.quant.nf4" -> "memory.quant"; "model" -> "model"; not ours -> None
+        parts = name.split(".")
+        return next((".".join(parts[:k]) for k in (2, 1) if ".".join(parts[:k]) in mods), None)
     out = {}
     for m in mods:
-        tree = ast.parse(open(os.path.join(root, m + ".py")).read())
+        path = os.path.join(root, *m.split(".")) + ".py"
+        tree = ast.parse(open(path).read())
         deps, alias, private = set(), {}, []
         for n in ast.walk(tree):
             if isinstance(n, ast.Import):
                 for a in n.names:
-                    top = a.name.split(".")[0]
-                    if top in mods:
-                        deps.add(top)
-                        alias[a.asname or top] = top
-            elif isinstance(n, ast.ImportFrom) and n.module and not n.level and n.module.split(".")[0] in mods:
-                deps.add(n.module.split(".")[0])
-                private += [f"{m}.py:{n.lineno}: from {n.module} import {a.name}" for a in n.names
-                            if a.name.startswith("_")]
+                    if ours(a.name):
+                        deps.add(ours(a.name))
+                        if a.asname or "." not in a.name:
+                            alias[a.asname or a.name] = ours(a.name)
+            elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
+                for a in n.names:
+                    sub = ours(f"{n.module}.{a.name}")
+                    if sub and sub != ours(n.module):  # from memory import quant: the module itself
+                        deps.add(sub)
+                        alias[a.asname or a.name] = sub
+                    elif ours(n.module):  # from model import Transformer, _x
+                        deps.add(ours(n.module))
+                        private += [f"{path[len(root) + 1:]}:{n.lineno}: from {n.module} import {a.name}"
+                                    for a in [a] if a.name.startswith("_")]
         for n in ast.walk(tree):
             if (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in alias
                     and n.attr.startswith("_") and not n.attr.startswith("__") and alias[n.value.id] != m):
-                private.append(f"{m}.py:{n.lineno}: {n.value.id}.{n.attr} ({alias[n.value.id]}.py)")
+                private.append(f"{path[len(root) + 1:]}:{n.lineno}: {n.value.id}.{n.attr} ({alias[n.value.id]})")
         out[m] = (deps - {m}, private)
     return out
 
@@ -78,10 +103,13 @@ def test_checks_catch_a_cycle_and_a_private_name(tmp_path):
     """The static checks on a made-up tree: a <-> b through a lazy import, c reads b._x."""
     (tmp_path / "a.py").write_text("import b\n")
     (tmp_path / "b.py").write_text("def f():\n    import a\n_x = 1\n")
-    (tmp_path / "c.py").write_text("import b as B\nfrom b import _x\ny = B._x\n")
+    (tmp_path / "c.py").write_text("import b as B\nfrom b import _x\ny = B._x\nfrom w import d\nz = d._y\n")
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "__init__.py").write_text("")
+    (tmp_path / "w" / "d.py").write_text("import c\n_y = 1\n")  # a wing's module: c -> w.d -> c
     g = graph(str(tmp_path))
-    assert cycles(g) == [["a", "b", "a"]]
-    assert [p.split(": ")[1] for p in g["c"][1]] == ["from b import _x", "B._x (b.py)"]
+    assert cycles(g) == [["a", "b", "a"], ["c", "w.d", "c"]]
+    assert [p.split(": ")[1] for p in g["c"][1]] == ["from b import _x", "B._x (b)", "d._y (w.d)"]
 
 
 IMPORT_EACH = """
@@ -109,7 +137,7 @@ def test_every_module_imports_alone():
     that imported only torch: a fresh interpreter each costs ~1.5 s of CPU, 32 of them most of
     a minute); importing runs nothing (no output). The check fails on a module that cannot be
     imported alone or prints."""
-    mods = [m for m in modules() if not m.startswith("bench")]
+    mods = modules()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, "-c", IMPORT_EACH, *mods], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)

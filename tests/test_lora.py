@@ -25,16 +25,16 @@ import math
 import os
 from dataclasses import asdict
 
+import distributed
 import pytest
 import torch
+from distributed import assert_close, spawn, train_cfg
 
 import config
-import distributed
 import lora
 import parallel
-import tp
-from distributed import assert_close, spawn, train_cfg
 from model import ModelConfig, Transformer
+from parallelism import tp
 
 T, STEPS, V = 16, 3, 97
 SMALL = dict(vocab_size=V, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=T,
@@ -215,8 +215,9 @@ def test_ours_loads_into_peft(peft_case, tmp_path):
 
 @torch.no_grad()
 def test_merge_equals_merge_and_unload(peft_case, tmp_path):
-    import hf
     from safetensors.torch import load_file
+
+    import hf
     base, folder, pm, adapter = peft_case
     ours, cfg = ours_with(folder, lora.peft_config(adapter))
     lora.load_peft(adapter, ours, one_grid())

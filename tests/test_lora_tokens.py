@@ -27,19 +27,19 @@ alone never changes those rows. Proves:
 import copy
 import os
 
+import distributed
 import pytest
 import torch
+from distributed import assert_close, spawn, train_cfg
 
 import checkpoint
-import chunked
-import distributed
 import hf
 import lora
 import parallel
-import tp
 import weights
-from distributed import assert_close, spawn, train_cfg
+from memory import chunked
 from model import ModelConfig, Transformer
+from parallelism import tp
 
 T, STEPS, V, OLD = 16, 3, 97, 95  # tokens OLD..V-1 were just added
 NEW = list(range(OLD, V))

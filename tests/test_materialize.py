@@ -17,14 +17,13 @@ Proves:
 """
 import pytest
 import torch
+from distributed import train_cfg
+from meter import PeakBytes
 
 import hf
 import lora
 import parallel
-import qlora
-import materialize
-from distributed import train_cfg
-from meter import PeakBytes
+from memory import materialize, qlora
 from model import ModelConfig, Transformer
 
 

@@ -30,14 +30,12 @@ import sys
 
 import pytest
 import torch
+from distributed import assert_close, train_cfg
 
 import config
 import lora
-import optim_memory
 import parallel
-import qlora
-import recompute
-from distributed import assert_close, train_cfg
+from memory import optim_memory, qlora, recompute
 from model import ModelConfig, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

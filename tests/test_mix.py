@@ -8,8 +8,7 @@ are refused with a message."""
 import numpy as np
 import pytest
 
-import corpus
-import mix
+from corpora import corpus, mix
 
 M64 = (1 << 64) - 1
 

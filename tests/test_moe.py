@@ -27,18 +27,17 @@ import math
 import os
 from types import SimpleNamespace
 
+import distributed
 import pytest
 import torch
+from distributed import full_state, rel_err, spawn, train_cfg
 
 import config
-import dp
 import moe
 import optim
 import parallel
-import distributed
-from distributed import full_state, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer, make_moe
-
+from parallelism import dp
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: extra threads only add overhead
 

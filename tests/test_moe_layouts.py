@@ -18,21 +18,19 @@ import collections
 import os
 from types import SimpleNamespace
 
+import distributed
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import assert_close, full_state, load_checkpoint, ns_calls, rel_err, spawn, train_cfg
 
 import checkpoint
 import config
-import dp
-import fsdp
 import moe
 import optim
 import parallel
-import tp
-import distributed
-from distributed import assert_close, full_state, load_checkpoint, ns_calls, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer
+from parallelism import dp, fsdp, tp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

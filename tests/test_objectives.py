@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import objectives
+from posttrain import objectives
 
 V = 40
 

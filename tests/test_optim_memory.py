@@ -29,17 +29,16 @@ import copy
 import io
 import os
 
+import distributed
 import torch
+from distributed import assert_close, rel_err, spawn, train_cfg
 
-import dp
 import muon
 import optim
-import optim_memory
 import parallel
-import tp
-import distributed
-from distributed import assert_close, rel_err, spawn, train_cfg
+from memory import optim_memory
 from model import ModelConfig, Transformer
+from parallelism import dp, tp
 
 T, STEPS = 16, 3
 SMALL = dict(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=T,

@@ -18,15 +18,15 @@ import os
 import weakref
 from types import SimpleNamespace
 
+import distributed
 import pytest
 import torch
+from distributed import assert_close, rel_err, spawn, train_cfg
 
-import dp
 import optim
 import parallel
-import distributed
-from distributed import assert_close, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer
+from parallelism import dp
 
 G, T, STEPS = 8, 16, 3  # global batch (sequences), sequence length, optimizer steps
 

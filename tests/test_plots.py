@@ -18,14 +18,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from distributed import train_cfg
 
 import checkpoint
 import hf
 import logs
-import plots
 import tokenizer
-from distributed import train_cfg
 from model import ModelConfig, Transformer
+from tools import plots
 
 pytest.importorskip("matplotlib")
 TINY = dict(block_size=32, n_layer=2, n_head=4, n_embd=32, init_std=0.3)

@@ -17,14 +17,15 @@ import pytest
 import torch
 
 import logs
-import plots
 import tokenizer
 from model import ModelConfig, Transformer
+from tools import plots
 
 pytest.importorskip("matplotlib")
 import matplotlib.colors  # noqa: E402
 import matplotlib.figure  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+
 DPO = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
        "logps/rejected", "policy/accuracy", "nll")
 

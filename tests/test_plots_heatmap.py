@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 import logs
-import plots
+from tools import plots
 
 pytest.importorskip("matplotlib")
 

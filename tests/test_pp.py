@@ -24,24 +24,22 @@ import os
 
 import pytest
 import torch
+from distributed import assert_close, spawn, train_cfg
 from safetensors.torch import load_file
 
 import checkpoint
 import config
 import dpo
-import fsdp
 import generate
 import grpo
 import lifecycle
 import lora
 import optim
 import parallel
-import pp
 import pretrain
 import sft
-import tp
-from distributed import assert_close, spawn, train_cfg
 from model import ModelConfig, Transformer
+from parallelism import fsdp, pp, tp
 
 G, T, STEPS = 12, 16, 3  # global batch (sequences: 3, 4 and 6 micro-batches divide it), length, steps
 LLAMA = dict(vocab_size=97, pad_vocab_multiple=32, n_layer=5, n_head=4, n_kv_head=2, n_embd=32, block_size=T,

@@ -14,11 +14,11 @@ import copy
 
 import pytest
 import torch
+from distributed import assert_close
 
 import hf
-import prefix as pfx
 from config import ConfigError
-from distributed import assert_close
+from encoders import prefix as pfx
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, N = 97, 5

@@ -21,17 +21,15 @@ import sys
 import numpy as np
 import pytest
 import torch
+from test_shards import TOK, make_corpus
 
 import config
 import data
 import eval as eval_mod
-import mix
 import parallel
 import pretrain
-import shards
-import stream
 import tokenizer
-from test_shards import TOK, make_corpus
+from corpora import mix, shards, stream
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = 16

@@ -13,8 +13,7 @@ import json
 import pytest
 
 import chat
-import prompts
-import rewards
+from posttrain import prompts, rewards
 
 U = lambda c: [{"role": "user", "content": c}]  # noqa: E731
 GSM = [{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

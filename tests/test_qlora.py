@@ -20,12 +20,11 @@ import copy
 
 import pytest
 import torch
+from distributed import train_cfg
 
 import lora
 import parallel
-import qlora
-import quant
-from distributed import train_cfg
+from memory import qlora, quant
 from model import ModelConfig, Transformer
 
 SMALL = dict(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=1, n_embd=64, block_size=8,
@@ -110,8 +109,9 @@ def test_memory_and_dtypes():
 def test_hf_weights_and_peft_export(tmp_path):
     pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    import hf
     import test_hf
+
+    import hf
     base, folder = test_hf.build("llama", tmp_path / "hf", hidden_size=64, intermediate_size=128)
     ours = hf.load_hf(folder)
     cfg = train_cfg(dict(SMALL, **{k: getattr(ours.cfg, k) for k in ("vocab_size", "n_embd", "n_layer", "n_head",

@@ -20,7 +20,7 @@ Proves:
 import pytest
 import torch
 
-import quant
+from memory import quant
 
 
 def test_maps():

@@ -20,17 +20,17 @@ Proves:
 import copy
 import os
 
+import distributed
 import pytest
 import torch
+from distributed import assert_close, spawn, train_cfg
 
 import config
 import generate
 import lora
 import parallel
 import plan
-import recompute
-import distributed
-from distributed import assert_close, spawn, train_cfg
+from memory import recompute
 from model import ModelConfig, Transformer
 
 SMALL = dict(vocab_size=97, pad_vocab_multiple=32, n_layer=3, n_head=4, n_kv_head=2, n_embd=32, block_size=16,

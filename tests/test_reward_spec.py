@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-import rewards
 from config import UserError
+from posttrain import rewards
 
 P = [{"role": "user", "content": "q"}]
 CASES = [  # completion, gold, answer_format, strict, lenient

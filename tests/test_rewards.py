@@ -16,9 +16,7 @@ import time
 
 import pytest
 
-import rewards
-import sandbox
-
+from posttrain import rewards, sandbox
 
 # ----------------------------------------------------------------------------- math
 

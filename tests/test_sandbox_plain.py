@@ -15,8 +15,7 @@ Proves, through run_many / rewards.code_reward (real sandboxed processes):
 """
 import pytest
 
-import rewards
-import sandbox
+from posttrain import rewards, sandbox
 
 FORGED = "class AlwaysEqual:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
 CASES = {  # program -> the type the harness must name

@@ -17,14 +17,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from distributed import spawn, train_cfg
 
 import config
-import dp
-import fsdp
 import parallel
-import scaler
-from distributed import spawn, train_cfg
+from memory import scaler
 from model import ModelConfig, Transformer
+from parallelism import dp, fsdp
 
 BAD = {2: float("inf"), 5: float("nan"), 6: float("inf")}  # step -> value injected into one gradient
 

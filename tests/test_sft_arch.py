@@ -22,21 +22,20 @@ import json
 
 import pytest
 import torch
+from distributed import assert_close, spawn
 from safetensors.torch import load_file
+from test_sft import COMMON, STEPS, TINY, run_cfg
 
 import checkpoint
 import config
-import prefix as pfx
-import seq2seq
 import sft
-import t5
-import tasks
 import tokenizer
 import weights
-from distributed import assert_close, spawn
+from encoders import prefix as pfx
+from encoders import seq2seq, t5
 from fused import IGNORE
 from model import ModelConfig, Transformer
-from test_sft import COMMON, STEPS, TINY, run_cfg
+from posttrain import tasks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOK = tokenizer.get_tokenizer("cl100k_base", 512)

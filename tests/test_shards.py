@@ -13,10 +13,9 @@ import random
 import numpy as np
 import pytest
 
-import corpus
 import data
-import shards
 import tokenizer
+from corpora import corpus, shards
 
 TOK = ("cl100k_base", 4096)
 

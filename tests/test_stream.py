@@ -23,11 +23,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
-import shards
-import stream
 from distributed import spawn
 from test_shards import TOK, make_corpus
+
+from corpora import shards, stream
 
 T = 16
 

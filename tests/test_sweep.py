@@ -24,7 +24,7 @@ import time
 import pytest
 
 import config
-import sweep
+from tools import sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--max_steps=4", "--ckpt_every=2", "--eval_every=0", "--log_every=1", "--max_docs=10", "--clean=False",
@@ -36,10 +36,10 @@ NAMES = ["lr=1e-3_norm=layernorm", "lr=1e-3_norm=rmsnorm", "lr=3e-3_norm=layerno
 
 
 def invoke(tmp, *extra, wait=True):
-    cmd = [sys.executable, os.path.join(ROOT, "sweep.py"), os.path.join(ROOT, "pretrain.py"),
+    cmd = [sys.executable, "-m", "tools.sweep", os.path.join(ROOT, "pretrain.py"),
            os.path.join(ROOT, "configs", "tiny.py"), *FAST, *extra, f"--data_dir={tmp / 'data'}",
            f"--out_dir={tmp / 'sw'}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)  # `python -m tools.sweep` from another folder
     if not wait:
         return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     p = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)

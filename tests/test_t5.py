@@ -29,10 +29,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
-import t5
-from config import ConfigError
 from distributed import assert_close
+
+from config import ConfigError
+from encoders import t5
 from fused import IGNORE
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -19,9 +19,8 @@ import re
 
 import pytest
 
-import sandbox
-import tasks
 from config import UserError
+from posttrain import sandbox, tasks
 
 
 def test_arithmetic_items_are_right_deterministic_and_split():

@@ -15,13 +15,11 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from test_clean import sentences
 
-import clean
-import corpus
 import data
 import tokenizer
-import toxicity
-from test_clean import sentences
+from corpora import clean, corpus, toxicity
 
 LIST = "# a list of our own\ndarn\nheck\ngosh darn\nblast it\n"
 

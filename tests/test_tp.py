@@ -19,22 +19,21 @@ import copy
 import os
 from types import SimpleNamespace
 
+import distributed
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from distributed import assert_close, rel_err, spawn, train_cfg
 
 import config
-import dp
 import generate
 import hf
 import optim
 import parallel
-import tp
-import distributed
-from distributed import assert_close, rel_err, spawn, train_cfg
 from model import ModelConfig, Transformer
+from parallelism import dp, tp
 
 G, T, STEPS = 8, 16, 3
 CONFIGS = {  # vocab 97 (padded to 128 = 2 x 64: rank 1's shard ends in 31 padding rows)
@@ -439,7 +438,7 @@ def test_functions_use_functional_collectives(tmp_path):
     so only this check guards it. It sees direct `dist.<name>(...)` calls (not one reached through
     getattr), and finds such a call when there is one (a planted example)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for name in ("tp.py", "moe.py"):
+    for name in ("parallelism/tp.py", "moe.py"):
         assert inplace_collectives_in_functions(os.path.join(root, name)) == [], name
     bad = tmp_path / "bad.py"
     bad.write_text("import torch\nimport torch.distributed as dist\n\n"
