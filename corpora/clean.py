@@ -674,7 +674,10 @@ def parse_overrides(pairs, cfg):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    rules = [f"--{f.name}={getattr(CleanConfig(), f.name)!r}" for f in fields(CleanConfig) if f.name != "near_dedup"]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="the rules' settings (CleanConfig, --key=value; comments in corpora/clean.py):\n"
+                                + "\n".join(f"  {r}" for r in rules))
     p.add_argument("src", help="a folder of .py/.txt/.md/... files, one file, or a .jsonl file")
     p.add_argument("out_dir", help="gets clean.jsonl and stats.json")
     p.add_argument("--dedup", action="store_true", help="near-duplicate removal (exact is on by default)")

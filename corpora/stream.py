@@ -454,6 +454,8 @@ def validation_file(url, folder, storage_options=None):
         shards.write_atomic(os.path.join(folder, "val.bin"), store.read("val.bin"))
         shards.write_atomic(os.path.join(folder, "meta.json"), meta)
     if not (os.path.exists(path) and os.path.getsize(path)):
-        raise corpus.DataError(f"{url}: no validation split (prepare the shards with --val_fraction > 0, "
-                               "or train with eval_every=0)")
+        frac = (store.manifest() or {}).get("settings", {}).get("val_fraction", 0)
+        why = (f"val_fraction={frac} sends whole documents to validation by a hash, and none of this set's fell "
+               f"there: more documents, a larger --val_fraction" if frac else "prepare the shards with --val_fraction > 0")
+        raise corpus.DataError(f"{url}: no validation split ({why}, or train with eval_every=0)")
     return path

@@ -8,7 +8,7 @@ two-phase paths remove the same documents; the CLI writes the cleaned corpus and
 import json
 import random
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import fields, replace
 from itertools import combinations
 
 import numpy as np
@@ -335,7 +335,8 @@ def test_cli(tmp_path, capsys):
     assert stats.kept == 2 and stats.removed == {"not_text": 2}
 
 
-def test_cli_errors(tmp_path):
+def test_cli_errors(tmp_path, capsys):
+    """A mistyped or mistyped-value rule key stops with its name; --help lists every rule key (--toxicity too)."""
     with pytest.raises(SystemExit, match="unknown option '--treshold=0.5'"):
         clean.main([str(tmp_path), str(tmp_path / "o"), "--treshold=0.5"])
     with pytest.raises(SystemExit, match="--num_perm='many' must be a int"):
@@ -344,3 +345,8 @@ def test_cli_errors(tmp_path):
         clean.main([str(tmp_path), str(tmp_path / "o"), "--threshold=1.5"])
     with pytest.raises(SystemExit, match="does not exist"):
         clean.main([str(tmp_path / "missing"), str(tmp_path / "o")])
+    with pytest.raises(SystemExit):  # --help lists the rules' settings, every CleanConfig field
+        clean.main(["--help"])
+    shown = capsys.readouterr().out
+    assert all(f"--{f.name}=" in shown for f in fields(clean.CleanConfig) if f.name != "near_dedup"), shown
+    assert "--toxicity=''" in shown

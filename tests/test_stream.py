@@ -9,7 +9,8 @@
 - a real S3 API (moto's server, started here) serves the same ids as the local folder, through a
   cache that never holds more than cache_bytes and evicts the least recently used shards (and takes in
   a previous run's files, oldest evicted first); an altered object in the bucket is named and
-  refused; the validation file comes down whole; a 2-process gloo run reading from it equals the
+  refused; the validation file comes down whole (a set whose one document fell to training is refused
+  with that cause); a 2-process gloo run reading from it equals the
   1-process local run;
 - two sources mixed 0.7 / 0.3: each sample comes from the source the mixture names, the report's
   shares match its counts."""
@@ -212,6 +213,17 @@ def test_s3_equals_local_with_bounded_cache(sets, s3, tmp_path):
     assert stream.validation_file(sets["b"], "unused") == os.path.join(sets["b"], "val.bin")
     with pytest.raises(ValueError, match="no validation split"):
         stream.validation_file("s3://ingot/a", str(tmp_path / "val_a"))
+
+
+def test_no_validation_names_the_cause(tmp_path):
+    """A set whose val_fraction > 0 sent no document to validation (one document: the hash split is by
+    document) is refused with that cause, not with advice to set the val_fraction it was prepared with."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.py").write_text("def f():\n    return 1\n")
+    shards.prepare(str(tmp_path / "c"), str(tmp_path / "s"), *TOK, processes=1, val_fraction=0.1, verbose=False)
+    with pytest.raises(ValueError, match=r"val_fraction=0.1 sends whole documents to validation by a hash, and none "
+                                         r"of this set's fell there"):
+        stream.validation_file(str(tmp_path / "s"), "unused")
 
 
 def test_cache_evicts_least_recently_used(tmp_path):
