@@ -382,7 +382,11 @@ def main(argv):
     extra = dict(getattr(importlib.import_module(stage), "EXTRA", {}), gpu_memory=24.0, world=1, decode_rows=0,
                  decode_len=0)
     cfg = config.load(argv, extra=extra, world=1)
-    weights.configure(cfg)
+    try:
+        weights.configure(cfg)
+    except config.MissingFileError as e:  # planning for a machine the base model is not on (yet)
+        print(f"note: {e}; planned with the config's own model keys (n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
+              f"vocab_size={cfg.vocab_size}, ...)")
     decode = (cfg.decode_rows, cfg.decode_len) if cfg.decode_rows else None
     print("\n".join(advice(cfg, cfg.world, cfg.gpu_memory, decode)))
 

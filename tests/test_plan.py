@@ -12,7 +12,8 @@ Proves:
   for backward (activations + autocast's weight copies) are the plan's within 1% (full fine-tuning,
   whole-block checkpointing, LoRA);
 - fit() applies knobs in LADDER order, each lowering the peak, until the plan fits, and returns []
-  when it already fits; show() prints every term and the verdict.
+  when it already fits; show() prints every term and the verdict;
+- `plan.py --stage=sft` plans from the config's model keys when init_from is not on disk (one note says so).
 """
 import pytest
 import torch
@@ -174,3 +175,19 @@ def test_fit_and_show():
     assert "fits" in text and all(term in text for term in ("weights", "gradients", "optimizer state", "activations"))
     with pytest.raises(NotImplementedError, match="mixture-of-experts"):
         plan.predict(train_cfg(TINY, n_experts=4))
+
+
+def test_cli_plans_without_the_base_on_disk(tmp_path, monkeypatch, capsys):
+    """`plan.py --stage=sft configs/sft_tiny.py`, where init_from (out/tiny) is not on this machine: one note
+    says so, and the plan is the config's own model keys' (equal to plan.advice on those keys)."""
+    import os
+
+    import config
+    import sft
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(tmp_path)
+    plan.main(["--stage=sft", os.path.join(root, "configs", "sft_tiny.py"), "--gpu_memory=24"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("note: init_from=out/tiny: no such folder") and "config's own model keys" in out[0]
+    cfg = config.load([os.path.join(root, "configs", "sft_tiny.py")], extra=sft.EXTRA, world=1)
+    assert out[1:] == plan.advice(cfg, 1, 24.0, None)
