@@ -253,8 +253,9 @@ def test_help_of_eval_hf_fim(capsys):
     with pytest.raises(scoring.EvalError, match=r"name the model: .*\(--help lists the keys\)"):
         ev.main(["--tasks=bpb"])
     from corpora import fim
-    for module in (hf, fim):
-        r = subprocess.run([sys.executable, module.__file__, "--help"], capture_output=True, text=True,
+    for module in (hf, fim):  # as a user runs them from the root: python hf.py, python -m corpora.fim
+        r = subprocess.run([sys.executable, "-m", module.__name__, "--help"], capture_output=True, text=True,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert r.returncode == 0 and r.stdout == module.__doc__ + "\n", r.stderr
 

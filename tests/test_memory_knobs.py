@@ -84,7 +84,7 @@ def test_parallelize_applies_each_knob():
     assert type(plain.optimizer) is torch.optim.AdamW and plain.scaler is None
     assert not isinstance(plain.raw.blocks[0].mlp.forward, recompute.Checkpointed)
     net = net_of(loss_chunk=8, recompute="mlp", recompute_every=2, adamw_state="8bit")
-    assert net.raw.loss_chunk == 8 and net.raw.head_loss.__func__.__module__ == "chunked"
+    assert net.raw.loss_chunk == 8 and net.raw.head_loss.__func__.__module__ == "memory.chunked"
     wrapped = [isinstance(b.mlp.forward, recompute.Checkpointed) for b in net.raw.blocks]
     assert wrapped == [True, False, True, False]
     assert isinstance(net.optimizer, optim_memory.AdamW8bit)
