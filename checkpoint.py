@@ -13,7 +13,8 @@ counts as a checkpoint only with its complete.json, whose sizes (and hashes, on 
 match: a process killed mid-save, a full disk or a truncated copy never yields a "checkpoint".
 .pt files load with torch.load(weights_only=True): a crafted file cannot run code.
 
-This file knows files, not layouts: save() takes full tensors and load() returns them;
+This file knows files, not layouts or models: save() takes full tensors and load() returns them,
+checked against the names, shapes and tied weights its caller passes (weights.reference);
 parallel.Net.full_state / load_full_state turn any layout into them and back. Which folder a run
 owns and which checkpoint it resumes is lifecycle.py's.
 """
@@ -32,10 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import config
-import lora
 from config import UserError
-from encoders import bert, t5
-from model import Transformer
 
 MANIFEST = "complete.json"
 STEP_DIR = re.compile(r"step_(\d+)$")
@@ -284,10 +282,12 @@ def read_pt(file):
         raise CheckpointError(f"'{file}' is not a readable checkpoint file: {str(e).splitlines()[0][:200]}") from e
 
 
-def read_weights(path, cfg):
-    """model.safetensors -> full state dict with every name of model config `cfg` (a model.ModelConfig,
-    bert.BertConfig or t5.T5Config; tied names filled in; a LoRA run's adapters and a prefix-tuning
-    run's prefix.* too); a mismatch with the config names the offending keys."""
+def read_weights(path, expected, mcfg=None, keep=None):
+    """model.safetensors -> full state dict with every name of `expected` (the one-process model's
+    state dict, tensors on any device, meta included: its names, full shapes, and tied names sharing one
+    tensor; weights.reference builds it), tied names filled in, and the saved names beyond them that
+    keep(name) accepts (a PEFT adapter's). A mismatch names the offending keys (and, given the model
+    config mcfg, how it differs from the checkpoint's config.json)."""
     file = os.path.join(path, "model.safetensors")
     if not os.path.isfile(file):
         raise config.MissingFileError(f"no model.safetensors in '{path}': is it a checkpoint folder "
@@ -299,17 +299,15 @@ def read_weights(path, cfg):
         saved = load_file(file)
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read '{file}': {e}") from e
-    with torch.device("meta"):  # the one-process model's names and full shapes, no memory
-        ref = {bert.BertConfig: bert.Bert, t5.T5Config: t5.T5}.get(type(cfg), Transformer)(cfg).state_dict(keep_vars=True)
     alias = {}  # tied names -> the name the tensor is stored under
-    for k, v in ref.items():
+    for k, v in expected.items():
         alias.setdefault(id(v), k)
-    need = {k for k, v in ref.items() if alias[id(v)] == k}
+    need = {k for k, v in expected.items() if alias[id(v)] == k}
     missing = sorted(k for k in need if k not in saved and not any(
-        alias[id(ref[o])] == k and o in saved for o in ref))
-    unexpected = sorted(k for k in set(saved) - set(ref) if not (lora.is_adapter(k) or k.startswith("prefix.")))
-    shapes = [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(ref[k].shape)}"
-              for k in sorted(set(ref) & set(saved)) if saved[k].shape != ref[k].shape]
+        alias[id(expected[o])] == k and o in saved for o in expected))
+    unexpected = sorted(k for k in set(saved) - set(expected) if not (keep and keep(k)))
+    shapes = [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(expected[k].shape)}"
+              for k in sorted(set(expected) & set(saved)) if saved[k].shape != expected[k].shape]
     if missing or unexpected or shapes:
         msg = [f"checkpoint '{path}' does not fit this model config:"]
         if missing:
@@ -318,34 +316,34 @@ def read_weights(path, cfg):
             msg.append(f"  not in model: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
         if shapes:
             msg.append("  shape mismatch: " + "; ".join(shapes[:10]))
-        diff = _config_diff(path, cfg)
+        diff = _config_diff(path, mcfg) if mcfg is not None else []
         if diff:
             msg.append("  model config differs: " + ", ".join(diff))
         raise CheckpointError("\n".join(msg))
-    for k, v in ref.items():  # every tied name gets the stored tensor
+    for k, v in expected.items():  # every tied name gets the stored tensor
         if k not in saved:
-            saved[k] = next(saved[o] for o in ref if o in saved and id(ref[o]) == id(v))
+            saved[k] = next(saved[o] for o in expected if o in saved and id(expected[o]) == id(v))
     return saved
 
 
-def _config_diff(path, cfg):
+def _config_diff(path, mcfg):
     try:
         with open(os.path.join(path, "config.json")) as f:
             saved = json.load(f)
     except (OSError, ValueError):
         return []
-    return [f"{k}={saved[k]!r} (checkpoint) vs {v!r} (now)" for k, v in vars(cfg).items()
+    return [f"{k}={saved[k]!r} (checkpoint) vs {v!r} (now)" for k, v in vars(mcfg).items()
             if k in saved and saved[k] != v]
 
 
-def load(path, mcfg, optimizer=True):
+def load(path, expected, mcfg=None, keep=None, optimizer=True):
     """(weights, optimizer state or None, trainer dict) of a complete checkpoint: full tensors on
-    CPU under the one-process names, checked against model config mcfg (read_weights); trainer:
-    step, loader, rng, cfg, run_id. Sizes are checked here (lifecycle.find_resume checks hashes)."""
+    CPU under the one-process names, checked against the model's (read_weights: expected, mcfg, keep);
+    trainer: step, loader, rng, cfg, run_id. Sizes are checked here (lifecycle.find_resume checks hashes)."""
     reason = verify(path, hashes=False)
     if reason:
         raise CheckpointError(f"'{path}' is not a complete checkpoint: {reason}")
-    weights, opt_state = read_weights(path, mcfg), None
+    weights, opt_state = read_weights(path, expected, mcfg, keep), None
     if optimizer:
         opt_file = os.path.join(path, "optimizer.pt")
         if not os.path.isfile(opt_file):

@@ -250,57 +250,72 @@ def parse_override(arg, d):
 def read_file(path, d):
     """Execute a config file (plain Python) and keep its public assignments; it may import another's keys
     (`from configs.tiny import data`: the stage scripts' folder is on sys.path)."""
+    return {key: _known(key, value, d) for key, value in _assignments(path).items()}
+
+
+def _assignments(path):
     if not os.path.isfile(path):
         raise MissingFileError(f"config file '{path}' not found (configs live in configs/, e.g. configs/tiny.py)")
     scope = {}
     with open(path) as f:
         exec(compile(f.read(), path, "exec"), scope)
-    out = {}
-    for key, value in scope.items():
-        if key.startswith("_") or callable(value) or type(value).__name__ == "module":
-            continue
-        if key not in d:
-            raise _unknown(key, list(d))
-        out[key] = _check_type(key, value, d[key])
-    return out
+    return {k: v for k, v in scope.items()
+            if not (k.startswith("_") or callable(v) or type(v).__name__ == "module")}
 
 
-def load(argv, extra=None, world=None, script=None, example=None):
+def _known(key, value, d):
+    if key not in d:
+        raise _unknown(key, list(d))
+    return _check_type(key, value, d[key])
+
+
+def load(argv, extra=None, world=None, script=None, example=None, plugins=None):
     """argv: [config_file.py] [--key=value ...] -> validated Config. extra: the stage's own keys and
     defaults (they override the shared ones). --help prints the stage's keys and exits; no argument
-    at all asks for a config (example: the one to suggest) instead of running the defaults."""
+    at all asks for a config (example: the one to suggest) instead of running the defaults.
+    plugins (a stage with model families, weights.objective_keys / variant_keys): plugins(values,
+    unknown) -> (the chosen family's keys and defaults, its model check or None: the decoder's), from
+    the values as read (file, then command line; the stage's keys typed) and the given keys the stage lacks;
+    its keys join the stage's. plugins(None, set()): every family's keys (--help lists them)."""
     d = defaults(extra)
     args = list(argv)
     name = os.path.basename(script or sys.argv[0] or "the script")
     if "--help" in args or "-h" in args:
-        print(help_text(d, extra, name))
+        more = plugins(None, set())[0] if plugins else {}
+        print(help_text({**d, **more}, {**(extra or {}), **more}, name))
         raise SystemExit(0)
     if not args and example:
         raise UserError(f"no config: give one, e.g. `python {name} {example}`, or --key=value settings to run the "
                         f"defaults (a {d['n_layer']}-layer, {d['n_embd']}-wide model); --help lists the keys")
-    values, given = dict(d), set()
-    if args and not args[0].startswith("--"):
-        from_file = read_file(args.pop(0), d)
-        values.update(from_file)
-        given |= set(from_file)
+    file = _assignments(args.pop(0)) if args and not args[0].startswith("--") else {}
+    model = None
+    if plugins:  # the family the values choose: its keys (and their defaults) join the stage's
+        read = dict(file)
+        for a in args:
+            key = a[2:].partition("=")[0].replace("-", "_")
+            read[key] = parse_override(a, d)[1] if key in d else None
+        more, model = plugins({**d, **read}, set(read) - set(d))
+        d.update(more)
+    values, given = dict(d), set(file)
+    values.update({k: _known(k, v, d) for k, v in file.items()})
     for a in args:
         k, v = parse_override(a, d)
         values[k] = v
         given.add(k)
     cfg = Config(**values)
     cfg.given = given
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")) if world is None else world)
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")) if world is None else world, model)
     return cfg
 
 
-def validate(cfg, world=1):
-    """The shared keys and the model's: fail early, with a message that says what to change.
+def validate(cfg, world=1, model=None):
+    """The shared keys and the model's: fail early, with a message that says what to change. model(cfg):
+    the model config's checks (default ModelConfig's; another family's: weights.Family.model_config).
     Stages check their own keys (their check()); call this again after cfg's model keys change."""
-    if getattr(cfg, "objective", "lm") == "lm":  # (a BERT's / T5's config: weights.model_config, in check())
-        try:
-            ModelConfig.from_cfg(cfg)  # model checks (heads divide width, known activation, ...)
-        except (ValueError, TypeError) as e:
-            raise ConfigError(str(e)) from e
+    try:
+        (model or ModelConfig.from_cfg)(cfg)  # model checks (heads divide width, known activation, ...)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from e
     need(cfg.lr > 0, f"lr={cfg.lr} must be positive")
     need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1]")
     need(cfg.max_steps > 0, f"max_steps={cfg.max_steps} must be positive")

@@ -421,11 +421,11 @@ def export_hf(model, out_dir, tokenizer=None, model_type=None):
 
 
 
-# ----------------------------------------------------------------------------- name-mapped folders (BERT, T5)
+# ----------------------------------------------------------------------------- name-mapped folders (encoders/)
 
 def read_mapped(model, names, get, path, what, vocab):
-    """Copy HF tensors into `model` by a name map (ours -> the HF names stacked along rows: bert.hf_names,
-    t5.hf_names); get(name) gives a tensor, or None where the file has none. The `vocab` parameters get
+    """Copy HF tensors into `model` by a name map (ours -> the HF names stacked along rows: an encoders/
+    family's hf_names); get(name) gives a tensor, or None where the file has none. The `vocab` parameters get
     zero rows past the folder's vocabulary (never read). Returns the HF names read."""
     params, used = dict(model.named_parameters()), set()
     for ours, theirs in names.items():

@@ -38,6 +38,7 @@ import logs
 import lora
 import parallel
 import plan
+import weights
 from checkpoint import CheckpointError, ResumeMismatch, RunDirError
 
 # what a run writes into out_dir: a fresh run refuses to start over these (or moves them aside)
@@ -80,7 +81,7 @@ def preflight(cfg, grid):
         try:
             lines += plan.advice(cfg, grid.world)
         except config.UserError:
-            lines.append("memory plan: mixture-of-experts models, BERT and T5 are not modelled (plan.py)")
+            lines.append("memory plan: mixture-of-experts models and the encoder families are not modelled (plan.py)")
         for line in lines:
             print(line)
 
@@ -287,11 +288,13 @@ def resume(lease, net, say):
     cfg, run_id), its step), or (None, 0) for a fresh run. Collective under FSDP and EP."""
     if not lease.resume_from:
         return None, 0
-    weights, optim_state, trainer = checkpoint.load(lease.resume_from, net.raw.cfg, net.optimizer is not None)
-    have, got = ({k for k in names if lora.is_adapter(k)} for names in (net.state_names(), weights))
+    names = set(net.state_names())  # (beside the model's own: its adapters, LoRA's or a tuned prefix)
+    ref = weights.reference(net.raw.cfg, type(net.raw), keep=lambda k: lora.is_adapter(k) or k in names)
+    full, optim_state, trainer = checkpoint.load(lease.resume_from, **ref, optimizer=net.optimizer is not None)
+    have, got = ({k for k in keys if lora.is_adapter(k)} for keys in (names, full))
     if have != got:  # (resume's config check refuses changed lora_* settings first)
         raise CheckpointError(f"'{lease.resume_from}' holds LoRA adapters {sorted(got)[:2]}, this model {sorted(have)[:2]}")
-    net.load_full_state(weights, optim_state)
+    net.load_full_state(full, optim_state)
     if net.scaler is not None and "scaler" in trainer:
         net.scaler.load_state_dict(trainer["scaler"])
     checkpoint.set_rng_state(trainer, net.grid.rank)
@@ -303,12 +306,12 @@ def save(net, cfg, lease, step, loader_state=None, extra=None, optimizer=True):
     """The full state of net (any layout) as out_dir/step_<step>; collective, rank 0 writes. Returns
     (its path on rank 0, the full weights). extra(weights) -> a function writing more files into the
     checkpoint folder (a LoRA run's PEFT adapter), or None."""
-    weights, optim_state = net.full_state(optimizer)
+    full, optim_state = net.full_state(optimizer)
     state = {"scaler": net.scaler.state_dict()} if net.scaler is not None else None  # fp16: resume exactly
-    path = checkpoint.save(cfg.out_dir, step, weights, optim_state, cfg, loader_state, cfg.keep_last, net.grid.rank,
-                           run_id=lease.run_id, extra=extra(weights) if extra else None,
+    path = checkpoint.save(cfg.out_dir, step, full, optim_state, cfg, loader_state, cfg.keep_last, net.grid.rank,
+                           run_id=lease.run_id, extra=extra(full) if extra else None,
                            sole_writer=lease.lock is not None, state=state)
-    return path, weights
+    return path, full
 
 
 # ---------------------------------------------------------------------------- signals, the end of a step, the clock

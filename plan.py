@@ -30,6 +30,7 @@ import torch
 
 import lora
 import muon
+import weights
 from memory import optim_memory, qlora
 from model import ModelConfig, Transformer
 
@@ -45,9 +46,10 @@ def count(cfg):
     lora_r > 0): {trained, frozen, block_matrices, matrices (blocks + untied head), largest,
     largest_trained, unit, root, muon, muon_batch, nf4_bytes}; unit: the largest block's parameters,
     root: the rest (FSDP units); muon_batch: Muon's largest Newton-Schulz batch (matrices of one shape)."""
-    if getattr(cfg, "objective", "lm") != "lm":
-        raise NotImplementedError(f"plan: objective={cfg.objective!r} builds a BERT / T5; the plan models the decoder")
-    mcfg = ModelConfig.from_cfg(cfg)
+    fam = weights.family(cfg)
+    if fam.Model is not Transformer:
+        raise NotImplementedError(f"plan: a {fam.name} ({fam.chosen_by}) is not modelled; the plan models the decoder")
+    mcfg = fam.model_config(cfg)
     if mcfg.n_experts:
         raise NotImplementedError("plan: mixture-of-experts models are not modelled")
     with torch.device("meta"):
@@ -376,12 +378,11 @@ def main(argv):
     import importlib
 
     import config
-    import weights
     stage = next((a.split("=", 1)[1] for a in argv if a.startswith("--stage=")), "pretrain")
     argv = [a for a in argv if not a.startswith("--stage=")]
-    extra = dict(getattr(importlib.import_module(stage), "EXTRA", {}), gpu_memory=24.0, world=1, decode_rows=0,
-                 decode_len=0)
-    cfg = config.load(argv, extra=extra, world=1)
+    module = importlib.import_module(stage)
+    extra = dict(getattr(module, "EXTRA", {}), gpu_memory=24.0, world=1, decode_rows=0, decode_len=0)
+    cfg = config.load(argv, extra=extra, world=1, plugins=getattr(module, "FAMILY_KEYS", None))
     try:
         weights.configure(cfg)
     except config.MissingFileError as e:  # planning for a machine the base model is not on (yet)

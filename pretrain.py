@@ -5,17 +5,16 @@
     torchrun --nproc_per_node=2 pretrain.py configs/tiny.py --max_steps=50 --lr=1e-3
     torchrun --nproc_per_node=4 pretrain.py configs/small.py --tp=2 --data_parallel=fsdp --compile=False
     torchrun --nproc_per_node=2 pretrain.py configs/small.py --pp=2 --compile=False   # two pipeline stages
-    python pretrain.py configs/tiny_bert.py                       # objective="mlm": BERT (configs/tiny_t5.py: T5)
     python pretrain.py --help                                     # every key, its default and comment
 
 The spine (sft.py, dpo.py and grpo.py follow it and differ in their data and loss): config ->
 grid -> init_from's model and tokenizer -> validate -> the stage's checks -> claim out_dir ->
 data -> model -> parallelize -> resume -> loop (lr, micro-steps, net.step, log, end_of_step) ->
-summary. objective "mlm" / "span" trains a BERT / T5 (weights.model_config) on the same windows,
-masked or corrupted (denoising.py), its loss the mean over the predicted tokens. Importing this
-file runs nothing: main() does the work.
+summary. The model family (weights.family: the decoder, or the one objective= picks from
+weights.FAMILIES; configs/ holds a tiny config of each) builds the model and makes each step's
+batches and loss from the windows (masked or corrupted: the mean over the predicted tokens); the
+stage never asks which it is. Importing this file runs nothing: main() does the work.
 """
-import dataclasses
 import sys
 
 import torch
@@ -31,8 +30,6 @@ import optim
 import parallel
 import tokenizer
 import weights
-from encoders import denoising
-from fused import IGNORE
 from tools import gradstats, scoring
 
 PRETRAIN_DEFAULTS = dict(
@@ -42,23 +39,21 @@ PRETRAIN_DEFAULTS = dict(
     sample_prompt="def ",    # its prompt
     sample_temperature=0.8,  # its temperature (0: greedy)
     sample_top_k=50,         # its top-k filter (0: none)
-    objective="lm",          # lm: next tokens (model.Transformer) | mlm: BERT's masked tokens (bert.Bert) | span:
-                             # T5's corrupted spans (t5.T5); init_from's model sets it (denoising.py)
-    mask_rate=0.15,          # mlm: share of positions predicted (80% [MASK], 10% a random id, 10% kept)
-    noise_density=0.15,      # span: share of the tokens corrupted
-    mean_span=3.0,           # span: mean length of a corrupted span
+    objective="lm",          # lm: next tokens (model.Transformer) | mlm: masked tokens | span: corrupted spans
+                             # (weights.FAMILIES: the family that trains it, its own keys); init_from's model sets it
 )
 EXTRA = {**data.DATA_DEFAULTS, **PRETRAIN_DEFAULTS}  # this script's keys beyond config.py's shared ones
+FAMILY_KEYS = weights.objective_keys  # config.load's plugins: the keys of the family objective picks
 RESUME_FREE = (*data.RESUME_FREE, "eval_batches", "sample_tokens", "sample_prompt", "sample_temperature", "sample_top_k")
 
 
 def check(cfg, tok=None):
-    """Pretraining's own settings, before any work is spent (tok: also the sample prompt's length, the
-    objective's vocabulary and the model it builds)."""
+    """Pretraining's own settings, before any work is spent (tok: also the sample prompt's length, and the
+    model family's checks: its keys, the vocabulary it needs, the model it builds and the layouts it takes)."""
     data.check_settings(cfg)
+    fam = weights.family(cfg)  # (an objective no family trains: one line)
     if tok:
-        denoising.check(cfg, tok)
-        weights.model_config(cfg)  # a BERT's / T5's config, and the layouts it takes (one line)
+        fam.pretrain_check(cfg, tok)
     for bad, msg in [
         (cfg.eval_batches < 0, f"eval_batches={cfg.eval_batches} must be >= 0 (0: the whole validation split)"),
         (cfg.sample_tokens < 0, f"sample_tokens={cfg.sample_tokens} must be >= 0 (0: no sample)"),
@@ -72,19 +67,18 @@ def check(cfg, tok=None):
 
 def main(argv):
     # ------------------------------------------------------------------------ config, grid, the run folder
-    cfg = config.load(argv, extra=EXTRA, script=__file__, example="configs/tiny.py")
+    cfg = config.load(argv, extra=EXTRA, script=__file__, example="configs/tiny.py", plugins=FAMILY_KEYS)
     grid = parallel.init(cfg, cfg.threads)  # device, process groups, CPU threads
     clock, say = lifecycle.Clock(grid.device), lifecycle.say(grid)
     autocast = parallel.autocast(cfg, grid.device)
     started = weights.configure(cfg) or "no init_from: random initial weights"  # init_from's shape and tokenizer
+    fam = weights.family(cfg)  # objective's (init_from's): what builds the model, makes the batches and the loss
     if not cfg.init_from:  # FIM sentinels in the vocabulary (init_from: its tokenizer's, as its ids)
         cfg.tokenizer_fim = cfg.tokenizer_fim or cfg.fim_rate > 0
     tok = tokenizer.for_cfg(cfg)
     if not cfg.init_from:
-        cfg.vocab_size = tok.n_vocab  # the model's vocabulary is the tokenizer's (padded inside the model)
-        denoising.vocabulary(cfg, tok)  # mlm / span: [MASK] or T5's sentinels above it
-    denoise = cfg.objective != "lm"  # BERT / T5: windows masked or corrupted on the CPU (denoising.py)
-    config.validate(cfg, grid.world)  # the model keys may have changed
+        cfg.vocab_size = fam.vocabulary(cfg, tok)  # the tokenizer's (and ids of the family's own above it)
+    config.validate(cfg, grid.world, fam.model_config)  # the model keys may have changed
     check(cfg, tok)
     lifecycle.preflight(cfg, grid)  # the GPUs and the memory plan, said once (--gpu_memory: the plan, then exit)
     # out_dir belongs to this run: rank 0 takes its lock (held while `lease` lives), picks the
@@ -92,12 +86,12 @@ def main(argv):
     lease = lifecycle.claim(cfg, grid, free=RESUME_FREE)
 
     # ------------------------------------------------------------------------ data
-    T, accum = denoising.read_length(cfg), cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
+    T, accum = fam.read_length(cfg), cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
     # the corpus tokenized once into memmaps (data.prepare: cleaning, dedup and FIM name its folder), or
     # token shards streamed (data="shards:..." or data_sources: stream.py). Both splits checked now, not at
     # the first evaluation: the evaluation shrinks to what validation holds (and says so)
-    loader, val_path, meta = data.make_loader(cfg, dataclasses.replace(grid, device=torch.device("cpu")) if denoise
-                                              else grid, tok, T)
+    reader = fam.read_grid(grid)  # (reader.device: where the windows go; fam.batches moves them on)
+    loader, val_path, meta = data.make_loader(cfg, reader, tok, T)
     n_eval, note = (data.eval_plan(val_path, cfg.micro_batch_size, T, grid.data_world, cfg.eval_batches)
                     if cfg.eval_every else (0, None))
     epochs = cfg.max_steps * cfg.batch_size * T / max(meta["n_train"], 1)
@@ -113,8 +107,7 @@ def main(argv):
     # ------------------------------------------------------------------------ model, layout, resume
     raw = weights.build_model(cfg, grid)  # the full model on every rank, from the same seed: identical weights
     n_params, n_body, n_active = raw.num_params(), raw.non_embedding_params(), raw.active_params()
-    # counted on the full model, before it is cut (BERT / T5: per corpus token read)
-    flops_per_token = denoising.flops_per_token(raw, cfg) if denoise else raw.flops_per_token(T)
+    flops_per_token = fam.flops_per_token(raw, cfg)  # on the full model, before it is cut; per corpus token read
     # in place: TP cut, init_from weights, EP cut, then FSDP or the optimizer + DataParallel (ZeRO-1), compile
     net = parallel.parallelize(raw, grid, cfg, load=weights.loader(cfg, grid))
     trainer, step = lifecycle.resume(lease, net, say)  # saved by any layout: full tensors, cut to this one
@@ -125,34 +118,28 @@ def main(argv):
         f"non-embedding), {flops_per_token / 1e6:.1f} MFLOPs/token, peak {peak or 'n/a'} TFLOP/s per device")
     logger = logs.Logger(cfg, grid)
     probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
-    nbytes = scoring.token_bytes(tok).to(grid.device) if cfg.eval_every and not denoise else None  # bits per byte
+    nbytes = scoring.token_bytes(tok).to(grid.device) if cfg.eval_every and fam.bits_per_byte else None
     held = {}  # the held-out loss at the first and the latest evaluation
 
     @torch.no_grad()
     def evaluate():
-        """Mean validation loss and bits per byte over the same windows on every call, over all ranks
-        (BERT / T5: over their predicted tokens, the masks the same at every call; no bits per byte)."""
+        """Mean validation loss (and bits per byte) over the same windows on every call, over all ranks
+        (a family that predicts some tokens: over those, the same ones at every call; no bits per byte)."""
         raw.eval()
-        total = torch.zeros(5, device=grid.device)  # nll_terms' (BERT / T5: NLL, predicted tokens), tokens read
+        total = torch.zeros(5, device=grid.device)  # fam.held_out's terms (loss, its count, bpb's), tokens read
         for j, (x, y) in enumerate(data.eval_batches(val_path, cfg.micro_batch_size, T, grid.data_rank,
-                                                     grid.data_world, n_eval, device="cpu" if denoise else grid.device)):
+                                                     grid.data_world, n_eval, device=reader.device)):
             total[4] += x.numel()
-            if denoise:  # stream 0: validation's masks
-                x, y, kw = denoising.corrupt(x, cfg, tok, 0, (j * grid.data_world + grid.data_rank) * len(x), grid.device)
-                with autocast:
-                    total[0] += net(x, y, **kw).float()
-                total[1] += (y != IGNORE).sum()
-                continue
             with autocast:
-                total[:4] += scoring.nll_terms(net(x, y, reduction="none").float(), y, nbytes)
+                total[:4] += fam.held_out(net, x, y, j, cfg, tok, grid, nbytes)
         if grid.world > 1:
             torch.distributed.all_reduce(total, group=grid.data_group)
         raw.train()
         val = (total[0] / total[1].clamp(min=1)).item()
-        bpb = None if denoise else scoring.bpb_of(total[2:4])
-        logger.log(step, {"val_loss": val} if denoise else {"val_loss": val, "val_bpb": bpb})
+        bpb = scoring.bpb_of(total[2:4]) if nbytes is not None else None
+        logger.log(step, {"val_loss": val} if bpb is None else {"val_loss": val, "val_bpb": bpb})
         lifecycle.track_held(held, step, val)
-        scored = f" over {int(total[1]):,} predicted tokens" if denoise else f" | bpb {bpb:.4f}"
+        scored = f" over {int(total[1]):,} predicted tokens" if bpb is None else f" | bpb {bpb:.4f}"
         write(f"step {step} | val loss {val:.4f}{scored} (the first {int(total[4]):,} of {meta['n_val']:,} "
               f"validation tokens; eval.py scores them all)")
 
@@ -172,14 +159,9 @@ def main(argv):
     while step < last:
         lr = optim.set_lr(net.optimizer, step, cfg)
         # the step's micro-batches, forward and backward (gradients reduced on the last; pp > 1: the
-        # pipeline schedule); mean over the global batch = the sum of per-micro-step means / accum
-        micro = [(*loader.next(), {}) for _ in range(accum)]
-        loss_fn = lambda i, loss: (loss / accum, loss.detach() / accum)  # noqa: E731
-        if denoise:  # masks / spans seeded by (seed, step, global row): any layout, and a resume, sees the same
-            B, W = cfg.micro_batch_size, grid.data_world
-            micro = [denoising.corrupt(x, cfg, tok, step + 1, (i * W + grid.data_rank) * B, grid.device)
-                     for i, (x, _, _) in enumerate(micro)]
-            loss_fn = denoising.token_mean(micro, grid)  # the mean over the global batch's predicted tokens
+        # pipeline schedule); the loss: the mean over the global batch (of tokens, or of predicted ones)
+        micro = fam.batches(loader, accum, step, cfg, tok, grid)  # [(x, y, forward keywords)]
+        loss_fn = fam.loss_fn(micro, grid)
         probe.before(step)  # a statistics step (every grad_stats_every): activation hooks armed
         loss_sum += net.train_step(micro, loss_fn, autocast)
         grad_norm = net.step(cfg.grad_clip, *probe.hooks)  # reductions, clipping (each slice counted once), step
@@ -212,7 +194,7 @@ def main(argv):
         say(line)
 
     # ------------------------------------------------------------------------ sample, summary
-    if cfg.sample_tokens > 0 and not stopped and not denoise:  # every rank generates (TP shards need all), same seed
+    if cfg.sample_tokens > 0 and not stopped and not fam.no_sample:  # every rank generates (TP shards need all)
         raw.eval()
         prompt = torch.tensor([tok.encode(cfg.sample_prompt) or [tok.eos_id]], device=grid.device)
         with net.full_params(), autocast:

@@ -40,8 +40,10 @@ from model import ModelConfig, Transformer
 
 
 def load(path, device="cpu"):
-    """A run folder, a checkpoint folder or an HF model folder -> (model in eval mode, tokenizer, cfg)."""
+    """A run folder, a checkpoint folder or an HF model folder -> (model in eval mode, tokenizer, cfg);
+    a model family that does not continue prompts (weights.Family.no_sample) is refused in one line."""
     if hf.is_hf_folder(path):
+        refuse_family(path, weights.folder_family(path))
         model = hf.load_hf(path, device)
         return model, tokenizer.load_hf_tokenizer(path), model.cfg
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
@@ -51,10 +53,17 @@ def load(path, device="cpu"):
                                           "nor an HF model folder: name one (e.g. out/tiny)")
         path = found
     cfg = SimpleNamespace(**hf.read_config(path))
+    fam = refuse_family(path, weights.family(cfg))
     model = Transformer(ModelConfig.from_cfg(cfg))
-    weights.load_model(path, model)
+    weights.load_model(path, model, fam)
     tok = tokenizer.for_cfg(cfg)  # FIM sentinels when it was trained with them
     return model.to(device).eval(), tok, cfg
+
+
+def refuse_family(path, fam):
+    if fam.no_sample:
+        raise config.UserError(f"{path}: {fam.no_sample}; sample.py continues prompts with a decoder")
+    return fam
 
 
 def chat_setup(path, cfg):

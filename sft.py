@@ -15,9 +15,9 @@ such tokens (counted before the step's first forward) and multiplied by the data
 which DataParallel and FSDP divide gradients by (a per-micro-batch mean would weight tokens by how
 the batch is split). Full fine-tuning, or LoRA (lora_r > 0: the base frozen; checkpoints then also
 hold the adapter in PEFT's format); merge=<folder> writes the merged model as one of our
-checkpoints at the end, export_hf=<folder> the final model as an HF folder. prefix_tokens > 0:
-prefix tuning (prefix.attach: the base frozen; checkpoints also hold the prefix in PEFT's format).
-A T5 init_from (objective "span": ours or an HF folder) trains sequence to sequence (seq2seq.py's pairs).
+checkpoints at the end, export_hf=<folder> the final model as an HF folder. The model family
+(weights.family: the decoder, init_from's, or a variant whose key was given) makes the rows, batches,
+held-out answers and adapter files: an encoder-decoder init_from trains on (source, target) pairs.
 """
 import collections
 import sys
@@ -29,7 +29,6 @@ from tqdm import tqdm
 import chat
 import checkpoint
 import config
-import generate
 import hf
 import lifecycle
 import logs
@@ -38,9 +37,7 @@ import optim
 import parallel
 import weights
 from config import need
-from encoders import prefix as pfx
-from encoders import seq2seq, t5
-from model import IGNORE, ModelConfig, Transformer
+from model import IGNORE
 from posttrain import tasks
 from tools import gradstats
 
@@ -57,16 +54,15 @@ SFT_DEFAULTS = dict(
     merge="",           # LoRA: write the merged model here at the end, as one of our checkpoints
     export_hf="",       # write the final model (LoRA merged) here as a Hugging Face folder
     ckpt_every=0,       # steps between checkpoints (0: only at the end)
-    prefix_tokens=0,    # > 0: prefix tuning, this many learned key/value positions per layer (the base frozen)
-    prefix_projection=False,  # prefix tuning through PEFT's reparameterisation MLP (embedding -> tanh MLP)
-    prefix_hidden=0,    # its hidden width (0: the key/value width)
 )
 EXTRA = {**chat.CHAT_DEFAULTS, **SFT_DEFAULTS}  # this script's keys beyond config.py's shared ones
+FAMILY_KEYS = weights.variant_keys  # config.load's plugins: a decoder variant's keys, when its key is given
 RESUME_FREE = ("n_eval", "eval_every", "eval_tokens", "eval_batch", "merge", "export_hf")  # a resume may change them
 
 
 def check(cfg, grid):
-    """SFT's own settings, and a LoRA config the model cannot take: one message, before any work."""
+    """SFT's own settings, and what the model family refuses (a LoRA config the model cannot take, ...):
+    one message, before any work."""
     need(cfg.task or cfg.chat_data, "no training data: set chat_data (a file, folder or hf:<name>) or a task")
     need(cfg.n_train > 0 and cfg.n_eval >= 0 and cfg.eval_tokens > 0 and cfg.eval_batch > 0,
          "n_train, eval_tokens and eval_batch must be positive, n_eval >= 0")
@@ -76,38 +72,13 @@ def check(cfg, grid):
     for path in (cfg.merge, cfg.export_hf):
         need(not path or not lifecycle.run_files(path) and not hf.is_hf_folder(path),
              f"'{path}' already holds a model or a run: name an empty or new folder")
-    objective = getattr(cfg, "objective", "lm")  # init_from's (weights.configure)
-    need(objective != "mlm", f"init_from={cfg.init_from} is a BERT: sft.py fine-tunes decoders, and T5s sequence to "
-         "sequence")
-    weights.model_config(cfg)  # a T5's config, and the layouts it takes (one line)
-    need(objective == "lm" or not cfg.pack, "pack=True packs decoder rows; a T5 trains one (source, target) pair per "
-         "row: set pack=False")
-    need(0 <= cfg.prefix_tokens < cfg.block_size // 2 and cfg.prefix_hidden >= 0, f"prefix_tokens={cfg.prefix_tokens} "
-         f"must be in [0, block_size / 2 = {cfg.block_size // 2}) and prefix_hidden >= 0")
-    need(not (cfg.prefix_projection or cfg.prefix_hidden) or cfg.prefix_tokens,
-         "prefix_projection / prefix_hidden shape a prefix: set prefix_tokens > 0")
-    if cfg.prefix_tokens:
-        for bad, what in [(objective != "lm", "a T5"), (cfg.lora_r, "LoRA (lora_r > 0)"), (grid.tp > 1, "tp > 1"),
-                          (grid.pp > 1, "pp > 1"), (grid.ep > 1 or cfg.n_experts, "experts"),
-                          (cfg.data_parallel == "fsdp", "data_parallel='fsdp'"), (cfg.compile, "compile=True"),
-                          (cfg.merge or cfg.export_hf, "merge / export_hf (the PEFT adapter is in every checkpoint "
-                           "folder; the base is init_from)")]:
-            need(not bad, f"prefix tuning (prefix_tokens={cfg.prefix_tokens}) works with data_parallel='ddp' on a "
-                 f"decoder: not with {what}")
-    # lora.apply on a meta copy: unknown targets, nothing adapted (MoE), bf16 without autocast
-    if cfg.lora_r and objective == "lm":
-        with torch.device("meta"):
-            model = Transformer(ModelConfig.from_cfg(cfg))
-        try:
-            lora.apply(model, cfg, grid)
-        except ValueError as e:
-            raise config.ConfigError(f"LoRA: {e}") from e
+    weights.family(cfg).sft_check(cfg, grid)
 
 
-def load_data(cfg, task, tok, template, T):
-    """-> (rows, held-out rows, counts, conversations): the training rows (chat.pack; template None, a
-    T5's: seq2seq.rows), chat_data's held-out rows (every 1/held_out-th conversation, before packing),
-    and what was skipped / dropped."""
+def load_data(cfg, task, tok, template, T, fam):
+    """-> (rows, held-out rows, counts, conversations): the training rows (fam.rows: chat.pack's, or the
+    family's), chat_data's held-out rows (every 1/held_out-th conversation, packed), and what was
+    skipped / dropped."""
     if cfg.chat_data:
         convs, counts = chat.read_conversations(cfg.chat_data, cfg.chat_format, skip_bad=cfg.skip_bad_records,
                                                 limit=cfg.chat_limit)
@@ -118,51 +89,25 @@ def load_data(cfg, task, tok, template, T):
     every = round(1 / cfg.held_out) if cfg.chat_data and cfg.held_out and len(convs) >= 2 / cfg.held_out else 0
     held = [c for i, c in enumerate(convs) if every and i % every == every - 1]
     convs = [c for i, c in enumerate(convs) if not (every and i % every == every - 1)]
-    if template is None:  # a T5: (source, target) pairs
-        rows, dropped = seq2seq.rows(convs, tok, T)
-        return rows, seq2seq.rows(held, tok, T)[0], counts + dropped, convs
-    examples = [chat.encode(tok, template, c) for c in convs]
-    rows, dropped = chat.pack(examples, T, one_per_row=not cfg.pack)  # pack=False: one per row, padded
-    held_rows = chat.pack([chat.encode(tok, template, c) for c in held], T)[0] if held else []
+    rows, dropped = fam.rows(convs, tok, template, T, cfg.pack)  # pack=False: one per row, padded
+    held_rows = fam.rows(held, tok, template, T, True)[0] if held else []
     return rows, held_rows, counts + dropped, convs
-
-
-def forward_kwargs(pos, mask):
-    """A micro-batch's forward keywords: a decoder's positions and attention mask; a T5's source mask (pos None)."""
-    return dict(reduction="sum", src_mask=mask) if pos is None else dict(reduction="sum", pos=pos, attn_mask=mask)
-
-
-def answers(net, tok, template, prompts, cfg):
-    """Greedy answers (token lists, ending at the end of turn) to chat prompts: generate.decode's static
-    cache; prefix tuning: prefix.answers (the prefix in its KV cache); a T5: seq2seq.answers."""
-    raw = net.raw
-    if template is None:
-        return seq2seq.answers(raw, tok, prompts, cfg.eval_tokens)
-    ids = [chat.encode(tok, template, p, add_generation_prompt=True)[0] for p in prompts]
-    new = min(cfg.eval_tokens, cfg.block_size - cfg.prefix_tokens - max(map(len, ids)))  # (a prefix takes positions)
-    if new < 1:
-        raise config.ConfigError(f"a held-out prompt has {max(map(len, ids))} tokens: block_size {cfg.block_size} "
-                                 f"leaves no room for an answer")
-    if cfg.prefix_tokens:
-        return pfx.answers(raw, ids, new, tok.eot_id)
-    r = generate.decode(raw, ids, new, temperature=0.0, stop_tokens=[tok.eot_id], pad_id=tok.eot_id)
-    return [[t for t in row[:n] if t != tok.eot_id] for row, n in zip(r.tokens[:, r.prompt_len:].tolist(),
-                                                                    r.lengths.tolist())]
 
 
 @torch.no_grad()
 def accuracy(net, tok, template, task, items, cfg, autocast):
     """Share of items whose greedy answer the task's reward accepts, and one (question, answer)
     pair. Items are split over the data-parallel ranks (all on every rank with expert parallelism:
-    EP ranks must run the same forwards); TP partners answer the same ones together."""
-    grid = net.grid
+    EP ranks must run the same forwards); TP partners answer the same ones together (the family's
+    greedy answers)."""
+    grid, fam = net.grid, weights.family(cfg)
     split = grid.data_world if grid.ep == 1 else 1
     mine = items[(grid.data_rank if split > 1 else 0)::split]
     score, example = torch.zeros(2), None
     with net.full_params(), autocast:
         for i in range(0, len(mine), cfg.eval_batch):
             chunk = mine[i:i + cfg.eval_batch]
-            for it, ids in zip(chunk, answers(net, tok, template, [it["prompt"] for it in chunk], cfg)):
+            for it, ids in zip(chunk, fam.answers(net.raw, tok, template, [it["prompt"] for it in chunk], cfg)):
                 answer = tok.decode(ids)
                 score[0] += float(task.reward(answer, it))
                 example = example or (it["prompt"][-1]["content"], answer)
@@ -177,16 +122,15 @@ def held_out_loss(net, rows, cfg, autocast):
     """Mean NLL over the assistant tokens of the held-out rows (split over data ranks in micro-batches).
     Every micro-batch has micro_batch_size rows, as training's do (row 0 fills it, its targets IGNORE): a
     compiled forward that met another batch size would be recompiled for any size, training's included."""
-    grid, mb = net.grid, cfg.micro_batch_size
+    grid, mb, fam = net.grid, cfg.micro_batch_size, weights.family(cfg)
     total = torch.zeros(2, device=grid.device)
     net.raw.eval()
     for start in range(0, len(rows), mb * grid.data_world):
         mine = rows[start + grid.data_rank * mb:start + (grid.data_rank + 1) * mb]
-        x, y, pos, mask = (chat.batch if cfg.objective == "lm" else seq2seq.batch)(
-            mine + rows[:1] * (mb - len(mine)), grid.device)
+        x, y, kw = fam.sft_batch(mine + rows[:1] * (mb - len(mine)), grid.device)
         y[len(mine):] = IGNORE  # (the filling rows count for nothing)
         with autocast:
-            nll = net(x, y, **forward_kwargs(pos, mask)).float()
+            nll = net(x, y, **kw).float()
         total += torch.stack([nll, (y != IGNORE).sum().float()])
     net.raw.train()
     parallel.data_sum(total, grid)
@@ -194,12 +138,12 @@ def held_out_loss(net, rows, cfg, autocast):
 
 
 def train_step(net, micro, autocast, router=False):
-    """Forwards and backwards of one optimizer step over this rank's micro-batches [(x, y, pos,
-    attn_mask)] (a T5's: (src, y, None, src_mask)): the gradient of the mean NLL over the global
+    """Forwards and backwards of one optimizer step over this rank's micro-batches [(x, y, forward
+    keywords)] (the family's loader's: summed NLLs): the gradient of the mean NLL over the global
     batch's assistant tokens (module docstring), left for net.step(). router: add MoE router losses (their mean over the
     micro-steps). Returns (summed NLL of this rank's tokens, the global batch's token count)."""
     grid = net.grid
-    count = sum((y != IGNORE).sum() for _, y, _, _ in micro).float()  # all micro-steps, before the first forward
+    count = sum((y != IGNORE).sum() for _, y, _ in micro).float()  # all micro-steps, before the first forward
     parallel.data_sum(count, grid)
 
     def loss_fn(i, nll):  # (gradients reduced on the last micro-step; pp > 1: the pipeline schedule runs them)
@@ -207,38 +151,31 @@ def train_step(net, micro, autocast, router=False):
         if router:
             loss = loss + net.raw.router_loss() / len(micro)
         return loss, nll.detach().float()
-    total = net.train_step([(x, y, forward_kwargs(pos, mask)) for x, y, pos, mask in micro], loss_fn, autocast)
+    total = net.train_step(micro, loss_fn, autocast)
     return total, count
 
 
 def main(argv):
     # ------------------------------------------------------------------------ config, grid, the run folder
-    cfg = config.load(argv, extra=EXTRA, script=__file__, example="configs/sft_tiny.py")
+    cfg = config.load(argv, extra=EXTRA, script=__file__, example="configs/sft_tiny.py", plugins=FAMILY_KEYS)
     grid = parallel.init(cfg, cfg.threads)
     clock, say = lifecycle.Clock(grid.device), lifecycle.say(grid)
     autocast = parallel.autocast(cfg, grid.device)
-    started, tok, template = weights.configure_chat(cfg, grid.world, seq2seq=True)  # a T5 init_from: no template
-    cfg.objective = getattr(cfg, "objective", "lm")  # init_from's: a T5 ("span") trains sequence to sequence
+    started, tok, template = weights.configure_chat(cfg, grid.world)  # template None: the family reads plain text
+    fam = weights.family(cfg)  # the decoder, init_from's family, or a variant whose key was given
     check(cfg, grid)
     lifecycle.preflight(cfg, grid)  # the GPUs and the memory plan, said once (--gpu_memory: the plan, then exit)
-    T = min(cfg.seq_len or cfg.block_size, cfg.block_size - cfg.prefix_tokens)  # (a prefix takes positions too)
+    T = fam.row_length(cfg)
     task = tasks.get(cfg.task, cfg.task_args) if cfg.task else None
-    rows, held_rows, counts, convs = load_data(cfg, task, tok, template, T)
+    rows, held_rows, counts, convs = load_data(cfg, task, tok, template, T, fam)
     items = task.test(cfg.n_eval, cfg.seed) if task and cfg.n_eval else []
     accum = cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
     if len(rows) < cfg.batch_size:
         raise config.ConfigError(f"{len(rows)} training rows (from {len(convs)} conversations) cannot fill one global "
                                  f"batch of {cfg.batch_size}: more data, or a smaller batch_size")
     lease = lifecycle.claim(cfg, grid, free=RESUME_FREE)  # out_dir locked, resume picked, settings checked
-    loader = (chat.ChatLoader if template else seq2seq.PairLoader)(rows, cfg.micro_batch_size, grid.data_rank,
-                                                              grid.data_world, cfg.seed, grid.device)
-    if template:
-        n_loss, n_real = sum(int(r.mask[1:].sum()) for r in rows), sum(int((r.seg >= 0).sum()) for r in rows)
-        shape = f"{len(rows):,} rows of {T + 1} tokens ({'packed' if cfg.pack else 'padded'}, " \
-                f"{n_real / (len(rows) * (T + 1)):.0%} filled)"
-    else:
-        n_loss = sum(len(t) for _, t in rows)
-        shape = f"{len(rows):,} (source, target) pairs of at most {T} tokens"
+    loader = fam.sft_loader(rows, cfg, grid)  # next(): (x, y, forward keywords)
+    n_loss, shape = fam.describe(rows, T, cfg)
     epochs = cfg.max_steps * cfg.batch_size / len(rows)
     left_out = "".join(f"; {n:,} {why}" for why, n in sorted(counts.items()))  # skipped records, dropped examples
     for line in [started, *lease.notes, f"config:\n{config.show(cfg)}",
@@ -249,19 +186,18 @@ def main(argv):
                  + (f" | {len(held_rows):,} held-out rows (every {round(1 / cfg.held_out)}th conversation)"
                     if held_rows else ""),
                  f"{lifecycle.layout(cfg, grid)} | global batch {cfg.batch_size} rows = {cfg.micro_batch_size} x "
-                 f"{grid.data_world} ranks x {accum} micro-steps" +
-                 (f" | LoRA r={cfg.lora_r} on {cfg.lora_targets}" if cfg.lora_r else
-                  f" | prefix tuning, {cfg.prefix_tokens} positions" if cfg.prefix_tokens else " | full fine-tuning")]:
+                 f"{grid.data_world} ranks x {accum} micro-steps | {fam.tuning(cfg)}"]:
         say(line)
 
     # ------------------------------------------------------------------------ model, layout, resume
     raw = weights.build_model(cfg, grid)  # from the same seed on every rank (LoRA from init_from: in its storage dtype)
-    # in place: TP cut, init_from weights (vocabulary grown), LoRA adapters, EP cut, FSDP or DataParallel
-    net = parallel.parallelize(raw, grid, cfg, load=with_prefix(weights.loader(cfg, grid), cfg))
+    # in place: TP cut, init_from weights (vocabulary grown; the family's tuned parts), LoRA adapters, EP cut, FSDP
+    # or DataParallel
+    net = parallel.parallelize(raw, grid, cfg, load=weights.loader(cfg, grid))
     trainer, step = lifecycle.resume(lease, net, say)  # saved by any layout (adapters and frozen base too)
     if trainer:
         loader.load_state_dict(trainer["loader"])
-    n_train = sum(p.numel() for p in raw.parameters() if p.requires_grad)  # (prefix tuning: the prefix's)
+    n_train = sum(p.numel() for p in raw.parameters() if p.requires_grad)  # (adapters: theirs only)
     say(f"model: {raw.num_params() / 1e6:.2f}M parameters, {n_train / 1e6:.3f}M trained")
     logger = logs.Logger(cfg, grid)
     probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
@@ -284,13 +220,9 @@ def main(argv):
                              + " -> ".join(map(repr, example or ())))
             say(f"step {step} | held-out " + " | ".join(parts))
 
-    def save():  # every rank helps gather full tensors; rank 0 writes (a LoRA or prefix run: its PEFT adapter too)
-        def peft(w):
-            adapters = {k: v for k, v in w.items() if lora.is_adapter(k)}
-            if cfg.prefix_tokens:
-                return lambda d: pfx.save_peft(d, raw.prefix, cfg.init_from or None)
-            return (lambda d: lora.save_peft(d, adapters, cfg)) if adapters else None
-        saved["path"], saved["weights"] = lifecycle.save(net, cfg, lease, step, loader.state_dict(), extra=peft)
+    def save():  # every rank helps gather full tensors; rank 0 writes (adapters: their PEFT folder too, fam.peft)
+        saved["path"], saved["weights"] = lifecycle.save(net, cfg, lease, step, loader.state_dict(),
+                                                         extra=lambda full: fam.peft(raw, full, cfg))
 
     # ------------------------------------------------------------------------ training loop
     if step == 0:
@@ -335,40 +267,17 @@ def main(argv):
     logger.close()
 
 
-def with_prefix(load, cfg):
-    """parallelize's load callback, then (prefix_tokens > 0) prefix tuning attached to the loaded base
-    (prefix.attach: the base frozen, a prefix from cfg.seed), as LoRA comes after the weights."""
-    if not cfg.prefix_tokens:
-        return load
-
-    def load_then_attach(model):
-        if load is not None:
-            load(model)
-        torch.manual_seed(cfg.seed)
-        pfx.attach(model, pfx.Prefix(model.cfg, cfg.prefix_tokens, cfg.prefix_projection, cfg.prefix_hidden))
-    return load_then_attach
-
-
 def export(cfg, grid, full, tok, template, step, say):
     """merge=<folder>: the LoRA-merged model as one of our checkpoints (init_from and sample.py read
     it; checkpoint.save is collective, rank 0 writes); export_hf=<folder>: the final model (merged)
-    as an HF folder with the tokenizer and the chat template (rank 0)."""
+    as an HF folder (the family's: a decoder's with the tokenizer and the chat template; rank 0)."""
     plain = SimpleNamespace(**{**vars(cfg), "lora_r": 0, "init_from": cfg.out_dir})
     full = lora.merge_weights(full, cfg) if cfg.lora_r else full
     if cfg.merge:
         path = checkpoint.save(cfg.merge, step, full, None, plain, rank=grid.rank, run_id=lifecycle.new_run_id())
         say(f"merged model (adapters folded in) saved to {path}")
-    if cfg.export_hf and grid.is_main and cfg.objective == "span":
-        model = t5.T5(weights.model_config(plain))
-        model.load_state_dict(full)
-        t5.export_hf(model, cfg.export_hf)
-        say(f"HF folder written to {cfg.export_hf} (transformers' T5ForConditionalGeneration reads it; no tokenizer)")
-    elif cfg.export_hf and grid.is_main:
-        model = Transformer(ModelConfig.from_cfg(plain))
-        model.load_state_dict(full)
-        tok.chat_template = template.source  # tokenizer.save_tokenizer writes it into tokenizer_config.json
-        hf.export_hf(model, cfg.export_hf, tokenizer=tok)
-        say(f"HF folder written to {cfg.export_hf} (transformers' AutoModelForCausalLM and chat template read it)")
+    if cfg.export_hf and grid.is_main:
+        say(weights.family(plain).export_hf(full, plain, tok, template, cfg.export_hf))
 
 
 if __name__ == "__main__":

@@ -1,19 +1,25 @@
-"""A run's initial weights: init_from (our checkpoint or run folder, or a local HF folder), and weights into a plain model.
+"""A run's model family and initial weights: init_from, and the model a stage builds.
 
-    started = weights.configure(cfg)       # init_from's model keys and tokenizer become cfg's
+    fam = weights.family(cfg)              # the decoder, or the family objective / a variant key asks for
+    started = weights.configure(cfg)       # init_from's model keys, tokenizer (and family) become cfg's
     started, tok, template = weights.configure_chat(cfg, grid.world)   # SFT, DPO, GRPO: and the chat template
     raw = weights.build_model(cfg, grid)   # the full model on the device, seeded; init_from's weights come next
     net = parallel.parallelize(raw, grid, cfg, load=weights.loader(cfg, grid))
     ref = weights.build_net(cfg, grid, load, frozen=True)  # both in one call: a frozen reference (DPO, GRPO)
     weights.load_model("out/tiny/step_000300", model)     # sample.py, eval.py, plots: a plain model
 
+Family is the one interface of a model family or objective: what it builds, its batches and loss
+(pretraining, SFT), FLOPs, what it generates, its checks, HF folders and its own keys. Its methods
+are the decoder's (model.Transformer); encoders/ implement the others (bert.py: objective "mlm",
+t5.py: "span", prefix.py: prefix tuning, an SFT variant of the decoder). The stage scripts name
+none of them: family(cfg) finds one through FAMILIES / VARIANTS, modules imported only when a run
+asks for one, and config.load's plugins hook (objective_keys, variant_keys) adds its keys.
 An HF folder is read by hf.py (each TP rank reads only its rows / columns); our checkpoints give
 full tensors that tp.local_tensor cuts. A LoRA run's adapters are merged into their base; a
 vocabulary smaller than the run's (chat tokens just added) grows, the new rows the mean of the old.
 Under LoRA those new rows train too (lora_train_tokens: lora.train_tokens in loader; base_vocab).
-The family follows cfg.objective (pretrain.py's; init_from's sets it): "lm" model.Transformer,
-"mlm" bert.Bert, "span" t5.T5 (HF folders of model_type bert / t5 too); model_config says which.
 """
+import importlib
 import json
 import os
 from dataclasses import fields
@@ -24,14 +30,305 @@ import torch
 import chat
 import checkpoint
 import config
+import generate
 import hf
 import lora
 import parallel
-import tokenizer
-from encoders import bert, t5
+from config import need
 from memory import materialize
 from model import ModelConfig, Transformer
 from parallelism import tp
+from tools import scoring
+
+# The families a run may ask for: modules whose FAMILY implements Family, imported only then (family()).
+FAMILIES = {"mlm": "encoders.bert", "span": "encoders.t5"}  # objective (pretraining's; init_from's model sets it)
+VARIANTS = {"prefix_tokens": "encoders.prefix"}  # a decoder variant (SFT) -> its module, picked by this key > 0
+HF_TYPES = {"bert": "mlm", "t5": "span"}  # an HF folder's model_type -> its objective
+
+
+class Family:
+    """A model family or objective, as the stage scripts use it. These methods are the decoder's
+    (model.Transformer: next-token prediction, chat rows); a family in encoders/ overrides what differs."""
+    name = "decoder"              # how a message names it
+    chosen_by = "objective='lm'"  # how a run picks it
+    keys = {}                     # its own config keys (its module's *_DEFAULTS), added by config.load's plugins hook
+    Model = Transformer           # the module it builds, from model_config(cfg)
+    no_sample = ""                # why sample.py cannot continue a prompt with it ("": it can)
+    bits_per_byte = True          # pretraining's validation also reports bits per byte
+
+    # ------------------------------------------------------------------------ what it builds, init_from
+    def model_config(self, cfg):
+        """cfg's model config; one that cannot work, or a layout or key the family refuses: ConfigError (one line)."""
+        try:
+            return ModelConfig.from_cfg(cfg)
+        except (ValueError, TypeError) as e:
+            raise config.ConfigError(str(e)) from e
+
+    def adapter_key(self, name):
+        """Whether a saved name beside the model's own is a PEFT adapter's (LoRA's) that a checkpoint may hold."""
+        return lora.is_adapter(name)
+
+    def reference(self, mcfg):
+        """checkpoint.read_weights' keywords for a model of config mcfg (module function reference())."""
+        return reference(mcfg, self.Model, self.adapter_key)
+
+    def configure(self, cfg):
+        """configure() for this family's init_from -> the line saying so. An HF folder: its config.json's
+        model keys, its tokenizer. Our checkpoint or run folder (init_from then names its newest
+        checkpoint): its model keys, tokenizer, tokenizer_vocab and tokenizer_fim (a truncated vocabulary's
+        ids depend on it). block_size is capped at the model's (learned positions: the model's); the line
+        names any other of these keys the user gave that init_from replaced."""
+        if hf.is_hf_folder(cfg.init_from):
+            try:
+                folder = hf.read_config(cfg.init_from)
+                m = vars(hf.config_from_hf(folder, min(cfg.block_size, hf.config_from_hf(folder).block_size)))
+            except ValueError as e:
+                raise config.ConfigError(f"init_from={cfg.init_from}: {e}") from e
+            keys, tok = hf.MODEL_KEYS, dict(tokenizer=cfg.init_from, tokenizer_vocab=0)
+        else:
+            cfg.init_from, m = init_checkpoint(cfg.init_from)
+            keys = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "grad_checkpoint", "fp32_residual")]
+            if m["pos_emb"] == "rope":  # (a learned position table keeps its rows)
+                m = dict(m, block_size=min(cfg.block_size, m["block_size"]))
+            tok = {k: m[k] for k in ("tokenizer", "tokenizer_vocab")}  # and its FIM sentinels (older checkpoints: fim_rate)
+            tok["tokenizer_fim"] = m.get("tokenizer_fim", m.get("fim_rate", 0) > 0)
+        taken = [(k, m[k]) for k in keys] + list(tok.items())
+        replaced = [f"{k}={v!r} (not {getattr(cfg, k)!r} as given)" for k, v in taken
+                    if k in getattr(cfg, "given", ()) and k != "block_size" and getattr(cfg, k) != v]
+        for k, v in taken:
+            setattr(cfg, k, v)
+        if cfg.seq_len > cfg.block_size:
+            raise config.ConfigError(f"seq_len={cfg.seq_len} > block_size={cfg.block_size} of {cfg.init_from}")
+        line = f"model and tokenizer of {'the HF folder' if keys is hf.MODEL_KEYS else 'checkpoint'} {cfg.init_from}"
+        return line + (f"; note: init_from's {', '.join(replaced)}: drop those keys, or start without init_from"
+                       if replaced else "")
+
+    def loader(self, cfg, grid):
+        """parallelize's `load` callback for cfg.init_from (None without one): an HF folder (each TP rank
+        reads its rows / columns) or our checkpoint (full tensors cut to this TP rank; a LoRA run's merged).
+        A smaller vocabulary (chat specials just added) grows (grow_vocab), said once; under LoRA
+        (lora_train_tokens) the new tokens' rows then train (lora.train_tokens; not in a frozen reference)."""
+        if not cfg.init_from:
+            return None
+        src, is_hf, old = cfg.init_from, hf.is_hf_folder(cfg.init_from), base_vocab(cfg)
+        new = range(old, cfg.vocab_size) if cfg.lora_r and cfg.lora_train_tokens else range(0)
+        if new and cfg.pp > 1 and cfg.tie_embeddings:
+            raise config.ConfigError("lora_train_tokens=True: the new tokens' rows of tied embeddings cannot train "
+                                     "across pipeline stages (pp > 1): set --lora_train_tokens=False, or pp=1")
+        if old < cfg.vocab_size and grid.is_main:
+            print(f"init_from: vocabulary grown from {old} to {cfg.vocab_size} tokens (new rows: the mean of the old"
+                  + (f"; LoRA trains the rows of tokens {old}..{cfg.vocab_size - 1} too)" if new else ")"))
+
+        def load(model):
+            if is_hf:
+                params, base = dict(model.named_parameters()), tp.hf_shard_fn(model, grid)
+
+                def shard_fn(name, part):  # vocabulary rows: read whole, grown, then cut like the rest
+                    if name in ("tok_emb.weight", "head.weight") and old < cfg.vocab_size:
+                        return tp.local_tensor(params[name], grow_vocab(part[:], old, cfg.vocab_size), grid)
+                    return base(name, part)
+                hf.load_weights(src, model, shard_fn)
+            else:
+                saved = SimpleNamespace(**init_checkpoint(src)[1])  # (the family that saved it: its adapters)
+                weights = checkpoint.read_weights(src, **family(saved).reference(ModelConfig.from_cfg(saved)))
+                tp.load_full_state_dict(model, grid, fit_weights(weights, vars(saved), model.cfg))
+            if new and any(p.requires_grad for p in model.parameters()):  # (a frozen reference keeps the base's rows)
+                lora.train_tokens(model, new, grid)  # on the TP cut, before lora.apply and FSDP
+        return load
+
+    # ------------------------------------------------------------------------ pretraining (pretrain.py)
+    def pretrain_check(self, cfg, tok):
+        """Pretraining's checks of the family, before any work: its keys, the vocabulary it needs, its model."""
+        self.model_config(cfg)
+
+    def vocabulary(self, cfg, tok):
+        """A fresh model's vocab_size: the tokenizer's (padded inside the model)."""
+        return tok.n_vocab
+
+    def read_length(self, cfg):
+        """Tokens of the corpus one row reads."""
+        return cfg.seq_len or cfg.block_size
+
+    def read_grid(self, grid):
+        """The grid the loader reads for: its device is where the windows go (the step's batches())."""
+        return grid
+
+    def batches(self, loader, accum, step, cfg, tok, grid):
+        """One step's micro-batches [(x, y, forward keywords)] for net.train_step: the loader's windows."""
+        return [(*loader.next(), {}) for _ in range(accum)]
+
+    def loss_fn(self, micro, grid):
+        """net.train_step's loss_fn over batches()' micro-batches: the mean over the global batch (each
+        micro-step's mean loss / their count); its tallies add up to the step's loss."""
+        accum = len(micro)
+        return lambda i, loss: (loss / accum, loss.detach() / accum)
+
+    def held_out(self, net, x, y, j, cfg, tok, grid, nbytes):
+        """Validation window batch j (x, y) -> [mean NLL, 1, NLL of targets with bytes, their bytes]
+        (scoring.nll_terms), summed over batches and ranks: the loss and bits per byte."""
+        return scoring.nll_terms(net(x, y, reduction="none").float(), y, nbytes)
+
+    def flops_per_token(self, model, cfg):
+        """Training FLOPs per corpus token read (model: the full one, before it is cut)."""
+        return model.flops_per_token(self.read_length(cfg))
+
+    # ------------------------------------------------------------------------ supervised fine-tuning (sft.py)
+    def sft_check(self, cfg, grid):
+        """SFT's checks of the family: its model config; LoRA on a meta copy (unknown targets, nothing
+        adapted (MoE), bf16 without autocast)."""
+        mcfg = self.model_config(cfg)
+        if cfg.lora_r:
+            with torch.device("meta"):
+                model = Transformer(mcfg)
+            try:
+                lora.apply(model, cfg, grid)
+            except ValueError as e:
+                raise config.ConfigError(f"LoRA: {e}") from e
+
+    def chat_setup(self, cfg):
+        """(tokenizer, chat template or None) of a chat stage: chat.setup's."""
+        return chat.setup(cfg)
+
+    def positions(self, cfg):
+        """Positions a row (prompt and answer) may take."""
+        return cfg.block_size
+
+    def row_length(self, cfg):
+        """T of SFT's rows."""
+        return min(cfg.seq_len or cfg.block_size, self.positions(cfg))
+
+    def rows(self, convs, tok, template, T, pack):
+        """Conversations -> (rows, Counter of dropped examples): chat.pack's rows of T + 1 tokens (pack
+        False: one conversation per row, padded), a loss mask over each answer and its end of turn."""
+        return chat.pack([chat.encode(tok, template, c) for c in convs], T, one_per_row=not pack)
+
+    def describe(self, rows, T, cfg):
+        """(tokens trained on, a phrase for the rows) of rows()' training rows."""
+        n_loss, n_real = sum(int(r.mask[1:].sum()) for r in rows), sum(int((r.seg >= 0).sum()) for r in rows)
+        return n_loss, (f"{len(rows):,} rows of {T + 1} tokens ({'packed' if cfg.pack else 'padded'}, "
+                        f"{n_real / (len(rows) * (T + 1)):.0%} filled)")
+
+    def tuning(self, cfg):
+        """What trains, in a few words."""
+        return f"LoRA r={cfg.lora_r} on {cfg.lora_targets}" if cfg.lora_r else "full fine-tuning"
+
+    def sft_loader(self, rows, cfg, grid):
+        """The training rows' loader for this data rank: next() -> (x, y, forward keywords) (sft_batch's)."""
+        return ChatRows(rows, cfg.micro_batch_size, grid.data_rank, grid.data_world, cfg.seed, grid.device)
+
+    def sft_batch(self, rows, device="cpu"):
+        """Rows -> (x, y, forward keywords): chat.batch's positions and attention mask, the NLL summed."""
+        x, y, pos, mask = chat.batch(rows, device)
+        return x, y, dict(reduction="sum", pos=pos, attn_mask=mask)
+
+    def answers(self, raw, tok, template, prompts, cfg):
+        """Greedy answers (token lists, the end of turn cut) of the plain model raw to chat prompts."""
+        ids = [chat.encode(tok, template, p, add_generation_prompt=True)[0] for p in prompts]
+        new = min(cfg.eval_tokens, self.positions(cfg) - max(map(len, ids)))
+        need(new >= 1, f"a held-out prompt has {max(map(len, ids))} tokens: block_size {cfg.block_size} leaves no "
+             f"room for an answer")
+        return self.decode(raw, ids, new, tok.eot_id)
+
+    def decode(self, raw, ids, new, stop_id):
+        """answers()' greedy decoding of token prompts: generate.decode's static cache, until stop_id (cut)."""
+        r = generate.decode(raw, ids, new, temperature=0.0, stop_tokens=[stop_id], pad_id=stop_id)
+        return [[t for t in row[:n] if t != stop_id] for row, n in zip(r.tokens[:, r.prompt_len:].tolist(),
+                                                                       r.lengths.tolist())]
+
+    def peft(self, raw, full, cfg):
+        """lifecycle.save's `extra` for a checkpoint's full weights: a writer of the PEFT adapter (LoRA's), or None."""
+        adapters = {k: v for k, v in full.items() if lora.is_adapter(k)}
+        return (lambda d: lora.save_peft(d, adapters, cfg)) if adapters else None
+
+    def export_hf(self, full, cfg, tok, template, folder):
+        """export_hf=<folder>: full weights (LoRA merged) as an HF folder -> the line that says so."""
+        model = self.Model(self.model_config(cfg))
+        model.load_state_dict(full)
+        return self.write_hf(model, folder, tok, template)
+
+    def write_hf(self, model, folder, tok, template):
+        tok.chat_template = template.source  # tokenizer.save_tokenizer writes it into tokenizer_config.json
+        hf.export_hf(model, folder, tokenizer=tok)
+        return f"HF folder written to {folder} (transformers' AutoModelForCausalLM and chat template read it)"
+
+
+class ChatRows(chat.ChatLoader):
+    """chat.ChatLoader whose batches are net.train_step's (x, y, forward keywords) (Family.sft_batch's)."""
+
+    def next(self):
+        x, y, pos, mask = super().next()
+        return x, y, dict(reduction="sum", pos=pos, attn_mask=mask)
+
+
+DECODER = Family()
+
+
+def family(cfg):
+    """The Family cfg asks for: objective's (FAMILIES; "lm" or none: the decoder), or a decoder variant
+    whose key (VARIANTS) is > 0; its module imported only now. An unknown objective, or a variant of
+    another family: ConfigError (one line)."""
+    objective = getattr(cfg, "objective", "lm")
+    need(objective == "lm" or objective in FAMILIES,
+         f"objective={objective!r} must be one of {', '.join(['lm', *FAMILIES])}")
+    fam = DECODER if objective == "lm" else importlib.import_module(FAMILIES[objective]).FAMILY
+    for key, module in VARIANTS.items():
+        if getattr(cfg, key, 0):
+            variant = importlib.import_module(module).FAMILY
+            need(fam is DECODER, f"{variant.name} ({key}={getattr(cfg, key)}) tunes a decoder: not a {fam.name} "
+                 f"({fam.chosen_by})")
+            fam = variant
+    return fam
+
+
+def objective_keys(values, unknown):
+    """config.load's plugins hook for a stage that selects by objective (pretraining): (the keys of the
+    family values' objective picks, its model check); values None (--help): every family's keys. unknown:
+    the keys given that the stage lacks; one another family owns is refused, naming where it belongs."""
+    if values is None:
+        return keys_of(FAMILIES.values()), None
+    fam = family(SimpleNamespace(objective=values.get("objective", "lm")))
+    refuse_others(unknown - set(fam.keys), FAMILIES.values())
+    return fam.keys, fam.model_config
+
+
+def variant_keys(values, unknown):
+    """config.load's plugins hook for SFT: the keys of each decoder variant whose key (VARIANTS) was
+    given, as objective_keys (the decoder's model check: None)."""
+    if values is None:
+        return keys_of(VARIANTS.values()), None
+    keys = keys_of(m for k, m in VARIANTS.items() if k in unknown)
+    refuse_others(unknown - set(keys), VARIANTS.values())
+    return keys, None
+
+
+def keys_of(modules):
+    """The keys and defaults of the families of these modules (imported)."""
+    return {k: v for m in modules for k, v in importlib.import_module(m).FAMILY.keys.items()}
+
+
+def refuse_others(keys, modules):
+    """ConfigError naming the family (one of modules') that owns one of `keys`: keys a run gave without
+    choosing their family. The modules are imported only when such keys were given (the run stops, or
+    config.load names the keys nobody owns)."""
+    families = [importlib.import_module(m).FAMILY for m in modules] if keys else []
+    for k in sorted(keys):
+        owners = [f for f in families if k in f.keys]
+        need(not owners, f"{k} is a key of {' / '.join(f.name for f in owners)} "
+             f"({' or '.join(f.chosen_by for f in owners)}), which this run did not choose: choose it, or drop {k}")
+
+
+def model_config(cfg):
+    """The model config cfg describes (its family's, family(cfg).model_config)."""
+    return family(cfg).model_config(cfg)
+
+
+def reference(mcfg, Model=Transformer, keep=lora.is_adapter):
+    """checkpoint.read_weights' / load's keywords for a model of config mcfg: the one-process model's
+    state dict (Model built on the meta device: names, full shapes, tied names one tensor), mcfg, and
+    keep(name): a saved name beyond them that is a PEFT adapter's."""
+    with torch.device("meta"):
+        expected = Model(mcfg).state_dict(keep_vars=True)
+    return dict(expected=expected, mcfg=mcfg, keep=keep)
 
 
 def init_checkpoint(path):
@@ -44,88 +341,23 @@ def init_checkpoint(path):
     return ckpt, hf.read_config(ckpt)
 
 
-FAMILIES = {"mlm": (bert.BertConfig, bert.Bert, "bert"), "span": (t5.T5Config, t5.T5, "t5")}  # objective -> model
-# the layouts and keys a BERT / T5 takes: (what is wrong, the one-line refusal)
-FAMILY_REFUSALS = [
-    (lambda c: c.tp > 1, "tp > 1 (set tp=1: tensor parallelism cuts the decoder Transformer only)"),
-    (lambda c: c.pp > 1, "pp > 1 (set pp=1: pipeline stages cut the decoder Transformer only)"),
-    (lambda c: c.ep > 1 or c.n_experts, "experts (set n_experts=0, ep=1)"),
-    (lambda c: c.lora_r, "LoRA (set lora_r=0: the adapters name the decoder's linears)"),
-    (lambda c: c.sequence_parallel, "sequence_parallel (set it False)"),
-    (lambda c: c.compile and c.data_parallel == "fsdp", "compile=True under FSDP (untested: set compile=False)"),
-    (lambda c: c.loss_chunk or c.recompute or c.grad_checkpoint, "loss_chunk / recompute / grad_checkpoint "
-     "(the decoder's memory tools: set them off)"),
-    (lambda c: c.optimizer != "adamw" or c.zero1 or c.adamw_state != "fp32", "Muon, zero1 or adamw_state "
-     "(untested: set optimizer='adamw', zero1=False, adamw_state='fp32')"),
-]
-
-
-def model_config(cfg):
-    """The model config cfg describes: model.ModelConfig (objective "lm", or a stage without one),
-    bert.BertConfig ("mlm") or t5.T5Config ("span"), their shared keys read from cfg by name; a
-    config that cannot work, or a layout or key the family does not take, raises ConfigError (one line)."""
-    objective = getattr(cfg, "objective", "lm")
-    if objective not in FAMILIES:
-        try:
-            return ModelConfig.from_cfg(cfg)
-        except (ValueError, TypeError) as e:
-            raise config.ConfigError(str(e)) from e
-    kind, _, name = FAMILIES[objective]
-    for bad, what in FAMILY_REFUSALS:
-        if bad(cfg):
-            raise config.ConfigError(f"objective={objective!r} builds a {name.upper()}, which does not take {what}")
-    own = {f.name for f in fields(kind)}
-    ignored = sorted(k for k in getattr(cfg, "given", ()) if k in DECODER_KEYS and k not in own | {"block_size"})
-    if ignored:
-        raise config.ConfigError(f"objective={objective!r} builds a {name.upper()}, which has no {', '.join(ignored)}: "
-                                 f"drop them")
-    return kind.from_cfg(cfg)
-
-
-DECODER_KEYS = {f.name for f in fields(ModelConfig)}
-
-
 def configure(cfg):
     """init_from's model and tokenizer become cfg's (no need to repeat the model shape); returns a line
-    saying so ("" without init_from). An HF folder: its config.json's model keys, its tokenizer. Our
-    checkpoint or run folder (init_from then names its newest checkpoint): its model keys, tokenizer,
-    tokenizer_vocab and tokenizer_fim (a truncated vocabulary's ids depend on it). block_size is capped
-    at the model's (learned positions: the model's); the line names any other of these keys the user
-    gave that init_from replaced. loader(cfg, grid) then loads the weights."""
+    saying so ("" without init_from): its family's configure (Family.configure). Its objective becomes
+    cfg's (SFT: a T5 trains sequence to sequence; pretraining: the family's keys join cfg with their
+    defaults); a different objective the user gave is refused. loader(cfg, grid) then loads the weights."""
     if not cfg.init_from:
         return ""
-    family = init_family(cfg.init_from)
-    if family != getattr(cfg, "objective", "lm"):
+    objective = init_objective(cfg.init_from)
+    if objective != getattr(cfg, "objective", "lm"):
         if "objective" in getattr(cfg, "given", ()):
-            raise config.ConfigError(f"init_from={cfg.init_from} holds a model of objective={family!r}, this run has "
-                                     f"objective={cfg.objective!r}: set objective={family!r}")
-        cfg.objective = family  # (SFT: a T5 trains sequence to sequence)
-    if family != "lm":
-        return configure_family(cfg, family)
-    if hf.is_hf_folder(cfg.init_from):
-        try:
-            folder = hf.read_config(cfg.init_from)
-            m = vars(hf.config_from_hf(folder, min(cfg.block_size, hf.config_from_hf(folder).block_size)))
-        except ValueError as e:
-            raise config.ConfigError(f"init_from={cfg.init_from}: {e}") from e
-        keys, tok = hf.MODEL_KEYS, dict(tokenizer=cfg.init_from, tokenizer_vocab=0)
-    else:
-        cfg.init_from, m = init_checkpoint(cfg.init_from)
-        keys = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "grad_checkpoint", "fp32_residual")]
-        if m["pos_emb"] == "rope":  # (a learned position table keeps its rows)
-            m = dict(m, block_size=min(cfg.block_size, m["block_size"]))
-        tok = {k: m[k] for k in ("tokenizer", "tokenizer_vocab")}  # and its FIM sentinels (older checkpoints: fim_rate)
-        tok["tokenizer_fim"] = m.get("tokenizer_fim", m.get("fim_rate", 0) > 0)
-    taken = [(k, m[k]) for k in keys] + list(tok.items())
-    replaced = [f"{k}={v!r} (not {getattr(cfg, k)!r} as given)" for k, v in taken
-                if k in getattr(cfg, "given", ()) and k != "block_size" and getattr(cfg, k) != v]
-    for k, v in taken:
-        setattr(cfg, k, v)
-    if cfg.seq_len > cfg.block_size:
-        raise config.ConfigError(f"seq_len={cfg.seq_len} > block_size={cfg.block_size} of {cfg.init_from}")
-    line = f"model and tokenizer of {'the HF folder' if keys is hf.MODEL_KEYS else 'checkpoint'} {cfg.init_from}"
-    return line + (f"; note: init_from's {', '.join(replaced)}: drop those keys, or start without init_from"
-                   if replaced else "")
+            raise config.ConfigError(f"init_from={cfg.init_from} holds a model of objective={objective!r}, this run "
+                                     f"has objective={cfg.objective!r}: set objective={objective!r}")
+        selects = hasattr(cfg, "objective")  # (a stage that selects by objective reads its family's keys)
+        cfg.objective = objective
+        for k, v in family(cfg).keys.items() if selects else ():
+            setattr(cfg, k, getattr(cfg, k, v))
+    return family(cfg).configure(cfg)
 
 
 def base_vocab(cfg):
@@ -136,69 +368,52 @@ def base_vocab(cfg):
     return hf.read_config(src)["vocab_size"] if hf.is_hf_folder(src) else init_checkpoint(src)[1]["vocab_size"]
 
 
-def init_family(path):
-    """The objective init_from's model was built for: "mlm" (BERT), "span" (T5) or "lm" (the rest)."""
+def init_objective(path):
+    """The objective init_from's model was built for: an HF folder's by its model_type (HF_TYPES), our
+    checkpoint's by its config; "lm" for the rest."""
     if hf.is_hf_folder(path):
-        return {"bert": "mlm", "t5": "span"}.get(hf.read_config(path).get("model_type"), "lm")
+        return HF_TYPES.get(hf.read_config(path).get("model_type"), "lm")
     return init_checkpoint(path)[1].get("objective", "lm")
 
 
-def configure_chat(cfg, world, seq2seq=False):
+def folder_family(path):
+    """The Family of a model folder (an HF folder, or one of our checkpoints): sample.py's question."""
+    saved = hf.read_config(path)
+    return family(SimpleNamespace(**({"objective": init_objective(path)} if hf.is_hf_folder(path) else saved)))
+
+
+def configure_chat(cfg, world):
     """A chat stage's configure step -> (configure's line, tokenizer, template): init_from's model keys and
-    tokenizer (configure), the chat template's special tokens (chat.setup; seq2seq and a T5 init_from: its
+    tokenizer (configure), the family's chat setup (chat.setup: the template's special tokens; a T5's
     plain tokenizer, no template), vocab_size the tokenizer's without init_from, cfg validated again (its
     model keys just changed)."""
     started = configure(cfg) or "no init_from: random initial weights"
-    if seq2seq and getattr(cfg, "objective", "lm") != "lm":  # a T5: plain text in and out (seq2seq.rows)
-        tok, template = tokenizer.for_cfg(cfg), None
-    else:
-        tok, template = chat.setup(cfg)
+    fam = family(cfg)
+    tok, template = fam.chat_setup(cfg)
     if not cfg.init_from:
         cfg.vocab_size = tok.n_vocab
-    config.validate(cfg, world)
+    config.validate(cfg, world, fam.model_config)
     return started, tok, template
 
 
-def configure_family(cfg, objective):
-    """configure() for a BERT / T5 init_from: its config's keys (bert.BertConfig's / t5.T5Config's) become
-    cfg's; an HF folder's tokenizer when it has a tokenizer.json (else cfg's stays), our checkpoint's."""
-    kind, _, name = FAMILIES[objective]
-    if hf.is_hf_folder(cfg.init_from):
-        hf_cfg = hf.read_config(cfg.init_from)
-        fam = bert.config_from_hf(hf_cfg) if name == "bert" else t5.config_from_hf(hf_cfg, t5.has_own_head(cfg.init_from))
-        m = {f.name: getattr(fam, f.name) for f in fields(kind)}
-        if os.path.isfile(os.path.join(cfg.init_from, "tokenizer.json")):
-            m.update(tokenizer=cfg.init_from, tokenizer_vocab=0)
-        what = f"the HF {name} folder"
-    else:
-        cfg.init_from, saved = init_checkpoint(cfg.init_from)
-        m = {k: saved[k] for k in [f.name for f in fields(kind)] + ["tokenizer", "tokenizer_vocab", "tokenizer_fim"]
-             if k in saved}
-        what = f"{name} checkpoint"
-    for k, v in m.items():
-        setattr(cfg, k, v)
-    return f"model and tokenizer of {what} {cfg.init_from}"
-
-
 def build_model(cfg, grid, frozen=False):
-    """The full model of cfg on grid.device, before parallelize lays it out; the same on every rank.
-    Random initial weights (no init_from, or a full fine-tuning whose weights loader overwrites):
-    built on the CPU in fp32 from cfg.seed, then moved (the same weights on any machine). A LoRA
-    run from init_from: built straight into the frozen base's storage dtype on the device
+    """The full model of cfg (its family's) on grid.device, before parallelize lays it out; the same on
+    every rank. Random initial weights (no init_from, or a full fine-tuning whose weights loader
+    overwrites): built on the CPU in fp32 from cfg.seed, then moved (the same weights on any machine).
+    A LoRA run from init_from: built straight into the frozen base's storage dtype on the device
     (materialize.build, no fp32 copy anywhere; loader fills every tensor), QLoRA's block linears on
     the host until qlora.quantize takes them to the GPU in 4 bits. frozen: no gradients (a
     reference model; never QLoRA)."""
     torch.manual_seed(cfg.seed)
-    mcfg = model_config(cfg)
-    if not isinstance(mcfg, ModelConfig):  # a BERT / T5 (objective mlm / span): fp32 from the seed, moved
-        model = FAMILIES[cfg.objective][1](mcfg).to(grid.device)
-    elif cfg.lora_r and cfg.init_from:
+    fam = family(cfg)
+    mcfg = fam.model_config(cfg)
+    if cfg.lora_r and cfg.init_from:  # (LoRA adapts the decoder: another family's model_config refuses it)
         host = cfg.lora_base_dtype == "nf4" and grid.device.type == "cuda" and not frozen
         dtype = materialize.storage_dtype(cfg, parallel.amp_dtype(cfg, grid.device))
         model = materialize.build(mcfg, grid.device, dtype, init=False,
                                   linear_device="cpu" if host else None)
     else:
-        model = Transformer(mcfg).to(grid.device)
+        model = fam.Model(mcfg).to(grid.device)
     return model.requires_grad_(not frozen)
 
 
@@ -209,57 +424,8 @@ def build_net(cfg, grid, load=None, frozen=False):
 
 
 def loader(cfg, grid):
-    """parallelize's `load` callback for cfg.init_from (None without one): an HF folder (each TP rank
-    reads its rows / columns) or our checkpoint (full tensors cut to this TP rank; a LoRA run's merged).
-    A smaller vocabulary (chat specials just added) grows (grow_vocab), said once; under LoRA
-    (lora_train_tokens) the new tokens' rows then train (lora.train_tokens; not in a frozen reference)."""
-    if not cfg.init_from:
-        return None
-    if getattr(cfg, "objective", "lm") in FAMILIES:
-        return family_loader(cfg)
-    src, is_hf, old = cfg.init_from, hf.is_hf_folder(cfg.init_from), base_vocab(cfg)
-    new = range(old, cfg.vocab_size) if cfg.lora_r and cfg.lora_train_tokens else range(0)
-    if new and cfg.pp > 1 and cfg.tie_embeddings:
-        raise config.ConfigError("lora_train_tokens=True: the new tokens' rows of tied embeddings cannot train across "
-                                 "pipeline stages (pp > 1): set --lora_train_tokens=False, or pp=1")
-    if old < cfg.vocab_size and grid.is_main:
-        print(f"init_from: vocabulary grown from {old} to {cfg.vocab_size} tokens (new rows: the mean of the old"
-              + (f"; LoRA trains the rows of tokens {old}..{cfg.vocab_size - 1} too)" if new else ")"))
-
-    def load(model):
-        if is_hf:
-            params, base = dict(model.named_parameters()), tp.hf_shard_fn(model, grid)
-
-            def shard_fn(name, part):  # vocabulary rows: read whole, grown, then cut like the rest
-                if name in ("tok_emb.weight", "head.weight") and old < cfg.vocab_size:
-                    return tp.local_tensor(params[name], grow_vocab(part[:], old, cfg.vocab_size), grid)
-                return base(name, part)
-            hf.load_weights(src, model, shard_fn)
-        else:
-            saved = init_checkpoint(src)[1]
-            weights = checkpoint.read_weights(src, ModelConfig.from_cfg(SimpleNamespace(**saved)))
-            tp.load_full_state_dict(model, grid, fit_weights(weights, saved, model.cfg))
-        if new and any(p.requires_grad for p in model.parameters()):  # (a frozen reference keeps the base's rows)
-            lora.train_tokens(model, new, grid)  # on the TP cut, before lora.apply and FSDP
-    return load
-
-
-def family_loader(cfg):
-    """loader() for a BERT / T5 (one process's model: tp=1): an HF folder (bert.load_hf / t5.load_hf)
-    or our checkpoint, its vocabulary the run's."""
-    src, kind = cfg.init_from, FAMILIES[cfg.objective]
-    if hf.is_hf_folder(src):
-        def load(model):
-            model.load_state_dict((bert.load_hf if kind[2] == "bert" else t5.load_hf)(src).state_dict())
-        return load
-    saved = init_checkpoint(src)[1]
-    if saved["vocab_size"] != cfg.vocab_size:
-        raise config.ConfigError(f"init_from={src} has vocab_size={saved['vocab_size']}, this run {cfg.vocab_size}: a "
-                                 f"{kind[2].upper()}'s vocabulary does not grow here")
-
-    def load(model):
-        model.load_state_dict(checkpoint.read_weights(src, kind[0].from_cfg(SimpleNamespace(**saved))))
-    return load
+    """parallelize's `load` callback: the family's (Family.loader; None: no init_from, nothing to do)."""
+    return family(cfg).loader(cfg, grid)
 
 
 def grow_vocab(t, n_old, n_new):
@@ -281,9 +447,9 @@ def fit_weights(weights, saved, mcfg):
     return out
 
 
-def load_model(path, model):
-    """Load a checkpoint's weights into a plain (unsharded) model (a LoRA run's: adapters merged)."""
-    sd = checkpoint.read_weights(path, model.cfg)
+def load_model(path, model, fam=DECODER):
+    """Load a checkpoint's weights into a plain (unsharded) model of family fam (a LoRA run's: adapters merged)."""
+    sd = checkpoint.read_weights(path, **reference(model.cfg, type(model), fam.adapter_key))
     if any(lora.is_adapter(k) for k in sd):
         with open(os.path.join(path, "config.json")) as f:
             sd = fit_weights(sd, json.load(f), model.cfg)

@@ -35,6 +35,7 @@ from safetensors import safe_open
 
 import hf
 from config import ConfigError
+from encoders import denoising
 from fused import IGNORE
 from model import Block, DenseCounts, ModelConfig, Transformer, activation_fn, round_up
 
@@ -301,3 +302,37 @@ def flops_per_token(cfg, T=None, predicted=1.0):
     blocks = cfg.n_layer * (4 * C * C + 2 * C * hidden)
     head = (C * C + C * cfg.padded_vocab) * predicted if cfg.head == "mlm" else C * cfg.n_labels
     return 6 * blocks + 6 * head + 12 * cfg.n_layer * T * C
+
+
+class BertFamily(denoising.Denoising):
+    """weights.Family for objective "mlm": a Bert pretrained on BERT's masked tokens (denoising.py's
+    batches and loss); sft.py and sample.py refuse it (an encoder does not generate)."""
+    name, chosen_by, Config, Model, hf_class = "BERT", "objective='mlm'", BertConfig, Bert, "BertForMaskedLM"
+    no_sample = "a BERT is an encoder: it does not generate text (it predicts masked tokens)"
+
+    def extra_ids(self, cfg):
+        return 1  # [MASK], the id past the tokenizer's
+
+    def corrupt_row(self, row, cfg, tok, generator):
+        return mask_tokens(row, mask_id=tok.n_vocab, vocab_size=tok.n_vocab, rate=cfg.mask_rate,
+                           special_ids=[tok.eos_id], generator=generator)
+
+    def flops_per_token(self, model, cfg):
+        """Per position read: the head on the mask_rate share of positions it runs on."""
+        return flops_per_token(model.cfg, self.read_length(cfg), predicted=cfg.mask_rate)
+
+    def config_from_hf(self, path):
+        return config_from_hf(hf.read_config(path))
+
+    def load_hf(self, path):
+        return load_hf(path)
+
+    def export(self, model, folder):
+        return export_hf(model, folder)
+
+    def sft_check(self, cfg, grid):
+        raise ConfigError(f"init_from={cfg.init_from} is a BERT: sft.py fine-tunes decoders, and T5s sequence to "
+                          "sequence")
+
+
+FAMILY = BertFamily()

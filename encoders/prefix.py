@@ -4,6 +4,7 @@
     tuned = Prefixed(model, prefix)                                 # the base frozen; only the prefix trains
     loss = tuned(x, y, attn_mask=real)                              # model.Transformer's forward, prefixed
     attach(model, prefix)                                           # the same in place (sft.py's prefix_tokens)
+    python sft.py configs/sft_tiny.py --prefix_tokens=20           # FAMILY: SFT's variant of the decoder
     save_peft("out/prefix", prefix)                                 # adapter_model.safetensors + adapter_config.json
     prefix = load_peft("out/prefix", model.cfg)                     # PEFT's (or ours): peft.PeftModel reads it too
 
@@ -22,7 +23,8 @@ How: prefixed() hands Transformer.forward a PrefixCache (the cache interface: `l
 update() puts the prefix in front of each layer's keys and values), so positions, causality, GQA,
 ALiBi and sliding windows follow the model's own rules. generate(): the eager decoding loop with
 the prefix in the KV cache (answers(): greedy). Not here: tensor parallelism (the prefix's kv heads
-would be cut like attn.qkv's), FSDP of the frozen base, generate.decode's static cache.
+would be cut like attn.qkv's), FSDP of the frozen base, generate.decode's static cache. PrefixTuning
+is sft.py's weights.Family for prefix_tokens > 0 (PREFIX_DEFAULTS: its keys).
 """
 import functools
 import json
@@ -34,9 +36,16 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from config import ConfigError, MissingFileError
+import weights
+from config import ConfigError, MissingFileError, need
 from generate import KVCache, sample
 from model import Transformer
+
+PREFIX_DEFAULTS = dict(
+    prefix_tokens=0,    # > 0: prefix tuning (sft.py), this many learned key/value positions per layer (the base frozen)
+    prefix_projection=False,  # prefix tuning through PEFT's reparameterisation MLP (embedding -> tanh MLP)
+    prefix_hidden=0,    # its hidden width (0: the key/value width)
+)
 
 
 class Prefix(nn.Module):
@@ -229,3 +238,53 @@ def load_peft(path, mcfg):
     with safe_open(files[1], framework="pt") as f:
         prefix.embedding.weight.copy_(f.get_tensor("prompt_embeddings"))
     return prefix
+
+
+# ----------------------------------------------------------------------------- sft.py's variant of the decoder
+
+class PrefixTuning(weights.Family):
+    """weights.Family for prefix_tokens > 0 (sft.py): the decoder, its base frozen once its weights are
+    loaded and a Prefix attached (loader; from cfg.seed); the prefix takes prefix_tokens positions;
+    held-out answers decoded with the prefix in the KV cache; checkpoints also hold it in PEFT's format."""
+    name, chosen_by, keys = "prefix tuning", "prefix_tokens > 0", PREFIX_DEFAULTS
+
+    def adapter_key(self, name):
+        return super().adapter_key(name) or name.startswith("prefix.")
+
+    def sft_check(self, cfg, grid):
+        need(0 <= cfg.prefix_tokens < cfg.block_size // 2 and cfg.prefix_hidden >= 0, f"prefix_tokens="
+             f"{cfg.prefix_tokens} must be in [0, block_size / 2 = {cfg.block_size // 2}) and prefix_hidden >= 0")
+        for bad, what in [(cfg.lora_r, "LoRA (lora_r > 0)"), (grid.tp > 1, "tp > 1"), (grid.pp > 1, "pp > 1"),
+                          (grid.ep > 1 or cfg.n_experts, "experts"), (cfg.data_parallel == "fsdp", "data_parallel='fsdp'"),
+                          (cfg.compile, "compile=True"), (cfg.merge or cfg.export_hf, "merge / export_hf (the PEFT "
+                                                          "adapter is in every checkpoint folder; the base is init_from)")]:
+            need(not bad, f"prefix tuning (prefix_tokens={cfg.prefix_tokens}) works with data_parallel='ddp' on a "
+                 f"decoder: not with {what}")
+        super().sft_check(cfg, grid)
+
+    def positions(self, cfg):
+        return cfg.block_size - cfg.prefix_tokens  # (the prefix takes positions too)
+
+    def tuning(self, cfg):
+        return f"prefix tuning, {cfg.prefix_tokens} positions"
+
+    def loader(self, cfg, grid):
+        """The decoder's loader, then a Prefix attached to the loaded base (from cfg.seed), as LoRA comes
+        after the weights."""
+        load = super().loader(cfg, grid)
+
+        def load_then_attach(model):
+            if load is not None:
+                load(model)
+            torch.manual_seed(cfg.seed)
+            attach(model, Prefix(model.cfg, cfg.prefix_tokens, cfg.prefix_projection, cfg.prefix_hidden))
+        return load_then_attach
+
+    def decode(self, raw, ids, new, stop_id):
+        return answers(raw, ids, new, stop_id)
+
+    def peft(self, raw, full, cfg):
+        return lambda d: save_peft(d, raw.prefix, cfg.init_from or None)
+
+
+FAMILY = PrefixTuning()

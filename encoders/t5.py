@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 import hf
-from config import ConfigError
+from config import ConfigError, need
+from encoders import denoising, seq2seq
 from generate import KVCache, sample
 from model import DenseCounts, RMSNorm, Transformer, activate, round_up
 
@@ -499,3 +500,50 @@ def export_hf(model, out_dir):
                   is_encoder_decoder=True, pad_token_id=cfg.pad_id, decoder_start_token_id=cfg.decoder_start_id,
                   tie_word_embeddings=cfg.tie_embeddings, scale_decoder_outputs=cfg.scale_logits)
     return hf.write_mapped(model, hf_names(cfg), config, out_dir, VOCAB_ROWS)
+
+
+class T5Family(denoising.Denoising, seq2seq.Seq2Seq):
+    """weights.Family for objective "span": a T5 pretrained on corrupted spans (denoising.py's batches and
+    loss, rows of corrupted_lengths tokens) and fine-tuned sequence to sequence (seq2seq.py's pairs)."""
+    name, chosen_by, Config, Model, hf_class = "T5", "objective='span'", T5Config, T5, "T5ForConditionalGeneration"
+    extra_what = "sentinel"
+    no_sample = "a T5 generates from a source text (t5.generate; sft.py's held-out answers), not from a prompt"
+
+    def read_length(self, cfg):
+        """The most raw tokens whose corruption fits seq_len (T5's rule: more than seq_len)."""
+        return corrupted_lengths(cfg.seq_len or cfg.block_size, cfg.noise_density, cfg.mean_span)[0]
+
+    def extra_ids(self, cfg):
+        return span_counts(self.read_length(cfg), cfg.noise_density, cfg.mean_span)[1]  # the sentinels of a row
+
+    def check_rows(self, cfg):
+        """T5's rounding: the sentinels of a short row can overflow it."""
+        n, T = self.read_length(cfg), cfg.seq_len or cfg.block_size
+        noise, spans = span_counts(n, cfg.noise_density, cfg.mean_span)
+        need(n - noise + spans + 1 <= T, f"span corruption of {n} tokens gives inputs longer than seq_len={T}: "
+             "a longer seq_len, or another noise_density / mean_span")
+
+    def corrupt_row(self, row, cfg, tok, generator):
+        return span_corrupt(row, vocab_size=cfg.vocab_size, eos_id=tok.eos_id, noise_density=cfg.noise_density,
+                            mean_span=cfg.mean_span, generator=generator)
+
+    def flops_per_token(self, model, cfg):
+        """Per raw token read: a row's FLOPs (its corrupted input and target) over read_length."""
+        n, targets = corrupted_lengths(cfg.seq_len or cfg.block_size, cfg.noise_density, cfg.mean_span)
+        noise, spans = span_counts(n, cfg.noise_density, cfg.mean_span)
+        return flops_per_row(model.cfg, n - noise + spans + 1, targets) / n
+
+    def config_from_hf(self, path):
+        return config_from_hf(hf.read_config(path), has_own_head(path))
+
+    def load_hf(self, path):
+        return load_hf(path)
+
+    def export(self, model, folder):
+        return export_hf(model, folder)
+
+    def generate(self, model, src, max_new_tokens, **kw):
+        return generate(model, src, max_new_tokens, **kw)
+
+
+FAMILY = T5Family()
