@@ -207,7 +207,7 @@ def evaluate_and_sample(net):
         rec["sample"] = generate.decode(net.raw, x[:2, :4], 6, temperature=0.0).tokens
     net.raw.train()
     b = net.pipe.bounds
-    rec["cut_again"] = n == sum(t.numel() for t in pp.tensors(net.raw)) and net.raw.layers == range(
+    rec["cut_again"] = n == sum(t.numel() for t in pp.tensors(net.raw)) and net.raw.forward.layers == range(
         b[net.pipe.stage], b[net.pipe.stage + 1])
     return rec
 
