@@ -505,7 +505,7 @@ class Transformer(nn.Module):
         return self.output(x, targets, reduction, temperature)
 
     def output(self, x, targets=None, reduction="mean", temperature=1.0):
-        """The final hidden states (B, T, C) -> logits, or with targets forward's loss (MoE: the router losses added)."""
+        """Final hidden states (B, T, C) -> logits, or with targets forward's loss (MoE: router losses added)."""
         if targets is None:
             return self.logits(x)
         loss = self.head_loss(x, targets, reduction, temperature)
@@ -568,8 +568,7 @@ class Transformer(nn.Module):
         cfg = self.cfg
         x = self.tok_emb(idx)
         if cfg.pos_emb == "learned":
-            T = idx.shape[1]
-            x = x + self.pos_emb(pos if pos is not None else torch.arange(start, start + T, device=idx.device))
+            x = x + self.pos_emb(torch.arange(start, start + idx.shape[1], device=idx.device) if pos is None else pos)
         x = self.drop(x)
         if not cfg.fp32_residual and torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))  # blocks add bf16 outputs: x stays bf16
@@ -585,7 +584,6 @@ class Transformer(nn.Module):
                 cos, sin = self.rope_cos[None, start:start + T, None], self.rope_sin[None, start:start + T, None]
             else:
                 cos, sin = self.rope_cos[pos][:, :, None], self.rope_sin[pos][:, :, None]
-
         mask, is_causal = self._attention_mask(attn_mask, T, start, x.device)
         windowed = None
         if cfg.pos_emb == "alibi" or cfg.sliding_window:
