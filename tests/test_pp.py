@@ -71,7 +71,7 @@ def reference(model, steps=STEPS, save=None):
     rec = {"losses": [], "norms": []}
     for step in range(steps):
         if save and step == save[1]:
-            state = tp.full_optim_state(raw, opt, one_process_grid())
+            state = parallel.full_optim_state(raw, opt, one_process_grid())
             checkpoint.save(save[0], step, raw.state_dict(), state, cfg, run_id="ref")
         loss = raw(*batch(step))
         loss.backward()
@@ -83,7 +83,7 @@ def reference(model, steps=STEPS, save=None):
         opt.zero_grad()
         rec["losses"].append(loss.item())
     rec["weights"] = {k: v.clone() for k, v in raw.state_dict().items()}
-    rec["optim"] = tp.full_optim_state(raw, opt, one_process_grid())
+    rec["optim"] = parallel.full_optim_state(raw, opt, one_process_grid())
     rec["model"] = raw
     return rec
 
