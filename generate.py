@@ -43,19 +43,20 @@ class Cache:
     kernel = None
 
     def attend(self, layer, q, k, v, mask=None, is_causal=True, dropout=0.0):
-        """q (B, T, H, D), k and v (B, T, KV, D) of the new tokens -> their attention output (B, T, H, D)."""
+        """q (B, T, H, D), k and v (B, T, KV, D) of the new tokens -> their attention output (B, T, H * D)."""
         B, T, H, D = q.shape
         q = q.transpose(1, 2)
         k, v = self.update(layer, k.transpose(1, 2), v.transpose(1, 2))  # (B, KV, S, D): cached so far + new
         if self.kernel is not None:
-            return self.kernel(q, k, v, mask).transpose(1, 2)
+            return self.kernel(q, k, v, mask).transpose(1, 2).reshape(B, T, H * D)
         KV = k.shape[1]
         if KV != H and T == 1 and not is_causal and (mask is None or mask.shape[1] == 1):
             # one new token (decoding): a kv head's H/KV query heads become H/KV query rows of one
             # MHA head, so the cache is read once, never repeated per query head
             y = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, D), k, v, attn_mask=mask, dropout_p=dropout)
-            return y.reshape(B, T, H, D)
-        return sdpa(q, k, v, mask, is_causal, dropout).transpose(1, 2)
+        else:
+            y = sdpa(q, k, v, mask, is_causal, dropout).transpose(1, 2)
+        return y.reshape(B, T, H * D)
 
 
 class KVCache(Cache):

@@ -305,8 +305,8 @@ class Attention(nn.Module):
         B, T = q.shape[:2]
         p = self.dropout if self.training else 0.0
         if cache is not None:  # generation or a prefix (generate.Cache): it keeps k, v and attends over all it holds
-            y = cache.attend(layer, q, k, v, mask, is_causal, p)
-        elif HAS_FLASH_ATTN and mask is None and is_causal and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            return self.proj(cache.attend(layer, q, k, v, mask, is_causal, p))
+        if HAS_FLASH_ATTN and mask is None and is_causal and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
             # flash-attn takes (B, T, heads, D) directly and handles GQA natively
             y = flash_attn_func(q, k, v, dropout_p=p, causal=True)
         else:
