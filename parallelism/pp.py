@@ -5,10 +5,9 @@
     net.step(cfg.grad_clip)                           # tied embedding summed, norm over every stage, step
 
 Stage s holds blocks [b_s, b_s+1) (boundaries: even, or cfg.pp_cut="3,5", where stages 1.. start), the
-first also the embeddings, the last the final norm, head and loss; other stages' modules are Elsewhere
-placeholders, so names stay the one-process model's; model.forward is the stage's part (Stage: the
-model's embed, run_blocks over its blocks, output). Every stage reads the same micro-batches; only
-activations move: stage s isends its last block's output (B, T, C) to s + 1 and irecvs its gradient.
+first also the embeddings, the last the final norm, head and loss (model.forward becomes Stage: its part);
+other stages' modules are Elsewhere placeholders, so names stay the one-process model's. Every stage reads
+the same micro-batches; only activations move: stage s's output (B, T, C) to s + 1, its gradient back.
 Schedules, m micro-batches on p stages, t_f / t_b: one micro-batch's forward / backward on one stage:
   gpipe  all forwards, then all backwards: a step takes (m + p - 1)(t_f + t_b), the bubble (p - 1)(t_f +
          t_b) is (p - 1) / m of the ideal step. Activations: all m micro-batches in flight on every stage.
