@@ -93,7 +93,7 @@ def main(argv):
 
     # ------------------------------------------------------------------------ data
     T, accum = denoising.read_length(cfg), cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
-    # the corpus tokenized once into memmaps (data.prepare: cleaning, dedup and FIM name its folder), or
+    # the corpus tokenized once into memmaps (prepare.prepare: cleaning, dedup and FIM name its folder), or
     # token shards streamed (data="shards:..." or data_sources: stream.py). Both splits checked now, not at
     # the first evaluation: the evaluation shrinks to what validation holds (and says so)
     loader, val_path, meta = data.make_loader(cfg, dataclasses.replace(grid, device=torch.device("cpu")) if denoise

@@ -238,7 +238,7 @@ def loader(cfg, grid):
         else:
             saved = init_checkpoint(src)[1]
             weights = checkpoint.read_weights(src, ModelConfig.from_cfg(SimpleNamespace(**saved)))
-            tp.load_full_state_dict(model, grid, fit_weights(weights, saved, model.cfg))
+            parallel.load_full_state_dict(model, grid, fit_weights(weights, saved, model.cfg))
         if new and any(p.requires_grad for p in model.parameters()):  # (a frozen reference keeps the base's rows)
             lora.train_tokens(model, new, grid)  # on the TP cut, before lora.apply and FSDP
     return load
