@@ -16,9 +16,9 @@ rank's share of prompts x G samples (GRPO).
 
 Invariants: greedy decode() gives generate()'s tokens; decode()'s log-probs are those of a
 teacher-forced forward over the same tokens with its logits divided by the same temperature;
-a captured step computes what the uncaptured one does. The forward takes any cache with `length`
-and `update(layer, k, v)` (and, to pick the attention kernel, `attend(q, k, v, mask)`): so the
-decoders live here, and model.py holds the training model only.
+a captured step computes what the uncaptured one does. Given a cache (Cache: `length`, attend(), its
+`kernel`), the model's attention is the cache's: so the caches, their attention and the decoders live
+here, and model.py holds the training model only.
 """
 import contextlib
 import itertools
@@ -32,10 +32,34 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fused
 import moe
-from model import position_ids, round_up
+from model import position_ids, round_up, sdpa
 
 
-class KVCache:
+class Cache:
+    """What model.Attention hands a layer's attention to when its forward is given a cache: attend()
+    stores the new keys and values (the subclass's update(layer, k, v) -> every key and value cached
+    so far, (B, KV, S, D)) and attends over them. `kernel`: None, SDPA; else decode()'s kernel, (q, k,
+    v, mask) -> output, all (B, heads, ., D) (flex_attend, fused.decode_attention)."""
+    kernel = None
+
+    def attend(self, layer, q, k, v, mask=None, is_causal=True, dropout=0.0):
+        """q (B, T, H, D), k and v (B, T, KV, D) of the new tokens -> their attention output (B, T, H * D)."""
+        B, T, H, D = q.shape
+        q = q.transpose(1, 2)
+        k, v = self.update(layer, k.transpose(1, 2), v.transpose(1, 2))  # (B, KV, S, D): cached so far + new
+        if self.kernel is not None:
+            return self.kernel(q, k, v, mask).transpose(1, 2).reshape(B, T, H * D)
+        KV = k.shape[1]
+        if KV != H and T == 1 and not is_causal and (mask is None or mask.shape[1] == 1):
+            # one new token (decoding): a kv head's H/KV query heads become H/KV query rows of one
+            # MHA head, so the cache is read once, never repeated per query head
+            y = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, D), k, v, attn_mask=mask, dropout_p=dropout)
+        else:
+            y = sdpa(q, k, v, mask, is_causal, dropout).transpose(1, 2)
+        return y.reshape(B, T, H * D)
+
+
+class KVCache(Cache):
     """Keys and values of every layer, preallocated (B, KV, max_len, D) on first use.
 
     Buffers take the dtype, device and head count of the first keys written, so the cache
@@ -150,7 +174,7 @@ SDPA = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
 ATTENTION = ("sdpa", *SDPA, "flex", "triton")
 
 
-class StaticCache:
+class StaticCache(Cache):
     """Keys and values of every layer, (R, KV, max_len, D), allocated once, written in place.
 
     Each layer has tensors of its own (views of one big buffer made a compiled step slower:
@@ -165,7 +189,7 @@ class StaticCache:
     def __init__(self, max_len, index):
         self.max_len, self.index, self.span = max_len, index, max_len
         self.k, self.v = [], []
-        self.attend = None  # (q, k, v, mask) -> attention output; None: model.Attention's SDPA
+        self.kernel = None  # decode()'s attention kernel (Cache); None: SDPA
 
     length = property(lambda self: 0, lambda self, value: None)
 
@@ -536,7 +560,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         if dec.noise is not None:
             dec.noise.exponential_(generator=generator)
         dec.emit(logits, torch.zeros(1, dtype=torch.long, device=dev))
-        dec.cache.attend = {"flex": flex_attend, "triton": fused.decode_attention}.get(attention)
+        dec.cache.kernel = {"flex": flex_attend, "triton": fused.decode_attention}.get(attention)
         with sdpa_kernel(SDPA[attention]) if attention in SDPA else contextlib.nullcontext():
             for s in range(1, N):
                 if (stops is not None or group is not None) and s % check_every == 0 and stopped(dec.done, group):

@@ -8,9 +8,11 @@ One decoder-only model covers both families; ModelConfig picks the pieces:
     Mistral / Qwen2 windows: sliding_window=W (window_from=k: layers k.. only), with any of the above
 
 Read top to bottom: config, norms, RoPE, attention, MLP, block, the model (forward,
-init, parameter/FLOP counts). The KV cache, sampling and generate() live in generate.py; the
-forward takes any cache with `length` and `update(layer, k, v)` (optionally `attend`, and `index`:
-the new tokens' cache slots, which ALiBi and the window read when `length` does not say).
+init, parameter/FLOP counts). The attention here is training's (flash-attn, else SDPA). The KV
+caches, their attention, sampling and generate() live in generate.py: given a cache (generate.Cache:
+`length`, `attend(layer, q, k, v, mask, is_causal, dropout)`, optionally `index`, the new tokens' cache
+slots, which ALiBi and the window read when `length` does not say) each layer's attention is its.
+A pipeline stage (pp.py) runs the pieces of forward: embed, run_blocks over its blocks, output.
 Mixture-of-experts layers are moe.py's (imported here, handed this file's MLP class and
 activation function).
 Shapes use B (batch), T (time), C (n_embd), H (query heads), KV (key/value heads),
@@ -298,35 +300,31 @@ class Attention(nn.Module):
         return scores.softmax(-1)
 
     def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0):
-        H, KV, D = self.n_head, self.n_kv_head, self.head_dim
+        H, D = self.n_head, self.head_dim
         q, k, v = self.heads(x, cos, sin)
         B, T = q.shape[:2]
         p = self.dropout if self.training else 0.0
-
-        if (HAS_FLASH_ATTN and cache is None and mask is None and is_causal
-                and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        if cache is not None:  # generation or a prefix (generate.Cache): it keeps k, v and attends over all it holds
+            return self.proj(cache.attend(layer, q, k, v, mask, is_causal, p))
+        if HAS_FLASH_ATTN and mask is None and is_causal and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
             # flash-attn takes (B, T, heads, D) directly and handles GQA natively
             y = flash_attn_func(q, k, v, dropout_p=p, causal=True)
         else:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-            if cache is not None:
-                k, v = cache.update(layer, k, v)  # (B, KV, S, D): everything cached so far + new
-                if getattr(cache, "attend", None):  # the cache's own kernel (generate.decode's flex_attention)
-                    return self.proj(cache.attend(q, k, v, mask).transpose(1, 2).reshape(B, T, H * D))
-            gqa = KV != H
-            if gqa and T == 1 and not is_causal and (mask is None or mask.shape[1] == 1):
-                # one new token (decoding): a kv head's H/KV query heads become H/KV query rows of one
-                # MHA head, so the cache is read once, never repeated per query head
-                y = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, D), k, v, attn_mask=mask, dropout_p=p)
-                return self.proj(y.reshape(B, T, H * D))
-            if gqa and (mask is not None or not SDPA_GQA):
-                # the fused kernels that take a mask don't all support GQA: give them full heads
-                k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
-                gqa = False
-            kw = {"enable_gqa": True} if gqa else {}
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, **kw)
-            y = y.transpose(1, 2)
+            y = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, is_causal, p).transpose(1, 2)
         return self.proj(y.reshape(B, T, H * D))
+
+
+def sdpa(q, k, v, mask=None, is_causal=True, dropout=0.0):
+    """q (B, H, T, D), k and v (B, KV, S, D) -> (B, H, T, D): PyTorch's scaled_dot_product_attention, grouped
+    kv heads (KV < H) through its enable_gqa, or repeated where it cannot take them (a mask; torch 2.4)."""
+    H, KV = q.shape[1], k.shape[1]
+    gqa = KV != H
+    if gqa and (mask is not None or not SDPA_GQA):
+        # the fused kernels that take a mask don't all support GQA: give them full heads
+        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+        gqa = False
+    kw = {"enable_gqa": True} if gqa else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, **kw)
 
 
 # ----------------------------------------------------------------------------- MLP
@@ -436,7 +434,6 @@ class Transformer(nn.Module):
         self.alibi_heads = slice(0, cfg.n_head)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.layers = range(cfg.n_layer)  # the blocks this process runs: a pipeline stage's only (pp.py)
         # post-norm already ends every block with a norm
         self.norm_f = make_norm(cfg, C) if cfg.prenorm else nn.Identity()
         self.head = nn.Linear(C, V, bias=False)
@@ -486,16 +483,15 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, idx, targets=None, *, reduction="mean", cache=None, pos=None, attn_mask=None, temperature=1.0,
-                hidden=None):
+    def forward(self, idx, targets=None, *, reduction="mean", cache=None, pos=None, attn_mask=None, temperature=1.0):
         """idx (B, T) token ids -> logits (B, T, vocab_size), or the loss when targets are given.
 
         targets: (B, T) ids, IGNORE (-100) where no loss is wanted; reduction "mean" | "sum" |
           "none" (-> (B, T), zeros at ignored positions).
         temperature: the loss of logits / temperature (with targets only): GRPO's log-probs under the
           sampling temperature (1.0: the plain loss).
-        cache: a generate.KVCache; the new tokens' keys/values are appended at cache.length and the
-          tokens attend to everything cached.
+        cache: a generate.Cache (KVCache: generate(); StaticCache: decode(); prefix.PrefixCache); the new
+          tokens' keys/values are stored at cache.length and the tokens attend to everything cached.
         MoE models (moe.py): in training mode with reduction "mean" the returned loss also holds
           every MoE layer's router losses (load balance + z-loss, see router_loss()); the latest
           values and expert loads stay on the layers for logging (moe.metrics(model)).
@@ -504,12 +500,12 @@ class Transformer(nn.Module):
           causality; or a ready (B, [1,] T, S) boolean mask (True = attend) used as is, or a float
           one added to the scores (0 / -inf; generate.decode's steps: no per-layer conversion).
         Padded vocabulary rows are sliced off, so they are never sampled nor part of the loss.
-        hidden: a pipeline stage's input (pp.py): the hidden states the previous stage's last block
-          gave; a stage before the last returns its own last block's (no head, no loss).
         """
-        x = self.hidden_states(idx, cache=cache, pos=pos, attn_mask=attn_mask, hidden=hidden)
-        if self.layers.stop < self.cfg.n_layer:  # a pipeline stage before the last: on to the next stage
-            return x
+        x = self.hidden_states(idx, cache=cache, pos=pos, attn_mask=attn_mask)
+        return self.output(x, targets, reduction, temperature)
+
+    def output(self, x, targets=None, reduction="mean", temperature=1.0):
+        """Final hidden states (B, T, C) -> logits, or with targets forward's loss (MoE: router losses added)."""
         if targets is None:
             return self.logits(x)
         loss = self.head_loss(x, targets, reduction, temperature)
@@ -546,40 +542,53 @@ class Transformer(nn.Module):
                                ignore_index=IGNORE, reduction=reduction)
         return loss.view(targets.shape) if reduction == "none" else loss
 
-    def hidden_states(self, idx, *, cache=None, pos=None, attn_mask=None, hidden=None):
-        """The final-normalised hidden states (B, T, C), before the head. A pipeline stage (pp.py) runs
-        only its blocks (self.layers), from `hidden` (the previous stage's output; the first stage
-        embeds idx), and only the last stage applies the final norm."""
-        cfg = self.cfg
-        B, T = idx.shape
-        start = cache.length if cache is not None else 0  # a Python int: no host sync
-        if start + T > cfg.block_size:
-            raise ValueError(f"sequence of {start + T} tokens exceeds block_size={cfg.block_size}: "
+    def hidden_states(self, idx, *, cache=None, pos=None, attn_mask=None):
+        """The final-normalised hidden states (B, T, C), before the head: embeddings, blocks, final norm."""
+        T = idx.shape[1]
+        start, pos = self.positions(T, cache, pos, attn_mask)
+        x = self.run_blocks(self.embed(idx, start, pos), T, start, pos, attn_mask, cache)
+        if cache is not None:
+            cache.length += T
+        return self.norm_f(x)
+
+    def positions(self, T, cache=None, pos=None, attn_mask=None):
+        """(start, pos) of T new tokens. start: the first one's slot, cache.length (0 without a cache), a
+        Python int (no host sync); pos: the position ids as given, else from a 2-D attn_mask, else None
+        (start + 0..T-1, which the embeddings and RoPE take as a static slice)."""
+        start = cache.length if cache is not None else 0
+        if start + T > self.cfg.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds block_size={self.cfg.block_size}: "
                              f"shorten the input or raise block_size")
         if pos is None and attn_mask is not None and attn_mask.dim() == 2:
             pos = position_ids(attn_mask)[:, start:]
+        return start, pos
 
-        if hidden is None:
-            x = self.tok_emb(idx)
-            if cfg.pos_emb == "learned":
-                x = x + self.pos_emb(pos if pos is not None else torch.arange(start, start + T, device=idx.device))
-            x = self.drop(x)
-            if not cfg.fp32_residual and torch.is_autocast_enabled(x.device.type):
-                x = x.to(torch.get_autocast_dtype(x.device.type))  # blocks add bf16 outputs: x stays bf16
-        else:
-            x = hidden
+    def embed(self, idx, start=0, pos=None):
+        """Token ids (B, T) -> the residual stream's start (B, T, C): token (and learned position) embeddings."""
+        cfg = self.cfg
+        x = self.tok_emb(idx)
+        if cfg.pos_emb == "learned":
+            x = x + self.pos_emb(torch.arange(start, start + idx.shape[1], device=idx.device) if pos is None else pos)
+        x = self.drop(x)
+        if not cfg.fp32_residual and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))  # blocks add bf16 outputs: x stays bf16
+        return x
+
+    def run_blocks(self, x, T, start=0, pos=None, attn_mask=None, cache=None, layers=None):
+        """The residual stream x through the blocks of `layers` (default: all; a pipeline stage runs its
+        own, pp.py), each given RoPE's angles and its attention mask for T tokens from slot start."""
+        cfg = self.cfg
         cos = sin = None
         if cfg.pos_emb == "rope":
             if pos is None:  # static slice: the training path compiles to no gather
                 cos, sin = self.rope_cos[None, start:start + T, None], self.rope_sin[None, start:start + T, None]
             else:
                 cos, sin = self.rope_cos[pos][:, :, None], self.rope_sin[pos][:, :, None]
-
-        mask, is_causal = self._attention_mask(attn_mask, T, start, idx.device)
+        mask, is_causal = self._attention_mask(attn_mask, T, start, x.device)
         windowed = None
         if cfg.pos_emb == "alibi" or cfg.sliding_window:
             (mask, is_causal), windowed = self._positional_masks(mask, is_causal, T, start, cache, x)
-        for i in self.layers:  # (a pipeline stage: its blocks only)
+        for i in range(cfg.n_layer) if layers is None else layers:
             block = self.blocks[i]
             if windowed is not None and i >= cfg.window_from:  # from window_from on: the sliding window's mask
                 mask, is_causal = windowed, False
@@ -587,9 +596,7 @@ class Transformer(nn.Module):
                 x = checkpoint(block, x, cos, sin, mask, is_causal, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, is_causal, cache, i)
-        if cache is not None:
-            cache.length += T
-        return self.norm_f(x) if self.layers.stop == cfg.n_layer else x
+        return x
 
     @staticmethod
     def _attention_mask(attn_mask, T, start, device):

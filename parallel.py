@@ -20,7 +20,8 @@ pipeline cut (pp.py: after the forms that rewrite modules in place, which need n
 before the ones that wrap, reduce and optimise what a rank keeps); then FSDP (fsdp.py) and its optimizer, or the optimizer and DataParallel (dp.py; its ZeRO-1 owner map
 comes from the optimizer); then torch.compile (the whole model under DataParallel, each block's
 compute under FSDP). Net is the one handle a loop needs, and the one home of layout-free state: every
-form's full-state functions are called from Net.full_state / load_full_state and nowhere else.
+form's full-state functions are called from Net.full_state / load_full_state and nowhere else; those of
+every layout but FSDP (full_state_dict, full_optim_state and their loads) are this file's.
 """
 import contextlib
 import datetime
@@ -290,6 +291,61 @@ def autocast(cfg, device):
     return contextlib.nullcontext()
 
 
+# ---------------------------------------------------------------------------- layout-free state, every layout but FSDP
+# (Net.full_state / load_full_state call these for DP, ZeRO-1, TP, EP and their products; fsdp.py has FSDP's:
+# a replicated tensor is the full one, a TP slice is gathered and cut by tp.full_tensor / local_tensor)
+
+def full_state_dict(model, grid):
+    """{name: full tensor on CPU}, as the one-process model's state_dict (tied names, padded
+    vocabulary rows included). Collective over the TP group: every TP rank must call it."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out, done = {}, {}
+    for k, v in model.state_dict().items():
+        p = params.get(k, v)
+        if id(p) not in done:  # a tied weight: gathered once, both names share the tensor (as in one process)
+            done[id(p)] = tp.full_tensor(p, v, grid).cpu()
+        out[k] = done[id(p)]
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model, grid, full_sd):
+    """Copy a one-process state dict into the (TP) model: each rank keeps only its slices."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    sd = model.state_dict()
+    missing = sorted(set(sd) - set(full_sd))
+    if missing:
+        raise ValueError(f"full state dict lacks {missing[:8]}")
+    for k, t in sd.items():
+        t.copy_(tp.local_tensor(params.get(k, t), full_sd[k], grid))  # slice first, then move
+
+
+def _state_by_index(model, optimizer):
+    names = {id(p): n for n, p in model.named_parameters()}
+    ps = [p for g in optimizer.param_groups for p in g["params"]]
+    return [(i, names[id(p)], p) for i, p in enumerate(ps)]
+
+
+def full_optim_state(model, optimizer, grid):
+    """{param name: {"exp_avg": full, "exp_avg_sq": full, "step": ...}} on CPU: state tensors shaped
+    like their parameter are gathered like it, the rest (step) copied. Collective over the TP group."""
+    out = {}
+    for _, name, p in _state_by_index(model, optimizer):
+        for k, v in optimizer.state.get(p, {}).items():
+            full = tp.full_tensor(p, v, grid) if torch.is_tensor(v) and v.shape == p.shape else v
+            out.setdefault(name, {})[k] = full.detach().clone().cpu() if torch.is_tensor(full) else full
+    return out
+
+
+def load_full_optim_state(model, optimizer, grid, full):
+    """Load full_optim_state's output (saved from any TP layout) into this rank's optimizer."""
+    sd = optimizer.state_dict()
+    sd["state"] = {i: {k: (tp.local_tensor(p, v, grid) if v.dim() else v).clone() if torch.is_tensor(v) else v
+                       for k, v in full[name].items()}  # copies: the optimizer's steps must not advance `full`
+                   for i, name, p in _state_by_index(model, optimizer) if name in full}
+    optimizer.load_state_dict(sd)  # casts to the parameters' devices and dtypes
+
+
 # ---------------------------------------------------------------------------- the network in its layout
 
 @dataclass
@@ -389,14 +445,14 @@ class Net:
         Optimizer state: {param name: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}} (Muon: its keys)."""
         w, opt, grid = self.wrapper, self.optimizer if optimizer else None, self.grid
         sharded = isinstance(w, fsdp.FSDP)
-        weights = fsdp.full_state_dict(w) if sharded else tp.full_state_dict(self.raw, grid)
+        weights = fsdp.full_state_dict(w) if sharded else full_state_dict(self.raw, grid)
         weights.update(qlora.dequantized_state(self.raw, grid))  # QLoRA: the base as it computes (checkpoints)
         if opt is None:
             state = None
         elif hasattr(opt, "full_optim_state"):  # muon.Muon / FSDPMuon: any layout, ZeRO-1 included
             state = opt.full_optim_state(self.raw, grid)
         else:
-            state = fsdp.full_optim_state(w, opt) if sharded else tp.full_optim_state(self.raw, opt, grid)
+            state = fsdp.full_optim_state(w, opt) if sharded else full_optim_state(self.raw, opt, grid)
         weights, state = moe.gather_experts(self.raw, grid, weights, state)  # EP: every rank's experts
         return (weights, state) if self.pipe is None else pp.gather_stages(self.pipe, weights, state)  # every stage's
 
@@ -411,7 +467,7 @@ class Net:
         if sharded:
             fsdp.load_full_state_dict(w, weights)
         else:
-            tp.load_full_state_dict(self.raw, grid, weights)
+            load_full_state_dict(self.raw, grid, weights)
         if optim_state is None or opt is None:
             return
         if hasattr(opt, "load_full_optim_state"):  # muon.FSDPMuon: its owners' momentum
@@ -419,7 +475,7 @@ class Net:
         elif sharded:
             fsdp.load_full_optim_state(w, opt, optim_state)
         else:  # muon.Muon's load_state_dict keeps what this rank owns under ZeRO-1
-            tp.load_full_optim_state(self.raw, opt, grid, optim_state)
+            load_full_optim_state(self.raw, opt, grid, optim_state)
 
 
 def parallelize(model, grid, cfg, load=None, optimizer=True, compile_kwargs=None):

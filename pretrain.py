@@ -87,7 +87,7 @@ def main(argv):
 
     # ------------------------------------------------------------------------ data
     T, accum = fam.read_length(cfg), cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
-    # the corpus tokenized once into memmaps (data.prepare: cleaning, dedup and FIM name its folder), or
+    # the corpus tokenized once into memmaps (prepare.prepare: cleaning, dedup and FIM name its folder), or
     # token shards streamed (data="shards:..." or data_sources: stream.py). Both splits checked now, not at
     # the first evaluation: the evaluation shrinks to what validation holds (and says so)
     reader = fam.read_grid(grid)  # (reader.device: where the windows go; fam.batches moves them on)

@@ -131,7 +131,7 @@ class Family:
             else:
                 saved = SimpleNamespace(**init_checkpoint(src)[1])  # (the family that saved it: its adapters)
                 weights = checkpoint.read_weights(src, **family(saved).reference(ModelConfig.from_cfg(saved)))
-                tp.load_full_state_dict(model, grid, fit_weights(weights, vars(saved), model.cfg))
+                parallel.load_full_state_dict(model, grid, fit_weights(weights, vars(saved), model.cfg))
             if new and any(p.requires_grad for p in model.parameters()):  # (a frozen reference keeps the base's rows)
                 lora.train_tokens(model, new, grid)  # on the TP cut, before lora.apply and FSDP
         return load

@@ -10,7 +10,7 @@ tokens of the same held-out windows of 4T: the loss per token over every positio
 the last T positions ("last T": the same target tokens in every column, with T, 2T, 4T of context). A third row is
 the trained RoPE model evaluated with sliding_window = T (at T the window changes nothing, so it
 is the same weights; past T it keeps every query within the training distance). Data as
-bench/compare_arch.py: data.prepare of --data with cl100k_base cut to --vocab ids.
+bench/compare_arch.py: prepare.prepare of --data with cl100k_base cut to --vocab ids.
 """
 import argparse
 import json
@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import data  # noqa: E402
 import optim  # noqa: E402
 import tokenizer  # noqa: E402
+from corpora import prepare  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
 SHAPES = {
@@ -84,8 +84,8 @@ def main(argv=None):
     dev = torch.device(args.device)
     autocast = torch.autocast("cuda", torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
     tok = tokenizer.get_tokenizer("cl100k_base", vocab=s["vocab"])
-    folder = data.default_data_dir(args.data, tok.name, s["vocab"], root=args.data_root)
-    data.prepare(args.data, tok, folder, val_fraction=0.1, verbose=False)
+    folder = prepare.default_data_dir(args.data, tok.name, s["vocab"], root=args.data_root)
+    prepare.prepare(args.data, tok, folder, val_fraction=0.1, verbose=False)
     dtype = np.uint16 if tok.n_vocab <= 65536 else np.uint32
     train_tokens, val_tokens = (np.memmap(os.path.join(folder, f"{k}.bin"), dtype=dtype, mode="r") for k in ("train", "val"))
     T, B = s["seq_len"], s["batch"]

@@ -1,8 +1,8 @@
 """Training throughput, MFU and peak memory, side by side with the peers a user would pick.
 
-    python bench.py single                                # 1 GPU: ours vs HF LlamaForCausalLM
-    torchrun --nproc_per_node=2 bench.py dp               # 2 GPUs: our DataParallel vs torch DDP
-    python bench.py single --shape=tiny --device=cpu --steps=3 --warmup=1   # smoke test, seconds
+    python bench/bench.py single                          # 1 GPU: ours vs HF LlamaForCausalLM
+    torchrun --nproc_per_node=2 bench/bench.py dp         # 2 GPUs: our DataParallel vs torch DDP
+    python bench/bench.py single --shape=tiny --device=cpu --steps=3 --warmup=1   # smoke test, seconds
 
 Every row times full training steps (forward + backward + fused AdamW + zero_grad), bf16 autocast
 over fp32 master weights for ours and the peers alike, micro batch --batch of T tokens, random
@@ -92,9 +92,9 @@ for r in runs:
 # ---------------------------------------------------------------------------- setup
 grid = parallel.init(SimpleNamespace(device=args.device, tp=1, ep=1))
 if args.mode == "dp" and grid.world < 2:
-    p.error("dp mode needs several processes: torchrun --nproc_per_node=2 bench.py dp")
+    p.error("dp mode needs several processes: torchrun --nproc_per_node=2 bench/bench.py dp")
 if args.mode == "single" and grid.world > 1:
-    p.error("single mode is one process: python bench.py single")
+    p.error("single mode is one process: python bench/bench.py single")
 device, main = grid.device, grid.is_main
 say = print if main else (lambda *a, **k: None)
 cuda = device.type == "cuda"

@@ -5,7 +5,7 @@
         --processes=16 --shard_tokens=33554432 --steps=20 --rounds=3 --json=...     # one GPU
 
 1. Preparation: MB/s (10^6 bytes of UTF-8 document text in, wall time; the best of --prep_rounds
-   runs taking turns) of data.prepare (one memmap, tiktoken's threads) and of shards.prepare with
+   runs taking turns) of prepare.prepare (one memmap, tiktoken's threads) and of shards.prepare with
    each --processes, the same corpus and the config's tokenizer (no cleaning, no FIM), into fresh
    folders; the CPU seconds of this process and of its workers (getrusage) in that best run; the
    cores this process may use.
@@ -43,6 +43,7 @@ import pretrain  # noqa: E402
 import tokenizer  # noqa: E402
 from corpora import corpus  # noqa: E402
 from corpora import mix  # noqa: E402
+from corpora import prepare  # noqa: E402
 from corpora import shards  # noqa: E402
 from corpora import stream  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
@@ -59,7 +60,7 @@ def timed(fn):
 def prep(args, cfg, tmp):
     mb = sum(len(d.encode()) for d in corpus.iter_documents(args.corpus)) / 1e6
     tok = tokenizer.get_tokenizer(cfg.tokenizer, cfg.tokenizer_vocab)
-    runs = {"data.prepare (memmap)": lambda out: data.prepare(args.corpus, tok, out, val_fraction=0.0, val_tokens=0,
+    runs = {"prepare.prepare (memmap)": lambda out: prepare.prepare(args.corpus, tok, out, val_fraction=0.0, val_tokens=0,
                                                               verbose=False)}
     for p in args.processes:
         runs[f"shards.prepare processes={p}"] = lambda out, p=p: shards.prepare(

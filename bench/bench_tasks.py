@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import chat  # noqa: E402
-import data  # noqa: E402
 import generate  # noqa: E402
+import tokenizer  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from posttrain import tasks  # noqa: E402
 
@@ -66,7 +66,7 @@ def main():
     torch.manual_seed(a.seed)
     task = tasks.get(a.task, json.loads(a.task_args))
     template = chat.default_template()
-    tok = data.get_tokenizer("cl100k_base", a.vocab).with_chat(template.special_tokens, template.eos)
+    tok = tokenizer.get_tokenizer("cl100k_base", a.vocab).with_chat(template.special_tokens, template.eos)
     examples = [chat.encode(tok, template, conv) for conv in task.sft_examples(a.n_train, a.seed)]
     rows, dropped = chat.pack(examples, a.block)
     held = task.test(a.n_eval, a.seed)

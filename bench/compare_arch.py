@@ -21,7 +21,7 @@ tokenizers and runs), and a downstream probe for all four: is a window of T held
 passage, or its first half joined to another passage's second half? A logistic regression on the
 frozen model's last hidden states (the encoder's for T5: each half's mean and their product), fit
 on --probe_rows pairs and scored on as many others, before and after training (chance 50%).
-Data: data.prepare of --data (default the standard library) with cl100k_base cut to --vocab ids;
+Data: prepare.prepare of --data (default the standard library) with cl100k_base cut to --vocab ids;
 BERT's [MASK] and T5's sentinels are ids past it.
 """
 import argparse
@@ -36,9 +36,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import data  # noqa: E402
 import optim  # noqa: E402
 import tokenizer  # noqa: E402
+from corpora import prepare  # noqa: E402
 from encoders import bert  # noqa: E402
 from encoders import t5  # noqa: E402
 from fused import IGNORE  # noqa: E402
@@ -201,7 +201,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="tiny", choices=SHAPES)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--data", default="stdlib", help="a corpus data.prepare reads (stdlib, python, a file or folder)")
+    ap.add_argument("--data", default="stdlib", help="a corpus prepare.prepare reads (stdlib, python, a file or folder)")
     ap.add_argument("--data_root", default="data", help="where the tokenized corpus is cached")
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--budget", default="flops", choices=("flops", "steps"),
@@ -217,8 +217,8 @@ def main(argv=None):
     autocast = torch.autocast("cuda", torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
     tok = tokenizer.get_tokenizer("cl100k_base", vocab=s["vocab"])
     V, eos = tok.n_vocab, tok.eos_id
-    folder = data.default_data_dir(args.data, tok.name, s["vocab"], root=args.data_root)
-    data.prepare(args.data, tok, folder, val_fraction=0.1, verbose=False)
+    folder = prepare.default_data_dir(args.data, tok.name, s["vocab"], root=args.data_root)
+    prepare.prepare(args.data, tok, folder, val_fraction=0.1, verbose=False)
     train_tokens, val_tokens = (np.memmap(os.path.join(folder, f"{k}.bin"), dtype=np.uint16 if V <= 65536 else np.uint32,
                                           mode="r") for k in ("train", "val"))
     t5_lengths = t5.corrupted_lengths(s["seq_len"])

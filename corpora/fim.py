@@ -1,7 +1,7 @@
 """Fill-in-the-Middle (Bavarian et al. 2022, "Efficient Training of Language Models to Fill in the
 Middle"): a per-document transform of the pretraining data, and the matching infilling prompt.
 
-    t = fim.Transform(tok, rate, spm_rate, seed, fragment)  # data.prepare, from fim_rate, fim_spm_rate, ...
+    t = fim.Transform(tok, rate, spm_rate, seed, fragment)  # prepare.prepare, from fim_rate, fim_spm_rate, ...
     mode, parts = t.apply(text, index)     # parts: str (each encoded on its own) and sentinel ids
     ids = fim.prompt(tok, prefix, suffix)  # sample.py: then generate the middle until EOS
 

@@ -13,7 +13,7 @@ listed while preparation goes on, and `complete` says when the set is whole. Wit
 each document is validation with that probability (BLAKE2b of its index) and goes to OUT/val.bin
 (+ meta.json, the form data.eval_batches reads) instead of the shards.
 
-Same tokens as data.prepare: the shards joined are data.prepare's train.bin for the same corpus and
+Same tokens as prepare.prepare: the shards joined are its train.bin for the same corpus and
 tokenizer when it keeps no validation (val_fraction=0, val_tokens=0). Parallel: the parent reads the
 documents (corpus.iter_documents) and hands ranges of them to a pool of `processes` tokenizing
 workers, in order; it only cuts and writes. Resumable: a restart verifies the listed shards (size,

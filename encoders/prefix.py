@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 
 import weights
 from config import ConfigError, MissingFileError, need
-from generate import KVCache, sample
+from generate import Cache, KVCache, sample
 from model import Transformer
 
 PREFIX_DEFAULTS = dict(
@@ -76,9 +76,9 @@ class Prefix(nn.Module):
                 for i in range(self.n_layer)]
 
 
-class PrefixCache:
-    """Transformer.forward's cache interface over a prefix: every layer's keys and values start with its
-    N learned ones; `length` (N at first) offsets positions and the causal mask as a cache would."""
+class PrefixCache(Cache):
+    """Transformer.forward's cache (generate.Cache) over a prefix: every layer's keys and values start with
+    its N learned ones; `length` (N at first) offsets positions and the causal mask as a cache would."""
 
     def __init__(self, kv):
         self.kv, self.length = kv, kv[0][0].shape[2]

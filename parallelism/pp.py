@@ -5,9 +5,9 @@
     net.step(cfg.grad_clip)                           # tied embedding summed, norm over every stage, step
 
 Stage s holds blocks [b_s, b_s+1) (boundaries: even, or cfg.pp_cut="3,5", where stages 1.. start), the
-first also the embeddings, the last the final norm, head and loss; other stages' modules are Elsewhere
-placeholders, so names stay the one-process model's. Every stage reads the same micro-batches; only
-activations move: stage s isends its last block's output (B, T, C) to s + 1 and irecvs its gradient.
+first also the embeddings, the last the final norm, head and loss (model.forward becomes Stage: its part);
+other stages' modules are Elsewhere placeholders, so names stay the one-process model's. Every stage reads
+the same micro-batches; only activations move: stage s's output (B, T, C) to s + 1, its gradient back.
 Schedules, m micro-batches on p stages, t_f / t_b: one micro-batch's forward / backward on one stage:
   gpipe  all forwards, then all backwards: a step takes (m + p - 1)(t_f + t_b), the bubble (p - 1)(t_f +
          t_b) is (p - 1) / m of the ideal step. Activations: all m micro-batches in flight on every stage.
@@ -45,6 +45,23 @@ class Elsewhere(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise RuntimeError(f"{self.path} is held by pipeline stage {self.stage}, not by this one")
+
+
+class Stage:
+    """A pipeline stage's model.forward (cut() puts it on the model; summon() takes it off while the model
+    is whole): model.Transformer.forward's pieces for this stage's blocks (`layers`), from the previous
+    stage's hidden states (`hidden`; the first stage embeds idx); only the last stage applies the final
+    norm and the head (logits, or the loss with targets), the others return their last block's output."""
+
+    def __init__(self, model, layers, first, last):
+        self.model, self.layers, self.first, self.last = model, layers, first, last
+
+    def __call__(self, idx, targets=None, *, hidden=None, reduction="mean", pos=None, attn_mask=None, temperature=1.0):
+        m, T = self.model, idx.shape[1]
+        start, pos = m.positions(T, None, pos, attn_mask)
+        x = m.embed(idx, start, pos) if self.first else hidden
+        x = m.run_blocks(x, T, start, pos, attn_mask, layers=self.layers)
+        return m.output(m.norm_f(x), targets, reduction, temperature) if self.last else x
 
 
 def boundaries(n_layer, pp, cut=""):
@@ -166,7 +183,7 @@ class Pipeline:
 def cut(model, grid, cfg, act_dtype):
     """Keep this stage's part of a full model.Transformer, in place (the forms before the pipeline
     applied: the TP cut, the initial weights, LoRA): other stages' modules become Elsewhere, their
-    tensors freed, model.layers this stage's blocks. A tied embedding's last-stage copy is marked
+    tensors freed, model.forward this stage's (Stage). A tied embedding's last-stage copy is marked
     p.pp_copy (the gradient norm counts the first stage's). -> Pipeline"""
     mcfg, s = model.cfg, grid.pp_rank
     bounds = boundaries(mcfg.n_layer, grid.pp, cfg.pp_cut)
@@ -183,7 +200,7 @@ def cut(model, grid, cfg, act_dtype):
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
             away[path], places[path] = mod, Elsewhere(path, k)
             model.set_submodule(path, places[path])
-    model.layers = range(bounds[s], bounds[s + 1])
+    model.forward = Stage(model, range(bounds[s], bounds[s + 1]), s == 0, s == grid.pp - 1)
     # the pipeline group's first operation: a collective (torch's batch_isend_irecv asks that, when it
     # is a group's first, every rank of the group take part; after this one it need not)
     dist.all_reduce(torch.zeros(1, device=grid.device), group=grid.pp_group)
@@ -382,7 +399,8 @@ def summon(pipe, model):
                 dist.broadcast(buf, src=pipe.rank_of(s), group=grid.pp_group)  # (a copy this stage holds: kept)
     for path, mod in pipe.away.items():
         model.set_submodule(path, mod.train(model.training))
-    model.layers = range(model.cfg.n_layer)
+    stage = model.forward
+    del model.forward  # the model's own forward, over every block
     try:
         yield model
     finally:
@@ -390,4 +408,4 @@ def summon(pipe, model):
             model.set_submodule(path, place)
         for t in filled:
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-        model.layers = range(pipe.bounds[pipe.stage], pipe.bounds[pipe.stage + 1])
+        model.forward = stage

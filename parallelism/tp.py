@@ -15,8 +15,8 @@ piece r * chunks // tp. chunks == tp: a plain shard; chunks < tp: ranks share a 
 replicated when n_kv_head < tp; chunks == 1: q/k-norm weights). Slicing, gathering, checkpoints,
 norm counting and the gradient sum of shared pieces all follow from it. Parameters without
 tp_split (norms, row-parallel biases, positions) are replicated with identical gradients.
-The full (layout-free) state of a TP model, for parallel.Net.full_state / load_full_state, is at
-the end (full_state_dict, full_optim_state and their loads).
+full_tensor / local_tensor turn a parameter's slices into its full tensor and back: the layout-free
+state (parallel.py's full_state_dict and kin, checkpoints), hf_shard_fn reads an HF folder's slices.
 
 Invariants: parameter names stay those of the one-process model; forward, gradients and loss equal
 one process's; under torch.compile the training forward is one graph (_collective says how).
@@ -496,57 +496,3 @@ def hf_shard_fn(model, grid):
         a = _piece(grid.tp_rank, chunks, grid.tp) * n
         return part[a:a + n] if dim == 0 else part[:, a:a + n]
     return fn
-
-
-# ----------------------------------------------------------------------------- full (layout-free) state of a TP model
-# (parallel.Net.full_state / load_full_state call these for every layout but FSDP)
-
-def full_state_dict(model, grid):
-    """{name: full tensor on CPU}, as the one-process model's state_dict (tied names, padded
-    vocabulary rows included). Collective over the TP group: every TP rank must call it."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    out, done = {}, {}
-    for k, v in model.state_dict().items():
-        p = params.get(k, v)
-        if id(p) not in done:  # a tied weight: gathered once, both names share the tensor (as in one process)
-            done[id(p)] = full_tensor(p, v, grid).cpu()
-        out[k] = done[id(p)]
-    return out
-
-
-@torch.no_grad()
-def load_full_state_dict(model, grid, full_sd):
-    """Copy a one-process state dict into the (TP) model: each rank keeps only its slices."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    sd = model.state_dict()
-    missing = sorted(set(sd) - set(full_sd))
-    if missing:
-        raise ValueError(f"full state dict lacks {missing[:8]}")
-    for k, t in sd.items():
-        t.copy_(local_tensor(params.get(k, t), full_sd[k], grid))  # slice first, then move
-
-
-def _state_by_index(model, optimizer):
-    names = {id(p): n for n, p in model.named_parameters()}
-    ps = [p for g in optimizer.param_groups for p in g["params"]]
-    return [(i, names[id(p)], p) for i, p in enumerate(ps)]
-
-
-def full_optim_state(model, optimizer, grid):
-    """{param name: {"exp_avg": full, "exp_avg_sq": full, "step": ...}} on CPU: state tensors shaped
-    like their parameter are gathered like it, the rest (step) copied. Collective over the TP group."""
-    out = {}
-    for _, name, p in _state_by_index(model, optimizer):
-        for k, v in optimizer.state.get(p, {}).items():
-            full = full_tensor(p, v, grid) if torch.is_tensor(v) and v.shape == p.shape else v
-            out.setdefault(name, {})[k] = full.detach().clone().cpu() if torch.is_tensor(full) else full
-    return out
-
-
-def load_full_optim_state(model, optimizer, grid, full):
-    """Load full_optim_state's output (saved from any TP layout) into this rank's optimizer."""
-    sd = optimizer.state_dict()
-    sd["state"] = {i: {k: (local_tensor(p, v, grid) if v.dim() else v).clone() if torch.is_tensor(v) else v
-                       for k, v in full[name].items()}  # copies: the optimizer's steps must not advance `full`
-                   for i, name, p in _state_by_index(model, optimizer) if name in full}
-    optimizer.load_state_dict(sd)  # casts to the parameters' devices and dtypes

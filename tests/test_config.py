@@ -130,7 +130,7 @@ def test_each_stage_takes_its_own_keys():
     """A stage accepts the keys it reads: a pretraining key given to sft.py is refused, naming where it
     belongs; a typo names the closest key of that stage; --help lists the stage's keys with comments."""
     import sft
-    with pytest.raises(KeyError, match="'dedup' is a setting of data.py"):
+    with pytest.raises(KeyError, match="'dedup' is a setting of prepare.py"):
         config.load(["--dedup=exact"], extra=sft.EXTRA, world=1)
     with pytest.raises(KeyError, match="Did you mean n_train"):
         config.load(["--n_trian=5"], extra=sft.EXTRA, world=1)

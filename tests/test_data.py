@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
-from corpora import corpus  # noqa: E402
+from corpora import corpus, prepare  # noqa: E402
 import data  # noqa: E402
 import tokenizer  # noqa: E402
 
@@ -263,7 +263,7 @@ def test_prepare_tokens_exact(tmp_path, vocab, dtype):
     tok = tokenizer.get_tokenizer("cl100k_base", vocab)
     out = str(tmp_path / "out")
     for fraction, mode in [(0.4, "tokens"), (0.5, "documents")]:  # 8 documents: coarse for 40%
-        meta = data.prepare(_folder(tmp_path), tok, out, val_fraction=fraction, verbose=False)
+        meta = prepare.prepare(_folder(tmp_path), tok, out, val_fraction=fraction, verbose=False)
         want, want_mode, docs = _reference_split([tok.encode(d) + [tok.eos_id] for d in DOCS], fraction, fraction)
         assert _read_bin(out, "train", dtype) == want["train"]
         assert _read_bin(out, "val", dtype) == want["val"]
@@ -278,23 +278,23 @@ def test_prepare_tokens_exact(tmp_path, vocab, dtype):
 def test_prepare_reuse_and_rebuild(tmp_path, monkeypatch):
     tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     src, out = _folder(tmp_path), str(tmp_path / "out")
-    meta = data.prepare(src, tok, out, val_fraction=0.25, verbose=False)
+    meta = prepare.prepare(src, tok, out, val_fraction=0.25, verbose=False)
 
     def fail(*a, **k):
         raise AssertionError("tokenized again")
     with monkeypatch.context() as m:
         m.setattr(tok, "encode_batch", fail)
-        assert data.prepare(src, tok, out, val_fraction=0.25, verbose=False) == meta  # reused
-    assert data.prepare(src, tok, out, val_fraction=0.25, val_tokens=0, verbose=False) != meta  # new params
+        assert prepare.prepare(src, tok, out, val_fraction=0.25, verbose=False) == meta  # reused
+    assert prepare.prepare(src, tok, out, val_fraction=0.25, val_tokens=0, verbose=False) != meta  # new params
     _write(tmp_path / "corpus" / "008.md", "an added document")  # corpus changed -> fingerprint changed
-    meta = data.prepare(src, tok, out, val_fraction=0.25, verbose=False)
+    meta = prepare.prepare(src, tok, out, val_fraction=0.25, verbose=False)
     assert meta["n_docs"] == 9
 
 
 def test_prepare_interrupted_is_not_reused(tmp_path, monkeypatch):
     tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     src, out = _folder(tmp_path), str(tmp_path / "out")
-    good = data.prepare(src, tok, out, val_fraction=0.25, verbose=False)
+    good = prepare.prepare(src, tok, out, val_fraction=0.25, verbose=False)
     real = corpus.iter_documents
 
     def dies_midway(*a, **k):
@@ -302,31 +302,31 @@ def test_prepare_interrupted_is_not_reused(tmp_path, monkeypatch):
         raise RuntimeError("killed mid-way")
     monkeypatch.setattr(corpus, "iter_documents", dies_midway)
     with pytest.raises(RuntimeError, match="killed"):
-        data.prepare(src, tok, out, val_fraction=0.5, verbose=False)
+        prepare.prepare(src, tok, out, val_fraction=0.5, verbose=False)
     assert not os.path.exists(os.path.join(out, "meta.json"))  # old meta must not describe new bins
     assert not [f for f in os.listdir(out) if ".tmp" in f]
     with pytest.raises(RuntimeError, match="killed"):  # and nothing is mistaken for finished data
-        data.prepare(src, tok, out, val_fraction=0.25, verbose=False)
+        prepare.prepare(src, tok, out, val_fraction=0.25, verbose=False)
     monkeypatch.setattr(corpus, "iter_documents", real)
-    assert data.prepare(src, tok, out, val_fraction=0.25, verbose=False) == good
+    assert prepare.prepare(src, tok, out, val_fraction=0.25, verbose=False) == good
     assert _read_bin(out, "val", np.uint16)[-1] == tok.eos_id
 
 
 def test_prepare_split_edge_cases(tmp_path):
     tok = tokenizer.get_tokenizer("cl100k_base", 4096)
-    meta = data.prepare(_write(tmp_path / "one.md", "a"), tok, str(tmp_path / "o1"), verbose=False)  # "a" + EOS
+    meta = prepare.prepare(_write(tmp_path / "one.md", "a"), tok, str(tmp_path / "o1"), verbose=False)  # "a" + EOS
     assert (meta["n_train"], meta["n_val"], meta["val_split"]) == (1, 1, "tokens")  # the smallest corpus
     assert _read_bin(str(tmp_path / "o1"), "val", np.uint16) == [tok.eos_id]
     with pytest.raises(corpus.DataError, match="val_fraction"):
-        data.prepare("stdlib", tok, str(tmp_path / "o3"), val_fraction=1)
+        prepare.prepare("stdlib", tok, str(tmp_path / "o3"), val_fraction=1)
     # no validation asked: an empty val.bin
-    meta = data.prepare(_folder(tmp_path), tok, str(tmp_path / "o4"), val_fraction=0, val_tokens=0, verbose=False)
+    meta = prepare.prepare(_folder(tmp_path), tok, str(tmp_path / "o4"), val_fraction=0, val_tokens=0, verbose=False)
     assert meta["n_val"] == 0 == os.path.getsize(tmp_path / "o4" / "val.bin") and meta["n_train_docs"] == 8
 
 
 def test_prepare_stdlib_max_docs(tmp_path):
     tok = tokenizer.get_tokenizer("cl100k_base", 8192)
-    meta = data.prepare("stdlib", tok, str(tmp_path / "std"), max_docs=50, val_fraction=0.1, verbose=False)
+    meta = prepare.prepare("stdlib", tok, str(tmp_path / "std"), max_docs=50, val_fraction=0.1, verbose=False)
     docs = list(itertools.islice(corpus.iter_documents("stdlib"), 50))
     want, mode, n_docs = _reference_split([tok.encode(d) + [tok.eos_id] for d in docs], 0.1, 0.1)
     assert (meta["n_train_docs"], meta["n_val_docs"], meta["val_split"], meta["n_docs"]) == (*n_docs, mode, 50)
@@ -335,15 +335,15 @@ def test_prepare_stdlib_max_docs(tmp_path):
 
 
 def test_default_data_dir():
-    a = data.default_data_dir("stdlib", "cl100k_base", 8192)
+    a = prepare.default_data_dir("stdlib", "cl100k_base", 8192)
     assert a.startswith(os.path.join("data", "stdlib-cl100k_base-8192-"))
-    others = {data.default_data_dir("stdlib", "cl100k_base", 4096), data.default_data_dir("stdlib", "o200k_base"),
-              data.default_data_dir("/x/corpus.jsonl", "cl100k_base", 8192),
-              data.default_data_dir("/y/corpus.jsonl", "cl100k_base", 8192),
-              data.default_data_dir("hf:org/set:cfg@train", "cl100k_base", 8192)}
+    others = {prepare.default_data_dir("stdlib", "cl100k_base", 4096), prepare.default_data_dir("stdlib", "o200k_base"),
+              prepare.default_data_dir("/x/corpus.jsonl", "cl100k_base", 8192),
+              prepare.default_data_dir("/y/corpus.jsonl", "cl100k_base", 8192),
+              prepare.default_data_dir("hf:org/set:cfg@train", "cl100k_base", 8192)}
     assert len(others) == 5 and a not in others
-    assert "corpus.jsonl" in data.default_data_dir("/x/corpus.jsonl", "gpt2", root="r")
-    assert data.default_data_dir("stdlib", "cl100k_base", 8192) == a  # stable
+    assert "corpus.jsonl" in prepare.default_data_dir("/x/corpus.jsonl", "gpt2", root="r")
+    assert prepare.default_data_dir("stdlib", "cl100k_base", 8192) == a  # stable
 
 
 # ----------------------------------------------------------------------------- loader
@@ -442,7 +442,7 @@ def test_eval_batches_deterministic(tmp_path):
 def test_loader_on_prepared_data(tmp_path):
     tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     out = str(tmp_path / "out")
-    meta = data.prepare(_folder(tmp_path), tok, out, val_fraction=0.25, verbose=False)
+    meta = prepare.prepare(_folder(tmp_path), tok, out, val_fraction=0.25, verbose=False)
     stream = np.fromfile(os.path.join(out, "train.bin"), dtype=np.uint16).astype(np.int64)
     L = data.Loader(os.path.join(out, "train.bin"), B=2, T=4, seed=1)
     assert L.n_windows == (meta["n_train"] - 1) // 4
@@ -463,26 +463,26 @@ def test_val_split_by_hand():
     """Worked by hand: ten documents of 10 tokens. A document goes to val when val holds less than
     the share of the tokens before it; too coarse documents fall back to the last `target` tokens."""
     ten = [10] * 10
-    assert data.val_split(ten, 0.2, val_tokens=0) == ([(10, 20), (60, 70)], "documents")  # 0 < 2, 10 < 12
+    assert prepare.val_split(ten, 0.2, val_tokens=0) == ([(10, 20), (60, 70)], "documents")  # 0 < 2, 10 < 12
     # the floor raises the share to 30%: 0 < 3, 10 < 12, 20 < 21
-    assert data.val_split(ten, 0.01, val_tokens=30, max_val_share=0.5) == ([(10, 20), (40, 50), (70, 80)],
+    assert prepare.val_split(ten, 0.01, val_tokens=30, max_val_share=0.5) == ([(10, 20), (40, 50), (70, 80)],
                                                                             "documents")
     # ... but never past max_val_share (10% here), and val_fraction itself is the user's choice
-    assert data.val_split(ten, 0.01, val_tokens=1000, max_val_share=0.1) == ([(10, 20)], "documents")
-    assert data.val_split(ten, 0.3, val_tokens=0, max_val_share=0.1)[0] == [(10, 20), (40, 50), (70, 80)]
+    assert prepare.val_split(ten, 0.01, val_tokens=1000, max_val_share=0.1) == ([(10, 20)], "documents")
+    assert prepare.val_split(ten, 0.3, val_tokens=0, max_val_share=0.1)[0] == [(10, 20), (40, 50), (70, 80)]
     # two documents: whole ones would put 50% into val, so the last 10% of the tokens (a cut document)
-    assert data.val_split([50, 50], 0.01, val_tokens=1000, max_val_share=0.1) == ([(90, 100)], "tokens")
-    assert data.val_split([100], 0.01, val_tokens=1000, max_val_share=0.1) == ([(90, 100)], "tokens")
-    assert data.val_split([1, 1, 1, 97], 0.25, val_tokens=0) == ([(75, 100)], "tokens")  # 1 of 25 by documents
-    assert data.val_split([10, 10, 30, 10, 10, 30], 0.2, val_tokens=0) == ([(10, 20), (60, 70)], "documents")
-    assert data.val_split(ten, 0.0, val_tokens=0) == ([], "documents")  # no validation asked
+    assert prepare.val_split([50, 50], 0.01, val_tokens=1000, max_val_share=0.1) == ([(90, 100)], "tokens")
+    assert prepare.val_split([100], 0.01, val_tokens=1000, max_val_share=0.1) == ([(90, 100)], "tokens")
+    assert prepare.val_split([1, 1, 1, 97], 0.25, val_tokens=0) == ([(75, 100)], "tokens")  # 1 of 25 by documents
+    assert prepare.val_split([10, 10, 30, 10, 10, 30], 0.2, val_tokens=0) == ([(10, 20), (60, 70)], "documents")
+    assert prepare.val_split(ten, 0.0, val_tokens=0) == ([], "documents")  # no validation asked
 
 
 def test_single_text_file_is_a_corpus(tmp_path, capsys):
     """Finding: a single text file was refused ("need at least 2 documents")."""
     tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(300))
-    meta = data.prepare(_write(tmp_path / "book.txt", text), tok, str(tmp_path / "out"), verbose=True)
+    meta = prepare.prepare(_write(tmp_path / "book.txt", text), tok, str(tmp_path / "out"), verbose=True)
     stream = tok.encode(text) + [tok.eos_id]
     cut = len(stream) - round(0.1 * len(stream))  # no document structure: the last 10% by tokens
     assert _read_bin(str(tmp_path / "out"), "train", np.uint16) == stream[:cut]
@@ -498,7 +498,7 @@ def test_two_document_corpus_val_share(tmp_path):
     """Finding: a 2-document corpus put 50% of its tokens into validation."""
     tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     docs = ["def f(x):\n    return x * 2\n" * 20, "class A:\n    pass\n" * 30]
-    meta = data.prepare(_folder(tmp_path, docs), tok, str(tmp_path / "out"), verbose=False)
+    meta = prepare.prepare(_folder(tmp_path, docs), tok, str(tmp_path / "out"), verbose=False)
     total = meta["n_train"] + meta["n_val"]
     assert total == sum(len(tok.encode(d)) + 1 for d in docs)
     assert meta["n_val"] == round(0.1 * total) and meta["val_split"] == "tokens"  # max_val_share=0.1
@@ -509,7 +509,7 @@ def test_val_tokens_floor(tmp_path):
     validation about that many (whole documents, within 10%), and meta.json says so."""
     tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     docs = [f"document {i}: " + "word " * (5 + i % 7) for i in range(150)]
-    meta = data.prepare(_folder(tmp_path, docs), tok, str(tmp_path / "out"), val_tokens=200, verbose=False)
+    meta = prepare.prepare(_folder(tmp_path, docs), tok, str(tmp_path / "out"), val_tokens=200, verbose=False)
     total = meta["n_train"] + meta["n_val"]
     assert 180 <= meta["n_val"] <= 200 < 0.1 * total and meta["val_split"] == "documents"
     assert meta["val_tokens"] == 200 and json.load(open(tmp_path / "out" / "meta.json"))["n_val"] == meta["n_val"]
@@ -523,7 +523,7 @@ def test_binary_and_undecodable_files_skipped_and_counted(tmp_path, capsys):
     (root / "c.md").write_bytes("caf\u00e9 cr\u00e8me ".encode("latin-1") * 50)  # 2 of 12 bytes invalid
     (root / "d.py").write_bytes(b"x = 1  # one bad byte \xff here\n" + b"y = 2\n" * 20)
     tok = tokenizer.get_tokenizer("cl100k_base", 4096)
-    meta = data.prepare(str(root), tok, str(tmp_path / "out"), verbose=True)
+    meta = prepare.prepare(str(root), tok, str(tmp_path / "out"), verbose=True)
     out = capsys.readouterr().out
     assert meta["intake"] == dict(files=4, binary=1, undecodable=1, replaced=1, unsupported=0, duplicates=0, capped=0)
     assert meta["n_docs"] == 2 and "d.py" in out
@@ -544,7 +544,7 @@ def test_unsupported_files_named(tmp_path, capsys):
     _write(root / "a.txt", "text")
     for name in ("b.csv", "sub/c.csv", "d.xlsx", ".hidden", ".git/config"):
         _write(root / name, "x,y")
-    data.prepare(str(root), tokenizer.get_tokenizer("cl100k_base", 4096), str(tmp_path / "out"), verbose=True)
+    prepare.prepare(str(root), tokenizer.get_tokenizer("cl100k_base", 4096), str(tmp_path / "out"), verbose=True)
     assert "3 files with unsupported extensions .csv .xlsx were ignored: b.csv, d.xlsx, sub/c.csv" in capsys.readouterr().out
     only = tmp_path / "sheets"
     for name in ("b.csv", "d.xlsx"):
@@ -576,10 +576,10 @@ def test_corrupt_parquet_named(tmp_path):
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda p, tok, out: data.prepare(p, tok, out, max_docs=-1), "max_docs=-1"),
-    (lambda p, tok, out: data.prepare(p, tok, out, val_tokens=-5), "val_tokens=-5"),
-    (lambda p, tok, out: data.prepare(p, tok, out, val_fraction=-0.1), "val_fraction=-0.1"),
-    (lambda p, tok, out: data.prepare(p, tok, out, max_val_share=1.5), "max_val_share=1.5"),
+    (lambda p, tok, out: prepare.prepare(p, tok, out, max_docs=-1), "max_docs=-1"),
+    (lambda p, tok, out: prepare.prepare(p, tok, out, val_tokens=-5), "val_tokens=-5"),
+    (lambda p, tok, out: prepare.prepare(p, tok, out, val_fraction=-0.1), "val_fraction=-0.1"),
+    (lambda p, tok, out: prepare.prepare(p, tok, out, max_val_share=1.5), "max_val_share=1.5"),
 ])
 def test_bad_prepare_settings_fail_at_once(tmp_path, monkeypatch, call, match):
     """Finding: --max_docs=-1 failed late with an itertools/numpy error."""
@@ -637,7 +637,7 @@ def test_pieces_encode_like_the_whole():
                     for m in ("functools.py", "textwrap.py"))
     for name in ("cl100k_base", "o200k_base"):
         tok = tokenizer.get_tokenizer(name)
-        parts = data._pieces(text, size=37)
+        parts = prepare._pieces(text, size=37)
         assert len(parts) > 100 and "".join(parts) == text
         assert [t for p in parts for t in tok.encode(p)] == tok.encode(text)
 
@@ -697,12 +697,12 @@ def test_python_corpus_source(tmp_path, monkeypatch):
     docs = list(corpus.iter_documents("python"))
     assert docs == [open(f).read() for f in corpus.python_files([site], max_package_share=0.25)]
     tok = tokenizer.get_tokenizer("cl100k_base", 4096)
-    out = data.default_data_dir("python", tok.name, 4096, root=str(tmp_path / "d"))
+    out = prepare.default_data_dir("python", tok.name, 4096, root=str(tmp_path / "d"))
     assert os.path.basename(out).startswith("python-cl100k_base-4096-")
-    meta = data.prepare("python", tok, out, verbose=False)
+    meta = prepare.prepare("python", tok, out, verbose=False)
     assert meta["n_docs"] == len(docs) and meta["intake"]["duplicates"] == 1 and meta["intake"]["capped"] == 4
     _write(tmp_path / "site-packages" / "new.py", "def new(): pass\n")
-    assert data.prepare("python", tok, out, verbose=False)["n_docs"] == len(docs) + 1
+    assert prepare.prepare("python", tok, out, verbose=False)["n_docs"] == len(docs) + 1
 
 
 def test_json_records(tmp_path):

@@ -1,4 +1,4 @@
-"""Fill-in-the-Middle in the data path (fim.py, data.prepare) and clean.py inside prepare: what these tests prove.
+"""Fill-in-the-Middle in the data path (fim.py, prepare.prepare) and clean.py inside prepare: what these tests prove.
 
 - Every FIM document in train.bin decodes back to exactly its original document, PSM and SPM,
   by a decoder written here from the layouts (PSM: <PRE> prefix <SUF> suffix <MID> middle <EOS>;
@@ -43,7 +43,7 @@ import torch
 import data
 import sample
 import tokenizer
-from corpora import corpus, fim
+from corpora import corpus, fim, prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -129,7 +129,7 @@ def tok():
 def _prepare(tmp_path, docs, tok, name="out", **kw):
     kw = {"val_fraction": 0, "val_tokens": 0, "verbose": False, **kw}
     out = str(tmp_path / name)
-    meta = data.prepare(_jsonl(tmp_path / f"{name}.jsonl", docs), tok, out, **kw)
+    meta = prepare.prepare(_jsonl(tmp_path / f"{name}.jsonl", docs), tok, out, **kw)
     read = lambda s: np.fromfile(os.path.join(out, f"{s}.bin"), dtype=meta["dtype"])  # noqa: E731
     return meta, read("train"), read("val"), out
 
@@ -241,7 +241,7 @@ def test_long_documents_fim_in_fragments(tmp_path, tok):
         n_frag += len(frags)
     assert pos == len(seqs) and n_frag == 6 + 1 + 3 + 5  # the 700 'y' line is cut at 400 characters
     assert meta["fim_fragment"] == N and sum(meta["fim_docs"].values()) == len(docs)
-    folder = lambda f: data.default_data_dir("stdlib", "cl100k_base", 4096, fim_rate=0.5, fim_fragment=f)  # noqa: E731
+    folder = lambda f: prepare.default_data_dir("stdlib", "cl100k_base", 4096, fim_rate=0.5, fim_fragment=f)  # noqa: E731
     assert folder(N) != folder(0)  # another fragment size, another prepared folder
     with pytest.raises(corpus.DataError, match="fim_fragment=-1 must be an integer >= 0"):
         fim.Transform(tok, 0.5, 0.5, fragment=-1)
@@ -293,18 +293,18 @@ def test_sentinels_and_refusals(tmp_path):
             tokenizer.get_tokenizer("o200k_base", vocab, fim=True)
     o200k = tokenizer.get_tokenizer("o200k_base", 4096)
     with pytest.raises(corpus.DataError, match="no fill-in-the-middle sentinels"):
-        data.prepare(_jsonl(tmp_path / "c.jsonl", DOCS), o200k, str(tmp_path / "o"), fim_rate=0.5)
+        prepare.prepare(_jsonl(tmp_path / "c.jsonl", DOCS), o200k, str(tmp_path / "o"), fim_rate=0.5)
     assert not os.path.exists(tmp_path / "o")  # refused before any work
 
 
 def test_settings_name_the_folder_and_old_meta_is_reused(tmp_path, tok):
-    base = data.default_data_dir("stdlib", "cl100k_base", 4096)
-    assert data.default_data_dir("stdlib", "cl100k_base", 4096, **data.VARIANT_DEFAULTS, max_docs=5) == base
-    named = {data.default_data_dir("stdlib", "cl100k_base", 4096, **kw) for kw in
+    base = prepare.default_data_dir("stdlib", "cl100k_base", 4096)
+    assert prepare.default_data_dir("stdlib", "cl100k_base", 4096, **prepare.VARIANT_DEFAULTS, max_docs=5) == base
+    named = {prepare.default_data_dir("stdlib", "cl100k_base", 4096, **kw) for kw in
              [dict(fim_rate=0.5), dict(fim_rate=0.5, fim_seed=1), dict(fim_rate=0.5, fim_spm_rate=0.1),
               dict(clean=True), dict(dedup="exact"), dict(dedup="near"), dict(clean=True, dedup="near")]}
     assert len(named) == 7 and base not in named
-    assert data.default_data_dir("stdlib", "cl100k_base", 4096, clean=True, dedup="near", fim_rate=0.5) \
+    assert prepare.default_data_dir("stdlib", "cl100k_base", 4096, clean=True, dedup="near", fim_rate=0.5) \
         .startswith("data/stdlib-cl100k_base-4096-clean-near-fim-")
     plain = tokenizer.get_tokenizer("cl100k_base", 4096)
     meta, _, _, out = _prepare(tmp_path, DOCS, plain)
@@ -314,8 +314,8 @@ def test_settings_name_the_folder_and_old_meta_is_reused(tmp_path, tok):
         old.pop(k)  # as written before these settings existed
     with open(os.path.join(out, "meta.json"), "w") as f:
         json.dump(old, f)
-    assert data.prepare(str(tmp_path / "out.jsonl"), plain, out, val_fraction=0, val_tokens=0, verbose=False) == old
-    again = data.prepare(str(tmp_path / "out.jsonl"), tok, out, val_fraction=0, val_tokens=0, verbose=False,
+    assert prepare.prepare(str(tmp_path / "out.jsonl"), plain, out, val_fraction=0, val_tokens=0, verbose=False) == old
+    again = prepare.prepare(str(tmp_path / "out.jsonl"), tok, out, val_fraction=0, val_tokens=0, verbose=False,
                          fim_rate=0.5)
     assert again["fim_rate"] == 0.5 and sum(again["fim_docs"].values()) > 0  # a changed setting rebuilds
 

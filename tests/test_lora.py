@@ -34,7 +34,6 @@ import config
 import lora
 import parallel
 from model import ModelConfig, Transformer
-from parallelism import tp
 
 T, STEPS, V = 16, 3, 97
 SMALL = dict(vocab_size=V, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=T,
@@ -272,7 +271,7 @@ def train(cfg, grid, init_adapters, steps=STEPS):
         rec["losses"].append(loss)
         rec["adapters"].append(lora.gather(run.raw, grid, run.wrapper))
     with run.full_params():
-        full = tp.full_state_dict(run.raw, grid)
+        full = parallel.full_state_dict(run.raw, grid)
     rec["base_same"] = all(torch.equal(full[k], base[k]) for k in base)
     rec["opt_numel"] = sum(v.numel() for st in run.optimizer.state.values() for k, v in st.items() if k == "exp_avg")
     if cfg.data_parallel == "fsdp":

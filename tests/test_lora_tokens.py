@@ -39,7 +39,6 @@ import parallel
 import weights
 from memory import chunked
 from model import ModelConfig, Transformer
-from parallelism import tp
 
 T, STEPS, V, OLD = 16, 3, 97, 95  # tokens OLD..V-1 were just added
 NEW = list(range(OLD, V))
@@ -98,7 +97,7 @@ def trained(request, tmp_path_factory):
 @torch.no_grad()
 def test_new_rows_train(trained):
     cfg, base, _, model, start = trained
-    merged = lora.merge_weights(lora.gather(model, one_grid()) | tp.full_state_dict(model, one_grid()), cfg)
+    merged = lora.merge_weights(lora.gather(model, one_grid()) | parallel.full_state_dict(model, one_grid()), cfg)
     names = ["tok_emb.weight"] + ([] if cfg.tie_embeddings else ["head.weight"])
     assert ("head.lora_tokens.rows" in start) == (not cfg.tie_embeddings)
     for name in names:
@@ -155,7 +154,7 @@ def test_checkpoint_keeps_rows(trained, tmp_path):
     """A LoRA run's checkpoint holds the rows and their ids; loading it merged (sample.py, init_from:
     weights.load_model / fit_weights) gives the trained logits."""
     cfg, base, _, model, _ = trained
-    full = tp.full_state_dict(model, one_grid())
+    full = parallel.full_state_dict(model, one_grid())
     assert full["tok_emb.lora_tokens.ids"].tolist() == NEW
     checkpoint.save(str(tmp_path), 1, full, None, cfg)
     plain = Transformer(base.cfg)

@@ -11,7 +11,7 @@ Proves:
   10% (of the fp32 run's total weight change) of the fp32 run's, its losses within 0.01, and its
   state takes under 30% of fp32 AdamW's bytes (measured 3.8%, 0.003 and 26%: the bound's margin);
   state_dict / load_state_dict round-trips bitwise; the layout-free (dequantised) state loaded
-  through tp.load_full_optim_state trains on within 1e-5 of the original;
+  through parallel.load_full_optim_state trains on within 1e-5 of the original;
 - layouts (2 gloo processes), each optimizer: DP2, ZeRO-1 over DP2 (muon.Muon's owners with
   adamw=...) and FSDP2 (the flat shards) equal one process after 3 steps with gradient clipping:
   full weights and parallel.Net.full_state's layout-free optimizer state; offloaded: within 1e-5; 8-bit
@@ -38,7 +38,7 @@ import optim
 import parallel
 from memory import optim_memory
 from model import ModelConfig, Transformer
-from parallelism import dp, tp
+from parallelism import dp
 
 T, STEPS = 16, 3
 SMALL = dict(vocab_size=97, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=T,
@@ -151,7 +151,7 @@ def test_8bit_state_round_trips():
     assert set(next(iter(full.values()))) == {"step", "exp_avg", "exp_avg_sq"}
     third = copy.deepcopy(model)
     tho = make("8bit", optim.param_groups(third, 0.1))
-    tp.load_full_optim_state(third, tho, grid, full)
+    parallel.load_full_optim_state(third, tho, grid, full)
     assert train(twin, to, 2, start=3) == train(model, mo, 2, start=3) and params_equal(twin, model)
     train(third, tho, 2, start=3)
     assert_close(dict(third.named_parameters()), dict(model.named_parameters()), "resumed from the layout-free state")

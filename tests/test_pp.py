@@ -71,7 +71,7 @@ def reference(model, steps=STEPS, save=None):
     rec = {"losses": [], "norms": []}
     for step in range(steps):
         if save and step == save[1]:
-            state = tp.full_optim_state(raw, opt, one_process_grid())
+            state = parallel.full_optim_state(raw, opt, one_process_grid())
             checkpoint.save(save[0], step, raw.state_dict(), state, cfg, run_id="ref")
         loss = raw(*batch(step))
         loss.backward()
@@ -83,7 +83,7 @@ def reference(model, steps=STEPS, save=None):
         opt.zero_grad()
         rec["losses"].append(loss.item())
     rec["weights"] = {k: v.clone() for k, v in raw.state_dict().items()}
-    rec["optim"] = tp.full_optim_state(raw, opt, one_process_grid())
+    rec["optim"] = parallel.full_optim_state(raw, opt, one_process_grid())
     rec["model"] = raw
     return rec
 
@@ -207,7 +207,7 @@ def evaluate_and_sample(net):
         rec["sample"] = generate.decode(net.raw, x[:2, :4], 6, temperature=0.0).tokens
     net.raw.train()
     b = net.pipe.bounds
-    rec["cut_again"] = n == sum(t.numel() for t in pp.tensors(net.raw)) and net.raw.layers == range(
+    rec["cut_again"] = n == sum(t.numel() for t in pp.tensors(net.raw)) and net.raw.forward.layers == range(
         b[net.pipe.stage], b[net.pipe.stage + 1])
     return rec
 

@@ -1,4 +1,4 @@
-"""shards.py: the shards joined are exactly data.prepare's train.bin for the same corpus and tokenizer
+"""shards.py: the shards joined are exactly prepare.prepare's train.bin for the same corpus and tokenizer
 (no validation), each full shard holds shard_tokens tokens, and the .idx files hold the document starts
 that an independent per-document encode gives; 2 tokenizing processes write the same bytes as 1; an
 interrupted preparation resumes at the document and offset where its last listed shard ended (the
@@ -15,7 +15,7 @@ import pytest
 
 import data
 import tokenizer
-from corpora import corpus, shards
+from corpora import corpus, prepare, shards
 
 TOK = ("cl100k_base", 4096)
 
@@ -49,7 +49,7 @@ def shard_hashes(out):
 
 def test_tokens_equal_data_prepare(src, tmp_path):
     tok = tokenizer.get_tokenizer(*TOK)
-    meta = data.prepare(src, tok, str(tmp_path / "mm"), val_fraction=0.0, val_tokens=0, verbose=False)
+    meta = prepare.prepare(src, tok, str(tmp_path / "mm"), val_fraction=0.0, val_tokens=0, verbose=False)
     ref = np.fromfile(tmp_path / "mm" / "train.bin", dtype=meta["dtype"])
     m = shards.prepare(src, str(tmp_path / "sh"), *TOK, shard_tokens=997, processes=1, verbose=False)
     got = shards.tokens(str(tmp_path / "sh"))

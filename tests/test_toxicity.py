@@ -5,7 +5,7 @@ threshold 0 drops exactly the 5 holding a listed word, a threshold of 0.02 only 
 whose text hash falls below 0.5 (counted as flagged); the streaming and the parallel cleaning paths
 agree; the default list flags what better-profanity's own checker flags on plain sentences; a user
 function and a Hugging Face classifier folder plug in (the classifier's score equals transformers'
-text-classification pipeline); bad specs are refused with a message; through data.prepare
+text-classification pipeline); bad specs are refused with a message; through prepare.prepare
 (pretraining's clean=True, toxicity=...) train.bin holds exactly the kept documents' tokens, meta.json
 the removed and flagged counts and the settings, and the prepared folder is named -tox, apart per setting."""
 import hashlib
@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 from test_clean import sentences
 
-import data
 import tokenizer
-from corpora import clean, corpus, toxicity
+from corpora import clean, corpus, prepare, toxicity
 
 LIST = "# a list of our own\ndarn\nheck\ngosh darn\nblast it\n"
 
@@ -90,7 +89,7 @@ def test_through_data_prepare(wordlist, tmp_path):
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     tok = tokenizer.get_tokenizer("cl100k_base", 4096)
     kw = dict(val_fraction=0.0, val_tokens=0, clean=True, toxicity=wordlist, verbose=False)
-    meta = data.prepare(str(src), tok, str(tmp_path / "drop"), **kw)
+    meta = prepare.prepare(str(src), tok, str(tmp_path / "drop"), **kw)
     kept = [d for i, d in enumerate(docs) if i not in (1, 4, 7, 9, 11)]
     ref = [t for d in kept for t in tok.encode(d) + [tok.eos_id]]
     assert np.fromfile(tmp_path / "drop" / "train.bin", meta["dtype"]).tolist() == ref
@@ -98,9 +97,9 @@ def test_through_data_prepare(wordlist, tmp_path):
     assert (meta["n_docs"], meta["toxicity"], meta["toxicity_threshold"], meta["toxicity_keep"]) == (7, wordlist, 0.0, 0.0)
     stays = [i for i in (1, 4, 7, 9, 11) if int.from_bytes(hashlib.blake2b(docs[i].encode(), digest_size=8,
                                                                            person=b"ingottox").digest(), "little") < 2 ** 63]
-    meta = data.prepare(str(src), tok, str(tmp_path / "keep"), **kw, toxicity_keep=0.5)
+    meta = prepare.prepare(str(src), tok, str(tmp_path / "keep"), **kw, toxicity_keep=0.5)
     assert meta["cleaned"]["flagged"] == {"toxicity": len(stays)} and meta["n_docs"] == 7 + len(stays)
-    folder = lambda **k: data.default_data_dir(str(src), tok.name, 4096, clean=True, **k)  # noqa: E731
+    folder = lambda **k: prepare.default_data_dir(str(src), tok.name, 4096, clean=True, **k)  # noqa: E731
     names = {folder(), folder(toxicity=wordlist), folder(toxicity=wordlist, toxicity_keep=0.5),
              folder(toxicity=wordlist, toxicity_threshold=0.02)}
     assert len(names) == 4 and "-clean-tox-" in folder(toxicity=wordlist) and "-tox" not in folder()

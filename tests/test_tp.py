@@ -177,7 +177,7 @@ def _train_compiled(grid, jobs):
             run.optimizer.step()
             run.wrapper.zero_grad()
             rec["losses"].append(loss.detach())
-        rec["weights"], rec["graphs"] = tp.full_state_dict(run.raw, grid), len(graphs)
+        rec["weights"], rec["graphs"] = parallel.full_state_dict(run.raw, grid), len(graphs)
         out[name, sp] = rec
         torch._dynamo.reset()
     return out
@@ -214,12 +214,12 @@ def _train_layout(rank, out_dir, grid, tp_size, names, refs, sp=False):
             return norm
 
         raw, opt, model = build(0)
-        rec = {"init": tp.full_state_dict(raw, grid), "steps": [], "norms": [], "losses": [], "replicated": [],
+        rec = {"init": parallel.full_state_dict(raw, grid), "steps": [], "norms": [], "losses": [], "replicated": [],
                "shared_ok": []}
         n_steps = STEPS if loading else STEPS + 1  # the reference also makes the step after loading
         for s in range(n_steps):
             rec["norms"].append(step(raw, opt, model, s, rec))
-            full = tp.full_state_dict(raw, grid)
+            full = parallel.full_state_dict(raw, grid)
             rec["steps"].append(full)
             rec["replicated"].append({n: p.detach().clone() for n, p in raw.named_parameters()
                                       if not hasattr(p, "tp_split")})
@@ -227,7 +227,7 @@ def _train_layout(rank, out_dir, grid, tp_size, names, refs, sp=False):
             rec["shared_ok"].append(all(torch.equal(p, tp.local_tensor(p, full[n], grid))
                                         for n, p in raw.named_parameters()))
             if s == STEPS - 1:
-                rec["optim"] = tp.full_optim_state(raw, opt, grid)
+                rec["optim"] = parallel.full_optim_state(raw, opt, grid)
                 if not loading:
                     rec["optim_ckpt"] = copy.deepcopy({n: dict(opt.state[p]) for n, p in raw.named_parameters()})
                     x, y = global_batch(99)
@@ -237,8 +237,8 @@ def _train_layout(rank, out_dir, grid, tp_size, names, refs, sp=False):
         if loading:  # a one-process checkpoint after STEPS steps, loaded into this layout
             ref = refs[name]
             raw, opt, model = build(1)  # another init: everything must come from the load
-            tp.load_full_state_dict(raw, grid, ref["steps"][STEPS - 1])
-            tp.load_full_optim_state(raw, opt, grid, ref["optim"])
+            parallel.load_full_state_dict(raw, grid, ref["steps"][STEPS - 1])
+            parallel.load_full_optim_state(raw, opt, grid, ref["optim"])
             x, y = global_batch(99)
             with torch.no_grad():
                 rec["logits"], rec["nll"] = raw(x), raw(x, y, reduction="none")
@@ -247,13 +247,13 @@ def _train_layout(rank, out_dir, grid, tp_size, names, refs, sp=False):
                 with pytest.raises(ValueError, match="sequence length 15 is not divisible by tp=2"):
                     raw(x[:, :15], y[:, :15])
             step(raw, opt, model, STEPS, None)
-            rec["after_load_step"] = tp.full_state_dict(raw, grid)
+            rec["after_load_step"] = parallel.full_state_dict(raw, grid)
             if name in HF_OK:  # an HF folder read shard by shard
                 path = os.path.join(out_dir, f"hf_{name}_{rank}")
                 hf.export_hf(_full_model(mcfg, ref["steps"][STEPS - 1]), path)
                 raw, _, _ = build(1)
                 hf.load_weights(path, raw, shard_fn=tp.hf_shard_fn(raw, grid))
-                rec["hf"] = tp.full_state_dict(raw, grid)
+                rec["hf"] = parallel.full_state_dict(raw, grid)
                 rec["hf_ref"] = hf.load_hf(path).state_dict()
         out[name] = rec
     return out

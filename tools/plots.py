@@ -1,10 +1,11 @@
 """Pictures of a run: the curves of one or more run folders, and an attention map of a prompt.
 
-    python plots.py out/small                          # out/small/run.png
-    python plots.py out/small out/small_muon --out=compare.png
-    python plots.py out/sft --log=sft                  # the stage's sft_metrics.jsonl
-    python plots.py out/small --attention --prompt="def add(a, b):" --layer=3 --head=5 --out=attn.png
-    python plots.py out/small --heatmap=update_ratio   # layers x steps of gradstats.py's metrics
+    python -m tools.plots out/small                          # out/small/run.png
+    python -m tools.plots out/small out/small_muon --out=compare.png
+    python -m tools.plots out/sft --log=sft                  # the stage's sft_metrics.jsonl
+    python -m tools.plots out/small --attention --prompt="def add(a, b):" --layer=3 --head=5 --out=attn.png
+    python -m tools.plots out/small --heatmap=update_ratio   # layers x steps of gradient statistics
+    python -m tools.plots --life out/life/pretrain out/life/sft out/life/dpo out/life/grpo   # report.md, .png
 
 Curves come from logs.py's JSONL (<run>/<log>_metrics.jsonl, one record per log step): train and
 validation loss against steps and against tokens (step x batch_size x sequence length, from the run's
@@ -235,9 +236,16 @@ def main(argv=None):
     p.add_argument("--layer", type=int, default=0)
     p.add_argument("--head", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--life", action="store_true", help="runs are a life's stages in order (pretrain, sft, dpo, "
+                   "grpo): --out is a folder that gets report.md and report.png (life_report)")
     a = p.parse_args(argv)
     try:
-        if a.attention:
+        if a.life:
+            out = a.out or os.path.join(os.path.dirname(os.path.abspath(a.runs[0])), "report")
+            stages = dict(zip(("pretrain", "sft", "dpo", "grpo"), a.runs))
+            os.makedirs(out, exist_ok=True)
+            print(life_report({s: os.path.join(r, "train_metrics.jsonl") for s, r in stages.items()}, out))
+        elif a.attention:
             model, tok, _ = sample.load(a.runs[0], a.device)
             out = a.out or os.path.join(a.runs[0], "attention.png")
             plot_attention(model, tok, a.prompt, a.layer, a.head, out)
@@ -250,10 +258,6 @@ def main(argv=None):
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
     print(f"wrote {out}")
-
-
-if __name__ == "__main__":
-    main()
 
 
 # ----------------------------------------------------------------------------- a model's life, one report
@@ -308,3 +312,7 @@ def life_report(metrics, out):
     fig.savefig(os.path.join(out, "report.png"), dpi=110)
     plt.close(fig)
     return text
+
+
+if __name__ == "__main__":
+    main()
