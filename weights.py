@@ -87,10 +87,11 @@ class Family:
             keys, tok = hf.MODEL_KEYS, dict(tokenizer=cfg.init_from, tokenizer_vocab=0)
         else:
             cfg.init_from, m = init_checkpoint(cfg.init_from)
-            keys = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "grad_checkpoint", "fp32_residual")]
+            keys = [f.name for f in fields(ModelConfig)
+                    if f.name not in ("dropout", "grad_checkpoint", "fp32_residual")]
             if m["pos_emb"] == "rope":  # (a learned position table keeps its rows)
                 m = dict(m, block_size=min(cfg.block_size, m["block_size"]))
-            tok = {k: m[k] for k in ("tokenizer", "tokenizer_vocab")}  # and its FIM sentinels (older checkpoints: fim_rate)
+            tok = {k: m[k] for k in ("tokenizer", "tokenizer_vocab")}  # its FIM sentinels (older checkpoints: fim_rate)
             tok["tokenizer_fim"] = m.get("tokenizer_fim", m.get("fim_rate", 0) > 0)
         taken = [(k, m[k]) for k in keys] + list(tok.items())
         replaced = [f"{k}={v!r} (not {getattr(cfg, k)!r} as given)" for k, v in taken

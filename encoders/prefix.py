@@ -255,9 +255,10 @@ class PrefixTuning(weights.Family):
         need(0 <= cfg.prefix_tokens < cfg.block_size // 2 and cfg.prefix_hidden >= 0, f"prefix_tokens="
              f"{cfg.prefix_tokens} must be in [0, block_size / 2 = {cfg.block_size // 2}) and prefix_hidden >= 0")
         for bad, what in [(cfg.lora_r, "LoRA (lora_r > 0)"), (grid.tp > 1, "tp > 1"), (grid.pp > 1, "pp > 1"),
-                          (grid.ep > 1 or cfg.n_experts, "experts"), (cfg.data_parallel == "fsdp", "data_parallel='fsdp'"),
-                          (cfg.compile, "compile=True"), (cfg.merge or cfg.export_hf, "merge / export_hf (the PEFT "
-                                                          "adapter is in every checkpoint folder; the base is init_from)")]:
+                          (grid.ep > 1 or cfg.n_experts, "experts"),
+                          (cfg.data_parallel == "fsdp", "data_parallel='fsdp'"), (cfg.compile, "compile=True"),
+                          (cfg.merge or cfg.export_hf, "merge / export_hf (the PEFT adapter is in every checkpoint "
+                                                       "folder; the base is init_from)")]:
             need(not bad, f"prefix tuning (prefix_tokens={cfg.prefix_tokens}) works with data_parallel='ddp' on a "
                  f"decoder: not with {what}")
         super().sft_check(cfg, grid)

@@ -237,7 +237,7 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path):
     bare.mkdir()
     (bare / "model.safetensors").write_bytes(data[:100])
     with pytest.raises(checkpoint.CheckpointError, match="cannot read.*bare"):
-        checkpoint.read_weights(str(bare), model.cfg)
+        checkpoint.read_weights(str(bare), **weights.reference(model.cfg))
 
 
 def test_incomplete_folders_are_not_checkpoints(tmp_path):

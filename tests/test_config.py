@@ -27,16 +27,16 @@ def test_file_then_overrides(tmp_path):
 
 def stage_keys(path):
     """configs/<stage>_x.py configures <stage>.py (sft_tiny.py: sft.py): that script's own keys, its
-    EXTRA dict (what it passes to config.load); pretrain.py's for pretraining's configs."""
+    EXTRA dict (what it passes to config.load), and its plugins hook (FAMILY_KEYS: a model family's
+    keys); pretrain.py's for pretraining's configs."""
     stage = os.path.basename(path).split("_")[0]
-    if not os.path.isfile(os.path.join(ROOT, f"{stage}.py")):
-        return pretrain.EXTRA
-    return importlib.import_module(stage).EXTRA
+    module = importlib.import_module(stage if os.path.isfile(os.path.join(ROOT, f"{stage}.py")) else "pretrain")
+    return dict(extra=module.EXTRA, plugins=getattr(module, "FAMILY_KEYS", None))
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))))
 def test_shipped_configs_load(path):
-    cfg = config.load([path], extra=stage_keys(path), world=2)
+    cfg = config.load([path], **stage_keys(path), world=2)
     assert cfg.batch_size % (cfg.micro_batch_size * 2) == 0
 
 

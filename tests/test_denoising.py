@@ -48,17 +48,19 @@ SPAN = ["--objective=span", "--activation=gated-gelu", "--tie_embeddings=True"]
 
 
 def cfg_of(**kw):
-    return SimpleNamespace(**{**config.defaults(pretrain.EXTRA), "device": "cpu", **kw})
+    return SimpleNamespace(**{**config.defaults({**pretrain.EXTRA, **denoising.DENOISING_DEFAULTS}), "device": "cpu",
+                              **kw})
 
 
 def test_corrupt_rows_follow_the_data_not_the_split():
     ids = torch.randint(0, TOK.n_vocab, (8, 32), generator=torch.Generator().manual_seed(0))
     for objective in ("mlm", "span"):
         cfg = cfg_of(objective=objective, block_size=32, mask_rate=0.3)
-        denoising.vocabulary(cfg, TOK)
-        n = denoising.read_length(cfg)
+        fam = weights.family(cfg)
+        cfg.vocab_size = fam.vocabulary(cfg, TOK)
+        n = fam.read_length(cfg)
         rows = ids[:, :n]
-        x, y, kw = denoising.corrupt(rows, cfg, TOK, 5, 16, torch.device("cpu"))
+        x, y, kw = fam.corrupt(rows, cfg, TOK, 5, 16, torch.device("cpu"))
         assert kw == {"reduction": "sum"}
         for i in range(8):  # each row: the family's own function with its row's generator
             g = denoising.row_generator(cfg.seed, 5, 16 + i)
@@ -66,10 +68,10 @@ def test_corrupt_rows_follow_the_data_not_the_split():
                                      special_ids=[TOK.eos_id], generator=g) if objective == "mlm" else
                     t5.span_corrupt(rows[i], vocab_size=cfg.vocab_size, eos_id=TOK.eos_id, generator=g))
             assert torch.equal(x[i], want[0]) and torch.equal(y[i], want[1]), (objective, i)
-        halves = [denoising.corrupt(rows[4 * r:4 * r + 4], cfg, TOK, 5, 16 + 4 * r, torch.device("cpu"))
+        halves = [fam.corrupt(rows[4 * r:4 * r + 4], cfg, TOK, 5, 16 + 4 * r, torch.device("cpu"))
                   for r in range(2)]  # two data ranks' shares
         assert torch.equal(torch.cat([h[0] for h in halves]), x) and torch.equal(torch.cat([h[1] for h in halves]), y)
-        other = denoising.corrupt(rows, cfg, TOK, 6, 16, torch.device("cpu"))
+        other = fam.corrupt(rows, cfg, TOK, 6, 16, torch.device("cpu"))
         assert not torch.equal(other[1], y), f"{objective}: another step, the same masks"
         if objective == "mlm":
             assert cfg.vocab_size == TOK.n_vocab + 1 and (x == TOK.n_vocab).any()
@@ -88,7 +90,7 @@ def test_token_mean_is_the_global_batch_mean():
                                       dropout=0.0))
     cfg = cfg_of(objective="mlm", mask_rate=0.3)
     ids = torch.randint(0, TOK.n_vocab, (4, 32), generator=torch.Generator().manual_seed(1))
-    x, y, _ = denoising.corrupt(ids, cfg, TOK, 1, 0, torch.device("cpu"))
+    x, y, _ = bert.FAMILY.corrupt(ids, cfg, TOK, 1, 0, torch.device("cpu"))
     y[:2, 8:] = IGNORE  # the first micro-batch predicts far fewer tokens than the second
     model(x, y).backward()  # reduction="mean": over all predicted tokens of the batch
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -206,3 +208,40 @@ def test_decoder_checkpoint_under_mlm_refused(tmp_path, data_dir):
     r = pretrain_run(SMALL + MLM + [f"--data_dir={data_dir}", f"--init_from={out}", f"--out_dir={tmp_path}/m"],
                      check=False)
     assert r.returncode == 2 and "set objective='lm'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_family_keys_belong_to_their_family(tmp_path, capsys):
+    """A family's keys (denoising.py's DENOISING_DEFAULTS, prefix.py's PREFIX_DEFAULTS) join a run that chose it
+    (objective, a variant's key given); given to a run that did not, one line names where they belong; --help
+    still lists them with their comments."""
+    import sft
+    cfg = config.load(["--objective=mlm", "--activation=gelu", "--mask_rate=0.3"], extra=pretrain.EXTRA, world=1,
+                      plugins=pretrain.FAMILY_KEYS)
+    assert cfg.mask_rate == 0.3 and cfg.noise_density == 0.15
+    assert not hasattr(config.load(["--seed=1"], extra=pretrain.EXTRA, world=1, plugins=pretrain.FAMILY_KEYS),
+                       "mask_rate")
+    with pytest.raises(config.ConfigError, match=r"^mask_rate is a key of BERT / T5 \(objective='mlm' or "
+                                                 r"objective='span'\), which this run did not choose"):
+        config.load(["--mask_rate=0.3"], extra=pretrain.EXTRA, world=1, plugins=pretrain.FAMILY_KEYS)
+    assert config.load(["--prefix_tokens=4"], extra=sft.EXTRA, world=1, plugins=sft.FAMILY_KEYS).prefix_hidden == 0
+    with pytest.raises(config.ConfigError, match=r"^prefix_hidden is a key of prefix tuning \(prefix_tokens > 0\)"):
+        config.load(["--prefix_hidden=8"], extra=sft.EXTRA, world=1, plugins=sft.FAMILY_KEYS)
+    with pytest.raises(SystemExit):
+        config.load(["--help"], extra=pretrain.EXTRA, script=os.path.join(ROOT, "pretrain.py"),
+                    plugins=pretrain.FAMILY_KEYS)
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("mask_rate="))
+    assert "share of positions predicted" in line
+
+
+def test_sample_refuses_an_encoder(tmp_path):
+    """sample.py on a BERT checkpoint: one line saying an encoder does not generate (the family's no_sample),
+    before any weights are read."""
+    import checkpoint
+    import sample
+    cfg = cfg_of(objective="mlm", activation="gelu", n_layer=1, n_head=2, n_embd=16, block_size=32,
+                 tokenizer_vocab=512, vocab_size=TOK.n_vocab + 1)
+    path = checkpoint.save(str(tmp_path / "bert"), 1, bert.Bert(weights.model_config(cfg)).state_dict(), None, cfg,
+                           run_id="b")
+    with pytest.raises(config.UserError, match="a BERT is an encoder: it does not generate text") as e:
+        sample.main([path, "--device=cpu"])
+    assert "\n" not in str(e.value)

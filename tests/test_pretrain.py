@@ -119,3 +119,15 @@ def test_init_from_shape_the_layout_cannot_take(tmp_path):
     ours = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert r.returncode != 0 and ours == ["error: n_head=3 is not divisible by tp=2: each rank needs whole heads"], r.stderr
     assert "tp.py" not in r.stderr and not out.exists()
+
+
+def test_a_decoder_run_imports_no_family(tmp_path, data_dir):
+    """configs/tiny.py (tiny overrides) through pretrain.main for one step in a fresh interpreter: no module
+    of encoders/ is imported (the other families are found through weights.FAMILIES only when a run asks)."""
+    code = ("import sys, pretrain; pretrain.main(sys.argv[1:]); "
+            "print('ENCODERS', sorted(m for m in sys.modules if m.split('.')[0] == 'encoders'))")
+    r = subprocess.run([sys.executable, "-c", code, "configs/tiny.py", *SMALL, f"--data_dir={data_dir}",
+                        "--max_steps=1", "--ckpt_every=0", f"--out_dir={tmp_path / 'one'}"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ENCODERS []" in r.stdout.splitlines(), r.stdout[-2000:]

@@ -124,7 +124,8 @@ def test_layouts_and_resume_equal_one_process(reference):
         assert_close(saved_weights(root, f"resume_{kind}"), saved_weights(root, f"ref_{kind}"), f"resume_{kind}")
     assert_close(saved_weights(root, "merged_tp2"), saved_weights(root, "merged"), "merge= under TP2")
     full, ref = saved_weights(root, "ref_lora"), saved_weights(root, "ref_full")
-    init = checkpoint.read_weights(str(root / "init" / "step_000007"), ModelConfig.from_cfg(run_cfg(**TINY)))
+    init = checkpoint.read_weights(str(root / "init" / "step_000007"),
+                                   **weights.reference(ModelConfig.from_cfg(run_cfg(**TINY))))
     assert torch.equal(full["blocks.0.attn.qkv.weight"], init["blocks.0.attn.qkv.weight"])  # LoRA: base frozen
     assert not torch.equal(ref["blocks.0.attn.qkv.weight"], init["blocks.0.attn.qkv.weight"])
 
@@ -144,7 +145,8 @@ def test_lora_outputs(reference, capsys):
     assert adapter_config["r"] == 4
     new = list(range(TINY["vocab_size"], cfg.vocab_size))  # the chat template's tokens, just added
     assert new == [512, 513] and adapter_config["trainable_token_indices"] == {"embed_tokens": new, "lm_head": new}
-    init = checkpoint.read_weights(str(root / "init" / "step_000007"), ModelConfig.from_cfg(run_cfg(**TINY)))
+    init = checkpoint.read_weights(str(root / "init" / "step_000007"),
+                                   **weights.reference(ModelConfig.from_cfg(run_cfg(**TINY))))
     merged_weights = saved_weights(root, "merged")
     for m in ("tok_emb", "head"):  # the new rows trained (they started equal: the mean of the old rows)
         rows, start = saved[f"{m}.lora_tokens.rows"], init[f"{m}.weight"][:512].mean(0)
@@ -191,7 +193,7 @@ def test_init_from_run_folder_grows_vocabulary(init):
     assert cfg.vocab_size == tok.n_vocab == 514  # <|im_start|>, <|im_end|> added past the 512 ids
     model = Transformer(ModelConfig.from_cfg(cfg))
     weights.loader(cfg, parallel.init(cfg))(model)
-    old = checkpoint.read_weights(cfg.init_from, ModelConfig.from_cfg(run_cfg(**TINY)))
+    old = checkpoint.read_weights(cfg.init_from, **weights.reference(ModelConfig.from_cfg(run_cfg(**TINY))))
     for k in ("tok_emb.weight", "head.weight"):
         new = model.state_dict()[k]
         assert torch.equal(new[:512], old[k][:512])
@@ -265,7 +267,7 @@ def test_loss_equals_trl(hf_chat, tmp_path):
     packed = chat.pack(examples, 2 * T)[0]
     grads = []
     for micro in ([padded], [packed], [padded[:1], padded[1:]]):
-        nll, count = sft.train_step(run, [chat.batch(r) for r in micro], contextlib.nullcontext())
+        nll, count = sft.train_step(run, [weights.DECODER.sft_batch(r) for r in micro], contextlib.nullcontext())
         assert abs(nll.item() / count.item() - trl_loss) <= 1e-5 * trl_loss, (micro, nll / count, trl_loss)
         run.wrapper.finish()
         grads.append({n: p.grad.clone() for n, p in run.raw.named_parameters()})

@@ -149,7 +149,8 @@ def test_prefix_on_packed_rows_equals_each_example_alone():
 
 def test_prefix_sft(two):
     root = two
-    init = checkpoint.read_weights(str(root / "init" / "step_000007"), ModelConfig.from_cfg(run_cfg(**TINY)))
+    init = checkpoint.read_weights(str(root / "init" / "step_000007"),
+                                   **weights.reference(ModelConfig.from_cfg(run_cfg(**TINY))))
     ref = saved(root, "prefix_ref")
     with open(root / "prefix_ref" / f"step_{STEPS:06d}" / "config.json") as f:
         n_vocab = json.load(f)["vocab_size"]
