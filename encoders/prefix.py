@@ -3,8 +3,7 @@
     prefix = Prefix(model.cfg, n_tokens=20, projection=True)      # optional reparameterisation MLP
     tuned = Prefixed(model, prefix)                                 # the base frozen; only the prefix trains
     loss = tuned(x, y, attn_mask=real)                              # model.Transformer's forward, prefixed
-    attach(model, prefix)                                           # the same in place (sft.py's prefix_tokens)
-    python sft.py configs/sft_tiny.py --prefix_tokens=20           # FAMILY: SFT's variant of the decoder
+    attach(model, prefix)                                           # the same in place (FAMILY's: sft.py's)
     save_peft("out/prefix", prefix)                                 # adapter_model.safetensors + adapter_config.json
     prefix = load_peft("out/prefix", model.cfg)                     # PEFT's (or ours): peft.PeftModel reads it too
 
@@ -18,7 +17,6 @@ projection=True learns it through PEFT's reparameterisation, embedding (N, KV * 
 tanh -> Linear(hidden -> n_layer * 2 * KV * D), which training sees; without it the table is the
 parameter. Saved, as PEFT saves it, is the table itself ("prompt_embeddings"), so a projected
 prefix loads back as a plain table (inference), as in PEFT.
-
 How: prefixed() hands Transformer.forward a PrefixCache (the cache interface: `length` = N,
 update() puts the prefix in front of each layer's keys and values), so positions, causality, GQA,
 ALiBi and sliding windows follow the model's own rules. generate(): the eager decoding loop with
