@@ -70,12 +70,20 @@ DEFAULTS = dict(
     rollout_copy=True,        # rollouts read a copy in the compute dtype (main; False: the trained weights)
     out_dir="out/grpo",       # checkpoints and metrics
 )
-EXTRA = {**chat.CHAT_DEFAULTS, **DEFAULTS}  # this script's keys beyond config.py's (config.load(extra=...))
+# this script's keys (config.load(extra=...)): the chat data's it reads, the training keys and its own; a
+# --prompt_data (--task, --task_args) on the command line replaces the task (prompt_data) the config file set
+EXTRA = config.Keys(
+    {k: chat.CHAT_DEFAULTS[k] for k in ("chat_template", "skip_bad_records", "chat_limit")}, lifecycle.TRAIN, DEFAULTS,
+    instead={**{k: "grpo.py reads prompts from prompt_data" for k in ("chat_data", "data")},
+             "n_train": "grpo.py draws train_prompts prompts from the task",
+             "n_eval": "grpo.py holds out eval_prompts prompts"},
+    replaces={"prompt_data": ("task", "task_args"), "task": ("prompt_data", "eval_prompt_data"),
+              "task_args": ("prompt_data", "eval_prompt_data")})
 # a log line's means over its steps: name -> (the tally's sum, what it is divided by)
 LOGGED = {"reward": ("reward", "rewarded"), "frac_equal_groups": ("equal", "groups"), "kl": ("kl", "tokens"),
           "clip_low": ("clip_low", "clip_count"), "clip_high": ("clip_high", "clip_count"),
           "t_rollout": ("t_rollout", "steps"), "t_reward": ("t_reward", "steps"), "t_learn": ("t_learn", "steps")}
-RESUME_FREE = ("eval_prompts", "dead_steps", "eval_prompt_data", "eval_percent")  # a resumed run may change it (with config.RESUME_FREE)
+RESUME_FREE = ("eval_prompts", "dead_steps", "eval_prompt_data", "eval_percent")  # a resumed run may change it (with lifecycle.RESUME_FREE)
 
 # ----------------------------------------------------------------------------- the math
 

@@ -48,7 +48,9 @@ PRETRAIN_DEFAULTS = dict(
     noise_density=0.15,      # span: share of the tokens corrupted
     mean_span=3.0,           # span: mean length of a corrupted span
 )
-EXTRA = {**data.DATA_DEFAULTS, **PRETRAIN_DEFAULTS}  # this script's keys beyond config.py's shared ones
+# this script's keys (config.load(extra=...)): the data pipeline's, the training keys and its own
+EXTRA = config.Keys(data.DATA_DEFAULTS, lifecycle.TRAIN, PRETRAIN_DEFAULTS,
+                    instead={k: "pretrain.py reads its corpus from data" for k in ("chat_data", "prompt_data")})
 RESUME_FREE = (*data.RESUME_FREE, "eval_batches", "sample_tokens", "sample_prompt", "sample_temperature", "sample_top_k")
 
 

@@ -61,7 +61,12 @@ SFT_DEFAULTS = dict(
     prefix_projection=False,  # prefix tuning through PEFT's reparameterisation MLP (embedding -> tanh MLP)
     prefix_hidden=0,    # its hidden width (0: the key/value width)
 )
-EXTRA = {**chat.CHAT_DEFAULTS, **SFT_DEFAULTS}  # this script's keys beyond config.py's shared ones
+# this script's keys (config.load(extra=...)): the chat data's, the training keys and its own
+EXTRA = config.Keys(
+    chat.CHAT_DEFAULTS, lifecycle.TRAIN, SFT_DEFAULTS,
+    instead={**{k: "sft.py reads conversations from chat_data" for k in ("prompt_data", "data")},
+             "train_prompts": "sft.py's task generates n_train conversations",
+             "eval_prompts": "sft.py answers n_eval held-out task items"})
 RESUME_FREE = ("n_eval", "eval_every", "eval_tokens", "eval_batch", "merge", "export_hf")  # a resume may change them
 
 
