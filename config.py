@@ -235,13 +235,26 @@ def _comments(path):
     and the fields of ModelConfig, with the comment on their line (and comment-only lines that
     continue it)."""
     src = open(path, encoding="utf-8").read()
-    notes, lines = {}, src.splitlines()
-    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        if tok.type == tokenize.COMMENT:
-            notes[tok.start[0]] = tok.string.lstrip("#").strip()
+    if "DEFAULTS = dict(" not in src and "class ModelConfig" not in src:  # (most files: nothing to parse)
+        return {}
+    lines, keys, spans = src.splitlines(), [], []
+    for node in ast.walk(ast.parse(src)):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id.endswith("DEFAULTS") and isinstance(node.value, ast.Call)):
+            spans.append(node)
+            keys += [(kw.arg, kw.value.lineno, kw.value.end_lineno) for kw in node.value.keywords if kw.arg]
+        elif isinstance(node, ast.ClassDef) and node.name == "ModelConfig":
+            spans.append(node)
+            keys += [(item.target.id, item.lineno, item.end_lineno) for item in node.body
+                     if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)]
+    notes = {}  # line -> its comment, of those spans only (tokenizing whole files is slow)
+    for node in spans:
+        text = "\n".join(lines[node.lineno - 1:node.end_lineno])
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.COMMENT:
+                notes[node.lineno - 1 + tok.start[0]] = tok.string.lstrip("#").strip()
     out = {}
-
-    def add(key, line, end):
+    for key, line, end in keys:
         text = [notes[line]] if line in notes else []
         nxt = end + 1  # comment-only lines right below, indented past the key: a continuation
         while nxt in notes and lines[nxt - 1].lstrip().startswith("#") and len(lines[nxt - 1]) - len(
@@ -249,18 +262,7 @@ def _comments(path):
             text.append(notes[nxt])
             nxt += 1
         out.setdefault(key, " ".join(text))
-    for node in ast.walk(ast.parse(src)):
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-                and node.targets[0].id.endswith("DEFAULTS") and isinstance(node.value, ast.Call)):
-            for kw in node.value.keywords:
-                if kw.arg:
-                    add(kw.arg, kw.value.lineno, kw.value.end_lineno)
-        elif isinstance(node, ast.ClassDef) and node.name == "ModelConfig":
-            for item in node.body:
-                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-                    add(item.target.id, item.lineno, item.end_lineno)
     return out
-
 
 NOT_WINGS = ("tests", "configs", "bench", "docker", "runs", "docs")  # folders whose .py files hold no keys
 HERE = os.path.dirname(os.path.abspath(__file__))
