@@ -3,11 +3,14 @@
     python pretrain.py configs/tiny.py --lr=3e-4 --compile=True --data=/path/to/corpus
     python sft.py --help                       # this stage's keys, with defaults and one-line comments
 
-A stage accepts the keys it reads: the model's (model.ModelConfig), the shared ones below (every
-stage reads them) and its own (`load(argv, extra=...)`: data.DATA_DEFAULTS and pretrain's sample
-keys for pretraining, chat.CHAT_DEFAULTS and the stage's for SFT / DPO / GRPO, eval's for eval.py).
-An override is parsed as a Python literal and must have the default's type. The result is a flat
-namespace `cfg`, printed once and saved into every checkpoint; cfg.given holds the keys the user set.
+A stage accepts the keys it reads, no others: the model's (model.ModelConfig) and its Keys (`load(argv,
+extra=...)`), assembled from the parts it reads; each concept's keys live in its file as NAME_DEFAULTS
+with the check(cfg, world) of them (optim.py, muon.py, parallel.py, memory/recompute.py, ...; the
+training stages' share lifecycle.TRAIN). This file is the mechanism: loading, overrides, types, the
+refusal of another stage's key (naming this stage's key for the same thing: Keys' instead), --help from
+every *_DEFAULTS' comments. An override is parsed as a Python literal and must have the default's type.
+The result is a flat namespace `cfg`, printed once and saved into every checkpoint; cfg.given holds the
+keys the user set.
 
 A mistake the user must fix raises UserError (or a subclass that also keeps the built-in type
 callers may catch: ConfigError is a ValueError, ...): cli() prints its message once, without a
@@ -75,7 +78,8 @@ class Keys(dict):
     selection of one), a (dict, check) pair or another Keys; a later part's default wins. Each check(cfg,
     world) runs after the model's checks, in the parts' order (validate). instead: {a key this stage does not
     read: the one line its refusal says, naming the stage's key for the same thing}. replaces: {key: keys
-    it replaces}: given on the command line, it drops those the config file set (the command line wins)."""
+    it replaces}: set on the command line (not emptied), it drops those the config file set (the command line
+    wins)."""
 
     def __init__(self, *parts, instead=None, replaces=None):
         super().__init__()
@@ -182,9 +186,10 @@ def read_file(path, d):
 
 
 def load(argv, extra=None, world=None, script=None, example=None):
-    """argv: [config_file.py] [--key=value ...] -> validated Config. extra: the stage's own keys and
-    defaults (they override the shared ones). --help prints the stage's keys and exits; no argument
-    at all asks for a config (example: the one to suggest) instead of running the defaults."""
+    """argv: [config_file.py] [--key=value ...] -> validated Config. extra: the stage's keys beyond the
+    model's and their defaults (a Keys, with its checks and rules; or a plain dict). --help prints the
+    stage's keys and exits; no argument at all asks for a config (example: the one to suggest) instead
+    of running the defaults."""
     d = defaults(extra)
     args = list(argv)
     name = os.path.basename(script or sys.argv[0] or "the script")
@@ -201,8 +206,8 @@ def load(argv, extra=None, world=None, script=None, example=None):
     on_line = dict(parse_override(a, d) for a in args)
     values.update(on_line)
     given |= set(on_line)
-    for k in on_line:  # the command line wins: keys the file set that this one replaces drop back
-        for r in set(d.replaces.get(k, ())) & set(from_file) - set(on_line):
+    for k in [k for k, v in on_line.items() if v]:  # the command line wins: set there, a key drops the file's
+        for r in set(d.replaces.get(k, ())) & set(from_file) - set(on_line):  # keys for the same thing
             values[r] = d[r]
             given.discard(r)
     cfg = Config(**values)

@@ -207,8 +207,8 @@ def test_each_stage_refuses_keys_it_does_not_read(stage, args, match):
 
 def test_prompt_data_on_the_command_line_replaces_the_files_task(tmp_path):
     """The command line wins over the config file: --prompt_data over configs/grpo_life.py (which sets task
-    and task_args) drops the file's task and loads; both in one file, or both on the command line, are still
-    refused; --task over a file's prompt_data drops that (and its eval_prompt_data)."""
+    and task_args) drops the file's task and loads (it used to fail: "task_args set the task; prompt_data
+    replaces the task: give one"); both in one file, or both on the command line, are still refused."""
     import grpo
     life = os.path.join(ROOT, "configs", "grpo_life.py")
     grid = SimpleNamespace(data_world=1)
@@ -219,9 +219,9 @@ def test_prompt_data_on_the_command_line_replaces_the_files_task(tmp_path):
     with pytest.raises(config.ConfigError, match="prompt_data replaces the task: give one"):
         grpo.check(config.load([life, "--prompt_data=p.jsonl", "--task_args={'n': 3}"], extra=grpo.EXTRA, world=1), grid)
     both = tmp_path / "both.py"
-    both.write_text("from configs.grpo_life import *\nprompt_data = 'p.jsonl'\neval_prompt_data = 'q.jsonl'\n")
+    both.write_text("from configs.grpo_life import *\nprompt_data = 'p.jsonl'\n")
     with pytest.raises(config.ConfigError, match="prompt_data replaces the task: give one"):
         grpo.check(config.load([str(both)], extra=grpo.EXTRA, world=1), grid)
-    cfg = config.load([str(both), "--task=countdown"], extra=grpo.EXTRA, world=1)
+    cfg = config.load([str(both), "--prompt_data=q.jsonl"], extra=grpo.EXTRA, world=1)
     grpo.check(cfg, grid)
-    assert cfg.prompt_data == cfg.eval_prompt_data == "" and cfg.task_args["numbers"] == 3
+    assert cfg.prompt_data == "q.jsonl" and cfg.task_args == {}
