@@ -269,6 +269,7 @@ def _comments(path):
         out.setdefault(key, " ".join(text))
     return out
 
+
 NOT_WINGS = ("tests", "configs", "bench", "docker", "runs", "docs")  # folders whose .py files hold no keys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
