@@ -86,7 +86,8 @@ TRAIN = config.Keys(
 # --force_resume=True. A key unknown here counts as one that matters; a stage names its own free keys
 # (claim(free=...)).
 RESUME_FREE = frozenset((
-    "out_dir", "init_from", "ckpt_every", "keep_last", "eval_every", "grad_checkpoint", "fp32_residual",  # (model's)
+    "out_dir", "init_from", "ckpt_every", "keep_last", "eval_every",  # the run folder's
+    "grad_checkpoint", "fp32_residual",  # the model's speed knobs
     *optim.RESUME_FREE, *muon.RESUME_FREE, *parallel.RESUME_FREE, *pp.RESUME_FREE, *chunked.RESUME_FREE,
     *recompute.RESUME_FREE, *materialize.RESUME_FREE, *optim_memory.RESUME_FREE, *plan.RESUME_FREE,
     *logs.RESUME_FREE, *gradstats.RESUME_FREE))
