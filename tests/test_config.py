@@ -171,7 +171,6 @@ def test_resume_ignores_keys_this_stage_does_not_read(tmp_path):
     import checkpoint
     import lifecycle
     import sft
-    from types import SimpleNamespace
     cfg = config.load(["--out_dir=" + str(tmp_path)], extra=sft.EXTRA, world=1)
     old = SimpleNamespace(**{**vars(cfg), "dedup": "near", "fim_rate": 0.5})
     path = checkpoint.save(str(tmp_path), 1, {"w": __import__("torch").zeros(1)}, None, old, run_id="A")
@@ -196,7 +195,7 @@ def test_each_stage_refuses_keys_it_does_not_read(stage, args, match):
     """A stage accepts only the keys it reads: another stage's key for the same thing is refused in one line
     naming this stage's key (grpo.py's chat_data: prompt_data), any other key naming the file it belongs to;
     --help does not list them. (grpo.py once trained on its arithmetic task over a --chat_data it never read.)"""
-    extra = importlib.import_module(stage).KEYS if stage == "eval" else importlib.import_module(stage).EXTRA
+    extra = importlib.import_module(stage).EXTRA
     with pytest.raises(config.ConfigKeyError, match=re.escape(match)) as e:
         config.load(args, extra=extra, world=1)
     assert "\n" not in str(e.value) and str(e.value).endswith("(--help lists this stage's keys)")
@@ -217,7 +216,7 @@ def test_prompt_data_on_the_command_line_replaces_the_files_task(tmp_path):
     assert cfg.prompt_data == "my_prompts.jsonl" and cfg.task_args == {} and cfg.task == grpo.EXTRA["task"]
     assert {"task", "task_args"}.isdisjoint(cfg.given) and cfg.train_prompts == 16384  # the rest of the file holds
     with pytest.raises(config.ConfigError, match="prompt_data replaces the task: give one"):
-        grpo.check(config.load([life, "--prompt_data=p.jsonl", "--task_args={'n': 3}"], extra=grpo.EXTRA, world=1), grid)
+        grpo.check(config.load([life, "--prompt_data=p.jsonl", "--task_args={'n': 3}"], extra=grpo.EXTRA), grid)
     both = tmp_path / "both.py"
     both.write_text("from configs.grpo_life import *\nprompt_data = 'p.jsonl'\n")
     with pytest.raises(config.ConfigError, match="prompt_data replaces the task: give one"):
