@@ -68,6 +68,7 @@ EXTRA = config.Keys(
     instead={**{k: "dpo.py reads preference pairs from chat_data" for k in ("prompt_data", "data")},
              "n_train": "dpo.py draws n_pairs pairs from the task", "n_eval": "dpo.py holds out eval_pairs pairs"})
 
+
 # ----------------------------------------------------------------------------- the math
 
 def pair_losses(pc, pr, rc, rr, lc, lr, loss_type="sigmoid", beta=0.1, eps=0.0, gamma=0.5, divergence="reverse_kl"):

@@ -44,6 +44,7 @@ RESUME_FREE = ("gpu_memory",)  # a resumed run may change it (lifecycle.RESUME_F
 def check(cfg, world=1):
     config.need(cfg.gpu_memory >= 0, f"gpu_memory={cfg.gpu_memory} must be >= 0 (0: no plan; 24: plan for 24 GiB GPUs)")
 
+
 def compute_bytes(cfg, cuda=True):
     return 4 if cfg.dtype == "float32" or (cfg.dtype == "auto" and not cuda) else 2
 
