@@ -8,7 +8,7 @@ sampling share it.
     ChatTemplate / default_template / template_for    jinja2, rendered the way transformers renders
     encode(tok, template, messages) -> (ids, mask)
     pack(examples, T) -> rows;  batch(rows) -> (x, y, pos, attn_mask);  ChatLoader(rows, B, ...)
-    setup(cfg) -> (tok, template);  CHAT_DEFAULTS: the config keys every chat stage shares
+    setup(cfg) -> (tok, template);  CHAT_DEFAULTS: the chat config keys (a stage takes those it reads)
 
 A message is {"role": "system" | "user" | "assistant", "content": str}. The rules, in order, each
 in the docstring of the code that applies it: rendering (compile_template), special tokens
@@ -53,6 +53,7 @@ PROTECT, UNPROTECT, GEN, END_GEN = "\ue000", "\ue001", "\ue002", "\ue003"  # pri
 MARKERS = PROTECT + UNPROTECT + GEN + END_GEN
 MARKER_RE = re.compile(f"[{MARKERS}]")
 
+# the chat data's config keys: sft.py reads them all, dpo.py and grpo.py some (their EXTRA)
 CHAT_DEFAULTS = dict(
     chat_data="",            # a .json/.jsonl/.parquet file or folder, or hf:<name>[:<config>][@<split>]
                              # ("": the stage's offline default)
@@ -671,8 +672,8 @@ def setup(cfg):
     """(tokenizer, template) of a chat stage: the run's tokenizer (tokenizer.for_cfg(cfg): after
     weights.configure an HF folder's) with the template's special tokens added where missing (new ids past
     the vocabulary) and the template as its chat_template, cfg.vocab_size raised to cover them.
-    cfg.chat_template picks the template."""
-    if cfg.chat_format != "auto" and cfg.chat_format not in FORMATS:
+    cfg.chat_template picks the template; a stage that reads chat_format (sft.py) has it checked here."""
+    if getattr(cfg, "chat_format", "auto") not in ("auto", *FORMATS):
         raise ChatDataError(f"chat_format={cfg.chat_format!r} is not one of auto, {', '.join(FORMATS)}")
     tok = tokenizer.for_cfg(cfg)
     template = template_for(tok, cfg.init_from, cfg.chat_template)

@@ -61,7 +61,12 @@ DPO_DEFAULTS = dict(
     reference="auto",        # auto | copy | adapters | precomputed
     out_dir="out/dpo",       # checkpoints and metrics
 )
-EXTRA = {**chat.CHAT_DEFAULTS, **DPO_DEFAULTS}  # this script's keys beyond config.py's (config.load(extra=...))
+# this script's keys (config.load(extra=...)): the chat data's it reads, the training keys and its own
+EXTRA = config.Keys(
+    {k: chat.CHAT_DEFAULTS[k] for k in ("chat_data", "chat_template", "skip_bad_records", "chat_limit")},
+    lifecycle.TRAIN, DPO_DEFAULTS,
+    instead={**{k: "dpo.py reads preference pairs from chat_data" for k in ("prompt_data", "data")},
+             "n_train": "dpo.py draws n_pairs pairs from the task", "n_eval": "dpo.py holds out eval_pairs pairs"})
 
 
 # ----------------------------------------------------------------------------- the math

@@ -40,7 +40,9 @@ import parallel
 import tokenizer
 import weights
 from corpora import corpus
+from memory import chunked
 from model import ModelConfig, Transformer
+from parallelism import pp
 from posttrain import tasks
 from tools import evaltasks, scoring
 from tools.scoring import EvalError
@@ -64,6 +66,14 @@ EVAL_DEFAULTS = dict(
     code_workers=4,        # sandbox processes
     results="",            # results JSON, never overwritten ("": out/eval/<model>.json, <model>_2.json, ... when taken)
 )
+# the keys eval.py reads (config.load(extra=...); from a checkpoint, CKPT_KEYS too): the model's, where it comes
+# from, its tokenizer, the processes and the layout (parallelize; the chunked loss scores), the corpus of bits per
+# byte, its own. The training keys parallelize reads besides these (LoRA's, recompute's, ...) keep their defaults
+EXTRA = config.Keys({"init_from": lifecycle.RUN_DEFAULTS["init_from"]}, (tokenizer.TOKENIZER_DEFAULTS, tokenizer.check),
+                    (parallel.PARALLEL_DEFAULTS, parallel.check), pp.PP_DEFAULTS,
+                    (chunked.CHUNKED_DEFAULTS, chunked.check), data.DATA_DEFAULTS, EVAL_DEFAULTS, instead={
+                        "task": "eval.py runs tasks (comma separated: bpb, hellaswag, gsm8k, ...)",
+                        "chat_data": "eval.py reads a task's examples from tasks=name=source"})
 # what a checkpoint's config.json contributes: the model's shape, its tokenizer, its corpus and split
 CKPT_KEYS = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "grad_checkpoint", "init_std")] + [
     "tokenizer", "tokenizer_vocab", "tokenizer_fim", "fim_rate", "fim_spm_rate", "fim_seed", "data", "text_field", "data_dir",
@@ -121,7 +131,7 @@ def load_config(argv):
     if args and not args[0].startswith("--") and not args[0].endswith(".py"):  # a leading folder: the model
         args[0] = f"--init_from={args[0]}"  # (a leading .py file is a config file)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    extra = dict(data.DATA_DEFAULTS, **EVAL_DEFAULTS, micro_batch_size=8, batch_size=8 * world)  # micro_batch_size: rows per scoring forward
+    extra = config.Keys(EXTRA, dict(micro_batch_size=8, batch_size=8 * world))  # micro_batch_size: rows a forward
     if "--help" in args or "-h" in args:  # the keys, their defaults and comments; exits
         config.load(["--help"], extra=extra, script=os.path.abspath(__file__))
     init = next((a.partition("=")[2] for a in args if a.startswith("--init_from=")), "")
@@ -183,8 +193,10 @@ def parse_tasks(cfg):
 
 
 def load_model(cfg, grid):
-    """Transformer of cfg's shape, laid out by parallel.parallelize, weights from cfg.init_from."""
+    """Transformer of cfg's shape, laid out by parallel.parallelize (the training keys eval does not take at
+    their defaults: no LoRA, no recompute, ...), weights from cfg.init_from."""
     torch.manual_seed(cfg.seed)
+    cfg = SimpleNamespace(**{**lifecycle.TRAIN, **vars(cfg)})
     raw = Transformer(ModelConfig.from_cfg(cfg)).to(grid.device)
     net = parallel.parallelize(raw, grid, cfg, load=weights.loader(cfg, grid), optimizer=False)
     raw.eval()

@@ -39,8 +39,7 @@ from tools import gradstats
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo", "sapo")
 SCALES = ("group", "batch", "none")
 
-# this stage's config keys (config.load(argv, extra=...)); batch_size counts completions per step
-DEFAULTS = dict(
+DEFAULTS = dict(  # this stage's own config keys; batch_size counts completions per step
     task="arithmetic",        # tasks.get(name): prompts with answers and the reward that checks them
     task_args={},             # the task's settings, e.g. dict(max_operand=999, terms=3) (tasks.settings(name))
     prompt_data="",           # your prompts instead of a task: a file, folder or hf:<name> of GSM8K / MATH / prompt records
@@ -70,12 +69,14 @@ DEFAULTS = dict(
     rollout_copy=True,        # rollouts read a copy in the compute dtype (main; False: the trained weights)
     out_dir="out/grpo",       # checkpoints and metrics
 )
-EXTRA = {**chat.CHAT_DEFAULTS, **DEFAULTS}  # this script's keys beyond config.py's (config.load(extra=...))
+EXTRA = config.Keys({k: chat.CHAT_DEFAULTS[k] for k in ("chat_template", "skip_bad_records", "chat_limit")},
+                    lifecycle.TRAIN, DEFAULTS, instead={"chat_data": "grpo.py reads prompts from prompt_data"},
+                    replaces={"prompt_data": ("task", "task_args")})  # on the command line: the file's task drops
 # a log line's means over its steps: name -> (the tally's sum, what it is divided by)
 LOGGED = {"reward": ("reward", "rewarded"), "frac_equal_groups": ("equal", "groups"), "kl": ("kl", "tokens"),
           "clip_low": ("clip_low", "clip_count"), "clip_high": ("clip_high", "clip_count"),
           "t_rollout": ("t_rollout", "steps"), "t_reward": ("t_reward", "steps"), "t_learn": ("t_learn", "steps")}
-RESUME_FREE = ("eval_prompts", "dead_steps", "eval_prompt_data", "eval_percent")  # a resumed run may change it (with config.RESUME_FREE)
+RESUME_FREE = ("eval_prompts", "dead_steps", "eval_prompt_data", "eval_percent")  # a resumed run may change it (with lifecycle.RESUME_FREE)
 
 # ----------------------------------------------------------------------------- the math
 

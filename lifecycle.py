@@ -13,7 +13,7 @@ The run folder is owned by one run at a time (claim: the lock, then the policy):
 - every checkpoint carries a run id; a resumed run adopts its checkpoint's id (one lineage), and
   pruning (keep_last) only ever deletes checkpoints of this lineage at or below the step just saved;
 - resume takes the newest checkpoint that verifies, names the ones it skipped and why, and refuses
-  changed settings that break exactness (config.RESUME_FREE, a stage's own) unless --force_resume.
+  changed settings that break exactness (RESUME_FREE, a stage's own) unless --force_resume.
 end_of_step: a signal (every rank agrees) saves and stops; then the checkpoint cadence, then the
 evaluation (a failing evaluation never costs the steps before it); both off the throughput clock.
 """
@@ -36,10 +36,62 @@ import config
 import gpus
 import logs
 import lora
+import muon
+import optim
 import parallel
 import plan
+import tokenizer
 import weights
 from checkpoint import CheckpointError, ResumeMismatch, RunDirError
+from config import need
+from memory import chunked, materialize, optim_memory, qlora, recompute
+from parallelism import pp
+from tools import gradstats
+
+# the run folder's config keys: where a run writes, how it starts, when it saves and evaluates
+RUN_DEFAULTS = dict(
+    out_dir="out/run",       # checkpoints and metrics (each stage has its own default)
+    resume="",               # "": start fresh | "latest" (bare --resume): the newest complete checkpoint in
+                             # out_dir, falling back past broken ones | a checkpoint (or run) folder
+    overwrite=False,         # a fresh run into an out_dir holding an earlier run moves that run's files to
+                             # out_dir/old_<time>/ (nothing is deleted); without it such a run refuses
+    force_resume=False,      # resume even where settings changed that break exactness (lifecycle.RESUME_FREE)
+    init_from="",            # start from the weights of a checkpoint folder or a local HF model folder
+    ckpt_every=500,          # steps between checkpoints (0: only at the end)
+    keep_last=2,             # checkpoints kept on disk
+    eval_every=250,          # steps between held-out evaluations (0: none)
+)
+RESUME_CONTROL = frozenset({"resume", "overwrite", "force_resume"})  # how to start, not settings
+
+
+def check(cfg, world=1):
+    """The run folder's keys (and log_every, whose cadence they share)."""
+    need(cfg.keep_last >= 1, f"keep_last={cfg.keep_last} must be >= 1")
+    need(cfg.ckpt_every >= 0 and cfg.eval_every >= 0 and cfg.log_every > 0,
+         "ckpt_every and eval_every must be >= 0 and log_every > 0")
+
+
+# The keys every training stage reads (pretrain, sft, dpo, grpo), each concept's in its own file beside its
+# check, in --help's order; a stage adds its own: config.Keys(lifecycle.TRAIN, its keys, ...).
+TRAIN = config.Keys(
+    (RUN_DEFAULTS, check), (tokenizer.TOKENIZER_DEFAULTS, tokenizer.check), (optim.OPTIM_DEFAULTS, optim.check),
+    (muon.MUON_DEFAULTS, muon.check), (parallel.PARALLEL_DEFAULTS, parallel.check), pp.PP_DEFAULTS,
+    (lora.LORA_DEFAULTS, lora.check), qlora.QLORA_DEFAULTS, (chunked.CHUNKED_DEFAULTS, chunked.check),
+    (recompute.RECOMPUTE_DEFAULTS, recompute.check), (materialize.MATERIALIZE_DEFAULTS, materialize.check),
+    (optim_memory.OPTIM_MEMORY_DEFAULTS, optim_memory.check), (plan.PLAN_DEFAULTS, plan.check),
+    (logs.LOGS_DEFAULTS, logs.check), (gradstats.GRADSTATS_DEFAULTS, gradstats.check))
+# The training keys a resumed run may change freely: they do not alter the math of the steps to come
+# (layout, precision and speed knobs, logging, evaluation, checkpoint cadence, paths; each file lists its
+# own). Any other changed key (model, data, batch_size, seq_len, optimizer, lr, schedule, max_steps, seed,
+# ...) makes the continued run differ from an uninterrupted one: resume refuses it unless
+# --force_resume=True. A key unknown here counts as one that matters; a stage names its own free keys
+# (claim(free=...)).
+RESUME_FREE = frozenset((
+    "out_dir", "init_from", "ckpt_every", "keep_last", "eval_every",  # the run folder's
+    "grad_checkpoint", "fp32_residual",  # the model's speed knobs
+    *optim.RESUME_FREE, *muon.RESUME_FREE, *parallel.RESUME_FREE, *pp.RESUME_FREE, *chunked.RESUME_FREE,
+    *recompute.RESUME_FREE, *materialize.RESUME_FREE, *optim_memory.RESUME_FREE, *plan.RESUME_FREE,
+    *logs.RESUME_FREE, *gradstats.RESUME_FREE))
 
 # what a run writes into out_dir: a fresh run refuses to start over these (or moves them aside)
 RUN_FILES = ("step_*", ".tmp_step_*", "latest", "latest.tmp", "*_metrics.jsonl", "tb", "wandb")
@@ -164,7 +216,7 @@ def open_run(cfg, free=()):
     than the resumed one or of another run) refuses with RunDirNotEmpty unless cfg.overwrite, which
     moves it into out_dir/old_<time>/; broken checkpoints resume skipped are moved there anyway.
     Raises a UserError before any work is spent (broadcast its message to the other ranks). free:
-    a stage's own keys a resumed run may change (with config.RESUME_FREE)."""
+    a stage's own keys a resumed run may change (with RESUME_FREE)."""
     out = cfg.out_dir
     lock = RunLock(out)
     try:
@@ -250,18 +302,18 @@ def find_resume(cfg):
 
 def resume_changes(saved, cfg, free=()):
     """(refused, info): the settings that differ between a checkpoint's config (a dict) and this
-    run's (a namespace or dict), as 'key: old -> new'. Keys in config.RESUME_FREE (or free) are info; every
+    run's (a namespace or dict), as 'key: old -> new'. Keys in RESUME_FREE (or free) are info; every
     other changed key breaks exactness and is refused; keys only one side knows are info."""
     now = cfg if isinstance(cfg, dict) else vars(cfg)
     refused, info = [], []
     for k in sorted(set(saved) | set(now)):
-        if k in config.RESUME_CONTROL:
+        if k in RESUME_CONTROL:
             continue
         if k not in saved or k not in now:
             info.append(f"{k}: {saved[k]!r} in the checkpoint, not a setting now" if k in saved
                         else f"{k}: {now[k]!r} (the checkpoint does not record it)")
         elif saved[k] != now[k]:
-            (info if k in config.RESUME_FREE or k in free else refused).append(f"{k}: {saved[k]!r} -> {now[k]!r}")
+            (info if k in RESUME_FREE or k in free else refused).append(f"{k}: {saved[k]!r} -> {now[k]!r}")
     return refused, info
 
 

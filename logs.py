@@ -16,7 +16,25 @@ import time
 import torch
 
 import gpus
-from config import UserError
+from config import UserError, need
+
+# the logs' config keys (eval_every, how often a run evaluates: lifecycle.py)
+LOGS_DEFAULTS = dict(
+    log_every=10,            # steps between log lines
+    progress=True,           # tqdm bar on rank 0
+    peak_tflops=0.0,         # per-GPU peak for MFU; 0 -> look up the GPU in a table
+    tensorboard=False,       # also log to out_dir/tb (needs tensorboard)
+    wandb=False,             # also log to Weights & Biases (needs wandb)
+    wandb_project="ingot",   # the W&B project
+    mlflow=False,            # also log to MLflow (needs mlflow): params, metrics, config and PNGs as artifacts
+    mlflow_uri="",           # MLflow tracking URI, e.g. sqlite:///mlflow.db ("": MLflow's default, MLFLOW_TRACKING_URI)
+    mlflow_experiment="ingot",  # the MLflow experiment
+)
+RESUME_FREE = tuple(LOGS_DEFAULTS)  # a resumed run may change them (lifecycle.RESUME_FREE)
+
+
+def check(cfg, world=1):
+    need(cfg.peak_tflops >= 0, f"peak_tflops={cfg.peak_tflops} must be >= 0")
 
 
 def peak_tflops(device, override=0.0):

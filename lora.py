@@ -33,8 +33,34 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from config import need
 from model import ModelConfig
 from parallelism import fsdp, tp
+
+# LoRA's config keys: lora_r > 0 freezes the base and trains rank-r adapters
+LORA_DEFAULTS = dict(
+    lora_r=0,                # adapter rank (0: no LoRA)
+    lora_alpha=16.0,         # adapter scale alpha / r
+    lora_dropout=0.0,        # dropout on the adapters' input
+    lora_targets="all-linear",  # "all-linear" (attention + MLP) or HF module names: "q_proj,v_proj" (GPT-2: c_attn, ...)
+    lora_rslora=False,       # scale alpha / sqrt(r) instead of alpha / r
+    lora_base_dtype="float32",  # float32 | bfloat16 | nf4: the frozen base's storage (bf16 needs bf16 autocast;
+                                # nf4: 4-bit QLoRA, qlora.py, computed in bf16 or fp16)
+    lora_train_tokens=True,  # LoRA: the embedding/head rows of tokens added to init_from's vocabulary (the chat template's) train too, as PEFT's trainable_token_indices
+)
+
+
+def check(cfg, world=1):
+    """LoRA's keys, and the optimizer it trains with."""
+    need(cfg.lora_r >= 0, f"lora_r={cfg.lora_r} must be >= 0 (0: no LoRA)")
+    need(cfg.lora_alpha > 0 and 0 <= cfg.lora_dropout < 1,
+         f"lora_alpha={cfg.lora_alpha} must be > 0 and lora_dropout={cfg.lora_dropout} in [0, 1)")
+    need(cfg.lora_base_dtype in ("float32", "bfloat16", "nf4"),
+         f"lora_base_dtype='{cfg.lora_base_dtype}' must be float32, bfloat16 or nf4")
+    need(not cfg.lora_r or (cfg.optimizer == "adamw" and not cfg.zero1),
+         "LoRA trains with AdamW, without zero1 (Muon is for full hidden matrices; the adapters' state is small): "
+         "set optimizer='adamw', zero1=False")
+
 
 # our linear -> the HF modules its output rows are made of, in order (LLaMA family / GPT-2 / MPT)
 HF_MODULES = {

@@ -27,10 +27,30 @@ import torch
 import torch.distributed as dist
 
 import gpus
+from config import need
 from memory import optim_memory
 from parallelism import fsdp, tp
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
+# Muon's config keys (optimizer="muon"): hidden matrices; embeddings, head, norms, biases stay on AdamW
+MUON_DEFAULTS = dict(
+    muon_lr=0.0,             # 0 -> lr (with muon_scale="rms" AdamW's lr and weight decay carry over)
+    muon_momentum=0.95,      # Nesterov momentum
+    muon_scale="rms",        # rms: update * 0.2*sqrt(max(rows, cols)) | shape: * sqrt(max(1, rows/cols))
+    ns_dtype="bfloat16",     # Newton-Schulz precision: bfloat16 (float32 on GPUs without bf16) | float32 (exact tests)
+    zero1=False,             # ZeRO-1: optimizer state sharded over data-parallel ranks (ddp only)
+)
+RESUME_FREE = ("ns_dtype", "zero1")  # of these, the keys a resumed run may change (lifecycle.RESUME_FREE)
+
+
+def check(cfg, world=1):
+    """Muon's keys (and ZeRO-1's: not under FSDP, which shards the state already)."""
+    need(cfg.muon_lr >= 0, f"muon_lr={cfg.muon_lr} must be >= 0 (0 means lr)")
+    need(0 <= cfg.muon_momentum < 1, f"muon_momentum={cfg.muon_momentum} must be in [0, 1)")
+    need(cfg.muon_scale in ("rms", "shape"), f"muon_scale='{cfg.muon_scale}' must be rms or shape")
+    need(cfg.ns_dtype in ("bfloat16", "float32"), f"ns_dtype='{cfg.ns_dtype}' must be bfloat16 or float32")
+    need(not (cfg.zero1 and cfg.data_parallel == "fsdp"),
+         "zero1=True shards optimizer state over ddp replicas; data_parallel='fsdp' already shards it: drop one")
 
 
 def newton_schulz(G, steps=5, dtype=torch.bfloat16, eps=1e-7):

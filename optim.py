@@ -9,8 +9,43 @@ import math
 import torch
 
 import muon
+from config import need
 from memory import optim_memory
 from parallelism import fsdp
+
+# the optimizer's and the schedule's config keys (every training stage reads them: lifecycle.TRAIN)
+OPTIM_DEFAULTS = dict(
+    max_steps=1000,          # optimizer steps (the schedule's length)
+    stop_at=0,               # stop early at this step, e.g. to fit a job time limit (0: run to max_steps)
+    optimizer="adamw",       # adamw | muon (hidden matrices; the rest AdamW)
+    lr=6e-4,                 # peak learning rate (after warmup)
+    min_lr_ratio=0.1,        # final lr = lr * min_lr_ratio
+    schedule="cosine",       # cosine | linear | wsd | constant (all after linear warmup)
+    warmup_steps=100,        # linear warmup from 0
+    wsd_decay_frac=0.2,      # WSD: fraction of steps spent decaying at the end
+    weight_decay=0.1,        # decoupled, on matrices only (optim.py)
+    beta1=0.9,               # AdamW's first-moment decay
+    beta2=0.95,              # AdamW's second-moment decay
+    eps=1e-8,                # AdamW's denominator floor
+    grad_clip=1.0,           # 0: no clipping
+)
+RESUME_FREE = ("stop_at",)  # of these, the keys a resumed run may change (lifecycle.RESUME_FREE)
+
+
+def check(cfg, world=1):
+    """The optimizer's and the schedule's keys."""
+    need(cfg.lr > 0, f"lr={cfg.lr} must be positive")
+    need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1]")
+    need(cfg.max_steps > 0, f"max_steps={cfg.max_steps} must be positive")
+    need(0 <= cfg.stop_at <= cfg.max_steps, f"stop_at={cfg.stop_at} must be in [0, max_steps={cfg.max_steps}]")
+    need(cfg.warmup_steps >= 0, f"warmup_steps={cfg.warmup_steps} must be >= 0")
+    need(cfg.schedule in ("cosine", "linear", "wsd", "constant"),
+         f"schedule='{cfg.schedule}' is not one of cosine, linear, wsd, constant")
+    need(0 < cfg.wsd_decay_frac <= 1, f"wsd_decay_frac={cfg.wsd_decay_frac} must be in (0, 1]")
+    need(cfg.weight_decay >= 0, f"weight_decay={cfg.weight_decay} must be >= 0")
+    need(0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1, f"beta1={cfg.beta1}, beta2={cfg.beta2} must be in [0, 1)")
+    need(cfg.grad_clip >= 0, f"grad_clip={cfg.grad_clip} must be >= 0 (0 disables clipping)")
+    need(cfg.optimizer in ("adamw", "muon"), f"optimizer='{cfg.optimizer}' is not available (choose adamw or muon)")
 
 
 def param_groups(model, weight_decay):

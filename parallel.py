@@ -37,8 +37,73 @@ import gpus
 import lora
 import moe
 import optim
+from config import need
 from memory import chunked, materialize, qlora, recompute, scaler
 from parallelism import dp, fsdp, pp, tp
+
+# the batch, the processes and the layout: config keys (the pipeline's: pp.PP_DEFAULTS)
+PARALLEL_DEFAULTS = dict(
+    # batch: batch_size sequences per optimizer step, split over data-parallel ranks and
+    # gradient-accumulation micro-steps of micro_batch_size sequences each
+    batch_size=32,           # sequences (SFT: rows, DPO: pairs, GRPO: completions) per optimizer step
+    micro_batch_size=8,      # sequences per forward on one rank (the rest is gradient accumulation)
+    seq_len=0,               # 0 -> block_size
+    # system
+    seed=1337,               # weights, data order and sampling follow from it
+    device="auto",           # auto | cpu | cuda
+    dtype="auto",            # auto (bf16 on GPUs with it, float16 on GPUs without, fp32 on CPU) | float32 | bfloat16 |
+                             # float16 (with loss scaling: scaler.py)
+    compile=False,           # torch.compile the model (the whole model under ddp, each block under fsdp)
+    threads=0,               # CPU threads per process (0: the cores / local processes; said at start-up)
+    # layout
+    grad_bucket_mb=25.0,     # data-parallel all-reduce bucket size
+    grad_reduce_dtype="float32",  # ddp: gradients travel as float32 | bfloat16 (half the bytes, rounded)
+    tp=1,                    # tensor-parallel size (Megatron style, innermost: neighbouring GPUs)
+    sequence_parallel=False,  # tp > 1: norms, residual and dropout on T/tp positions (tp.py); dense, ddp
+    data_parallel="ddp",     # how the world // tp replicas split the batch: ddp (replicated) | fsdp (sharded)
+    ep=1,                    # expert-parallel size: experts sharded over ep ranks that see different data (moe.py)
+)
+RESUME_FREE = ("micro_batch_size", "device", "dtype", "compile", "threads", "grad_bucket_mb", "grad_reduce_dtype", "tp",
+               "sequence_parallel", "data_parallel", "ep")  # a resumed run may change them (lifecycle.RESUME_FREE)
+
+
+def check(cfg, world=1):
+    """The batch, the processes and the grid of `world` of them (the pipeline's keys too: pp.check)."""
+    need(cfg.device in ("auto", "cpu", "cuda"), f"device='{cfg.device}' must be auto, cpu or cuda")
+    need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"),
+         f"dtype='{cfg.dtype}' must be auto, float32, bfloat16 or float16")
+    need(cfg.threads >= 0, f"threads={cfg.threads} must be >= 0 (0: the cores divided among the local processes)")
+    need(cfg.tp >= 1, f"tp={cfg.tp} must be >= 1")
+    need(cfg.ep >= 1, f"ep={cfg.ep} must be >= 1")
+    need(cfg.ep == 1 or cfg.n_experts > 0, f"ep={cfg.ep} shards experts: set n_experts > 0 (a MoE model) or ep=1")
+    need(cfg.n_experts % cfg.ep == 0, f"n_experts={cfg.n_experts} is not divisible by ep={cfg.ep}: each rank needs whole experts")
+    need(cfg.grad_reduce_dtype in ("float32", "bfloat16"),
+         f"grad_reduce_dtype='{cfg.grad_reduce_dtype}' must be float32 or bfloat16")
+    need(cfg.data_parallel in ("ddp", "fsdp"), f"data_parallel='{cfg.data_parallel}' must be ddp or fsdp")
+    need(not (cfg.compile and cfg.data_parallel == "fsdp" and cfg.tp > 1),
+         "compile=True works with tp > 1 under data_parallel='ddp', and with data_parallel='fsdp' at tp=1; "
+         "TP x FSDP compiled together is untested: set --compile=False or --data_parallel=ddp")
+    need(not cfg.sequence_parallel or (cfg.data_parallel == "ddp" and not cfg.n_experts
+                                       and not getattr(cfg, "lora_r", 0)),  # (a stage without LoRA keys: eval)
+         "sequence_parallel=True works with dense models, data_parallel='ddp' and no LoRA only: "
+         "set --sequence_parallel=False")
+    need(not cfg.sequence_parallel or (cfg.seq_len or cfg.block_size) % cfg.tp == 0,
+         f"sequence_parallel=True: the sequence length {cfg.seq_len or cfg.block_size} (seq_len, or block_size) "
+         f"must be divisible by tp={cfg.tp}")
+    need(cfg.n_head % cfg.tp == 0, f"n_head={cfg.n_head} is not divisible by tp={cfg.tp}: each rank needs whole heads")
+    need(cfg.pp >= 1, f"pp={cfg.pp} must be >= 1")
+    need(world % (cfg.pp * cfg.tp * cfg.ep) == 0,
+         f"world size {world} is not divisible by pp*tp*ep={cfg.pp * cfg.tp * cfg.ep}")
+    ranks = world // (cfg.pp * cfg.tp * cfg.ep) * cfg.ep  # data-parallel ranks: EP ranks see different data too
+    pp.check(cfg, ranks)
+    need(cfg.micro_batch_size > 0 and cfg.batch_size > 0, "batch_size and micro_batch_size must be positive")
+    need(cfg.batch_size % (cfg.micro_batch_size * ranks) == 0,
+         f"batch_size={cfg.batch_size} must be divisible by micro_batch_size*data_parallel="
+         f"{cfg.micro_batch_size}*{ranks}={cfg.micro_batch_size * ranks}: change batch_size or micro_batch_size")
+    need(0 <= cfg.seq_len <= cfg.block_size, f"seq_len={cfg.seq_len} must be in [0, block_size={cfg.block_size}] (0 means block_size)")
+    need(cfg.grad_bucket_mb > 0, f"grad_bucket_mb={cfg.grad_bucket_mb} must be positive")
+    # found here, not after training: numpy's generators take seeds in [0, 2**32)
+    need(0 <= cfg.seed < 2**32, f"seed={cfg.seed} must be in [0, 2**32)")
 
 
 @dataclass

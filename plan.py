@@ -28,6 +28,7 @@ from types import SimpleNamespace
 
 import torch
 
+import config
 import lora
 import muon
 import weights
@@ -35,6 +36,16 @@ from memory import optim_memory, qlora
 from model import ModelConfig, Transformer
 
 GiB = 2 ** 30
+PLAN_DEFAULTS = dict(  # the memory plan's config key (README's "Memory on 24 GB cards")
+    gpu_memory=0.0,          # >0: print the memory plan (plan.py) for GPUs of this many GiB, what fits, and exit
+)
+RESUME_FREE = ("gpu_memory",)  # a resumed run may change it (lifecycle.RESUME_FREE)
+
+
+def check(cfg, world=1):
+    config.need(cfg.gpu_memory >= 0, f"gpu_memory={cfg.gpu_memory} must be >= 0 (0: no plan; 24: plan for 24 GiB GPUs)")
+
+
 def compute_bytes(cfg, cuda=True):
     return 4 if cfg.dtype == "float32" or (cfg.dtype == "auto" and not cuda) else 2
 
@@ -357,7 +368,6 @@ def advice(cfg, world=1, gpu_gb=0.0, decode=None):
     """Lines to print: the table for cfg on `world` GPUs and, when gpu_gb is given and the plan does
     not fit it, fit()'s knobs in their order, each with the peak it leads to (and what to try when
     even the last does not fit). A mixture-of-experts model: config.UserError (not modelled)."""
-    import config
     try:
         table = predict(cfg, world, decode)
     except NotImplementedError as e:
@@ -376,12 +386,11 @@ def main(argv):
     """python plan.py [--stage=sft] config.py [--key=value ...] [--gpu_memory=24] [--world=2]: the plan for
     `world` GPUs without starting them (a stage's own --gpu_memory plans for the world it runs in)."""
     import importlib
-
-    import config
     stage = next((a.split("=", 1)[1] for a in argv if a.startswith("--stage=")), "pretrain")
     argv = [a for a in argv if not a.startswith("--stage=")]
     module = importlib.import_module(stage)
-    extra = dict(getattr(module, "EXTRA", {}), gpu_memory=24.0, world=1, decode_rows=0, decode_len=0)
+    extra = config.Keys(getattr(module, "EXTRA", {}),  # with the stage's checks
+                        dict(gpu_memory=24.0, world=1, decode_rows=0, decode_len=0))
     cfg = config.load(argv, extra=extra, world=1, plugins=getattr(module, "FAMILY_KEYS", None))
     try:
         weights.configure(cfg)
@@ -393,5 +402,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    import config
     config.cli(main, sys.argv[1:])

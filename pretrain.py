@@ -42,7 +42,9 @@ PRETRAIN_DEFAULTS = dict(
     objective="lm",          # lm: next tokens (model.Transformer) | mlm: masked tokens | span: corrupted spans
                              # (weights.FAMILIES: the family that trains it, its own keys); init_from's model sets it
 )
-EXTRA = {**data.DATA_DEFAULTS, **PRETRAIN_DEFAULTS}  # this script's keys beyond config.py's shared ones
+# this script's keys (config.load(extra=...)): the data pipeline's, the training keys and its own
+EXTRA = config.Keys(data.DATA_DEFAULTS, lifecycle.TRAIN, PRETRAIN_DEFAULTS,
+                    instead={k: "pretrain.py reads its corpus from data" for k in ("chat_data", "prompt_data")})
 FAMILY_KEYS = weights.objective_keys  # config.load's plugins: the keys of the family objective picks
 RESUME_FREE = (*data.RESUME_FREE, "eval_batches", "sample_tokens", "sample_prompt", "sample_temperature", "sample_top_k")
 

@@ -55,7 +55,12 @@ SFT_DEFAULTS = dict(
     export_hf="",       # write the final model (LoRA merged) here as a Hugging Face folder
     ckpt_every=0,       # steps between checkpoints (0: only at the end)
 )
-EXTRA = {**chat.CHAT_DEFAULTS, **SFT_DEFAULTS}  # this script's keys beyond config.py's shared ones
+# this script's keys (config.load(extra=...)): the chat data's, the training keys and its own
+EXTRA = config.Keys(
+    chat.CHAT_DEFAULTS, lifecycle.TRAIN, SFT_DEFAULTS,
+    instead={**{k: "sft.py reads conversations from chat_data" for k in ("prompt_data", "data")},
+             "train_prompts": "sft.py's task generates n_train conversations",
+             "eval_prompts": "sft.py answers n_eval held-out task items"})
 FAMILY_KEYS = weights.variant_keys  # config.load's plugins: a decoder variant's keys, when its key is given
 RESUME_FREE = ("n_eval", "eval_every", "eval_tokens", "eval_batch", "merge", "export_hf")  # a resume may change them
 

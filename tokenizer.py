@@ -32,6 +32,17 @@ import tiktoken
 import config
 from config import DataError
 
+TOKENIZER_DEFAULTS = dict(  # the tokenizer's config keys (init_from's replace them: weights.configure)
+    tokenizer="cl100k_base",  # a bundled BPE (cl100k_base, o200k_base), a cached tiktoken name, or an HF folder
+    tokenizer_vocab=0,       # >0: keep only the first N tokens of the BPE (small models)
+    tokenizer_fim=False,     # FIM sentinels at the top of a truncated vocabulary (pretraining: fim_rate > 0)
+)
+
+
+def check(cfg, world=1):
+    config.need(cfg.tokenizer_vocab == 0 or cfg.tokenizer_vocab >= 257,
+                f"tokenizer_vocab={cfg.tokenizer_vocab} must be 0 (full BPE) or >= 257 (256 bytes + EOS)")
+
 # ----------------------------------------------------------------------------- ours: tiktoken's BPE files, offline
 
 # Copied from tiktoken_ext/openai_public.py, so the bundled files build exactly

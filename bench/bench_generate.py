@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
 import generate  # noqa: E402
 import hf  # noqa: E402
+import lifecycle  # noqa: E402
 import lora  # noqa: E402
 import parallel  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
@@ -190,7 +191,7 @@ def lora_model(ctx, merged):
     """The shape's model with LoRA adapters (r=16 on every linear, B random: a real delta), once
     per shape; merged: the adapters folded into the weights (lora.merge)."""
     if "lora" not in ctx:
-        cfg = SimpleNamespace(**dict(config.defaults(), device=device.type, lora_r=16))
+        cfg = SimpleNamespace(**dict(config.defaults(lifecycle.TRAIN), device=device.type, lora_r=16))
         model = copy.deepcopy(ctx["model"]).float()
         lora.apply(model, cfg, parallel.init(SimpleNamespace(device=device.type, tp=1, ep=1)))
         with torch.no_grad():

@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import config  # noqa: E402
+import lifecycle  # noqa: E402
 import parallel  # noqa: E402
 import plan  # noqa: E402
 from memory import materialize  # noqa: E402
@@ -91,7 +92,7 @@ CASES["hfq8b"] = CASES["hf8b"][2:]
 
 
 def make_cfg(shape, knobs, args):
-    d = {**config.defaults(), **SHAPES[shape], "micro_batch_size": args.batch, "batch_size": args.batch,
+    d = {**config.defaults(lifecycle.TRAIN), **SHAPES[shape], "micro_batch_size": args.batch, "batch_size": args.batch,
          "seq_len": 0, "dtype": "bfloat16", "device": args.device,
          "lr": 1e-5, "warmup_steps": 0, "weight_decay": 0.0}
     d.update({k: v for k, v in knobs.items() if k not in ("fit", "hf")})

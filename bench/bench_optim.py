@@ -39,6 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import config
+import lifecycle
 import logs
 import optim
 import parallel
@@ -128,7 +129,8 @@ def step_rows(args):
         torch.manual_seed(0)
         with torch.device(device):
             raw = Transformer(ModelConfig(**shape))
-        cfg = SimpleNamespace(**{**config.defaults(), "optimizer": optimizer, "zero1": zero1, "lr": 1e-3})
+        cfg = SimpleNamespace(**{**config.defaults(lifecycle.TRAIN), "optimizer": optimizer, "zero1": zero1,
+                                 "lr": 1e-3})
         opt = optim.build_optimizer(raw, cfg, grid)
         model = dp.DataParallel(raw, grid, owner=getattr(opt, "grad_owner", None))
         fwd = torch.compile(raw) if args.compile else raw

@@ -28,8 +28,18 @@ import types
 import torch
 import torch.distributed as dist
 
+from config import need
 from parallelism import tp
 from parallelism.tp import IGNORE
+
+CHUNKED_DEFAULTS = dict(  # the chunked loss's config key
+    loss_chunk=0,            # >0: the loss in chunks of N tokens from the last hidden state, no logits held (chunked.py)
+)
+RESUME_FREE = ("loss_chunk",)  # a resumed run may change it (lifecycle.RESUME_FREE)
+
+
+def check(cfg, world=1):
+    need(cfg.loss_chunk >= 0, f"loss_chunk={cfg.loss_chunk} must be >= 0 (0: the logits are materialised)")
 
 
 def _world(group):

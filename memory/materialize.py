@@ -29,7 +29,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import model as model_lib
+from config import need
 from model import Transformer
+
+MATERIALIZE_DEFAULTS = dict(  # the frozen embedding's place (a config key)
+    embed_on_host=False,     # LoRA: the frozen token embedding stays in host memory, rows looked up there (materialize.py)
+)
+RESUME_FREE = ("embed_on_host",)  # a resumed run may change it (lifecycle.RESUME_FREE)
+
+
+def check(cfg, world=1):
+    need(not cfg.embed_on_host or (cfg.lora_r and not cfg.tie_embeddings and cfg.tp == 1 and cfg.pp == 1
+                                   and cfg.data_parallel == "ddp"),
+         "embed_on_host=True keeps a frozen, untied token embedding on the host: it needs lora_r > 0, "
+         "tie_embeddings=False, tp=1, pp=1 and data_parallel=ddp")
 
 
 def is_block_linear(name, module):

@@ -29,8 +29,38 @@ import types
 import torch
 from torch.optim.adamw import adamw as torch_adamw
 
+from config import need
 from memory import quant
 from parallelism import fsdp, tp
+
+OPTIM_MEMORY_DEFAULTS = dict(  # the optimizer's memory: config keys
+    adamw_state="fp32",      # fp32 | 8bit (block-wise 8-bit moments) | offload (state on the CPU): optim_memory.py
+    optimizer_in_backward=False,  # each parameter updated as its gradient arrives, which is then freed (one GPU,
+                                  # one micro-batch a step, grad_clip=0): optim_memory.InBackwardAdamW
+)
+RESUME_FREE = ("optimizer_in_backward",)  # a resumed run may change it (lifecycle.RESUME_FREE)
+
+
+def check(cfg, world=1):
+    """adamw_state and optimizer_in_backward, and what they cannot work with."""
+    inb = "optimizer_in_backward=True updates each parameter during backward"
+    need(not cfg.optimizer_in_backward or world == 1, f"{inb}, before other ranks' gradients could be summed: one "
+         f"process only (this run has {world})")
+    need(not cfg.optimizer_in_backward or cfg.grad_clip == 0, f"{inb}, before the norm of all gradients exists: "
+         f"set grad_clip=0 (now {cfg.grad_clip})")
+    need(not cfg.optimizer_in_backward or cfg.batch_size <= cfg.micro_batch_size, f"{inb}: gradients cannot "
+         f"accumulate over micro-batches; set micro_batch_size >= batch_size={cfg.batch_size}")
+    need(not cfg.optimizer_in_backward or (cfg.optimizer == "adamw" and cfg.adamw_state == "fp32" and not cfg.zero1
+                                           and cfg.data_parallel == "ddp" and cfg.dtype != "float16"
+                                           and not cfg.grad_stats_every),
+         f"{inb}: AdamW with fp32 state and data_parallel='ddp' only, not with fp16 loss scaling (which may skip "
+         f"a step) or grad_stats_every (which reads the gradients)")
+    need(cfg.adamw_state in ("fp32", "8bit", "offload"),
+         f"adamw_state='{cfg.adamw_state}' must be fp32, 8bit or offload")
+    need(not (cfg.adamw_state != "fp32" and cfg.optimizer == "muon" and cfg.data_parallel == "fsdp"),
+         f"adamw_state='{cfg.adamw_state}' works under FSDP with optimizer='adamw' only (FSDP + Muon keeps fp32 "
+         f"AdamW state): set adamw_state='fp32' or optimizer='adamw'")
+
 
 STANDARD = ("step", "exp_avg", "exp_avg_sq")
 

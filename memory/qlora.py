@@ -30,6 +30,10 @@ import lora
 from memory import quant
 from parallelism import tp
 
+QLORA_DEFAULTS = dict(  # QLoRA's config key (lora_base_dtype="nf4")
+    qlora_double=True,       # nf4: the block scales quantised too (double quantisation, 0.127 bits per weight)
+)
+
 
 class NF4Weight:
     """A frozen weight in NF4: packed codes and block statistics (tensors owned by the module's buffers)."""

@@ -28,7 +28,27 @@ import dataclasses
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from config import need
+
 MODES = ("block", "attn", "mlp")
+RECOMPUTE_DEFAULTS = dict(  # selective recompute's config keys
+    recompute="",            # "" | block | attn | mlp: recompute that part of blocks in backward (recompute.py)
+    recompute_every=1,       # recompute only blocks 0, k, 2k, ... (k = recompute_every)
+    offload_activations=False,  # the inputs recomputed parts keep wait in pinned host memory (recompute.py)
+)
+RESUME_FREE = tuple(RECOMPUTE_DEFAULTS)  # a resumed run may change them (lifecycle.RESUME_FREE)
+
+
+def check(cfg, world=1):
+    """recompute's keys, and grad_checkpoint (the model's: recompute='block' on every block)."""
+    need(cfg.recompute in ("", "block", "attn", "mlp"), f"recompute='{cfg.recompute}' must be '', block, attn or mlp")
+    need(cfg.recompute_every >= 1, f"recompute_every={cfg.recompute_every} must be >= 1")
+    need(not (cfg.recompute and cfg.grad_checkpoint),
+         f"recompute='{cfg.recompute}' and grad_checkpoint=True both recompute (grad_checkpoint is recompute='block' "
+         f"on every block): drop one")
+    need(not cfg.offload_activations or cfg.recompute or cfg.grad_checkpoint,
+         "offload_activations=True moves what recomputed blocks keep to the host: set grad_checkpoint=True or "
+         "recompute")
 
 
 def has_cache(args, kwargs):

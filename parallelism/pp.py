@@ -31,9 +31,47 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from config import need
 from parallelism import fsdp
 
 SCHEDULES = ("1f1b", "gpipe")
+PP_DEFAULTS = dict(  # the pipeline's config keys (parallel.check checks them, with the grid's)
+    pp=1,                    # pipeline stages (pp.py): blocks cut into pp stages, outermost in the grid
+    pp_schedule="1f1b",      # 1f1b (<= pp micro-batches' activations in flight per stage) | gpipe (all of them)
+    pp_cut="",               # where stages 1.. start, e.g. "3,5" for pp=3 ("": blocks split evenly)
+    pp_micro=0,              # micro-batches per step and data rank (0: batch_size / (micro_batch_size x data
+                             # ranks)); > 0 sets micro_batch_size to batch_size / (pp_micro x data ranks)
+)
+RESUME_FREE = tuple(PP_DEFAULTS)  # a resumed run may change them (lifecycle.RESUME_FREE)
+
+
+def check(cfg, dp):
+    """The pipeline keys, on dp data-parallel ranks. pp_micro > 0 sets micro_batch_size (the micro-batch count
+    fixes its size)."""
+    need(cfg.pp_schedule in ("1f1b", "gpipe"), f"pp_schedule='{cfg.pp_schedule}' must be 1f1b or gpipe")
+    need(cfg.n_layer >= cfg.pp, f"pp={cfg.pp} stages need n_layer >= pp blocks (n_layer={cfg.n_layer})")
+    need(not cfg.pp_cut or cfg.pp > 1, f"pp_cut='{cfg.pp_cut}' cuts a pipeline: set pp > 1, or pp_cut=''")
+    if cfg.pp_cut:
+        try:
+            cut = [int(b) for b in cfg.pp_cut.split(",")]
+        except ValueError:
+            cut = None
+        need(cut is not None and len(cut) == cfg.pp - 1 and all(0 < a < b < cfg.n_layer for a, b in
+                                                                zip(cut, cut[1:] + [cfg.n_layer])),
+             f"pp_cut='{cfg.pp_cut}' must be {cfg.pp - 1} increasing block indices in 1..{cfg.n_layer - 1}, "
+             f"where stages 1..{cfg.pp - 1} start, e.g. pp_cut='{','.join(str(cfg.n_layer * s // cfg.pp) for s in range(1, cfg.pp))}'")
+    need(cfg.pp == 1 or not cfg.n_experts, "pp > 1 works with dense models (n_experts=0): MoE router losses "
+         "on every stage are not summed yet")
+    need(cfg.pp == 1 or not cfg.compile, "pp > 1 with compile=True is untested: set --compile=False")
+    need(cfg.pp_micro >= 0, f"pp_micro={cfg.pp_micro} must be >= 0 (0: from the batch split)")
+    if cfg.pp_micro:
+        need(cfg.batch_size % (cfg.pp_micro * dp) == 0,
+             f"batch_size={cfg.batch_size} must be divisible by pp_micro*data_parallel={cfg.pp_micro}*{dp}")
+        mbs = cfg.batch_size // (cfg.pp_micro * dp)
+        need("micro_batch_size" not in getattr(cfg, "given", ()) or cfg.micro_batch_size == mbs,
+             f"pp_micro={cfg.pp_micro} sets micro_batch_size={mbs}: drop micro_batch_size={cfg.micro_batch_size}, "
+             f"or pp_micro")
+        cfg.micro_batch_size = mbs
 
 
 class Elsewhere(nn.Module):
@@ -66,7 +104,7 @@ class Stage:
 
 def boundaries(n_layer, pp, cut=""):
     """[0, b_1, ..., b_pp-1, n_layer]: stage s holds blocks [b_s, b_s+1). cut: "3,5", the b_s themselves
-    (config.validate checked them); "": as even as n_layer allows, the extra blocks on the first stages
+    (check() checked them); "": as even as n_layer allows, the extra blocks on the first stages
     (the last one also runs the head and the loss)."""
     if cut:
         return [0, *(int(b) for b in cut.split(",")), n_layer]

@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 import config
+import lifecycle
 import muon
 import parallel
 
@@ -83,13 +84,12 @@ def ns_calls():
 
 
 def train_cfg(base, **kw):
-    """A full training config (config.defaults()) on CPU, updated with the dict `base` (a test
-    file's tiny model and optimizer), then with kw."""
-    d = config.defaults()
-    d.update(device="cpu")
-    d.update(base)
-    d.update(kw)
-    return SimpleNamespace(**d)
+    """A full training config (lifecycle.TRAIN's keys: config.validate(cfg, world) checks them) on CPU,
+    updated with the dict `base` (a test file's tiny model and optimizer), then with kw."""
+    d = config.defaults(lifecycle.TRAIN)
+    cfg = config.Config(**{**d, "device": "cpu", **base, **kw})
+    cfg.keys = d
+    return cfg
 
 
 def global_batch(step, T, vocab, ignore=0):

@@ -37,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make(**kw):
-    d = config.defaults()
+    d = config.defaults(lifecycle.TRAIN)
     d.update(vocab_size=61, pad_vocab_multiple=16, n_layer=2, n_head=2, n_embd=16, block_size=8, lr=1e-2)
     d.update(kw)
     cfg = SimpleNamespace(**d)
@@ -297,24 +297,24 @@ def test_resume_with_changed_settings(tmp_path):
 
 
 def test_resume_flag_and_user_errors(tmp_path):
-    assert config.load(["--resume"], world=1).resume == "latest"
-    assert config.load(["--resume=True"], world=1).resume == "latest"
-    assert config.load(["--resume=False"], world=1).resume == ""
-    assert config.load(["--resume=out/a/step_000100"], world=1).resume == "out/a/step_000100"
-    assert config.load([], world=1).resume == "" and not config.load([], world=1).overwrite
+    assert config.load(["--resume"], extra=lifecycle.TRAIN, world=1).resume == "latest"
+    assert config.load(["--resume=True"], extra=lifecycle.TRAIN, world=1).resume == "latest"
+    assert config.load(["--resume=False"], extra=lifecycle.TRAIN, world=1).resume == ""
+    assert config.load(["--resume=out/a/step_000100"], extra=lifecycle.TRAIN, world=1).resume == "out/a/step_000100"
+    assert config.load([], extra=lifecycle.TRAIN, world=1).resume == "" and not config.load([], extra=lifecycle.TRAIN, world=1).overwrite
     f = tmp_path / "c.py"
     f.write_text("resume = True\n")
-    assert config.load([str(f)], world=1).resume == "latest"
+    assert config.load([str(f)], extra=lifecycle.TRAIN, world=1).resume == "latest"
     with pytest.raises(config.UserError, match="--seed=...") as e:  # non-bool, non-BARE_FLAG keys still need a value
-        config.load(["--seed"], world=1)
+        config.load(["--seed"], extra=lifecycle.TRAIN, world=1)
     assert isinstance(e.value, ValueError)
     for args, builtin in ((["--n_layers=4"], KeyError), (["--lr=fast"], TypeError), (["--lr=-1.0"], ValueError),
                           (["--n_head=5"], ValueError), (["nope.py"], FileNotFoundError)):
         with pytest.raises(config.UserError) as e:
-            config.load(args, world=1)
+            config.load(args, extra=lifecycle.TRAIN, world=1)
         assert isinstance(e.value, builtin), args
     assert str(e.value).startswith("config file") and not str(e.value).startswith("'")
     with pytest.raises(config.UserError) as e:
-        config.load(["--n_layers=4"], world=1)
+        config.load(["--n_layers=4"], extra=lifecycle.TRAIN, world=1)
     assert str(e.value).startswith("unknown config key 'n_layers'")  # not wrapped in KeyError's quotes
     assert issubclass(checkpoint.CheckpointError, ValueError) and issubclass(checkpoint.RunDirError, config.UserError)

@@ -4,6 +4,8 @@ early with a message that names the key and says what to change."""
 import glob
 import importlib
 import os
+import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,7 +23,7 @@ def test_file_then_overrides(tmp_path):
     assert cfg.n_layer == 3 and cfg.lr == 0.01 and cfg.compile is True and cfg.progress is True
     assert cfg.data == "/some/corpus" and cfg.max_steps == 7 and cfg.out_dir == "out/x"
     assert isinstance(cfg.lr, float)
-    cfg = config.load(["--lr=1"], world=1)  # an int literal is accepted for a float key
+    cfg = config.load(["--lr=1"], extra=pretrain.EXTRA, world=1)  # an int literal is accepted for a float key
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float)
 
 
@@ -61,7 +63,7 @@ def test_typo_in_file(tmp_path):
 ])
 def test_type_mismatch(arg, match):
     with pytest.raises(TypeError, match=match):
-        config.load([arg], world=1)
+        config.load([arg], extra=pretrain.EXTRA, world=1)
 
 
 @pytest.mark.parametrize("args,world,match", [
@@ -94,7 +96,7 @@ def test_run_prints_user_errors_once_without_traceback(capsys, monkeypatch):
     quietly with 0; --debug re-raises it with its traceback; a bug is never swallowed."""
     def bad(argv):
         assert "--debug" not in argv  # the flag is config.run's, not the stage's
-        config.load(argv + ["--lr=-1"], world=1)
+        config.load(argv + ["--lr=-1"], extra=pretrain.EXTRA, world=1)
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as e:
         config.cli(bad, ["--max_steps=3"])
@@ -120,7 +122,7 @@ def test_missing_config_file():
 
 
 def test_show_lists_every_key():
-    cfg = config.load([], world=1)
+    cfg = config.load([], extra=pretrain.EXTRA, world=1)
     text = config.show(cfg)
     for k in vars(cfg):
         assert f"  {k} " in text
@@ -169,7 +171,6 @@ def test_resume_ignores_keys_this_stage_does_not_read(tmp_path):
     import checkpoint
     import lifecycle
     import sft
-    from types import SimpleNamespace
     cfg = config.load(["--out_dir=" + str(tmp_path)], extra=sft.EXTRA, world=1)
     old = SimpleNamespace(**{**vars(cfg), "dedup": "near", "fim_rate": 0.5})
     path = checkpoint.save(str(tmp_path), 1, {"w": __import__("torch").zeros(1)}, None, old, run_id="A")
@@ -178,3 +179,48 @@ def test_resume_ignores_keys_this_stage_does_not_read(tmp_path):
     changed = SimpleNamespace(**{**vars(cfg), "lr": cfg.lr * 2})
     with pytest.raises(lifecycle.ResumeMismatch, match="lr"):
         lifecycle.check_resume(path, changed)
+
+
+@pytest.mark.parametrize("stage, args, match", [
+    ("pretrain", ["--chat_data=x.jsonl"], "unknown config key 'chat_data': pretrain.py reads its corpus from data"),
+    ("sft", ["--prompt_data=x.jsonl"], "unknown config key 'prompt_data': sft.py reads conversations from chat_data"),
+    ("dpo", ["--prompt_data=x.jsonl"], "'prompt_data': dpo.py reads preference pairs from chat_data"),
+    ("dpo", ["--pack=False"], "'pack' is a setting of chat.py, not of this stage"),  # dpo reads no pack
+    ("grpo", ["--chat_data=x.jsonl"], "unknown config key 'chat_data': grpo.py reads prompts from prompt_data"),
+    ("grpo", ["--chat_format=alpaca"], "'chat_format' is a setting of chat.py, not of this stage"),
+    ("eval", ["--task=gsm8k"], "unknown config key 'task': eval.py runs tasks"),
+    ("eval", ["--lr=1e-3"], "'lr' is a setting of optim.py, not of this stage"),  # eval trains nothing
+])
+def test_each_stage_refuses_keys_it_does_not_read(stage, args, match):
+    """A stage accepts only the keys it reads: another stage's key for the same thing is refused in one line
+    naming this stage's key (grpo.py's chat_data: prompt_data), any other key naming the file it belongs to;
+    --help does not list them. (grpo.py once trained on its arithmetic task over a --chat_data it never read.)"""
+    extra = importlib.import_module(stage).EXTRA
+    with pytest.raises(config.ConfigKeyError, match=re.escape(match)) as e:
+        config.load(args, extra=extra, world=1)
+    assert "\n" not in str(e.value) and str(e.value).endswith("(--help lists this stage's keys)")
+    key = args[0][2:].partition("=")[0]
+    assert key not in extra and not any(ln.strip().startswith(f"{key}=") for ln in config.help_text(
+        config.defaults(extra), f"{stage}.py").splitlines())
+
+
+def test_prompt_data_on_the_command_line_replaces_the_files_task(tmp_path):
+    """The command line wins over the config file: --prompt_data over configs/grpo_life.py (which sets task
+    and task_args) drops the file's task and loads (it used to fail: "task_args set the task; prompt_data
+    replaces the task: give one"); both in one file, or both on the command line, are still refused."""
+    import grpo
+    life = os.path.join(ROOT, "configs", "grpo_life.py")
+    grid = SimpleNamespace(data_world=1)
+    cfg = config.load([life, "--prompt_data=my_prompts.jsonl"], extra=grpo.EXTRA, world=1)
+    grpo.check(cfg, grid)
+    assert cfg.prompt_data == "my_prompts.jsonl" and cfg.task_args == {} and cfg.task == grpo.EXTRA["task"]
+    assert {"task", "task_args"}.isdisjoint(cfg.given) and cfg.train_prompts == 16384  # the rest of the file holds
+    with pytest.raises(config.ConfigError, match="prompt_data replaces the task: give one"):
+        grpo.check(config.load([life, "--prompt_data=p.jsonl", "--task_args={'n': 3}"], extra=grpo.EXTRA), grid)
+    both = tmp_path / "both.py"
+    both.write_text("from configs.grpo_life import *\nprompt_data = 'p.jsonl'\n")
+    with pytest.raises(config.ConfigError, match="prompt_data replaces the task: give one"):
+        grpo.check(config.load([str(both)], extra=grpo.EXTRA, world=1), grid)
+    cfg = config.load([str(both), "--prompt_data=q.jsonl"], extra=grpo.EXTRA, world=1)
+    grpo.check(cfg, grid)
+    assert cfg.prompt_data == "q.jsonl" and cfg.task_args == {}

@@ -50,9 +50,9 @@ import weights
 from model import IGNORE, ModelConfig, Transformer
 
 V, N = 97, 24
-SMALL = dict(vocab_size=V, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=32,
-             batch_size=8, micro_batch_size=2, lr=1e-2, weight_decay=0.1, grad_clip=0.5, eps=1e-4, warmup_steps=0,
-             schedule="constant", seed=0, **dpo.EXTRA)
+SMALL = {**dpo.EXTRA, **dict(vocab_size=V, pad_vocab_multiple=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                              block_size=32, batch_size=8, micro_batch_size=2, lr=1e-2, weight_decay=0.1, grad_clip=0.5,
+                              eps=1e-4, warmup_steps=0, schedule="constant", seed=0)}
 
 
 def small_cfg(**kw):

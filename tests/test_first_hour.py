@@ -38,6 +38,7 @@ import checkpoint
 import config
 import eval as ev
 import hf
+import lifecycle
 from corpora import corpus
 from model import ModelConfig, Transformer
 from tools import evaltasks, scoring
@@ -56,7 +57,8 @@ def rigged_chat_checkpoint(out_dir):
     model is a bigram table: blocks add nothing, so the logits depend on the last token only. After
     any other token it says <|im_start|>, after that '7', after '7' <|im_end|> (and then it starts
     over). -> (tok, seven, model)."""
-    cfg = config.load(SHAPE, extra=chat.CHAT_DEFAULTS)
+    import sft
+    cfg = config.load(SHAPE, extra=sft.EXTRA)
     tok, _ = chat.setup(cfg)
     start, end, seven = tok.special_tokens["<|im_start|>"], tok.eot_id, tok.encode("7")[0]
     assert (start, end, cfg.vocab_size) == (512, 513, 514)
@@ -281,7 +283,7 @@ def test_nan_loss_is_one_line(tmp_path, capsys):
     """--lr=1e6 used to end in a FloatingPointError traceback: a loss that is not finite is a UserError
     (logs.NonFiniteLoss), one `error:` line under config.cli saying what to try."""
     import logs
-    cfg = config.load([f"--out_dir={tmp_path}"], world=1)
+    cfg = config.load([f"--out_dir={tmp_path}"], extra=lifecycle.TRAIN, world=1)
 
     def stage(argv):
         logs.Logger(cfg, SimpleNamespace(is_main=True)).report(5, {"loss": float("nan")}, 10, write=lambda s: None)
@@ -293,7 +295,7 @@ def test_threads_per_process(monkeypatch):
     """parallel.init's threads: the given number; 0 without OMP_NUM_THREADS: the available cores divided
     among this machine's processes; 0 with OMP_NUM_THREADS (torchrun sets 1): left as it is."""
     import parallel
-    cfg = config.load(["--device=cpu"], world=1)
+    cfg = config.load(["--device=cpu"], extra=lifecycle.TRAIN, world=1)
     before = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0))
     try:

@@ -33,8 +33,10 @@ import torch
 from distributed import assert_close, train_cfg
 
 import config
+import lifecycle
 import lora
 import parallel
+import plan
 from memory import optim_memory, qlora, recompute
 from model import ModelConfig, Transformer
 
@@ -185,11 +187,12 @@ def test_refusals_are_one_line_before_work(tmp_path, args, msg):
 def test_memory_knob_refusals(args, msg):  # config.validate as above, in this process (no start-up)
     shared = ["--batch_size=4", "--micro_batch_size=2", "--device=cpu"]
     with pytest.raises(config.ConfigError, match=re.escape(msg)):
-        config.load(shared + args)  # load validates
-    config.load(shared + ["--optimizer_in_backward=True", "--grad_clip=0", "--micro_batch_size=4"])  # accepted
+        config.load(shared + args, extra=lifecycle.TRAIN)  # load validates
+    config.load(shared + ["--optimizer_in_backward=True", "--grad_clip=0", "--micro_batch_size=4"],
+                extra=lifecycle.TRAIN)  # accepted
     with pytest.raises(config.ConfigError, match="one process only"):
         config.load(["--batch_size=8", "--micro_batch_size=4", "--device=cpu", "--optimizer_in_backward=True",
-                     "--grad_clip=0"], world=2)
+                     "--grad_clip=0"], extra=lifecycle.TRAIN, world=2)
 
 
 def test_knobs_keep_the_math_and_may_change_on_resume(tmp_path, data_dir):
@@ -233,4 +236,4 @@ def test_gpu_memory_prints_the_plan_and_exits_before_work(tmp_path):
                           "--device=cpu", f"--out_dir={out}", "--gpu_memory=24", "--lora_r=4"])
     assert r.returncode == 0 and "memory plan per GPU" in r.stdout and "trained (fp32)" in r.stdout, r.stderr[-2000:]
     assert not out.exists()
-    assert config.SHARED_DEFAULTS["gpu_memory"] == 0.0  # off unless asked for
+    assert plan.PLAN_DEFAULTS["gpu_memory"] == 0.0  # off unless asked for

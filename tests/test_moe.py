@@ -33,6 +33,7 @@ import torch
 from distributed import full_state, rel_err, spawn, train_cfg
 
 import config
+import lifecycle
 import moe
 import optim
 import parallel
@@ -534,8 +535,8 @@ def test_bench_parallel_moe_smoke(tmp_path):
     (dict(n_experts=4, ep=2, batch_size=8, micro_batch_size=8), 4, "batch_size=8"),  # 4 data ranks
 ])
 def test_config_validation(kw, world, msg):
-    cfg = SimpleNamespace(**dict(config.defaults(), **kw))
+    cfg = SimpleNamespace(**dict(config.defaults(lifecycle.TRAIN), **kw))
     with pytest.raises(ValueError, match=msg):
-        config.validate(cfg, world)
-    ok = SimpleNamespace(**dict(config.defaults(), n_experts=4, ep=2, batch_size=32, micro_batch_size=8))
-    config.validate(ok, 4)  # 2 dp x 2 ep data ranks x 8 sequences x 2 accumulation steps
+        config.validate(cfg, world, keys=lifecycle.TRAIN)
+    ok = SimpleNamespace(**dict(config.defaults(lifecycle.TRAIN), n_experts=4, ep=2, batch_size=32, micro_batch_size=8))
+    config.validate(ok, 4, keys=lifecycle.TRAIN)  # 2 dp x 2 ep data ranks x 8 sequences x 2 accumulation steps

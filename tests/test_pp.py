@@ -405,7 +405,7 @@ def test_config_errors(kw, world, match):
 def test_pp_micro_sets_the_micro_batch_and_grpo_refuses():
     cfg = train_cfg(LLAMA, pp=2, pp_micro=4, batch_size=32)
     config.validate(cfg, 4)  # two pipelines of two stages: 32 rows = 4 micro-batches x 2 data ranks x 4 rows
-    assert cfg.micro_batch_size == 4 and "pp" in config.RESUME_FREE and "pp_cut" in config.RESUME_FREE
+    assert cfg.micro_batch_size == 4 and "pp" in lifecycle.RESUME_FREE and "pp_cut" in lifecycle.RESUME_FREE
     with pytest.raises(config.ConfigError, match="pp=2: GRPO"):
         grpo.check(train_cfg({**config.defaults(grpo.EXTRA), **LLAMA}, pp=2), one_process_grid())
     assert pp.boundaries(5, 2) == [0, 3, 5] and pp.boundaries(5, 4) == [0, 2, 3, 4, 5]

@@ -27,6 +27,7 @@ from distributed import assert_close, spawn, train_cfg
 
 import config
 import generate
+import lifecycle
 import lora
 import parallel
 import plan
@@ -98,7 +99,7 @@ def test_offload_keeps_inputs_on_the_host_until_backward():
     with pytest.raises(ValueError, match="offload_activations"):
         recompute.apply(model_of(), "", 1, offload=True)
     with pytest.raises(config.ConfigError, match="offload_activations"):
-        config.validate(config.load(["--offload_activations=True", "--device=cpu"]), 1)
+        config.validate(config.load(["--offload_activations=True", "--device=cpu"], extra=lifecycle.TRAIN), 1)
 
 
 def kept_bytes(model, T=12):

@@ -25,7 +25,31 @@ import re
 import torch
 import torch.distributed as dist
 
+from config import need
 from parallelism import fsdp, tp
+
+# the gradient statistics' config keys: logged on their own steps, read by plots.py --heatmap
+GRADSTATS_DEFAULTS = dict(
+    grad_stats_every=0,      # >0: per-layer/kind grad norms, update ratios, activation stats every N steps (0: none)
+    ratio_low=1e-5,          # a warning when a layer's update ratio stays below ratio_low ...
+    ratio_high=1e-1,         # ... or above ratio_high ...
+    ratio_patience=3,        # ... for this many statistics steps in a row
+    act_saturate=6.0,        # an activation counts as saturated at |x| >= act_saturate
+    act_dead_eps=0.0,        # a channel counts as dead where |x| <= act_dead_eps on every token of the step
+)
+RESUME_FREE = tuple(GRADSTATS_DEFAULTS)  # a resumed run may change them (lifecycle.RESUME_FREE)
+
+
+def check(cfg, world=1):
+    need(cfg.grad_stats_every >= 0, f"grad_stats_every={cfg.grad_stats_every} must be >= 0 (0: no gradient statistics)")
+    need(cfg.pp == 1 or not cfg.grad_stats_every, f"grad_stats_every={cfg.grad_stats_every} works with pp=1 only "
+         f"(a stage holds some layers): set --grad_stats_every=0 or pp=1")
+    need(0 < cfg.ratio_low < cfg.ratio_high, f"ratio_low={cfg.ratio_low}, ratio_high={cfg.ratio_high}: need "
+         f"0 < ratio_low < ratio_high (the sane band of update ratios)")
+    need(cfg.ratio_patience >= 1, f"ratio_patience={cfg.ratio_patience} must be >= 1")
+    need(cfg.act_saturate > 0 and cfg.act_dead_eps >= 0,
+         f"act_saturate={cfg.act_saturate} must be > 0 and act_dead_eps={cfg.act_dead_eps} >= 0")
+
 
 KINDS = ("embedding", "q", "k", "v", "attn_proj", "mlp", "router", "experts", "norm", "head", "lora", "other")
 BLOCK = re.compile(r"blocks\.(\d+)\.(.*)")
