@@ -144,8 +144,8 @@ def answers(net, tok, template, prompts, cfg):
         raise config.ConfigError(f"a held-out prompt has {max(map(len, ids))} tokens: block_size {cfg.block_size} "
                                  f"leaves no room for an answer")
     if cfg.prefix_tokens:
-        return pfx.answers(raw, ids, new, tok.eot_id)
-    r = generate.decode(raw, ids, new, temperature=0.0, stop_tokens=[tok.eot_id], pad_id=tok.eot_id)
+        return pfx.answers(raw, tok, ids, new)
+    r = generate.decode(raw, ids, new, vocab=tok, temperature=0.0, stop_tokens=[tok.eot_id], pad_id=tok.eot_id)
     return [[t for t in row[:n] if t != tok.eot_id] for row, n in zip(r.tokens[:, r.prompt_len:].tolist(),
                                                                     r.lengths.tolist())]
 

@@ -66,6 +66,6 @@ def answers(model, tok, prompts, max_new_tokens):
     """Greedy answers (token lists, EOS and what follows cut) of a t5.T5 to chat prompts (message lists)."""
     dev = next(model.parameters()).device
     src, _, _, mask = batch([(tok.encode(source_text(p)), [0]) for p in prompts], dev)
-    out = t5.generate(model, src, max_new_tokens, src_mask=mask, temperature=0.0, stop_tokens=[tok.eos_id],
+    out = t5.generate(model, src, max_new_tokens, vocab=tok, src_mask=mask, temperature=0.0, stop_tokens=[tok.eos_id],
                       pad_id=tok.eos_id)[:, 1:]
     return [[t for t in row if t != tok.eos_id] for row in out.tolist()]

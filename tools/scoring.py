@@ -208,7 +208,7 @@ def generate_texts(net, tok, prompts, max_new_tokens, *, n=1, temperature=0.0, t
         for j in my_batches(len(batches), net.grid):
             b = batches[j] if j is not None else []
             r = generate.decode(net.raw, [ids[i] for i in b] or [[tok.eos_id]], max_new_tokens if b else 1,
-                                n=n, temperature=temperature, top_p=top_p, stop_tokens=ends,
+                                vocab=tok, n=n, temperature=temperature, top_p=top_p, stop_tokens=ends,
                                 pad_id=tok.eos_id, seed=seed + (j or 0))
             gen = r.tokens[:, r.prompt_len:].tolist()
             for k, i in enumerate(b):
