@@ -176,7 +176,7 @@ def test_gsm8k_prompts_scores_and_generation(folders, run, tok):
     texts = scoring.generate_texts(run, tok, contexts, 10, stops=("and",), batch_size=3)
     for ctx, t in zip(contexts, texts):
         ids = tok.encode(ctx)[-(SHAPE["block_size"] - 10):]
-        out = generate.generate(run.raw, torch.tensor([ids]), 10, temperature=0, stop_tokens=[tok.eos_id])[0, len(ids):]
+        out = generate.generate(run.raw, torch.tensor([ids]), 10, vocab=tok, temperature=0, stop_tokens=[tok.eos_id])[0, len(ids):]
         ref = tok.decode([i for i in out.tolist() if i != tok.eos_id])
         assert t == [ref[:ref.find("and")] if "and" in ref else ref]
 
