@@ -7,6 +7,12 @@ block_size 64 so that few-shot prompts are left-truncated):
   at the same files) builds, few-shot draws included; our per-choice log-likelihoods equal
   lm-eval's HFLM wrapper on the same folder to <= 1e-4; acc and acc_norm per document equal its
   process_results;
+- chat models (an HF folder whose tokenizer has a chat template): eval.py applies it by default and
+  the rendered prompts equal lm-eval's with --apply_chat_template --fewshot_as_multiturn (HellaSwag,
+  ARC, PIQA: the (context, continuation) pairs, the bare choice; GSM8K; HumanEval's user turn), their
+  ids are the HF tokenizer's (the template's special tokens single ids), the choices'
+  log-likelihoods equal HFLM's on those requests (<= 1e-4); the results JSON and the table name the
+  protocol, and --chat_template=False gives the base protocol's prompts and numbers;
 - GSM8K: the 2-shot prompts equal lm-eval's; strict and flexible exact match equal lm-eval's
   RegexFilter + exact_match on worked completions; greedy completions of the fast decoder equal the
   eager generate() of each prompt alone, cut at the stop strings;
@@ -35,6 +41,7 @@ import pytest
 import torch
 from distributed import spawn
 
+import chat
 import eval as ev
 import generate
 import hf
@@ -112,8 +119,9 @@ def run(folders):
     return ev.load_model(cfg, parallel.init(cfg))
 
 
-def lm_eval_task(name, folder, shots, limit):
-    """lm-eval's own task from its YAML, reading our local files instead of the hub."""
+def lm_eval_task(name, folder, shots, limit, chat_template=None):
+    """lm-eval's own task from its YAML, reading our local files instead of the hub; chat_template (a
+    messages -> text function, HFLM.apply_chat_template): its --apply_chat_template --fewshot_as_multiturn."""
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.api.task import ConfigurableTask
     from lm_eval.tasks._yaml_loader import load_yaml
@@ -124,7 +132,8 @@ def lm_eval_task(name, folder, shots, limit):
     task = ConfigurableTask(config=dict(cfg, dataset_path="json", dataset_name=None, num_fewshot=shots,
                                         dataset_kwargs={"data_files": files}))
     task.set_fewshot_seed(1234)
-    task.build_all_requests(limit=limit)
+    chat = dict(apply_chat_template=True, fewshot_as_multiturn=True, chat_template=chat_template) if chat_template else {}
+    task.build_all_requests(limit=limit, **chat)
     return task, sorted(task.instances, key=lambda i: (i.doc_id, i.idx))
 
 
@@ -152,6 +161,56 @@ def test_multiple_choice_matches_lm_eval(name, folders, run, tok, hflm):
         ref = task.process_results(next(i.doc for i in insts if i.doc_id == d), [(ll, False) for ll in mine])
         assert (r["acc"], r["acc_norm"]) == (ref["acc"], ref["acc_norm"])
     assert metrics["acc"] == pytest.approx(sum(r["acc"] for r in per) / 5) and metrics["n"] == 5
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory):
+    """An HF folder whose tokenizer (cl100k_base cut to 512 ids, ChatML's two tokens added) has our chat template."""
+    tok = tokenizer.get_tokenizer("cl100k_base", 512, chat=True)
+    tok.chat_template = chat.DEFAULT_TEMPLATE
+    torch.manual_seed(1)
+    folder = tmp_path_factory.mktemp("chat") / "model"
+    hf.export_hf(Transformer(ModelConfig(vocab_size=tok.n_vocab, **SHAPE)), str(folder), tokenizer=tok)
+    return folder
+
+
+def test_chat_template_prompts_match_lm_eval(tmp_path, folders, chat_folder):
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+    hflm = HFLM(pretrained=str(chat_folder), device="cpu", batch_size=8, dtype="float32")
+    cfg = ev.load_config([str(chat_folder), "--device=cpu"])
+    tok, template = ev.chat_setup(cfg)
+    assert template.source == chat.DEFAULT_TEMPLATE and tok.eot_id == 513  # applied by default
+    run = ev.load_model(cfg, parallel.init(cfg))
+    encode = scoring.encoder(tok, template)
+    for name in ("hellaswag", "arc_easy", "piqa", "gsm8k"):
+        task, insts = lm_eval_task(name, folders / name, shots=2, limit=4, chat_template=hflm.apply_chat_template)
+        docs, contexts = evaltasks.task_prompts(name, str(folders / name), SimpleNamespace(
+            limit=4, num_fewshot=2, fewshot_seed=1234), template)
+        assert all(c.startswith("<|im_start|>user\n") and c.endswith("<|im_start|>assistant\n") for c in contexts)
+        assert contexts[0].count("<|im_start|>assistant\n") == 3  # 2 shots as turns, then the prompt
+        if name == "gsm8k":
+            assert contexts == [i.args[0] for i in insts]
+        else:  # the continuation: the bare choice (lm-eval's target_delimiter under a template)
+            assert [(c, ch) for d, c in zip(docs, contexts) for ch in d["choices"]] == [i.args for i in insts]
+        assert [encode(c) for c in contexts] == [hflm.tok_encode(c) for c in contexts]  # specials: single ids
+        if name == "arc_easy":
+            theirs = [ll for ll, _ in hflm.loglikelihood(insts, disable_tqdm=True)]
+            _, per = scoring.multiple_choice(run, tok, docs, contexts, batch_size=3, template=template)
+            assert max(abs(a - b) for a, b in zip([ll for r in per for ll in r["lls"]], theirs)) <= 1e-4
+    code = ['def add(a, b):\n    """The sum of a and b."""\n', "def f(x):\n"]  # HumanEval-style prompts
+    assert [evaltasks.chat_prompt(template, [], p) for p in code] == \
+        [hflm.apply_chat_template([{"role": "user", "content": p}]) for p in code]
+    gsm = [f"--tasks=gsm8k={folders / 'gsm8k'}", "--limit=3", "--max_new_tokens=6", "--device=cpu"]
+    for extra, protocol, tmpl in (([], "chat: ", template), (["--chat_template=False"], "base: ", None)):
+        out = tmp_path / f"{protocol[:4]}.json"
+        res = ev.main([str(chat_folder), *gsm, *extra, f"--results={out}"])
+        saved = json.loads(out.read_text())
+        assert saved["protocol"].startswith(protocol) and saved["chat_template"] == (tmpl and tmpl.source)
+        docs, contexts = evaltasks.task_prompts("gsm8k", str(folders / "gsm8k"), ev.load_config(
+            [str(chat_folder), "--limit=3"]), tmpl)
+        texts = scoring.generate_texts(run, tok, contexts, 6, stops=ev.GSM8K_STOPS, template=tmpl)
+        assert res["gsm8k"] == scoring.gsm8k_scores([t[0] for t in texts], docs)[0]
 
 
 def test_gsm8k_prompts_scores_and_generation(folders, run, tok):
