@@ -197,7 +197,8 @@ def test_readme_t5_commands_run(tmp_path):
         (tmp_path / "corpus" / f"d{i}.md").write_text("\n".join(" ".join(rnd.choice(words) for _ in range(12))
                                                                for _ in range(8)))
     run = tmp_path / "tiny_t5"
-    pretrain.main([os.path.join(ROOT, "configs/tiny_t5.py"), f"--data={tmp_path / 'corpus'}", f"--data_dir={tmp_path / 'prep'}",
+    pretrain.main([os.path.join(ROOT, "configs/tiny_t5.py"), f"--data={tmp_path / 'corpus'}",
+                   f"--data_dir={tmp_path / 'prep'}",
                    f"--out_dir={run}", "--device=cpu", "--tokenizer_vocab=300", "--max_docs=0", "--clean=False",
                    "--dedup=none", "--n_layer=1", "--n_head=2", "--n_embd=32", "--ffn_hidden=64", "--block_size=64",
                    "--batch_size=8", "--micro_batch_size=8", "--max_steps=20", "--warmup_steps=2", "--lr=1e-2",
@@ -209,8 +210,8 @@ def test_readme_t5_commands_run(tmp_path):
     first = int(t5.generate(model, src, 1, vocab=model.cfg.vocab_size, temperature=0)[0, 1])
     assert first >= SMALL.n_vocab  # a sentinel: unmasked, the evaluation would decode it
     out = tmp_path / "sft_t5"
-    sft.main([os.path.join(ROOT, "configs/sft_tiny.py"), f"--init_from={run}", "--pack=False", f"--out_dir={out}", "--device=cpu",
-              "--n_train=64", "--n_eval=8", "--batch_size=4", "--micro_batch_size=4", "--max_steps=2",
+    sft.main([os.path.join(ROOT, "configs/sft_tiny.py"), f"--init_from={run}", "--pack=False", f"--out_dir={out}",
+              "--device=cpu", "--n_train=64", "--n_eval=8", "--batch_size=4", "--micro_batch_size=4", "--max_steps=2",
               "--progress=False"])
     with open(out / "train_metrics.jsonl") as f:
         assert [r["step"] for r in map(json.loads, f) if "accuracy" in r] == [0, 2]
