@@ -95,8 +95,8 @@ class Emittable:
     decode the output (ids below its n_vocab, less its `holes`), or an int n (ids 0..n-1: a model
     without a tokenizer); V: the model's vocabulary. Every decoder requires vocab: none can forget it.
 
-    keep(logits) -> (..., n) the first n columns, -inf at the holes: a slice (a view, free), and one
-    masked_fill only where there are holes; no host sync, the mask at a fixed address (capturable).
+    allowed(logits) -> (..., n): the first n columns, -inf at the holes: a slice (a view, free), and
+    one masked_fill only where there are holes; no host sync, the mask at a fixed address (capturable).
     Only the sampled ids are limited: log-probs stay those of the model's full distribution
     (decode's docstring: as top-k / top-p, which filter what is sampled, not the log-probs)."""
 
