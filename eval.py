@@ -4,6 +4,7 @@
     python eval.py out/small --tasks=bpb,hellaswag,arc_easy,piqa --limit=500 --num_fewshot=5
     python eval.py models/Llama-3.2-1B --tasks=hellaswag=data/hellaswag/ --add_bos    # a local copy
     python eval.py out/sft --tasks=humaneval --n_samples=10 --temperature=0.8 --pass_k=1,10
+    python eval.py out/sft --tasks=gsm8k=data/gsm8k/test.jsonl --chat_template=False   # the base-model protocol
     torchrun --nproc_per_node=2 eval.py out/small --tasks=bpb,gsm8k --tp=2       # any layout
 
 The model: a run folder (its newest checkpoint), a checkpoint folder or an HF model folder; our
@@ -12,8 +13,12 @@ in training (parallel.parallelize): TP and FSDP models work (FSDP generates insi
 Parallel.full_params()). Tasks (--tasks, comma separated; `name=source` for local data): bpb,
 hellaswag, arc_easy, arc_challenge, piqa, mc, gsm8k, humaneval; what each reads, prompts and
 scores: the comment above evaltasks.TASKS. --micro_batch_size: sequences per scoring forward;
---gen_batch_size: prompts per decode call. Output: a table on stdout and a results JSON (--results,
-default out/eval/<model>.json), never overwritten (a taken default name is numbered: <model>_2.json).
+--gen_batch_size: prompts per decode call. A chat model (a chat stage's checkpoint: its config names
+its template; an HF folder with a chat template) is asked in its template, as lm-eval's
+--apply_chat_template --fewshot_as_multiturn asks it (chat_setup); --chat_template=False: the base
+model's protocol. Output: a table on stdout and a results JSON (--results, default
+out/eval/<model>.json), never overwritten (a taken default name is numbered: <model>_2.json); both
+name the protocol.
 
 This file holds the CLI and runs the tasks; evaltasks.py builds them (formats, data, prompts, as
 lm-eval does) and scoring.py scores the answers. Invariants: the numbers do not depend on the layout (examples are split
@@ -65,6 +70,8 @@ EVAL_DEFAULTS = dict(
     code_timeout=10.0,     # seconds per HumanEval program in the sandbox
     code_workers=4,        # sandbox processes
     results="",            # results JSON, never overwritten ("": out/eval/<model>.json, <model>_2.json, ... when taken)
+    chat_template="auto",  # auto: a chat model's own template (a chat stage's checkpoint, an HF folder with one), else
+                           # none | False: the base-model protocol | default (ours) | a .jinja file
 )
 # the keys eval.py reads (config.load(extra=...); from a checkpoint, CKPT_KEYS too): the model's, where it comes
 # from, its tokenizer, the processes and the layout (parallelize; the chunked loss scores), the corpus of bits per
@@ -78,8 +85,7 @@ EXTRA = config.Keys({"init_from": lifecycle.RUN_DEFAULTS["init_from"]}, (tokeniz
 CKPT_KEYS = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "grad_checkpoint", "init_std")] + [
     "tokenizer", "tokenizer_vocab", "tokenizer_fim", "fim_rate", "fim_spm_rate", "fim_seed", "data", "text_field", "data_dir",
     "val_fraction", "val_tokens", "max_docs", "clean", "dedup", "seq_len", "fim_fragment", "toxicity",
-    "toxicity_threshold", "toxicity_keep", "data_sources",
-    "chat_template"]  # a chat stage's checkpoint (sft, dpo, grpo): its tokenizer has the template's tokens
+    "toxicity_threshold", "toxicity_keep", "data_sources"]
 CODE_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # Codex's (Chen et al. 2021)
 GSM8K_STOPS = ("Question:", "</s>", "<|im_end|>")              # lm-eval's gsm8k `until`
 
@@ -151,14 +157,37 @@ def load_config(argv):
 
 
 def model_tokenizer(cfg):
-    """The tokenizer the model was trained with (tokenizer.for_cfg), with the chat template's special tokens
-    (chat.setup, as sample.py --chat) when it is a chat stage's checkpoint or an HF folder with a chat
-    template whose ids its vocabulary has: generated chat ids decode, the end-of-turn id stops generation."""
-    tok = tokenizer.for_cfg(cfg)
-    if not (hasattr(cfg, "chat_template") or getattr(tok, "chat_template", None)):
-        return tok
-    chat_tok, _ = chat.setup(SimpleNamespace(**{**chat.CHAT_DEFAULTS, **vars(cfg)}))
-    return chat_tok if chat_tok.n_vocab <= cfg.vocab_size else tok
+    """The tokenizer the model was trained with (chat_setup's)."""
+    return chat_setup(cfg)[0]
+
+
+def chat_setup(cfg):
+    """(tokenizer, template or None): the tokenizer the model was trained with (tokenizer.for_cfg), with
+    its chat template's special tokens (chat.setup, as sample.py --chat) when it has a template (a chat
+    stage's checkpoint: its config names it; an HF folder's tokenizer_config) whose ids its vocabulary
+    holds: generated chat ids decode, the end-of-turn id stops generation. The template is the prompts'
+    (the chat protocol) unless chat_template=False; "default" or a .jinja file: that template instead
+    (its tokens must be in the model's vocabulary)."""
+    tok, given = tokenizer.for_cfg(cfg), str(cfg.chat_template)
+    if hf.is_hf_folder(cfg.init_from):
+        own = "" if getattr(tok, "chat_template", None) else None  # "": the folder's own (chat.template_for)
+    else:
+        own = hf.read_config(cfg.init_from).get("chat_template")  # the chat stage's setting
+    name = own if given in ("auto", "False") else given
+    if name is None:
+        return tok, None
+    chat_tok, template = chat.setup(SimpleNamespace(**{**chat.CHAT_DEFAULTS, **vars(cfg), "chat_template": name}))
+    if chat_tok.n_vocab > cfg.vocab_size:
+        if given not in ("auto", "False"):
+            raise EvalError(f"--chat_template={given}: {template.name} writes {template.special_tokens}, which the "
+                            f"model's vocabulary of {cfg.vocab_size} ids lacks (not fine-tuned in it): drop the key")
+        return tok, None
+    return chat_tok, None if given == "False" else template
+
+
+def protocol(template):
+    """What the results say of how the model was asked."""
+    return f"chat: {template.name}, few-shot as multi-turn" if template else "base: no chat template"
 
 
 def check_settings(cfg):
@@ -208,8 +237,8 @@ def new_tokens(cfg, default):
     return cfg.max_new_tokens or min(default, cfg.block_size // 2)
 
 
-def run_task(name, source, cfg, net, tok, autocast, ks):
-    """One task -> its metrics (every rank gets them)."""
+def run_task(name, source, cfg, net, tok, autocast, ks, template=None):
+    """One task -> its metrics (every rank gets them); template: the chat protocol's (chat_setup)."""
     spec = evaltasks.TASKS[name]
     if spec.kind == "bpb":
         T = cfg.seq_len or cfg.block_size
@@ -218,23 +247,26 @@ def run_task(name, source, cfg, net, tok, autocast, ks):
         return scoring.bits_per_byte(net, tok, windows, cfg.micro_batch_size, autocast)
     if spec.kind == "code":  # pass@k: n completions of each code_prompt, cut at Codex's stops, judged on rank 0
         items = tasks.human_eval()[:cfg.limit or None]
-        texts = scoring.generate_texts(net, tok, [it["code_prompt"] for it in items], new_tokens(cfg, 512),
-                                       n=cfg.n_samples, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
-                                       stops=CODE_STOPS, batch_size=cfg.gen_batch_size, autocast=autocast)
+        prompts = [evaltasks.chat_prompt(template, [], it["code_prompt"]) if template else it["code_prompt"]
+                   for it in items]
+        texts = scoring.generate_texts(net, tok, prompts, new_tokens(cfg, 512), n=cfg.n_samples,
+                                       temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, stops=CODE_STOPS,
+                                       batch_size=cfg.gen_batch_size, autocast=autocast, template=template)
         return parallel.on_main(net.grid, lambda: scoring.code_scores(items, texts, ks, cfg.code_timeout,
                                                                       cfg.code_workers)[0])
     # rank 0 reads the data (a hub download once), every rank gets the prompts; a bad record stops all
-    docs, contexts = parallel.on_main(net.grid, lambda: evaltasks.task_prompts(name, source, cfg))
+    docs, contexts = parallel.on_main(net.grid, lambda: evaltasks.task_prompts(name, source, cfg, template))
     if spec.kind == "mc":
-        return scoring.multiple_choice(net, tok, docs, contexts, cfg.micro_batch_size, autocast, cfg.add_bos)[0]
+        return scoring.multiple_choice(net, tok, docs, contexts, cfg.micro_batch_size, autocast, cfg.add_bos,
+                                       template)[0]
     texts = scoring.generate_texts(net, tok, contexts, new_tokens(cfg, 256), temperature=cfg.temperature,
                                    top_p=cfg.top_p, seed=cfg.seed, stops=GSM8K_STOPS,
-                                   batch_size=cfg.gen_batch_size, autocast=autocast)
+                                   batch_size=cfg.gen_batch_size, autocast=autocast, template=template)
     return scoring.gsm8k_scores([t[0] for t in texts], docs)[0]
 
 
-def table(results):
-    lines = [f"{'task':<14} {'metric':<22} {'value':>10}"]
+def table(results, template=None):
+    lines = [f"protocol: {protocol(template)}", f"{'task':<14} {'metric':<22} {'value':>10}"]
     for name, m in results.items():
         for k, v in m.items():
             if isinstance(v, float) and not k.endswith("_stderr"):
@@ -277,21 +309,22 @@ def main(argv):
     todo, ks = parse_tasks(cfg)
     grid = parallel.init(cfg, cfg.threads)
     say = lifecycle.say(grid)
-    tok = model_tokenizer(cfg)
+    tok, template = chat_setup(cfg)
     net = load_model(cfg, grid)
     autocast = parallel.autocast(cfg, grid.device)
     results, seconds = {}, {}
     for name, source in todo:
         t = time.perf_counter()
-        results[name] = run_task(name, source, cfg, net, tok, autocast, ks)
+        results[name] = run_task(name, source, cfg, net, tok, autocast, ks, template)
         seconds[name] = round(time.perf_counter() - t, 2)
         say(f"{name}: done in {seconds[name]:.1f} s")
-    say(table(results))
+    say(table(results, template))
     if grid.is_main:
         settings = {k: getattr(cfg, k) for k in EVAL_DEFAULTS}
         out = write_results(cfg, {
             "model": cfg.init_from, "step": checkpoint.step_of(cfg.init_from), "world": grid.world, "tp": grid.tp,
-            "data_parallel": cfg.data_parallel, "results": results, "seconds": seconds,
+            "data_parallel": cfg.data_parallel, "protocol": protocol(template),
+            "chat_template": template.source if template else None, "results": results, "seconds": seconds,
             "total_seconds": round(time.perf_counter() - t0, 2), "settings": settings})
         say(f"results: {out}")
     return results

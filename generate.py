@@ -1,7 +1,7 @@
 """Generation: the KV caches, sampling filters, the eager generate() and the fast decoder decode().
 
-    out = generate.generate(model, idx, 100, temperature=0.8, top_k=50, stop_tokens=[eos])   # eager
-    r = generate.decode(model, prompts, 256, n=8, temperature=1.0, top_p=0.95, stop_tokens=[eos], seed=0)
+    out = generate.generate(model, idx, 100, vocab=tok, temperature=0.8, top_k=50, stop_tokens=[eos])   # eager
+    r = generate.decode(model, prompts, 256, vocab=tok, n=8, temperature=1.0, top_p=0.95, stop_tokens=[eos], seed=0)
     r.tokens, r.mask, r.logprobs, r.lengths   # (B*n, T+N) ids, real-token mask, (B*n, N) log-probs, (B*n,)
 
 Which is used when: decode() everywhere text is generated (sample.py, pretrain.py's final sample,
@@ -14,9 +14,10 @@ layouts) is in its docstring. cast_copy(model, dtype) / refresh(copy, model): a 
 to read, nn.Linear weights in the compute dtype, refreshed in place between calls; rollout(): a data
 rank's share of prompts x G samples (GRPO).
 
-Invariants: greedy decode() gives generate()'s tokens; decode()'s log-probs are those of a
-teacher-forced forward over the same tokens with its logits divided by the same temperature;
-a captured step computes what the uncaptured one does. Given a cache (Cache: `length`, attend(), its
+Invariants: no decoder emits an id its `vocab` (the tokenizer, required) cannot decode (Emittable);
+greedy decode() gives generate()'s tokens; decode()'s log-probs are those of a teacher-forced
+forward over the same tokens with its logits divided by the same temperature; a captured step
+computes what the uncaptured one does. Given a cache (Cache: `length`, attend(), its
 `kernel`), the model's attention is the cache's: so the caches, their attention and the decoders live
 here, and model.py holds the training model only.
 """
@@ -86,6 +87,40 @@ class KVCache(Cache):
         return self.k[layer][:, :, :S], self.v[layer][:, :, :S]
 
 
+class Emittable:
+    """The ids a decoder may emit, as the first filter of every decoder (generate, decode, t5's,
+    prefix's): a model's vocabulary can hold ids its tokenizer cannot decode (rows padded to a
+    multiple, T5's sentinels, chat tokens a plain tokenizer lacks, the holes of cl100k_base / o200k_base:
+    tokenizer.find_holes), and one of them sampled crashes tok.decode. vocab: the tokenizer that will
+    decode the output (ids below its n_vocab, less its `holes`), or an int n (ids 0..n-1: a model
+    without a tokenizer); V: the model's vocabulary. Every decoder requires vocab: none can forget it.
+
+    allowed(logits) -> (..., n): the first n columns, -inf at the holes: a slice (a view, free), and
+    one masked_fill only where there are holes; no host sync, the mask at a fixed address (capturable).
+    Only the sampled ids are limited: log-probs stay those of the model's full distribution
+    (decode's docstring: as top-k / top-p, which filter what is sampled, not the log-probs)."""
+
+    def __init__(self, vocab, V, device=None):
+        if isinstance(vocab, int) and not isinstance(vocab, bool):
+            n, holes = vocab, ()
+        elif hasattr(vocab, "n_vocab"):
+            n, holes = vocab.n_vocab, getattr(vocab, "holes", ())
+        else:
+            raise TypeError(f"vocab={vocab!r}: pass the tokenizer that decodes the output (or an int: ids 0..n-1)")
+        self.n = min(n, V)
+        if self.n < 1:
+            raise ValueError(f"vocab={vocab!r} leaves no id to emit")
+        self.holes = tuple(h for h in holes if h < self.n)
+        self.mask = None
+        if self.holes:
+            self.mask = torch.zeros(self.n, dtype=torch.bool, device=device)
+            self.mask[list(self.holes)] = True
+
+    def __call__(self, logits):
+        logits = logits[..., :self.n]
+        return logits if self.mask is None else logits.masked_fill(self.mask, float("-inf"))
+
+
 def top_k_filter(logits, k):
     """Keep the k largest logits per row, -inf elsewhere."""
     kth = logits.topk(min(k, logits.shape[-1]), dim=-1).values[..., -1:]
@@ -114,12 +149,13 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
+def generate(model, idx, max_new_tokens, *, vocab, temperature=1.0, top_k=None, top_p=None,
              stop_tokens=None, pad_id=None, attention_mask=None, generator=None, seed=None):
     """Sample continuations of a batch of prompts from model (a model.Transformer, plain or
     tensor-parallel: every TP rank calls it with the same seed) with a KV cache.
 
     idx: (B, T) prompts, left-padded; attention_mask (B, T) 0/1 marks real tokens (None = all).
+    vocab: the tokenizer that decodes the output, or an int n (Emittable: only ids it decodes are sampled).
     temperature 0 -> greedy; top_k / top_p (nucleus) filter before sampling.
     A row that emits one of stop_tokens then repeats pad_id (default: that stop token);
     generation ends early once every row has stopped.
@@ -139,6 +175,7 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
     mask = None if attention_mask is None else attention_mask.bool()
     done = torch.zeros(B, dtype=torch.bool, device=idx.device)
     fill = torch.full((B,), -1 if pad_id is None else pad_id, dtype=idx.dtype, device=idx.device)
+    allowed = Emittable(vocab, model.cfg.vocab_size, idx.device)
 
     was_training = model.training
     model.eval()
@@ -147,7 +184,7 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
         x = model.hidden_states(idx, cache=cache, attn_mask=mask)  # prefill: all prompts at once
         out = [idx]
         for step in range(max_new_tokens):
-            logits = model.logits(x[:, -1])  # head on the last position only
+            logits = allowed(model.logits(x[:, -1]))  # head on the last position only
             nxt = sample(logits, temperature, top_k, top_p, generator)
             if stops is not None:
                 nxt = torch.where(done, fill, nxt)
@@ -241,15 +278,17 @@ def top_candidates(logits, k, block=64):
     return vals, ids.clamp_(max=V - 1)  # a padding column only when fewer than k logits are finite
 
 
-def pick(logits, temperature=1.0, top_k=None, top_p=None, noise=None):
+def pick(logits, temperature=1.0, top_k=None, top_p=None, noise=None, allowed=None):
     """(R, V) logits -> (tokens (R,), log-probs (R,) of those tokens under log_softmax(logits / t)),
-    t = temperature (1 when greedy), taken before the filters. Sampling is the exponential race:
+    t = temperature (1 when greedy), taken before the filters; allowed (an Emittable) the first filter,
+    its n columns the ones noise races. Sampling is the exponential race:
     argmax over the filtered logits / t minus log(noise), noise ~ Exp(1) i.i.d.; token i wins with
     probability softmax_i (Gumbel-max's twin). noise (R, V) races every token; with top_k, noise
     (R, min(top_k, V)) races only the candidates top_candidates returns: the same distribution without
     a pass over the vocabulary after topk (a tie at the k-th logit keeps k tokens, not every tied
     one). noise None or temperature 0: greedy. Fixed shapes, no host sync: it runs in the graph."""
-    t = temperature or 1.0
+    t, full = temperature or 1.0, logits
+    logits = logits if allowed is None else allowed(logits)
     if temperature == 0 or noise is None:
         tok = logits.argmax(dim=-1)
     elif top_k and noise.shape[-1] < logits.shape[-1]:
@@ -265,7 +304,7 @@ def pick(logits, temperature=1.0, top_k=None, top_p=None, noise=None):
         if top_p is not None and top_p < 1.0:
             z = top_p_filter(z, top_p)
         tok = (z - noise.log()).argmax(dim=-1)
-    return tok, log_softmax_at(logits, tok, t)
+    return tok, log_softmax_at(full, tok, t)
 
 
 def log_softmax_at(logits, tok, t=1.0, block=64):
@@ -337,10 +376,12 @@ class Decoder:
     in microseconds and is far ahead of a step the GPU needs most of a millisecond for, so several
     steps per captured graph should change little (not done)."""
 
-    def __init__(self, model, R, S, N, width, dtype, *, temperature, top_k, top_p, pad_id, stops, graph, compile):
+    def __init__(self, model, R, S, N, width, dtype, *, temperature, top_k, top_p, pad_id, stops, graph, compile,
+                 allowed):
         dev = next(model.parameters()).device
         self.model, self.pad_id, self.graph = model, pad_id, graph
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        # allowed: the Emittable whose mask the graphs read (kept with the decoder: its address stays)
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, allowed=allowed)
         self.index = torch.zeros(1, dtype=torch.long, device=dev)  # the slot the next token's keys go to
         self.first = torch.zeros(1, dtype=torch.long, device=dev)  # slot - first = output column
         self.cache = StaticCache(S, self.index)
@@ -421,7 +462,7 @@ class Rollout:
 
 
 @torch.no_grad()
-def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, top_p=None,
+def decode(model, prompts, max_new_tokens, *, vocab, n=1, temperature=1.0, top_k=None, top_p=None,
            stop_tokens=None, pad_id=0, attention_mask=None, seed=None, generator=None,
            check_every=16, graph=None, compile=False, bucket=64, fuse_mlp=True, candidates=True,
            attention=None, keep=None):
@@ -429,6 +470,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
 
     prompts: a list of 1-D token sequences (any lengths; left-padded here), or (B, T) ids with
       attention_mask (B, T) 0/1 (None: all real). Positions count from each row's first real token.
+    vocab: the tokenizer that decodes the output, or an int n: only ids it decodes are sampled (Emittable).
     n: samples per prompt; the prompt is prefilled once and its cache copied to its n rows.
     temperature 0: greedy; top_k / top_p filter before sampling (not the log-probs). seed or
       generator (on the model's device) fix the draws; neither: torch's global RNG.
@@ -492,6 +534,7 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
         idx, mask = pad_prompts(prompts, pad_id, dev)
     B, T = idx.shape
     N, R = max_new_tokens, B * n
+    allowed = Emittable(vocab, model.cfg.vocab_size, dev)
     S = round_up(T + N, bucket) if bucket and keep is not None else T + N  # kept: other T, same cache
     moes = list(moe.layers(model))
     mlps = [m for m in model.modules() if getattr(m, "split", False)]
@@ -542,15 +585,15 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
                                 attn_mask=((k <= q) & mask[:, None, :]) | (k == q))
         logits = model.logits(h[:, -1]).repeat_interleave(n, dim=0)
 
-        V = logits.shape[-1]
+        V = allowed.n  # the columns sampled from
         width = min(top_k, V) if candidates and top_k and temperature > 0 else V
-        key = (R, S, N, width, prefill.k[0].dtype, temperature, top_k, top_p, pad_id, fuse_mlp, attention,
-               None if stops is None else stops.numel(), graph, repr(compile),
+        key = (R, S, N, width, V, allowed.holes, prefill.k[0].dtype, temperature, top_k, top_p, pad_id, fuse_mlp,
+               attention, None if stops is None else stops.numel(), graph, repr(compile),
                tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers())))
         dec = keep.get(key) if keep is not None else None
         if dec is None:
             dec = Decoder(model, R, S, N, width, prefill.k[0].dtype, temperature=temperature, top_k=top_k, top_p=top_p,
-                          pad_id=pad_id, stops=stops, graph=graph, compile=compile)
+                          pad_id=pad_id, stops=stops, graph=graph, compile=compile, allowed=allowed)
             if keep is not None:
                 keep.clear()  # one shape at a time: a new one frees the old cache and graphs
                 keep[key] = dec
@@ -582,18 +625,18 @@ def decode(model, prompts, max_new_tokens, *, n=1, temperature=1.0, top_k=None, 
 
 
 @torch.no_grad()
-def rollout(model, prompts, G, rank, world, max_new_tokens, **sampling):
+def rollout(model, prompts, G, rank, world, max_new_tokens, *, vocab, **sampling):
     """Sample this data rank's share of the len(prompts) x G completions (prompt-major: prompt i's are
     i*G .. i*G+G-1; each rank a contiguous 1/world of them, so a group may span ranks) with decode
-    (sampling: its keywords) -> (Rollout, the prompt of each row). A prompt whose samples here are as many
+    (vocab, sampling: its keywords) -> (Rollout, the prompt of each row). A prompt whose samples here are as many
     as every other's is prefilled once for them (decode's n); otherwise each row is prefilled alone."""
     per = len(prompts) * G // world
     which = [c // G for c in range(rank * per, (rank + 1) * per)]
     counts = {i: which.count(i) for i in which}
     if len(set(counts.values())) == 1:
-        r = decode(model, [prompts[i] for i in counts], max_new_tokens, n=which.count(which[0]), **sampling)
+        r = decode(model, [prompts[i] for i in counts], max_new_tokens, vocab=vocab, n=which.count(which[0]), **sampling)
     else:
-        r = decode(model, [prompts[i] for i in which], max_new_tokens, n=1, **sampling)
+        r = decode(model, [prompts[i] for i in which], max_new_tokens, vocab=vocab, n=1, **sampling)
     return r, which
 
 

@@ -299,8 +299,8 @@ def main(argv):
     config.need(longest + cfg.max_new_tokens <= cfg.block_size, f"prompts of up to {longest} tokens + max_new_tokens="
                 f"{cfg.max_new_tokens} exceed block_size={cfg.block_size}: generate fewer tokens")
     stops = sorted({tok.eot_id, tok.eos_id})  # a completion ends with (and learns) its end-of-turn token
-    sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p, stop_tokens=stops, pad_id=0,
-                    compile=cfg.compile and device.type == "cuda")  # on a GPU the decode step compiled, then captured
+    sampling = dict(vocab=tok, temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p,
+                    stop_tokens=stops, pad_id=0, compile=cfg.compile and device.type == "cuda")  # on a GPU the decode step compiled, then captured
     lease = lifecycle.claim(cfg, grid, free=RESUME_FREE)  # out_dir locked, resume picked, settings checked
     for line in [started, *lease.notes, f"config:\n{config.show(cfg)}",
                  f"data: {note}; {P} prompts x {G} samples per step", lifecycle.layout(cfg, grid)]:

@@ -200,7 +200,7 @@ def main(argv):
         raw.eval()
         prompt = torch.tensor([tok.encode(cfg.sample_prompt) or [tok.eos_id]], device=grid.device)
         with net.full_params(), autocast:
-            out = generate.decode(raw, prompt, min(cfg.sample_tokens, cfg.block_size - prompt.shape[1]),
+            out = generate.decode(raw, prompt, min(cfg.sample_tokens, cfg.block_size - prompt.shape[1]), vocab=tok,
                                   temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
                                   stop_tokens=[tok.eos_id], seed=cfg.seed).tokens
         say(f"--- sample after {step} steps ---\n{tok.decode(out[0].tolist())}\n---")

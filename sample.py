@@ -89,8 +89,8 @@ def converse(model, tok, template, a):
         new = min(a.tokens, model.cfg.block_size - len(ids))
         if new <= 0:
             raise SystemExit(f"error: the conversation has {len(ids)} tokens, block_size is {model.cfg.block_size}")
-        r = generate.decode(model, [ids], new, n=a.n if a.prompt else 1, temperature=a.temperature, top_k=a.top_k,
-                            top_p=a.top_p, stop_tokens=[tok.eot_id], pad_id=tok.eot_id, seed=a.seed)
+        r = generate.decode(model, [ids], new, vocab=tok, n=a.n if a.prompt else 1, temperature=a.temperature,
+                            top_k=a.top_k, top_p=a.top_p, stop_tokens=[tok.eot_id], pad_id=tok.eot_id, seed=a.seed)
         answers = [tok.decode([t for t in row[:n] if t != tok.eot_id])
                    for row, n in zip(r.tokens[:, r.prompt_len:].tolist(), r.lengths.tolist())]
         for i, answer in enumerate(answers):
@@ -144,7 +144,7 @@ def main(argv=None):
     new = min(a.tokens, cfg.block_size - len(ids))
     if new <= 0:
         p.error(f"the prompt has {len(ids)} tokens, block_size is {cfg.block_size}: shorten it")
-    out = generate.decode(model, [ids], new, n=a.n, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+    out = generate.decode(model, [ids], new, vocab=tok, n=a.n, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                           stop_tokens=stops, seed=a.seed).tokens  # the fast decoder (generate.py)
     for i, row in enumerate(out.tolist()):
         gen = row[len(ids):]

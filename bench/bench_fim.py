@@ -83,7 +83,7 @@ def main():
     def fill(prompts):  # greedy, a batch of left-padded prompts; each middle up to its first stop, one line
         x, mask = generate.pad_prompts(prompts, tok.eos_id, device)
         with autocast:
-            out = generate.generate(model, x, a.tokens, temperature=0, stop_tokens=stops, attention_mask=mask)
+            out = generate.generate(model, x, a.tokens, vocab=tok, temperature=0, stop_tokens=stops, attention_mask=mask)
         rows = out[:, x.shape[1]:].tolist()
         cut = [next((j for j, t in enumerate(r) if t in stops), len(r)) for r in rows]
         return [tok.decode(r[:j]).lstrip("\n").split("\n")[0] for r, j in zip(rows, cut)]

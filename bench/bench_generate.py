@@ -209,7 +209,7 @@ def row_call(name, ctx, x, N, keep, profile=False):
     kind, _, variant = name.partition(":")
     kw = dict(temperature=1.0, top_k=args.top_k)
     if kind == "ours-eager":
-        return lambda: generate.generate(ctx["model"], x, N, seed=0, **kw)
+        return lambda: generate.generate(ctx["model"], x, N, vocab=ctx["model"].cfg.vocab_size, seed=0, **kw)
     if kind.startswith("ours-"):
         opts = dict(VARIANTS[variant or "all"])
         comp = opts.pop("compile", True)
@@ -218,7 +218,7 @@ def row_call(name, ctx, x, N, keep, profile=False):
         captured = cuda and kind != "ours-static"
         opts.update(graph=captured and not profile, compile=comp if captured and kind != "ours-graph" else False)
         model = lora_model(ctx, kind == "ours-lora-merged") if kind.startswith("ours-lora") else ctx["model"]
-        return lambda: generate.decode(model, x, N, seed=0, **kw, **opts)
+        return lambda: generate.decode(model, x, N, vocab=model.cfg.vocab_size, seed=0, **kw, **opts)
     ref = hf_model(ctx)
     extra = {"cache_implementation": "static"} if kind == "hf-static" else {}
     mask = torch.ones_like(x)
@@ -284,12 +284,13 @@ def checks():
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g) for n in (T, T // 2, 1, T - 3)]
         idx, mask = generate.pad_prompts(prompts, device=device)
-        ref = generate.generate(model, idx, N, temperature=0, attention_mask=mask)[:, T:]
+        V = model.cfg.vocab_size  # random prompts: every id of the model (no tokenizer decodes them)
+        ref = generate.generate(model, idx, N, vocab=V, temperature=0, attention_mask=mask)[:, T:]
         for name, opts in [("graph" if cuda else "static", {}), ("compile", dict(compile=True))]:
             if name == "compile" and not (cuda and args.check_compile):
                 continue
-            r = generate.decode(model, prompts, N, temperature=0, **opts)
-            sampled = generate.decode(model, prompts, N, temperature=1.0, top_k=args.top_k, seed=0, **opts)
+            r = generate.decode(model, prompts, N, vocab=V, temperature=0, **opts)
+            sampled = generate.decode(model, prompts, N, vocab=V, temperature=1.0, top_k=args.top_k, seed=0, **opts)
             with torch.no_grad():
                 logits = model(sampled.tokens, attn_mask=sampled.mask)[:, T - 1:-1].float()
             tf = logits.log_softmax(-1).gather(-1, sampled.tokens[:, T:, None]).squeeze(-1)
@@ -304,7 +305,7 @@ def checks():
                 # the uncaptured step gets the captured one's attention kernel (decode picks Triton's only
                 # when captured): the comparison is of the capture, not of two kernels' rounding
                 att = "triton" if cuda and generate.fused.available(prompts[0].to(device)) else "sdpa"
-                kw = dict(temperature=1.0, top_k=args.top_k, seed=0, bucket=16, attention=att)
+                kw = dict(vocab=V, temperature=1.0, top_k=args.top_k, seed=0, bucket=16, attention=att)
                 plain = generate.decode(model, prompts, N, graph=False, keep={}, **kw)
                 fresh = generate.decode(model, prompts, N, keep={}, **kw)
                 keep = {}
@@ -316,7 +317,7 @@ def checks():
                 keep, got = {}, []  # bf16 autocast: graphs kept past the autocast context that captured them
                 for kw_ in (dict(graph=False, keep={}), dict(keep=keep), dict(keep=keep)):
                     with torch.autocast(device.type, torch.bfloat16):
-                        got.append(generate.decode(model, prompts, N, temperature=0, attention=att, **kw_).tokens)
+                        got.append(generate.decode(model, prompts, N, vocab=V, temperature=0, attention=att, **kw_).tokens)
                 out[key]["autocast_kept_equals_uncaptured"] = bool(torch.equal(got[2], got[0]))
             say(f"  check {key}: {out[key]}")
         del model

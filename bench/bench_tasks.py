@@ -34,9 +34,9 @@ def evaluate(model, tok, template, task, items, k, max_new_tokens, seed):
     def texts(r):
         return [tok.decode([t for t in row[:n] if t != tok.eot_id])
                 for row, n in zip(r.tokens[:, r.prompt_len:].tolist(), r.lengths.tolist())]
-    greedy = texts(generate.decode(model, prompts, max_new_tokens, temperature=0.0, stop_tokens=stops, pad_id=0))
+    greedy = texts(generate.decode(model, prompts, max_new_tokens, vocab=tok, temperature=0.0, stop_tokens=stops, pad_id=0))
     acc = [task.accuracy(c, it) for c, it in zip(greedy, items)]
-    sampled = texts(generate.decode(model, prompts, max_new_tokens, n=k, temperature=1.0, stop_tokens=stops,
+    sampled = texts(generate.decode(model, prompts, max_new_tokens, vocab=tok, n=k, temperature=1.0, stop_tokens=stops,
                                     pad_id=0, seed=seed))
     hits = [[task.reward(sampled[i * k + j], it) for j in range(k)] for i, it in enumerate(items)]
     return (sum(s for s, _ in acc) / len(items), sum(v for _, v in acc) / len(items),

@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 import weights
 from config import ConfigError, MissingFileError, need
-from generate import Cache, KVCache, sample
+from generate import Cache, Emittable, KVCache, sample
 from model import Transformer
 
 PREFIX_DEFAULTS = dict(
@@ -140,11 +140,11 @@ def attach(model, prefix):
 
 
 @torch.no_grad()
-def generate(tuned, idx, max_new_tokens, *, attention_mask=None, temperature=1.0, top_k=None, top_p=None,
+def generate(tuned, idx, max_new_tokens, *, vocab, attention_mask=None, temperature=1.0, top_k=None, top_p=None,
              stop_tokens=None, pad_id=None, generator=None, seed=None):
-    """generate.generate's eager loop for a Prefixed model (or one attach() tuned): the prefix is
-    written into the KV cache's first N slots, then the (left-padded) prompts are prefilled after it
-    and decoded one token a step. Positions count from each prompt's first real token after the N
+    """generate.generate's eager loop (vocab as there) for a Prefixed model (or one attach() tuned): the
+    prefix is written into the KV cache's first N slots, then the (left-padded) prompts are prefilled
+    after it and decoded one token a step. Positions count from each prompt's first real token after the N
     virtual ones (transformers' generate through PEFT does the same). Returns (B, T + generated); a
     row that emitted one of stop_tokens repeats pad_id (default: that token); the loop ends when
     every row has stopped."""
@@ -164,12 +164,13 @@ def generate(tuned, idx, max_new_tokens, *, attention_mask=None, temperature=1.0
     stops = torch.as_tensor(list(stop_tokens or []), device=idx.device)
     fill = torch.full((B,), -1 if pad_id is None else pad_id, dtype=idx.dtype, device=idx.device)
     done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+    allowed = Emittable(vocab, model.cfg.vocab_size, idx.device)
     was_training = tuned.training
     tuned.eval()
     try:
         x, out = model.hidden_states(idx, cache=cache, attn_mask=mask), [idx]
         for step in range(max_new_tokens):
-            nxt = sample(model.logits(x[:, -1]), temperature, top_k, top_p, generator)
+            nxt = sample(allowed(model.logits(x[:, -1])), temperature, top_k, top_p, generator)
             nxt = torch.where(done, fill, nxt)
             hit = torch.isin(nxt, stops) & ~done
             fill = torch.where(hit, nxt, fill) if pad_id is None else fill
@@ -184,13 +185,13 @@ def generate(tuned, idx, max_new_tokens, *, attention_mask=None, temperature=1.0
     return torch.cat(out, dim=1)
 
 
-def answers(tuned, prompts, max_new_tokens, stop_id):
-    """Greedy answers of a prefix-tuned model to prompts (token lists): left-padded with stop_id,
-    decoded by generate() until stop_id; -> token lists, stop_id cut (sft.py's held-out accuracy)."""
-    T, dev = max(map(len, prompts)), tuned.prefix.embedding.weight.device
+def answers(tuned, tok, prompts, max_new_tokens):
+    """Greedy answers of a prefix-tuned model to prompts (token lists): left-padded with tok's end of
+    turn, decoded by generate() until it; -> token lists, the end of turn cut (sft.py's held-out accuracy)."""
+    T, dev, stop_id = max(map(len, prompts)), tuned.prefix.embedding.weight.device, tok.eot_id
     idx = torch.tensor([[stop_id] * (T - len(p)) + p for p in prompts], device=dev)
     mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=dev)
-    out = generate(tuned, idx, max_new_tokens, attention_mask=mask, temperature=0.0, stop_tokens=[stop_id],
+    out = generate(tuned, idx, max_new_tokens, vocab=tok, attention_mask=mask, temperature=0.0, stop_tokens=[stop_id],
                    pad_id=stop_id)[:, T:]
     return [[t for t in row if t != stop_id] for row in out.tolist()]
 
@@ -279,8 +280,8 @@ class PrefixTuning(weights.Family):
             attach(model, Prefix(model.cfg, cfg.prefix_tokens, cfg.prefix_projection, cfg.prefix_hidden))
         return load_then_attach
 
-    def decode(self, raw, ids, new, stop_id):
-        return answers(raw, ids, new, stop_id)
+    def decode(self, raw, tok, ids, new):
+        return answers(raw, tok, ids, new)
 
     def peft(self, raw, full, cfg):
         return lambda d: save_peft(d, raw.prefix, cfg.init_from or None)

@@ -77,7 +77,7 @@ def answers(model, tok, prompts, max_new_tokens, generate):
     (message lists); generate: its decoding loop (t5.generate)."""
     dev = next(model.parameters()).device
     src, _, _, mask = batch([(tok.encode(source_text(p)), [0]) for p in prompts], dev)
-    out = generate(model, src, max_new_tokens, src_mask=mask, temperature=0.0, stop_tokens=[tok.eos_id],
+    out = generate(model, src, max_new_tokens, vocab=tok, src_mask=mask, temperature=0.0, stop_tokens=[tok.eos_id],
                    pad_id=tok.eos_id)[:, 1:]
     return [[t for t in row if t != tok.eos_id] for row in out.tolist()]
 

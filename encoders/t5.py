@@ -3,7 +3,7 @@
     model = t5.T5(t5.T5Config(vocab_size=32128, n_layer=6, n_head=8, n_embd=512, head_dim=64, ffn_hidden=2048))
     inputs, targets = t5.span_corrupt(ids, vocab_size=32100, eos_id=1, generator=g)   # one row, T5's objective
     loss = model(src, targets, src_mask=real)       # decoder input: targets shifted right (start id first)
-    out = t5.generate(model, src, 32, src_mask=real, temperature=0, stop_tokens=[1])   # (B, 1 + n) decoder ids
+    out = t5.generate(model, src, 32, vocab=tok, src_mask=real, temperature=0, stop_tokens=[1])   # (B, 1 + n) ids
     model = t5.load_hf("models/t5-small"); t5.export_hf(model, "out/t5")
 
 The model (T5Config): a shared token embedding; encoder blocks (pre-norm: x + attn(norm(x)),
@@ -37,7 +37,7 @@ from safetensors import safe_open
 import hf
 from config import ConfigError, need
 from encoders import denoising, seq2seq
-from generate import KVCache, sample
+from generate import Emittable, KVCache, sample
 from model import DenseCounts, RMSNorm, Transformer, activate, round_up
 
 VOCAB_ROWS = ("tok_emb.weight", "head.weight")  # padded to the model's vocabulary: zero rows in, cut on export
@@ -319,12 +319,14 @@ class Cache:
 
 
 @torch.no_grad()
-def generate(model, src, max_new_tokens, *, src_mask=None, temperature=1.0, top_k=None, top_p=None,
+def generate(model, src, max_new_tokens, *, vocab, src_mask=None, temperature=1.0, top_k=None, top_p=None,
              stop_tokens=None, pad_id=None, generator=None, seed=None):
     """Decode max_new_tokens after the start id for each source row, one token per step through the
-    cache -> (B, 1 + n) ids, the start id first (as transformers' generate returns). temperature 0:
-    greedy; top_k / top_p filter (generate.sample). A row that emitted one of stop_tokens then
-    repeats pad_id (default cfg.pad_id); generation ends once every row has stopped. Eval mode inside."""
+    cache -> (B, 1 + n) ids, the start id first (as transformers' generate returns). vocab: the
+    tokenizer that decodes them, or an int n (generate.Emittable: never a sentinel past the tokenizer's
+    ids, nor a padded row); temperature 0: greedy; top_k / top_p filter (generate.sample). A row that
+    emitted one of stop_tokens then repeats pad_id (default cfg.pad_id); generation ends once every row
+    has stopped. Eval mode inside."""
     if temperature < 0:
         raise ConfigError(f"temperature={temperature} must be >= 0 (0 = greedy)")
     if generator is None and seed is not None:
@@ -332,6 +334,7 @@ def generate(model, src, max_new_tokens, *, src_mask=None, temperature=1.0, top_
     B = src.shape[0]
     stops = torch.as_tensor(list(stop_tokens or []), device=src.device)
     fill = model.cfg.pad_id if pad_id is None else pad_id
+    allowed = Emittable(vocab, model.cfg.vocab_size, src.device)
     was_training = model.training
     model.eval()
     try:
@@ -340,7 +343,7 @@ def generate(model, src, max_new_tokens, *, src_mask=None, temperature=1.0, top_
         done = torch.zeros(B, dtype=torch.bool, device=src.device)
         for _ in range(max_new_tokens):
             h = model.decode(out[-1], context, src_mask, cache)
-            nxt = sample(model.logits(h[:, -1]), temperature, top_k, top_p, generator)
+            nxt = sample(allowed(model.logits(h[:, -1])), temperature, top_k, top_p, generator)
             nxt = nxt.masked_fill(done, fill)
             done = done | torch.isin(nxt, stops)
             out.append(nxt[:, None])

@@ -115,9 +115,9 @@ def test_logits_loss_and_generation_equal_transformers(arch):
         assert (ours(x) - expected.logits).abs().max() > 0.1
         ours.cfg.sliding_window = window
     gen = ref.generate(p, attention_mask=m, max_new_tokens=25, do_sample=False, pad_token_id=0)
-    assert torch.equal(generate.generate(ours, p, 25, temperature=0, attention_mask=m), gen), "generate"
+    assert torch.equal(generate.generate(ours, p, 25, vocab=V, temperature=0, attention_mask=m), gen), "generate"
     for bucket in (16, 0):
-        got = generate.decode(ours, p, 25, temperature=0, attention_mask=m, bucket=bucket).tokens
+        got = generate.decode(ours, p, 25, vocab=V, temperature=0, attention_mask=m, bucket=bucket).tokens
         assert torch.equal(got, gen), f"decode, bucket {bucket}"
 
 
@@ -151,17 +151,17 @@ def test_alibi_gqa_window_decoders_equal_naive_loop():
     model = Transformer(ModelConfig(**MIXED)).eval()
     p, m = left_padded(4)
     rows = [naive_greedy(model, p[b][m[b].bool()], 20) for b in range(2)]
-    for got in (generate.generate(model, p, 20, temperature=0, attention_mask=m),
-                generate.decode(model, p, 20, temperature=0, attention_mask=m, bucket=8).tokens):
+    for got in (generate.generate(model, p, 20, vocab=V, temperature=0, attention_mask=m),
+                generate.decode(model, p, 20, vocab=V, temperature=0, attention_mask=m, bucket=8).tokens):
         for b in range(2):
             real = torch.cat([m[b].bool(), torch.ones(20, dtype=torch.bool)])  # the row without its padding
             assert torch.equal(got[b][real], rows[b]), f"row {b}"
-    a = generate.decode(model, p, 20, temperature=1.0, top_k=20, attention_mask=m, seed=3, bucket=8)
-    b = generate.decode(model, p, 20, temperature=1.0, top_k=20, attention_mask=m, seed=3, bucket=0)
+    a = generate.decode(model, p, 20, vocab=V, temperature=1.0, top_k=20, attention_mask=m, seed=3, bucket=8)
+    b = generate.decode(model, p, 20, vocab=V, temperature=1.0, top_k=20, attention_mask=m, seed=3, bucket=0)
     assert torch.equal(a.tokens, b.tokens)
     assert_rel(a.logprobs, b.logprobs, "log-probs")
     with pytest.raises(ValueError, match="ALiBi's differ per head"):
-        generate.decode(model, p, 4, attention_mask=m, attention="flex")
+        generate.decode(model, p, 4, vocab=V, attention_mask=m, attention="flex")
 
 
 # ----------------------------------------------------------------------------- TP2
@@ -182,8 +182,8 @@ def _run(model, grid):
     out["grads"] = {n: tp.full_tensor(p, p.grad, grid) for n, p in model.named_parameters()}
     p, m = left_padded(6)
     with torch.no_grad():
-        out["generate"] = generate.generate(model, p, 16, temperature=0, attention_mask=m)
-        out["decode"] = generate.decode(model, p, 16, temperature=0, attention_mask=m, bucket=8).tokens
+        out["generate"] = generate.generate(model, p, 16, vocab=V, temperature=0, attention_mask=m)
+        out["decode"] = generate.decode(model, p, 16, vocab=V, temperature=0, attention_mask=m, bucket=8).tokens
     return out
 
 
@@ -245,7 +245,7 @@ def _pp_run(net, grid):
     net.raw.eval()
     p, m = left_padded(6)
     with net.full_params(), torch.no_grad():
-        out["decode"] = generate.decode(net.raw, p, 16, temperature=0, attention_mask=m, bucket=8).tokens
+        out["decode"] = generate.decode(net.raw, p, 16, vocab=V, temperature=0, attention_mask=m, bucket=8).tokens
     return out
 
 
@@ -307,5 +307,5 @@ def test_captured_decode_on_gpu():
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**MIXED)).cuda().eval()
     p, m = (t.cuda() for t in left_padded(4))
-    ref = generate.generate(model, p, 20, temperature=0, attention_mask=m)
-    assert torch.equal(generate.decode(model, p, 20, temperature=0, attention_mask=m, bucket=8, graph=True).tokens, ref)
+    ref = generate.generate(model, p, 20, vocab=V, temperature=0, attention_mask=m)
+    assert torch.equal(generate.decode(model, p, 20, vocab=V, temperature=0, attention_mask=m, bucket=8, graph=True).tokens, ref)

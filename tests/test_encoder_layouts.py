@@ -62,7 +62,7 @@ def train(run, name, grid, rec):
                       else {k: v.clone() for k, v in run.raw.state_dict().items()})
     if name == "t5":
         with run.full_params(), torch.no_grad():
-            rec["generate"] = t5.generate(run.raw, global_batch(name, 9)[0][:2], 6, temperature=0)
+            rec["generate"] = t5.generate(run.raw, global_batch(name, 9)[0][:2], 6, vocab=run.raw.cfg.vocab_size, temperature=0)
     return rec
 
 
@@ -94,7 +94,7 @@ def reference(name):
     rec["weights"] = {k: v.clone() for k, v in model.state_dict().items()}
     if name == "t5":
         with torch.no_grad():
-            rec["generate"] = t5.generate(model, global_batch(name, 9)[0][:2], 6, temperature=0)
+            rec["generate"] = t5.generate(model, global_batch(name, 9)[0][:2], 6, vocab=model.cfg.vocab_size, temperature=0)
     return rec
 
 

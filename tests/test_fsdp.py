@@ -227,7 +227,8 @@ def test_fsdp_on_one_process(ref_default):
         model.zero_grad()
     assert_close(fsdp.full_state_dict(model), ref["steps"][1], "FSDP on one process")
     with model.summon_full_params():  # the plain model is back, e.g. for generate()
-        assert generate.generate(raw, torch.zeros(1, 1, dtype=torch.long), 3, temperature=0).shape == (1, 4)
+        out = generate.generate(raw, torch.zeros(1, 1, dtype=torch.long), 3, vocab=raw.cfg.vocab_size, temperature=0)
+        assert out.shape == (1, 4)
     with torch.no_grad():  # evaluation: no backward will come, nothing stays gathered
         model(*global_batch(0))
     assert all(u.full is None for u in model.units)

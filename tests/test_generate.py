@@ -102,14 +102,14 @@ def counting(model):
 def test_greedy_equals_eager_and_rows_alone(kw):
     model = build(**kw)
     ps = prompts()
-    r = generate.decode(model, ps, 12, temperature=0)
+    r = generate.decode(model, ps, 12, vocab=V, temperature=0)
     idx, mask = generate.pad_prompts(ps)
-    assert torch.equal(r.tokens, generate.generate(model, idx, 12, temperature=0, attention_mask=mask))
+    assert torch.equal(r.tokens, generate.generate(model, idx, 12, vocab=V, temperature=0, attention_mask=mask))
     for b, p in enumerate(ps):
         assert torch.equal(r.tokens[b, 6:], naive_greedy(model, p, 12))
     assert torch.equal(r.mask[:, :6], mask) and r.mask[:, 6:].all() and r.lengths.tolist() == [12] * 4
     # (B, T) ids + attention_mask give the same rollout
-    assert torch.equal(generate.decode(model, idx, 12, temperature=0, attention_mask=mask).tokens, r.tokens)
+    assert torch.equal(generate.decode(model, idx, 12, vocab=V, temperature=0, attention_mask=mask).tokens, r.tokens)
 
 
 def test_greedy_equals_transformers(tmp_path):
@@ -127,15 +127,15 @@ def test_greedy_equals_transformers(tmp_path):
     with torch.no_grad():
         theirs = ref.generate(idx, attention_mask=mask.long(), max_new_tokens=14, do_sample=False, pad_token_id=0)
     for bucket in (64, 4):  # one bucket, five
-        assert torch.equal(generate.decode(ours, ps, 14, temperature=0, bucket=bucket).tokens[:, 7:], theirs[:, 7:])
+        assert torch.equal(generate.decode(ours, ps, 14, vocab=V, temperature=0, bucket=bucket).tokens[:, 7:], theirs[:, 7:])
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 5, 0.9), (0, None, None), (1.3, None, 0.8)])
 def test_logprobs_equal_teacher_forced(temperature, top_k, top_p):
     model = build(**LLAMA)
     ps = prompts()
-    stop = int(generate.decode(model, ps, 4, temperature=0).tokens[1, 6 + 2])  # row 1 stops early when greedy
-    r = generate.decode(model, ps, 10, n=2, temperature=temperature, top_k=top_k, top_p=top_p,
+    stop = int(generate.decode(model, ps, 4, vocab=V, temperature=0).tokens[1, 6 + 2])  # row 1 stops early when greedy
+    r = generate.decode(model, ps, 10, vocab=V, n=2, temperature=temperature, top_k=top_k, top_p=top_p,
                         stop_tokens=[stop], seed=5, check_every=1)
     assert r.tokens.shape[0] == 8 and r.logprobs.shape == r.tokens[:, 6:].shape
     gen = r.mask[:, 6:]
@@ -153,21 +153,21 @@ def test_speed_settings_are_exact():
     model = build(**LLAMA)
     ps = prompts()
     idx, mask = generate.pad_prompts(ps)
-    eager = generate.generate(model, idx, 14, temperature=0, attention_mask=mask)
+    eager = generate.generate(model, idx, 14, vocab=V, temperature=0, attention_mask=mask)
     kw = dict(n=2, temperature=0.9, top_k=6, top_p=0.95, seed=4, stop_tokens=[7], check_every=3)
-    ref = generate.decode(model, ps, 14, bucket=0, **kw)
+    ref = generate.decode(model, ps, 14, vocab=V, bucket=0, **kw)
     for opts in [dict(bucket=4), dict(bucket=7, fuse_mlp=False), dict(bucket=64, attention="math"),
                  dict(bucket=0, fuse_mlp=False), dict(bucket=4, attention="flex")]:
-        assert torch.equal(generate.decode(model, ps, 14, temperature=0, **opts).tokens, eager), opts
-        r = generate.decode(model, ps, 14, **opts, **kw)
+        assert torch.equal(generate.decode(model, ps, 14, vocab=V, temperature=0, **opts).tokens, eager), opts
+        r = generate.decode(model, ps, 14, vocab=V, **opts, **kw)
         assert torch.equal(r.tokens, ref.tokens) and torch.equal(r.lengths, ref.lengths), opts
         assert (r.logprobs - ref.logprobs).abs().max() <= 1e-5
     assert ref.lengths.min() < 14  # the stop token ends some rows
-    for r in (ref, generate.decode(model, ps, 14, bucket=5, candidates=False, **kw)):
+    for r in (ref, generate.decode(model, ps, 14, vocab=V, bucket=5, candidates=False, **kw)):
         assert (r.logprobs - teacher_forced(model, r, 0.9))[r.mask[:, 6:]].abs().max() <= 1e-5
     gpt2 = build(**GPT2)  # learned positions, LayerNorm, GELU MLP
-    want = generate.generate(gpt2, idx, 14, temperature=0, attention_mask=mask)
-    assert torch.equal(generate.decode(gpt2, ps, 14, temperature=0, bucket=3).tokens, want)
+    want = generate.generate(gpt2, idx, 14, vocab=V, temperature=0, attention_mask=mask)
+    assert torch.equal(generate.decode(gpt2, ps, 14, vocab=V, temperature=0, bucket=3).tokens, want)
 
 
 def test_keep_reuses_the_state():
@@ -177,16 +177,16 @@ def test_keep_reuses_the_state():
     model = build(**LLAMA)
     keep = {}
     kw = dict(n=2, temperature=1.0, top_k=5, seed=1, stop_tokens=[7], bucket=8)
-    a = generate.decode(model, prompts(), 12, keep=keep, **kw)
+    a = generate.decode(model, prompts(), 12, vocab=V, keep=keep, **kw)
     (dec,) = keep.values()
     other = prompts((2, 5, 4, 3), seed=9)  # T = 5 instead of 6: the same 24-slot cache
-    b = generate.decode(model, other, 12, keep=keep, **kw)
+    b = generate.decode(model, other, 12, vocab=V, keep=keep, **kw)
     assert list(keep.values()) == [dec]
-    fresh_a, fresh_b = (generate.decode(model, p, 12, keep={}, **kw) for p in (prompts(), other))
+    fresh_a, fresh_b = (generate.decode(model, p, 12, vocab=V, keep={}, **kw) for p in (prompts(), other))
     for got, want in ((a, fresh_a), (b, fresh_b)):
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.mask, want.mask)
         assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.lengths, want.lengths)
-    generate.decode(model, prompts(), 12, keep=keep, **dict(kw, n=3))
+    generate.decode(model, prompts(), 12, vocab=V, keep=keep, **dict(kw, n=3))
     assert len(keep) == 1 and list(keep.values()) != [dec]
 
 
@@ -238,22 +238,22 @@ def test_top_candidates_and_blockwise_logsumexp():
 def test_seed_reproducible():
     model = build(**GPT2)
     ps = prompts()
-    a = generate.decode(model, ps, 8, temperature=1.0, top_p=0.9, seed=123)
-    b = generate.decode(model, ps, 8, temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(123))
-    c = generate.decode(model, ps, 8, temperature=1.0, top_p=0.9, seed=124)
+    a = generate.decode(model, ps, 8, vocab=V, temperature=1.0, top_p=0.9, seed=123)
+    b = generate.decode(model, ps, 8, vocab=V, temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(123))
+    c = generate.decode(model, ps, 8, vocab=V, temperature=1.0, top_p=0.9, seed=124)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
     assert not torch.equal(a.tokens, c.tokens)
-    greedy = generate.decode(model, ps, 8, temperature=0).tokens
-    assert torch.equal(generate.decode(model, ps, 8, temperature=1.0, top_k=1, seed=0).tokens, greedy)
+    greedy = generate.decode(model, ps, 8, vocab=V, temperature=0).tokens
+    assert torch.equal(generate.decode(model, ps, 8, vocab=V, temperature=1.0, top_k=1, seed=0).tokens, greedy)
 
 
 def test_stop_tokens_and_early_exit():
     model = build(**LLAMA)
     ps = prompts()
-    free = generate.decode(model, ps, 16, temperature=0).tokens[:, 6:]
+    free = generate.decode(model, ps, 16, vocab=V, temperature=0).tokens[:, 6:]
     stop = int(free[0, 2])
     for check_every, pad_id in [(1, 0), (4, 96)]:
-        r = generate.decode(model, ps, 16, temperature=0, stop_tokens=[stop, 1000], pad_id=pad_id,
+        r = generate.decode(model, ps, 16, vocab=V, temperature=0, stop_tokens=[stop, 1000], pad_id=pad_id,
                             check_every=check_every)
         ends = [row.index(stop) + 1 if stop in row else 16 for row in free.tolist()]
         assert r.lengths.tolist() == ends and r.tokens.shape[1] == 6 + max(ends)
@@ -263,11 +263,11 @@ def test_stop_tokens_and_early_exit():
             assert r.mask[b, 6:].tolist() == [True] * e + [False] * (max(ends) - e)
     # one row that stops on its 3rd token: the batch ends at the first check after it
     model_calls = counting(model)
-    r = generate.decode(model, ps[:1], 16, temperature=0, stop_tokens=[stop], check_every=4)
+    r = generate.decode(model, ps[:1], 16, vocab=V, temperature=0, stop_tokens=[stop], check_every=4)
     assert r.lengths.tolist() == [3] and r.tokens.shape == (1, 9)
     assert model_calls == [(1, 6)] + [(1, 1)] * 3  # prefill, steps for tokens 1..3, stopped at the check before 4
     model_calls.clear()
-    generate.decode(model, ps[:1], 16, temperature=0)
+    generate.decode(model, ps[:1], 16, vocab=V, temperature=0)
     assert len(model_calls) == 16  # no stop tokens: prefill + 15 steps
 
 
@@ -275,11 +275,11 @@ def test_n_samples_share_one_prefill():
     model = build(**LLAMA)
     ps = prompts()
     calls = counting(model)
-    greedy = generate.decode(model, ps, 6, n=3, temperature=0)
+    greedy = generate.decode(model, ps, 6, vocab=V, n=3, temperature=0)
     assert calls[0] == (4, 6) and set(calls[1:]) == {(12, 1)}  # one prefill of the 4 prompts, 12 rows after
-    one = generate.decode(model, ps, 6, temperature=0).tokens
+    one = generate.decode(model, ps, 6, vocab=V, temperature=0).tokens
     assert torch.equal(greedy.tokens, one.repeat_interleave(3, dim=0))
-    r = generate.decode(model, ps, 6, n=8, temperature=2.0, seed=0)
+    r = generate.decode(model, ps, 6, vocab=V, n=8, temperature=2.0, seed=0)
     first = r.tokens[:, 6].view(4, 8)
     assert all(len(set(row.tolist())) > 1 for row in first)  # independent draws per sample row
     # and every row's first token is scored under its prompt's one prefill distribution
@@ -290,11 +290,11 @@ def test_step_traces_as_one_graph():
     torch._dynamo.reset()
     model = build(**LLAMA)
     ps = prompts()
-    want = generate.decode(model, ps, 6, temperature=1.0, top_k=7, seed=1, stop_tokens=[3])
-    got = generate.decode(model, ps, 6, temperature=1.0, top_k=7, seed=1, stop_tokens=[3],
+    want = generate.decode(model, ps, 6, vocab=V, temperature=1.0, top_k=7, seed=1, stop_tokens=[3])
+    got = generate.decode(model, ps, 6, vocab=V, temperature=1.0, top_k=7, seed=1, stop_tokens=[3],
                           compile={"backend": "eager", "fullgraph": True})
     assert torch.equal(got.tokens, want.tokens) and torch.allclose(got.logprobs, want.logprobs, atol=1e-6)
-    got = generate.decode(model, ps, 6, temperature=1.0, top_k=7, seed=1, stop_tokens=[3], bucket=4,
+    got = generate.decode(model, ps, 6, vocab=V, temperature=1.0, top_k=7, seed=1, stop_tokens=[3], bucket=4,
                           compile={"backend": "eager", "fullgraph": True})  # 3 buckets: spans 8, 12
     assert torch.equal(got.tokens, want.tokens) and torch.allclose(got.logprobs, want.logprobs, atol=1e-6)
     torch._dynamo.reset()
@@ -319,29 +319,29 @@ def lora_model(grid=None, adapters=None):
 def test_lora_on_the_fly_equals_merged():
     model = lora_model()
     ps = prompts()
-    r = generate.decode(model, ps, 10, temperature=0.8, seed=0)
-    base = generate.decode(model, ps, 10, temperature=0)
+    r = generate.decode(model, ps, 10, vocab=V, temperature=0.8, seed=0)
+    base = generate.decode(model, ps, 10, vocab=V, temperature=0)
     lora.merge(model)
-    merged = generate.decode(model, ps, 10, temperature=0.8, seed=0)
+    merged = generate.decode(model, ps, 10, vocab=V, temperature=0.8, seed=0)
     assert torch.equal(r.tokens, merged.tokens) and (r.logprobs - merged.logprobs).abs().max() <= 1e-5
     lora.unmerge(model)
     for m in lora.adapted(model):
         m.lora_A.clear()  # no adapters: the base model, which must differ
-    assert not torch.equal(generate.decode(model, ps, 10, temperature=0).tokens, base.tokens)
+    assert not torch.equal(generate.decode(model, ps, 10, vocab=V, temperature=0).tokens, base.tokens)
 
 
 def test_moe_decodes_dropless():
     model = build(**dict(LLAMA, n_experts=4, moe_top_k=2, capacity_factor=0.5))
     ps = prompts()
-    r = generate.decode(model, ps, 8, temperature=0)
+    r = generate.decode(model, ps, 8, vocab=V, temperature=0)
     assert all(m.capacity_factor == 0.5 for m in model.blocks.modules() if hasattr(m, "capacity_factor"))
-    dropped = generate.generate(model, *generate.pad_prompts(ps)[:1], 8, temperature=0,
+    dropped = generate.generate(model, *generate.pad_prompts(ps)[:1], 8, vocab=V, temperature=0,
                                 attention_mask=generate.pad_prompts(ps)[1])
     for m in model.blocks.modules():
         if hasattr(m, "capacity_factor"):
             m.capacity_factor = 0.0
     idx, mask = generate.pad_prompts(ps)
-    dropless = generate.generate(model, idx, 8, temperature=0, attention_mask=mask)
+    dropless = generate.generate(model, idx, 8, vocab=V, temperature=0, attention_mask=mask)
     assert torch.equal(r.tokens, dropless) and not torch.equal(dropped, dropless)  # the setting matters here
 
 
@@ -353,26 +353,26 @@ def _layouts(rank, out_dir):
     torch.manual_seed(0)
     model = tp.tensor_parallel(Transformer(ModelConfig(**LLAMA)), grid).eval()
     ps = prompts()
-    res = {"greedy": generate.decode(model, ps, 10, temperature=0).tokens,
-           "sampled": generate.decode(model, ps, 10, n=2, temperature=1.0, top_p=0.9, seed=7, stop_tokens=[5])}
+    res = {"greedy": generate.decode(model, ps, 10, vocab=V, temperature=0).tokens,
+           "sampled": generate.decode(model, ps, 10, vocab=V, n=2, temperature=1.0, top_p=0.9, seed=7, stop_tokens=[5])}
     # LoRA under TP: one process's adapters in this rank's slices, applied on the fly, then merged
     lm = lora_model(grid, torch.load(os.path.join(out_dir, "adapters.pt")))
-    res["lora"] = generate.decode(lm, ps, 10, temperature=0.8, seed=0)
+    res["lora"] = generate.decode(lm, ps, 10, vocab=V, temperature=0.8, seed=0)
     lora.merge(lm)
-    res["lora_merged"] = generate.decode(lm, ps, 10, temperature=0.8, seed=0)
+    res["lora_merged"] = generate.decode(lm, ps, 10, vocab=V, temperature=0.8, seed=0)
     # FSDP over the same two ranks: parameters gathered once around the whole rollout, freed after
     cfg = train_cfg(dict(LLAMA, data_parallel="fsdp"))
     torch.manual_seed(0)
     run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), parallel.init(cfg), cfg)
     with run.full_params():
-        res["fsdp"] = generate.decode(run.raw, ps, 10, temperature=0).tokens
+        res["fsdp"] = generate.decode(run.raw, ps, 10, vocab=V, temperature=0).tokens
     res["fsdp_freed"] = all(p.numel() == 0 for p in run.raw.parameters())
     # expert parallelism: each rank its own prompts; rank 0's rows all stop on their first token,
     # rank 1's never: rank 0 keeps stepping (its MoE layers exchange tokens with rank 1's) until both are done
     cfg = train_cfg(MOE, ep=2)
     torch.manual_seed(0)
     run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), parallel.init(cfg), cfg)
-    res["ep"] = generate.decode(run.raw, prompts(seed=10 + rank), 10, temperature=0, check_every=1,
+    res["ep"] = generate.decode(run.raw, prompts(seed=10 + rank), 10, vocab=V, temperature=0, check_every=1,
                                 stop_tokens=list(range(V)) if rank == 0 else None)
     torch.save(res, os.path.join(out_dir, f"rank_{rank}.pt"))
 
@@ -387,16 +387,16 @@ def test_layouts_equal_one_process(tmp_path):
     spawn(_layouts, 2, str(tmp_path))
     model = build(**LLAMA)
     ps = prompts()
-    greedy = generate.decode(model, ps, 10, temperature=0).tokens
-    sampled = generate.decode(model, ps, 10, n=2, temperature=1.0, top_p=0.9, seed=7, stop_tokens=[5])
-    with_lora = generate.decode(one, ps, 10, temperature=0.8, seed=0)
+    greedy = generate.decode(model, ps, 10, vocab=V, temperature=0).tokens
+    sampled = generate.decode(model, ps, 10, vocab=V, n=2, temperature=1.0, top_p=0.9, seed=7, stop_tokens=[5])
+    with_lora = generate.decode(one, ps, 10, vocab=V, temperature=0.8, seed=0)
     moe_model = build(**MOE)
     for rank in (0, 1):
         res = torch.load(tmp_path / f"rank_{rank}.pt", weights_only=False)
         assert torch.equal(res["greedy"], greedy) and torch.equal(res["fsdp"], greedy) and res["fsdp_freed"]
         for got, want in ((res["sampled"], sampled), (res["lora"], with_lora), (res["lora_merged"], with_lora)):
             assert torch.equal(got.tokens, want.tokens) and (got.logprobs - want.logprobs).abs().max() <= 1e-5
-        want = generate.decode(moe_model, prompts(seed=10 + rank), 10, temperature=0, check_every=1,
+        want = generate.decode(moe_model, prompts(seed=10 + rank), 10, vocab=V, temperature=0, check_every=1,
                                stop_tokens=list(range(V)) if rank == 0 else None)
         assert torch.equal(res["ep"].tokens, want.tokens) and res["ep"].lengths.tolist() == [1 if rank == 0 else 10] * 4
 
@@ -404,19 +404,19 @@ def test_layouts_equal_one_process(tmp_path):
 def test_bad_arguments():
     model = build(**LLAMA)
     with pytest.raises(ValueError, match="block_size"):
-        generate.decode(model, prompts(), 43)
+        generate.decode(model, prompts(), 43, vocab=V)
     with pytest.raises(ValueError, match="graph=False"):
-        generate.decode(model, prompts(), 4, graph=True)
+        generate.decode(model, prompts(), 4, vocab=V, graph=True)
     with pytest.raises(ValueError, match="at least one token"):
-        generate.decode(model, [[1, 2], []], 4)
+        generate.decode(model, [[1, 2], []], 4, vocab=V)
     with pytest.raises(ValueError, match="temperature"):
-        generate.decode(model, prompts(), 4, temperature=-1)
+        generate.decode(model, prompts(), 4, vocab=V, temperature=-1)
     with pytest.raises(ValueError, match="bucket=-1 must be >= 0"):
-        generate.decode(model, prompts(), 4, bucket=-1)
+        generate.decode(model, prompts(), 4, vocab=V, bucket=-1)
     with pytest.raises(ValueError, match="attention='fast': choose one of sdpa, math, efficient, flash, cudnn, flex, triton"):
-        generate.decode(model, prompts(), 4, attention="fast")
+        generate.decode(model, prompts(), 4, vocab=V, attention="fast")
     with pytest.raises(ValueError, match="attention='triton' needs Triton and the model on the current CUDA device"):
-        generate.decode(model, prompts(), 4, attention="triton")
+        generate.decode(model, prompts(), 4, vocab=V, attention="triton")
 
 
 def test_bench_smoke(tmp_path):
@@ -449,10 +449,10 @@ def test_triton_attention_on_gpu(kw):
     model = build(**kw).cuda()
     ps = [p.cuda() for p in prompts()]
     idx, mask = generate.pad_prompts(ps, device="cuda")
-    want = generate.generate(model, idx, 40, temperature=0, attention_mask=mask)
+    want = generate.generate(model, idx, 40, vocab=V, temperature=0, attention_mask=mask)
     for compile_ in (False, True):
-        r = generate.decode(model, ps, 40, temperature=0, attention="triton", bucket=16, compile=compile_)
+        r = generate.decode(model, ps, 40, vocab=V, temperature=0, attention="triton", bucket=16, compile=compile_)
         assert torch.equal(r.tokens, want), compile_
-    a, b = (generate.decode(model, ps, 40, top_k=20, seed=1, attention=att, bucket=16) for att in ("triton", "math"))
+    a, b = (generate.decode(model, ps, 40, vocab=V, top_k=20, seed=1, attention=att, bucket=16) for att in ("triton", "math"))
     assert torch.equal(a.tokens, b.tokens)
     torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)

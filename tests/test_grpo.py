@@ -142,7 +142,7 @@ def test_gradient_estimates_the_expected_reward_gradient():
     model, T, G = build(), 0.7, 256
     cfg = grpo_cfg(group_size=G, scale_rewards="none", temperature=T)
     prompts = [torch.randint(0, V, (5,), generator=torch.Generator().manual_seed(i)) for i in range(4)]
-    r, _ = generate.rollout(model, prompts, G, 0, 1, 1, temperature=T, seed=1)
+    r, _ = generate.rollout(model, prompts, G, 0, 1, 1, vocab=V, temperature=T, seed=1)
     batch, _ = grpo.score(r, (r.tokens[:, -1] < V // 2).float(), parallel.init(cfg), cfg, [])
     logp = grpo.token_logprobs(model, batch.tokens, batch.mask, batch.start, T)
     params = list(model.parameters())
@@ -233,7 +233,7 @@ def test_all_logprobs_use_the_temperature():
     run = parallel.parallelize(build(), parallel.init(cfg), cfg)
     model = run.raw
     prompts = [torch.randint(0, V, (6,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    r, which = generate.rollout(model, prompts, G, 0, 1, 8, temperature=T, seed=3)  # no stop token: every row 8 long
+    r, which = generate.rollout(model, prompts, G, 0, 1, 8, vocab=V, temperature=T, seed=3)  # no stop token: every row 8 long
     assert which == [0] * G + [1] * G
     want = plain_logprobs(model, r.tokens, r.prompt_len, T)
     at_one = plain_logprobs(model, r.tokens, r.prompt_len, 1.0)
@@ -309,17 +309,17 @@ def test_rollout_copy_refreshed_and_same_tokens():
 
     prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 6)]
     sampling = dict(temperature=0.8, stop_tokens=[STOP], seed=4)
-    want, _ = generate.rollout(raw, prompts, G, 0, 1, N, **sampling)
+    want, _ = generate.rollout(raw, prompts, G, 0, 1, N, vocab=V, **sampling)
     fp32, keep = generate.cast_copy(raw, torch.float32), {}
-    got, _ = generate.rollout(fp32, prompts, G, 0, 1, N, **sampling)
+    got, _ = generate.rollout(fp32, prompts, G, 0, 1, N, vocab=V, **sampling)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
     for seed in (4, 5, 4):  # kept across calls (its cache rounded up to 64 slots), each call's own tokens
-        got, _ = generate.rollout(fp32, prompts, G, 0, 1, N, keep=keep, **{**sampling, "seed": seed})
+        got, _ = generate.rollout(fp32, prompts, G, 0, 1, N, vocab=V, keep=keep, **{**sampling, "seed": seed})
         assert torch.equal(got.tokens, want.tokens) == (seed == 4) and len(keep) == 1
     assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5) and torch.equal(got.mask, want.mask)
     with torch.autocast("cpu", torch.bfloat16):
-        want, _ = generate.rollout(raw, prompts, G, 0, 1, N, **sampling)
-        got, _ = generate.rollout(copy, prompts, G, 0, 1, N, **sampling)
+        want, _ = generate.rollout(raw, prompts, G, 0, 1, N, vocab=V, **sampling)
+        got, _ = generate.rollout(copy, prompts, G, 0, 1, N, vocab=V, **sampling)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
 
 
@@ -394,7 +394,7 @@ def test_truncated_completions_earn_nothing_by_default():
     import parallel
     model = build()
     prompts = [torch.randint(0, V, (4,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    r, _ = generate.rollout(model, prompts, 4 * G, 0, 1, N, temperature=1.0, seed=3, stop_tokens=[STOP])
+    r, _ = generate.rollout(model, prompts, 4 * G, 0, 1, N, vocab=V, temperature=1.0, seed=3, stop_tokens=[STOP])
     T = r.prompt_len
     stopped = r.tokens.gather(1, (T + r.lengths - 1)[:, None]).squeeze(1) == STOP
     assert stopped.any() and (~stopped).any()
@@ -444,7 +444,7 @@ def _layouts(rank, out_dir):
             run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg)
             prompts = [r.tokens[i * G, :r.prompt_len][r.mask[i * G, :r.prompt_len]] for i in range(P)]
             with run.full_params():
-                res[dp + "_rollout"] = generate.rollout(run.raw, prompts, G, grid.data_rank, grid.data_world, N,
+                res[dp + "_rollout"] = generate.rollout(run.raw, prompts, G, grid.data_rank, grid.data_world, N, vocab=V,
                                                     temperature=1.0, stop_tokens=[STOP],
                                                     seed=grpo.rollout_seed(0, 7, grid))[0].tokens
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -468,7 +468,7 @@ def test_layouts_equal_one_process(tmp_path):
             assert_close(res[k][layout], want, f"rank {k} {layout}")
     prompts = [r.tokens[i * G, :r.prompt_len][r.mask[i * G, :r.prompt_len]] for i in range(P)]
     for d in range(2):  # ranks 2d, 2d+1: data rank d's TP pair; both equal one process with d's seed
-        one, which = generate.rollout(model, prompts, G, d, 2, N, temperature=1.0, stop_tokens=[STOP],
+        one, which = generate.rollout(model, prompts, G, d, 2, N, vocab=V, temperature=1.0, stop_tokens=[STOP],
                                   seed=grpo.rollout_seed(0, 7, SimpleNamespace(data_rank=d)))
         assert which == [c // G for c in range(6 * d, 6 * d + 6)]  # prompts 0, 0, 0, 0, 1, 1 | 1, 1, 2, 2, 2, 2
         one = one.tokens

@@ -35,7 +35,7 @@ def _worker(rank, folders, x, prompt, out_dir):
         model.eval()
         out[name] = {"logits": model(x), "qkv": model.blocks[0].attn.qkv.weight, "emb": model.tok_emb.weight}
         if name == GEN:
-            out[name]["gen"] = generate.generate(model, prompt, 12, temperature=0)
+            out[name]["gen"] = generate.generate(model, prompt, 12, vocab=model.cfg.vocab_size, temperature=0)
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

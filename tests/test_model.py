@@ -304,7 +304,7 @@ def naive_greedy(model, idx, n):
 def test_greedy_equals_naive_loop(name):
     model = build(**VARIANTS[name]).eval()
     x = tokens(3, 5)
-    out = generate.generate(model, x, 10, temperature=0)
+    out = generate.generate(model, x, 10, vocab=model.cfg.vocab_size, temperature=0)
     assert out.shape == (3, 15) and torch.equal(out[:, :5], x)
     assert torch.equal(out, naive_greedy(model, x, 10))
 
@@ -318,7 +318,7 @@ def test_generate_left_padded_equals_rows_alone():
     for r, p in enumerate(prompts):
         x[r, T - len(p):], mask[r, T - len(p):] = p, 1
     model.train()  # generate must switch dropout off by itself, and restore the mode
-    out = generate.generate(model, x, 8, temperature=0, attention_mask=mask)
+    out = generate.generate(model, x, 8, vocab=model.cfg.vocab_size, temperature=0, attention_mask=mask)
     assert model.training
     for r, p in enumerate(prompts):
         assert torch.equal(out[r, T:], naive_greedy(model.eval(), p[None], 8)[0, len(p):])
@@ -327,10 +327,10 @@ def test_generate_left_padded_equals_rows_alone():
 def test_stop_tokens():
     model = build(**LLAMA).eval()
     x = tokens(2, 4)
-    free = generate.generate(model, x, 12, temperature=0)
+    free = generate.generate(model, x, 12, vocab=model.cfg.vocab_size, temperature=0)
     stop = int(free[0, 4])  # row 0 stops on its first generated token
     for pad_id in (None, 0):
-        out = generate.generate(model, x, 12, temperature=0, stop_tokens=[stop], pad_id=pad_id)
+        out = generate.generate(model, x, 12, vocab=model.cfg.vocab_size, temperature=0, stop_tokens=[stop], pad_id=pad_id)
         ends = []
         for r in range(2):
             gen = free[r, 4:].tolist()
@@ -343,19 +343,19 @@ def test_stop_tokens():
             want += [stop if pad_id is None else pad_id] * (n - ends[r])
             assert out[r, 4:].tolist() == want
     # a single row stopping ends generation at once
-    assert generate.generate(model, x[:1], 12, temperature=0, stop_tokens=[stop]).shape == (1, 5)
+    assert generate.generate(model, x[:1], 12, vocab=model.cfg.vocab_size, temperature=0, stop_tokens=[stop]).shape == (1, 5)
 
 
 def test_sampling_knobs():
     model = build(**GPT2).eval()
     x = tokens(2, 4)
-    greedy = generate.generate(model, x, 6, temperature=0)
-    assert torch.equal(generate.generate(model, x, 6, temperature=1.0, top_k=1, seed=0), greedy)
-    a = generate.generate(model, x, 6, temperature=1.0, top_p=0.9, seed=123)
-    b = generate.generate(model, x, 6, generator=torch.Generator().manual_seed(123), top_p=0.9)
+    greedy = generate.generate(model, x, 6, vocab=model.cfg.vocab_size, temperature=0)
+    assert torch.equal(generate.generate(model, x, 6, vocab=model.cfg.vocab_size, temperature=1.0, top_k=1, seed=0), greedy)
+    a = generate.generate(model, x, 6, vocab=model.cfg.vocab_size, temperature=1.0, top_p=0.9, seed=123)
+    b = generate.generate(model, x, 6, vocab=model.cfg.vocab_size, generator=torch.Generator().manual_seed(123), top_p=0.9)
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="block_size"):
-        generate.generate(model, x, 29)
+        generate.generate(model, x, 29, vocab=model.cfg.vocab_size)
 
 
 def test_top_p_and_top_k_filters():

@@ -205,7 +205,7 @@ def evaluate_and_sample(net):
     n = sum(t.numel() for t in pp.tensors(net.raw))
     net.raw.eval()
     with net.full_params():
-        rec["sample"] = generate.decode(net.raw, x[:2, :4], 6, temperature=0.0).tokens
+        rec["sample"] = generate.decode(net.raw, x[:2, :4], 6, vocab=net.raw.cfg.vocab_size, temperature=0.0).tokens
     net.raw.train()
     b = net.pipe.bounds
     rec["cut_again"] = n == sum(t.numel() for t in pp.tensors(net.raw)) and net.raw.forward.layers == range(
@@ -248,7 +248,7 @@ def check_sample(rec, ref, what):
     x, y = batch(STEPS)
     with torch.no_grad():
         want = ref(x, y, reduction="none"), ref(x, y)
-        tokens = generate.decode(ref.eval(), x[:2, :4], 6, temperature=0.0).tokens
+        tokens = generate.decode(ref.eval(), x[:2, :4], 6, vocab=ref.cfg.vocab_size, temperature=0.0).tokens
     ref.train()
     assert_close(rec["eval_none"], want[0], f"{what}: evaluation, per token")
     assert_close(rec["eval_mean"], want[1], f"{what}: evaluation, mean")

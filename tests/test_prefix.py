@@ -138,12 +138,12 @@ def test_generate_equals_a_loop_over_peft(base):
     seq = x
     for _ in range(10):
         seq = torch.cat([seq, pm(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    assert torch.equal(pfx.generate(ours, x, 10, temperature=0), seq)
+    assert torch.equal(pfx.generate(ours, x, 10, vocab=V, temperature=0), seq)
     padded, mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), x[1:, :5]], 1), torch.tensor([[0, 0, 0] + [1] * 5])
-    both = pfx.generate(ours, torch.cat([x[:1], padded]), 10, attention_mask=torch.cat([torch.ones(1, 8), mask]).long(),
-                        temperature=0)
-    assert torch.equal(both[1, 3:], pfx.generate(ours, x[1:, :5], 10, temperature=0)[0]), "left padding: as alone"
-    a, b = (pfx.generate(ours, x, 10, temperature=1.0, top_k=20, seed=s) for s in (4, 4))
+    both = pfx.generate(ours, torch.cat([x[:1], padded]), 10, vocab=V,
+                        attention_mask=torch.cat([torch.ones(1, 8), mask]).long(), temperature=0)
+    assert torch.equal(both[1, 3:], pfx.generate(ours, x[1:, :5], 10, vocab=V, temperature=0)[0]), "left padding: as alone"
+    a, b = (pfx.generate(ours, x, 10, vocab=V, temperature=1.0, top_k=20, seed=s) for s in (4, 4))
     assert torch.equal(a, b)
 
 

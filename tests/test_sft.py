@@ -176,7 +176,7 @@ def test_lora_outputs(reference, capsys):
 
     tok, template = sample.chat_setup(str(root / "merged"), merged_cfg)
     ids = chat.encode(tok, template, [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True)[0]
-    out = generate.generate(merged, torch.tensor([ids]), 4, temperature=0.0, stop_tokens=[tok.eot_id])[0, len(ids):]
+    out = generate.generate(merged, torch.tensor([ids]), 4, vocab=tok, temperature=0.0, stop_tokens=[tok.eot_id])[0, len(ids):]
     capsys.readouterr()
     sample.main([str(root / "merged"), "--chat", "--prompt=What is 2 + 3?", "--tokens=4", "--temperature=0",
                  "--device=cpu"])

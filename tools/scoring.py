@@ -9,10 +9,13 @@ j % ranks) and the results are gathered, so numbers do not depend on the layout.
 The rules, as the references apply them:
 - bits per byte: the NLL of every target token that stands for text (special tokens have 0 bytes
   and are left out, as nanochat does) in bits / its UTF-8 bytes: comparable across tokenizers.
-- multiple choice (lm-evaluation-harness): the continuation " " + choice is scored by the sum of
-  its token log-probs, with the context's trailing whitespace moved to it and the pair tokenised
-  whole then split (encode_pair), left-truncated to block_size + 1 tokens; acc = argmax of the
-  sums, acc_norm = argmax of the sums divided by the choice's length in characters.
+- multiple choice (lm-evaluation-harness): the continuation " " + choice (a chat template's
+  prompt: the bare choice) is scored by the sum of its token log-probs, with the context's trailing
+  whitespace moved to it and the pair tokenised whole then split (encode_pair), left-truncated to
+  block_size + 1 tokens; acc = argmax of the sums, acc_norm = argmax of the sums divided by the
+  choice's length in characters.
+- a prompt a chat template rendered is tokenised as an HF tokenizer does it (encoder): the
+  template's special tokens as their single ids, the text between them as ordinary text.
 - pass@k: the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
 """
 import math
@@ -38,20 +41,31 @@ class EvalError(UserError, ValueError):
 
 # ----------------------------------------------------------------------------- scoring
 
-def encode_pair(tok, context, continuation, add_bos=False):
+def encoder(tok, template=None):
+    """text -> ids: tok.encode, or (template: a chat.ChatTemplate) the template's special tokens in the
+    text as their single ids and the text between them as ordinary text, as an HF tokenizer encodes a
+    rendered chat prompt (tok: chat.setup's, which has those tokens)."""
+    if template is None:
+        return tok.encode
+    return lambda text: [i for a, b, special in template.pieces(text, ())
+                         for i in ([tok.special_tokens[special]] if special else tok.encode(text[a:b]))]
+
+
+def encode_pair(tok, context, continuation, add_bos=False, encode=None):
     """lm-eval's _encode_pair: trailing whitespace of the context moves to the continuation; the pair
-    is tokenised whole and split at the context's length. An empty context is BOS (EOS without one)."""
+    is tokenised whole (by encode: default tok.encode) and split at the context's length. An empty
+    context is BOS (EOS without one)."""
     bos = getattr(tok, "bos_id", None)
     if add_bos and bos is None:
         raise EvalError(f"add_bos=True but tokenizer {tok.name} has no BOS token: drop --add_bos")
-    prefix = [bos] if add_bos else []
+    prefix, encode = [bos] if add_bos else [], encode or tok.encode
     if not context:
-        first, cont = tok.eos_id if bos is None else bos, tok.encode(continuation)
+        first, cont = tok.eos_id if bos is None else bos, encode(continuation)
         return ([first], cont) if cont[:1] != [first] else (cont[:1], cont[1:])
     n = len(context) - len(context.rstrip())
     if n:
         context, continuation = context[:-n], context[-n:] + continuation
-    whole, ctx = prefix + tok.encode(context + continuation), prefix + tok.encode(context)
+    whole, ctx = prefix + encode(context + continuation), prefix + encode(context)
     return ctx, whole[len(ctx):]
 
 
@@ -99,14 +113,16 @@ def token_logprobs(net, rows, batch_size, autocast=None):
     return [out[i] for i in range(len(rows))]
 
 
-def multiple_choice(net, tok, docs, contexts, batch_size, autocast=None, add_bos=False):
+def multiple_choice(net, tok, docs, contexts, batch_size, autocast=None, add_bos=False, template=None):
     """lm-eval's multiple-choice scoring -> (metrics, per-doc results). Every (context, " " + choice)
-    pair is one row, left-truncated to block_size + 1 tokens."""
+    pair is one row, left-truncated to block_size + 1 tokens; template: the contexts are a chat
+    template's prompts (evaltasks.chat_prompt), the continuation the bare choice (lm-eval's)."""
     rows, owner = [], []
     L = net.raw.cfg.block_size + 1
+    encode, delimiter = encoder(tok, template), "" if template else " "
     for d, (doc, ctx) in enumerate(zip(docs, contexts)):
         for c, choice in enumerate(doc["choices"]):
-            a, b = encode_pair(tok, ctx, " " + choice, add_bos)
+            a, b = encode_pair(tok, ctx, delimiter + choice, add_bos, encode)
             if len(b) >= L:
                 raise EvalError(f"document {d + 1}: choice {c} is {len(b)} tokens, block_size is {L - 1}")
             ids = (a + b)[-L:]
@@ -191,16 +207,16 @@ def cut(text, stops):
 
 @torch.no_grad()
 def generate_texts(net, tok, prompts, max_new_tokens, *, n=1, temperature=0.0, top_p=1.0, seed=0,
-                   stops=(), batch_size=16, autocast=None):
+                   stops=(), batch_size=16, autocast=None, template=None):
     """Completions of text prompts by the fast decoder (generate.decode), n per prompt, cut at the
-    first stop string (or EOS, or a chat tokenizer's end-of-turn id). Prompts are left-truncated to
-    leave max_new_tokens. Global batch j of prompts draws with seed + j on rank j % ranks: the texts do
+    first stop string (or EOS, or a chat tokenizer's end-of-turn id). Prompts (a chat template's:
+    template, encoder) are left-truncated to leave max_new_tokens. Global batch j of prompts draws with seed + j on rank j % ranks: the texts do
     not depend on the layout."""
     L, device = net.raw.cfg.block_size, net.grid.device
     keep = L - max_new_tokens
     if keep < 1:
         raise EvalError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in block_size={L}")
-    ids = [(tok.encode(p) or [tok.eos_id])[-keep:] for p in prompts]
+    ids = [(encoder(tok, template)(p) or [tok.eos_id])[-keep:] for p in prompts]
     batches = [list(range(j, min(j + batch_size, len(ids)))) for j in range(0, len(ids), batch_size)]
     ends = sorted({tok.eos_id, getattr(tok, "eot_id", tok.eos_id)})  # a chat model's end of turn stops it too
     out = {}
@@ -208,7 +224,7 @@ def generate_texts(net, tok, prompts, max_new_tokens, *, n=1, temperature=0.0, t
         for j in my_batches(len(batches), net.grid):
             b = batches[j] if j is not None else []
             r = generate.decode(net.raw, [ids[i] for i in b] or [[tok.eos_id]], max_new_tokens if b else 1,
-                                n=n, temperature=temperature, top_p=top_p, stop_tokens=ends,
+                                vocab=tok, n=n, temperature=temperature, top_p=top_p, stop_tokens=ends,
                                 pad_id=tok.eos_id, seed=seed + (j or 0))
             gen = r.tokens[:, r.prompt_len:].tolist()
             for k, i in enumerate(b):
