@@ -459,7 +459,7 @@ def run_tests(libc, s, nproc, applied, in_user_namespace, ready_w, call_w, reply
             kind, *reply = receive()
             if kind == "ok" and len(reply) == 1:
                 return from_json(reply[0])
-            error = program_error(*reply)
+            error = program_error(name, *reply)
         except BaseException:
             os._exit(GONE)
         raise error
@@ -512,13 +512,17 @@ def stand_in(name, ask):
     return call
 
 
-def program_error(base, name, args, text, where, trace):
+def program_error(function, base, name, args, text, where, trace):
     """The exception that a call raised in the program's process, rebuilt here: its nearest builtin
     class (a subclass of it named as the program's when it was the program's own), its args when
     plain; in_program = (where, the program's traceback) for describe() and the output."""
     cls = getattr(builtins, base, None) if type(base) is str else None
     if not (isinstance(cls, type) and issubclass(cls, BaseException)):
         cls = Exception
+    if issubclass(cls, (StopIteration, StopAsyncIteration)):     # would end a map() over the calls early
+        error = RuntimeError(f"{function}() raised {cls.__name__}")
+        error.in_program = (where if type(where) is str else "", trace if type(trace) is str else "")
+        return error
     if type(name) is str and name != cls.__name__:
         with contextlib.suppress(Exception):
             cls = type(name, (cls,), {"__module__": "candidate"})
