@@ -326,6 +326,8 @@ def sandbox_main():
     reaper = os.fork()
     if reaper == 0:
         if "pid" in applied:
+            libc_call(libc, "prctl", 1, signal.SIGKILL, 0, 0, 0)    # PR_SET_PDEATHSIG: we die with our parent,
+            os.setsid()                           # out of its group: the program's killpg(0) cannot reach it
             with contextlib.suppress(OSError):
                 mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
                 applied.append("proc")
