@@ -1,21 +1,25 @@
-"""The code sandbox: a candidate program and its tests in an isolated process (rewards.py's
-code_reward, eval.py's HumanEval pass@k, tasks.py's generated code tasks).
+"""The code sandbox: a candidate program and its tests, isolated (rewards.py's code_reward, eval.py's
+HumanEval pass@k, tasks.py's generated code tasks).
 
     r = sandbox.run_code(program, tests, timeout=10.0)  # Result(passed, reason, output, seconds, isolation)
-    rs = sandbox.run_many(programs, tests)              # in parallel on a thread pool, a process each
+    rs = sandbox.run_many(programs, tests)              # in parallel on a thread pool, a sandbox each
 
-Why a file of its own: running hostile code safely is one concept, with its two halves here: the
-parent (run_code, run_many: limits, the wall-clock kill, the verdict) and the child it starts
-(sandbox_main: namespaces, the reaper, the harness). The child imports only this file.
-How, step by step: run_code (the process, its environment and limits), isolate (the Linux
-namespaces and what each one gives), run_candidate (the harness and its verdict).
+Why a file of its own: running hostile code safely is one concept: the parent (run_code, run_many:
+limits, the wall-clock kill, the verdict) and the child it starts (sandbox_main: namespaces, a reaper,
+then the tests' process, run_tests, and the program's, run_program). The child imports only this file.
+Step by step: run_code, isolate (the Linux namespaces and what each gives), run_tests, run_program.
 
-Invariants: a run passes only when the program and then its tests finished without an exception,
-told by a per-run random token the harness writes after the tests; where the namespaces apply
-(Result.isolation says which did) the host stays safe from any program; without them (macOS,
-locked-down kernels) only rlimits, the session kill and the clean environment remain: not a
-sandbox for hostile code. What the tests assert is all that is checked, on plain values only
-(plain_calls: a result whose __eq__ is forged fails).
+Invariants: a run passes only when the program ran without an exception and then its tests did,
+told by a per-run random token that only the tests' process holds. The program's process never
+holds the token, the tests (its tests.py is a placeholder) or any descriptor of ours but two pipes
+to the tests' process, and none that does can be traced or read by it (not dumpable, or root): the
+tests call the program's functions through those pipes and get plain values back (a forged __eq__
+fails) or the exception raised; a builtin the program redefines never reaches them. So nothing the
+program does in its process (frames, gc, memory, descriptors, ctypes, fork, signals) forges a pass,
+where Result.isolation shows uid:N (as root) or pid and proc; elsewhere (no PID namespace and no
+root, macOS) it can reach our own process. Where the namespaces apply the host stays safe from any
+program; without them only rlimits, the session kill and the clean environment remain: not a sandbox
+for hostile code. What the tests assert is all that is checked.
 """
 import builtins
 import collections
@@ -87,8 +91,8 @@ def kill_all(proc, uid):
 
 def run_code(program, tests="", *, timeout=10.0, memory_mb=512, nproc=8, nofile=64, file_mb=16,
              output_bytes=1 << 16):
-    """Run program, then tests (in the same namespace, as a script: HumanEval's check(f) style),
-    in a fresh `python -I -S` process. Returns Result(passed, reason, output, ...).
+    """Run program, then tests (a script that sees the program's names: HumanEval's check(f) style),
+    in a fresh `python -I -S` process tree. Returns Result(passed, reason, output, ...).
     All set-up happens in that child (sandbox_main), no preexec_fn, so run_many's threads may start
     runs safely: a fresh temporary directory as cwd, a clean environment (nothing inherited), stdin
     closed, RLIMIT_CPU/_AS/_FSIZE/_NPROC/_NOFILE, no core files, stdout+stderr capped
@@ -418,13 +422,10 @@ def confine(libc, s, nproc, in_user_namespace):
 
 
 def run_tests(libc, s, nproc, applied, in_user_namespace, ready_w, call_w, reply_r):
-    """The tests' process: the only one that holds the token and the tests (read before the program's
-    process exists), never dumpable, and the only one that writes the passing verdict. It runs the
-    tests against stand-ins for the program's functions (program_names): each call is plain data
-    to the program's process and back; a reply that is not one, or the program's process gone, ends
-    this process with status GONE and no verdict (the reaper then reports the program's status).
-    The program's names that shadow a builtin are not handed over: `def abs(x): return 0` or
-    `def range(*a): return []` cannot change what the tests compute."""
+    """The tests' process: the one that holds the token and the tests (read before the program's process
+    exists; never dumpable) and writes the verdict. The tests call stand-ins for the program's functions
+    (program_names): plain data to the program's process and back. A reply that is none, or the program's
+    process gone, ends this one with status GONE and no verdict (the reaper reports the program's status)."""
     keep_only({0, 1, 2, s["verdict_fd"], s["secret_fd"], ready_w, call_w, reply_r})
     signal.signal(signal.SIGINT, signal.SIG_DFL)    # a signal from the program is never an exception here
     token, tests = secrets(s)
@@ -443,11 +444,14 @@ def run_tests(libc, s, nproc, applied, in_user_namespace, ready_w, call_w, reply
     calls, replies = os.fdopen(call_w, "wb"), os.fdopen(reply_r, "rb")
     streams = (sys.stdout, sys.stderr)
 
-    def receive():
+    def receive():                                   # a JSON list, or (EOF, garbage, a flood) no verdict
         try:
-            return json.loads(replies.readline(s["memory"] // 4))
-        except BaseException:                        # EOF, garbage, a flood: no verdict
-            os._exit(GONE)
+            message = json.loads(replies.readline(s["memory"] // 4))
+            if type(message) is list and message:
+                return message
+        except BaseException:
+            pass
+        os._exit(GONE)
 
     def ask(name, args, kwargs):
         try:
@@ -519,16 +523,13 @@ def program_error(function, base, name, args, text, where, trace):
     class (a subclass of it named as the program's when it was the program's own), its args when
     plain; in_program = (where, the program's traceback) for describe() and the output."""
     cls = getattr(builtins, base, None) if type(base) is str else None
-    if not (isinstance(cls, type) and issubclass(cls, BaseException)):
-        cls = Exception
-    if issubclass(cls, (StopIteration, StopAsyncIteration)):     # would end a map() over the calls early
-        error = RuntimeError(f"{function}() raised {cls.__name__}")
-        error.in_program = (where if type(where) is str else "", trace if type(trace) is str else "")
-        return error
-    if type(name) is str and name != cls.__name__:
+    cls = cls if isinstance(cls, type) and issubclass(cls, BaseException) else Exception
+    text = text if type(text) is str else ""
+    if issubclass(cls, (StopIteration, StopAsyncIteration)):   # it would end a map() over the calls early
+        cls, args, text = RuntimeError, None, f"{function}() raised {cls.__name__}"
+    elif type(name) is str and name != cls.__name__:
         with contextlib.suppress(Exception):
             cls = type(name, (cls,), {"__module__": "candidate"})
-    text = text if type(text) is str else ""
     try:
         error = cls(*from_json(args)) if args is not None else cls(text)
     except Exception:
@@ -538,10 +539,10 @@ def program_error(function, base, name, args, text, where, trace):
 
 
 def run_program(libc, s, nproc, program, in_user_namespace, call_r, reply_w):
-    """The program's process: nothing that can produce a pass (no token, tests, verdict pipe or any
-    other descriptor of ours but two pipes to the tests' process). It runs the program, says
-    "ready" with its names (or "fail" and why), then answers calls: each result checked by
-    plain_value and sent as plain data (to_json), or the exception it raised described."""
+    """The program's process: nothing here can produce a pass (no token, no tests, no descriptor of ours
+    but two pipes to the tests' process). It runs the program, says "ready" with its names (or "fail"
+    and why), then answers calls: each result checked by plain_value and sent as plain data (to_json),
+    or the exception raised described (an exception that cannot be described ends this process)."""
     keep_only({0, 1, 2, call_r, reply_w})                   # first: the verdict pipe, the secrets closed
     set_dumpable(libc, True)                                # as before: a program may read its own /proc/self
     calls, replies = os.fdopen(call_r, "rb"), os.fdopen(reply_w, "wb")
@@ -580,14 +581,11 @@ def run_program(libc, s, nproc, program, in_user_namespace, call_r, reply_w):
     if getpid() != me:                                   # a copy the program forked: it never answers
         leave(0)
     restore()
-    callables, values = [], []
+    values = []
     for name, v in namespace.items():
-        if callable(v):
-            callables.append(name)
-        else:
-            with contextlib.suppress(Exception):
-                values.append([name, to_json(plain_value(v, name))])
-    send(["ready", callables, values])
+        with contextlib.suppress(Exception):                # a callable is no plain value
+            values.append([name, to_json(plain_value(v, name))])
+    send(["ready", [name for name, v in namespace.items() if callable(v)], values])
     while line := calls.readline():
         try:
             _, name, args, kwargs = loads(line)
@@ -609,22 +607,10 @@ def described(e):
     base = next(c for c in type(e).__mro__ if c.__module__ == "builtins")
     try:
         args = to_json(plain_value(e.args, "args"))
-    except Exception:
+    except TypeError:
         args = None
-    try:
-        text = " ".join(str(e).split())[:1000]
-    except Exception:
-        text = ""
-    tb, where = e.__traceback__, ""
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == "candidate.py":
-            where = f"candidate.py:{tb.tb_lineno}"
-        tb = tb.tb_next
-    try:
-        trace = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))[-4000:]
-    except Exception:
-        trace = ""
-    return ["raise", base.__name__, type(e).__qualname__, args, text, where, trace]
+    trace = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))[-4000:]
+    return ["raise", base.__name__, type(e).__qualname__, args, " ".join(str(e).split())[:1000], located(e.__traceback__), trace]
 
 
 PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset})
@@ -706,15 +692,19 @@ def flush(streams):
             stream.flush()
 
 
-def describe(e, stage):
-    """One line: the exception, where it was raised (file:line of the program or tests, or in the
-    program's process for a call), in what stage."""
-    tb, where = e.__traceback__, ""
+def located(tb):
+    """file:line of the last frame of the program or the tests in a traceback, or ""."""
+    where = ""
     while tb is not None:
         if tb.tb_frame.f_code.co_filename in ("candidate.py", "tests.py"):
-            where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+            where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
         tb = tb.tb_next
-    remote = getattr(e, "in_program", None)
-    where = f" at {remote[0]}" if remote and remote[0] else where
+    return where
+
+
+def describe(e, stage):
+    """One line: the exception, where it was raised (file:line of the program or the tests; for a
+    call, in the program's process), in what stage."""
+    where = (getattr(e, "in_program", None) or ("",))[0] or located(e.__traceback__)
     text = " ".join(str(e).split())[:300]
-    return f"{type(e).__name__}{': ' + text if text else ''}{where} (in {stage})"
+    return f"{type(e).__name__}{': ' + text if text else ''}{' at ' + where if where else ''} (in {stage})"
