@@ -431,6 +431,7 @@ def run_tests(libc, s, nproc, applied, in_user_namespace, ready_w, call_w, reply
     token, tests = secrets(s)
     os.close(s["secret_fd"])
     vfd = s["verdict_fd"]
+    os.write(vfd, f"{token} isolation {' '.join(applied)}\n".encode())
     try:
         refused = confine(libc, s, nproc, in_user_namespace)
         set_dumpable(libc, False)                    # setuid() reset it
@@ -439,8 +440,8 @@ def run_tests(libc, s, nproc, applied, in_user_namespace, ready_w, call_w, reply
         os._exit(2)
     os.write(ready_w, b".")                          # now the program's process may be forked
     os.close(ready_w)
-    lines = [f"isolation {' '.join(applied)}"] + ([f"isolation no-limit:{','.join(refused)}"] if refused else [])
-    os.write(vfd, "".join(f"{token} {line}\n" for line in lines).encode())
+    if refused:
+        os.write(vfd, f"{token} isolation no-limit:{','.join(refused)}\n".encode())
     calls, replies = os.fdopen(call_w, "wb"), os.fdopen(reply_r, "rb")
     streams = (sys.stdout, sys.stderr)
 
