@@ -116,9 +116,9 @@ def run_code(program, tests="", *, timeout=10.0, memory_mb=512, nproc=8, nofile=
         secret.write(f"{token}\n{tests}".encode())
         secret.flush()
         ver_r, ver_w = os.pipe()
-        settings = {"dir": work, "uid": uid, "cpu": math.ceil(timeout) + 1, "memory": memory_mb << 20,
-                    "nproc": nproc, "nofile": nofile, "fsize": file_mb << 20, "secret_fd": secret.fileno(),
-                    "verdict_fd": ver_w, "site": [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]}
+        settings = {"dir": work, "uid": uid, "cpu": math.ceil(timeout) + 1, "memory": memory_mb << 20, "nproc": nproc,
+                    "nofile": nofile, "fsize": file_mb << 20, "secret_fd": secret.fileno(), "verdict_fd": ver_w,
+                    "site": [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]}
         child = f"import sys; sys.path.insert(0, {here()!r}); import sandbox; sandbox.sandbox_main()"
         try:
             proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", "-c", child, json.dumps(settings)], cwd=work,
@@ -548,7 +548,8 @@ def run_program(libc, s, nproc, program, in_user_namespace, call_r, reply_w):
     set_dumpable(libc, True)                                # as before: a program may read its own /proc/self
     calls, replies = os.fdopen(call_r, "rb"), os.fdopen(reply_w, "wb")
     leave, getpid, dumps, loads, me = os._exit, os.getpid, json.dumps, json.loads, os.getpid()
-    settrace, setprofile, streams, saved_builtins = sys.settrace, sys.setprofile, (sys.stdout, sys.stderr), dict(builtins.__dict__)
+    settrace, setprofile, streams = sys.settrace, sys.setprofile, (sys.stdout, sys.stderr)
+    saved_builtins = dict(builtins.__dict__)
 
     def send(message):
         flush(streams)
@@ -611,11 +612,13 @@ def described(e):
     except TypeError:
         args = None
     trace = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))[-4000:]
-    return ["raise", base.__name__, type(e).__qualname__, args, " ".join(str(e).split())[:1000], located(e.__traceback__), trace]
+    text = " ".join(str(e).split())[:1000]
+    return ["raise", base.__name__, type(e).__qualname__, args, text, located(e.__traceback__), trace]
 
 
 PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset})
 TAGS = {list: "l", tuple: "t", set: "s", frozenset: "f"}
+BUILD = {tag: t for t, tag in TAGS.items()}
 
 
 def plain_value(value, name):
@@ -666,10 +669,10 @@ def from_json(x):
         return int(x[1], 16) if tag == "i" else bytes.fromhex(x[1])
     if tag == "c" and len(x) == 3 and all(type(p) in (int, float) for p in x[1:]):
         return complex(x[1], x[2])
-    if tag not in ("l", "t", "s", "f", "d") or tag == "d" and len(x) % 2 == 0:
+    if tag not in BUILD and tag != "d" or tag == "d" and len(x) % 2 == 0:
         raise ValueError("not a plain value")
     items = [from_json(i) for i in x[1:]]
-    return dict(zip(items[::2], items[1::2])) if tag == "d" else {"l": list, "t": tuple, "s": set, "f": frozenset}[tag](items)
+    return dict(zip(items[::2], items[1::2])) if tag == "d" else BUILD[tag](items)
 
 
 def set_limits(limits):

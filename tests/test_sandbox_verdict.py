@@ -18,6 +18,9 @@ forged protocol replies) to every descriptor 0..255 and every /proc/<pid>/fd/* i
 Where Result.isolation shows neither a fresh user id (root) nor a PID namespace with its own /proc,
 the program could reach our own process: the tests skip, saying so.
 """
+import json
+import math
+
 import pytest
 
 from posttrain import rewards, sandbox
@@ -27,8 +30,10 @@ HONEST = "def add(a, b):\n    return a + b\n"
 TESTS = "assert add(2, 3) == 5\nassert add(1, 1) == 2\n"
 # every assert here hangs on a builtin: a program whose own abs, all, range, len, sorted reached the
 # tests would pass them with the wrong add
-BUILTINS_TESTS = ("for i in range(3):\n    assert add(i, i) == 2 * i\nassert abs(add(0.5, 0.25) - 0.75) < 1e-9\n"
-                  "assert all([add(i, 1) == i + 1 for i in [1, 2]])\nassert len([x for x in [add(1, 2)] if x == 3]) == 1\n"
+BUILTINS_TESTS = ("for i in range(3):\n    assert add(i, i) == 2 * i\n"
+                  "assert abs(add(0.5, 0.25) - 0.75) < 1e-9\n"
+                  "assert all([add(i, 1) == i + 1 for i in [1, 2]])\n"
+                  "assert len([x for x in [add(1, 2)] if x == 3]) == 1\n"
                   "assert sorted([add(2, 2), add(0, 1)]) == [1, 4]\n")
 
 HARVEST = r'''
@@ -164,7 +169,8 @@ ATTACKS = {
         "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        for _ in range(40):\n"
         "            everything()\n            time.sleep(0.05)\n    os._exit(0)\n"),
     "signals": HARVEST + (
-        "def add(a, b):\n    for pid in pids():\n        for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM, signal.SIGPIPE):\n"
+        "def add(a, b):\n    for pid in pids():\n"
+        "        for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM, signal.SIGPIPE):\n"
         "            if int(pid) != os.getpid():\n                try:\n                    os.kill(int(pid), sig)\n"
         "                except OSError:\n                    pass\n    return a + b - 1\n"),
     # replies that are no answer: a kind the tests' process does not know, a value that is no plain one, ...
@@ -176,8 +182,9 @@ ATTACKS = {
         "        except OSError:\n            pass\n    return a + b - 1\n"),
     # StopIteration out of a call would end a map() early, and with it the tests' loop over it
     "stop_iteration": "def add(a, b):\n    raise StopIteration\n",
-    "shadow_builtins": WRONG + ("def abs(x):\n    return 0\ndef all(xs):\n    return True\ndef range(*a):\n    return []\n"
-                                "def len(x):\n    return 1\ndef sorted(x):\n    return [1, 4]\nAssertionError = None\n"),
+    "shadow_builtins": WRONG + ("def abs(x):\n    return 0\ndef all(xs):\n    return True\n"
+                                "def range(*a):\n    return []\ndef len(x):\n    return 1\n"
+                                "def sorted(x):\n    return [1, 4]\nAssertionError = None\n"),
     "read_the_tests": (
         "import os, re\nseen = open('tests.py').read()\nfor pid in os.listdir('/proc'):\n    try:\n"
         "        seen += open(f'/proc/{pid}/cmdline').read()\n    except OSError:\n        pass\n"
@@ -253,3 +260,34 @@ def test_the_program_never_holds_the_token_or_the_tests(isolation):
     assert found[1] == "False" and int(found[3]) > 1 << 20, r.output      # megabytes searched, the text nowhere
     assert lines[-1] == "folder ['candidate.py', 'tests.py']", r.output
     assert len(listed) == 1, r.output                                      # its own /proc/<pid>/fd only
+
+
+def exact(a, b):
+    """a == b with the same types all the way down (and NaN equal to NaN, -0.0 apart from 0.0)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is float:
+        return math.copysign(1, a) == math.copysign(1, b) and (a == b or a != a and b != b)
+    if type(a) in (list, tuple):
+        return len(a) == len(b) and all(exact(x, y) for x, y in zip(a, b))
+    if type(a) is dict:
+        return list(a) == list(b) and all(exact(a[k], b[k]) for k in a)
+    return a == b
+
+
+def test_plain_values_cross_exactly_and_nothing_else_decodes():
+    """A value the program returns reaches the tests as an equal one of the same exact types, through
+    JSON text; whatever else the program's process writes decodes to plain values or raises."""
+    values = [None, True, False, 0, -7, 1 << 53, -(3 ** 9000), 2.5, -0.0, float("inf"), float("nan"), 1e300,
+              3 - 4j, "", "é\n\ud800", b"\x00\xff", [], (), set(), frozenset(), {}, [1, (2, [3.0])],
+              {(1, "a"): {frozenset({1, 2}): [None]}, 1: b"x", True: "bool key"}, ("tuple",), {1, 2.5, "s", (1,)}]
+    for v in values:
+        assert exact(sandbox.from_json(json.loads(json.dumps(sandbox.to_json(v)))), v), v
+    for bad in [object(), [1, object()], {1: type}, range(3), bytearray(b"x")]:
+        with pytest.raises(TypeError):
+            sandbox.to_json(bad)
+    junk = [{"ok": 1}, ["x", 1], ["i", 5], ["i", "zz"], ["b", "zz"], ["c", "1", 2], ["d", 1], ["s", ["l"]],
+            ["d", ["l"], 1], [1, 2], [], ["f", {"a": 1}]]
+    for j in junk:
+        with pytest.raises((ValueError, TypeError)):
+            sandbox.from_json(j)
