@@ -320,7 +320,7 @@ def sandbox_main():
     libc = ctypes.CDLL(None, use_errno=True)
     with open(os.path.join(s["dir"], "candidate.py")) as f:
         program = f.read()
-    nproc = s["nproc"] if os.geteuid() == 0 else len(processes_of(os.getuid())) + s["nproc"]
+    nproc = 1 + (s["nproc"] if os.geteuid() == 0 else len(processes_of(os.getuid())) + s["nproc"])   # 1: the tests'
     try:
         applied = isolate(libc, s)
     except OSError as e:
