@@ -1,27 +1,32 @@
-"""The code sandbox: a candidate program and its tests in an isolated process (rewards.py's
-code_reward, eval.py's HumanEval pass@k, tasks.py's generated code tasks).
+"""The code sandbox: a candidate program and its tests, isolated (rewards.py's code_reward, eval.py's
+HumanEval pass@k, tasks.py's generated code tasks).
 
     r = sandbox.run_code(program, tests, timeout=10.0)  # Result(passed, reason, output, seconds, isolation)
-    rs = sandbox.run_many(programs, tests)              # in parallel on a thread pool, a process each
+    rs = sandbox.run_many(programs, tests)              # in parallel on a thread pool, a sandbox each
 
-Why a file of its own: running hostile code safely is one concept, with its two halves here: the
-parent (run_code, run_many: limits, the wall-clock kill, the verdict) and the child it starts
-(sandbox_main: namespaces, the reaper, the harness). The child imports only this file.
-How, step by step: run_code (the process, its environment and limits), isolate (the Linux
-namespaces and what each one gives), run_candidate (the harness and its verdict).
+Why a file of its own: running hostile code safely is one concept: the parent (run_code, run_many:
+limits, the wall-clock kill, the verdict) and the child it starts (sandbox_main: namespaces, a reaper,
+then the tests' process, run_tests, and the program's, run_program). The child imports only this file.
+Step by step: run_code, isolate (the Linux namespaces and what each gives), run_tests, run_program.
 
-Invariants: a run passes only when the program and then its tests finished without an exception,
-told by a per-run random token the harness writes after the tests; where the namespaces apply
-(Result.isolation says which did) the host stays safe from any program; without them (macOS,
-locked-down kernels) only rlimits, the session kill and the clean environment remain: not a
-sandbox for hostile code. What the tests assert is all that is checked, on plain values only
-(plain_calls: a result whose __eq__ is forged fails).
+Invariants: a run passes only when the program ran without an exception and then its tests did,
+told by a per-run random token that only the tests' process holds. The program's process never
+holds the token, the tests (its tests.py is a placeholder) or any descriptor of ours but two pipes
+to the tests' process, and none that does can be traced or read by it (not dumpable, or root): the
+tests call the program's functions through those pipes and get plain values back (a forged __eq__
+fails) or the exception raised; a builtin the program redefines never reaches them. So nothing the
+program does in its process (frames, gc, memory, descriptors, ctypes, fork, signals) forges a pass,
+where Result.isolation shows uid:N (as root) or pid and proc; elsewhere (no PID namespace and no
+root, macOS) it can reach our own process. Where the namespaces apply the host stays safe from any
+program; without them only rlimits, the session kill and the clean environment remain: not a sandbox
+for hostile code. What the tests assert is all that is checked.
 """
 import builtins
 import collections
 import contextlib
 import ctypes
 import json
+import linecache
 import math
 import os
 import re
@@ -44,6 +49,7 @@ CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
 MS_REC, MS_PRIVATE, MS_RELATIME = 16384, 1 << 18, 1 << 21
 KEPT_MOUNT_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC | 1024 | 2048    # + noatime, nodiratime (statvfs bits)
+TESTS_ELSEWHERE = "# the tests run in a process of their own: the program never sees them\n"
 SIGNALS = {signal.SIGXCPU: "CPU time limit", signal.SIGKILL: "killed", signal.SIGSEGV: "segmentation fault",
            signal.SIGXFSZ: "file size limit", signal.SIGABRT: "aborted"}
 
@@ -85,8 +91,8 @@ def kill_all(proc, uid):
 
 def run_code(program, tests="", *, timeout=10.0, memory_mb=512, nproc=8, nofile=64, file_mb=16,
              output_bytes=1 << 16):
-    """Run program, then tests (in the same namespace, as a script: HumanEval's check(f) style),
-    in a fresh `python -I -S` process. Returns Result(passed, reason, output, ...).
+    """Run program, then tests (a script that sees the program's names: HumanEval's check(f) style),
+    in a fresh `python -I -S` process tree. Returns Result(passed, reason, output, ...).
     All set-up happens in that child (sandbox_main), no preexec_fn, so run_many's threads may start
     runs safely: a fresh temporary directory as cwd, a clean environment (nothing inherited), stdin
     closed, RLIMIT_CPU/_AS/_FSIZE/_NPROC/_NOFILE, no core files, stdout+stderr capped
@@ -102,23 +108,23 @@ def run_code(program, tests="", *, timeout=10.0, memory_mb=512, nproc=8, nofile=
     token = os.urandom(16).hex()
     uid = (1 << 20) + int.from_bytes(os.urandom(4), "little") % (1 << 30) if os.geteuid() == 0 else -1
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="ingot-sandbox-", ignore_cleanup_errors=True) as work:
-        for name, text in (("candidate.py", program), ("tests.py", tests)):
+    with tempfile.TemporaryDirectory(prefix="ingot-sandbox-", ignore_cleanup_errors=True) as work, \
+            tempfile.TemporaryFile() as secret:             # unlinked: the token and the tests, for the tests' process
+        for name, text in (("candidate.py", program), ("tests.py", TESTS_ELSEWHERE)):
             with open(os.path.join(work, name), "w") as f:
                 f.write(text)
-        (tok_r, tok_w), (ver_r, ver_w) = os.pipe(), os.pipe()
-        os.write(tok_w, token.encode())
-        os.close(tok_w)
-        settings = {"dir": work, "uid": uid, "cpu": math.ceil(timeout) + 1, "memory": memory_mb << 20,
-                    "nproc": nproc, "nofile": nofile, "fsize": file_mb << 20, "token_fd": tok_r, "verdict_fd": ver_w,
+        secret.write(f"{token}\n{tests}".encode())
+        secret.flush()
+        ver_r, ver_w = os.pipe()
+        settings = {"dir": work, "uid": uid, "cpu": math.ceil(timeout) + 1, "memory": memory_mb << 20, "nproc": nproc,
+                    "nofile": nofile, "fsize": file_mb << 20, "secret_fd": secret.fileno(), "verdict_fd": ver_w,
                     "site": [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]}
         child = f"import sys; sys.path.insert(0, {here()!r}); import sandbox; sandbox.sandbox_main()"
         try:
             proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", "-c", child, json.dumps(settings)], cwd=work,
                                     env=clean_env(work), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, pass_fds=(tok_r, ver_w), start_new_session=True)
+                                    stderr=subprocess.STDOUT, pass_fds=(secret.fileno(), ver_w), start_new_session=True)
         finally:
-            os.close(tok_r)
             os.close(ver_w)
         out, verdict, limit = b"", b"", ""
         try:
@@ -305,43 +311,92 @@ def isolate(libc, settings):
 
 def sandbox_main():
     """The sandbox process (run by run_code as `python -I -c`): namespaces, then a reaper (PID 1 of
-    the new PID namespace: when it exits every process of the sandbox dies), then the worker."""
+    the new PID namespace: when it exits every process of the sandbox dies) that forks the tests'
+    process (run_tests), and once that one is confined, the program's (run_program).
+    No process here reads the token or the tests before the program's process is forked from it."""
     s = json.loads(sys.argv[1])
     os.umask(0o022)                                           # directories made for the sandbox's user
     sys.path += [p for p in s["site"] if p not in sys.path]   # -S skipped site's .pth files (fast start)
     libc = ctypes.CDLL(None, use_errno=True)
-    program, tests = (open(os.path.join(s["dir"], name)).read() for name in ("candidate.py", "tests.py"))
-    token = os.read(s["token_fd"], 64).decode()
-    os.close(s["token_fd"])
-    nproc = s["nproc"] if os.geteuid() == 0 else len(processes_of(os.getuid())) + s["nproc"]
+    with open(os.path.join(s["dir"], "candidate.py")) as f:
+        program = f.read()
+    nproc = 1 + (s["nproc"] if os.geteuid() == 0 else len(processes_of(os.getuid())) + s["nproc"])   # 1: the tests'
     try:
         applied = isolate(libc, s)
     except OSError as e:
-        os.write(s["verdict_fd"], f"{token} fail sandbox setup failed: {e}\n".encode())
+        os.write(s["verdict_fd"], f"{secrets(s)[0]} fail sandbox setup failed: {e}\n".encode())
         os._exit(2)
-    os.write(s["verdict_fd"], f"{token} isolation {' '.join(applied)}\n".encode())
+    set_dumpable(libc, False)    # from here on: no ptrace, /proc/<pid>/fd or mem of ours for the program
     reaper = os.fork()
     if reaper == 0:
         if "pid" in applied:
+            libc_call(libc, "prctl", 1, signal.SIGKILL, 0, 0, 0)    # PR_SET_PDEATHSIG: we die with our parent,
+            os.setsid()                           # out of its group: the program's killpg(0) cannot reach it
             with contextlib.suppress(OSError):
                 mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-                os.write(s["verdict_fd"], f"{token} isolation proc\n".encode())
-        worker = os.fork()
-        if worker == 0:
-            try:
-                run_candidate(libc, s, nproc, program, tests, token, bool(applied) and os.geteuid() != 0)
-            finally:
-                os._exit(1)                          # never back into the reaper's code
-        while True:
-            pid, status = os.wait()
-            if pid == worker:
-                os._exit(exit_code(status))
+                applied.append("proc")
+        (call_r, call_w), (reply_r, reply_w), (ready_r, ready_w) = os.pipe(), os.pipe(), os.pipe()
+        in_user_namespace = bool(applied) and os.geteuid() != 0
+        tests = forked(run_tests, libc, s, nproc, applied, in_user_namespace, ready_w, call_w, reply_r)
+        os.close(ready_w)
+        program_pid = None
+        if os.read(ready_r, 1):                   # the tests' process is confined: no window to attach to it
+            program_pid = forked(run_program, libc, s, nproc, program, in_user_namespace, call_r, reply_w)
+        for fd in (ready_r, call_r, call_w, reply_r, reply_w):
+            os.close(fd)
+        reap(tests, program_pid)
     os._exit(exit_code(os.waitpid(reaper, 0)[1]))
+
+
+GONE = 3   # the tests' process's exit status when the program's process ended or broke the protocol
+
+
+def forked(main, *args):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            main(*args)
+        finally:
+            os._exit(1)                          # never back into the reaper's code
+    return pid
+
+
+def reap(tests, program):
+    """The reaper: wait for the tests' process and exit with its status, or (GONE) with the program's."""
+    done = {}
+    while tests not in done or (exit_code(done[tests]) == GONE and program is not None and program not in done):
+        pid, status = os.wait()                  # also reaps orphans (PID 1)
+        if pid in (tests, program):
+            done[pid] = status
+    code = exit_code(done[tests])
+    os._exit(exit_code(done[program]) if code == GONE and program is not None else code)
 
 
 def exit_code(status):
     code = os.waitstatus_to_exitcode(status)
     return 128 - code if code < 0 else code
+
+
+def keep_only(fds):
+    """Close every descriptor but fds."""
+    keep = sorted(fds)
+    for low, high in zip([-1] + keep, keep + [1 << 20]):
+        if high - low > 1:
+            os.closerange(low + 1, high)
+
+
+def secrets(s):
+    """The token and the tests, from the unlinked file run_code handed over (never a pipe, path, argv or env)."""
+    fd = s["secret_fd"]
+    token, _, tests = os.pread(fd, os.fstat(fd).st_size, 0).decode().partition("\n")
+    return token, tests
+
+
+def set_dumpable(libc, on):
+    """prctl(PR_SET_DUMPABLE): a process that is not dumpable cannot be traced, nor its /proc/<pid>/mem,
+    fd/ or environ opened, by a process without CAP_SYS_PTRACE (Linux; elsewhere nothing)."""
+    if hasattr(libc, "prctl"):
+        libc_call(libc, "prctl", 4, int(on), 0, 0, 0)
 
 
 def drop_capabilities(libc):
@@ -351,68 +406,219 @@ def drop_capabilities(libc):
     libc_call(libc, "capset", header, (ctypes.c_uint32 * 6)())       # effective, permitted, inheritable: none
 
 
-def run_candidate(libc, s, nproc, program, tests, token, in_user_namespace):
-    """The worker: limits, a fresh user id (as root), then program + tests. Only this process,
-    and only when both finished, writes the passing verdict.
-    The verdict: only when program and tests finished without an exception does the harness write
-    a per-run random token (given on a pipe, never in a file, argv or the environment) to a
-    separate pipe. sys.exit() before the tests fails, os._exit() or a crash leaves no token, and the
-    harness keeps its own exec/compile/os.write and restores builtins and trace hooks after the
-    program, so patching them does not skip the tests. What the tests assert is all that is
-    checked, on plain values only (plain_calls); a program that digs the token out of the
-    harness's frames can still fool them; the host stays safe from any program."""
-    write, leave, run, build, getpid = os.write, os._exit, exec, compile, os.getpid
-    settrace, setprofile, vfd, me = sys.settrace, sys.setprofile, s["verdict_fd"], os.getpid()
-    streams, explain, print_exception, flush_all = (sys.stdout, sys.stderr), describe, traceback.print_exception, flush
-    module, saved_builtins, builtin_dict = builtins, dict(builtins.__dict__), builtins.__dict__
+def confine(libc, s, nproc, in_user_namespace):
+    """Limits, then the sandbox's user id (as root) or no capabilities (in our user namespace), then
+    the temporary directory as cwd. Returns the limits the OS refused; raises OSError."""
     refused = set_limits({"CPU": s["cpu"], "CORE": 0, "AS": s["memory"], "FSIZE": s["fsize"], "NPROC": nproc,
                           "NOFILE": s["nofile"]})
-    if refused:
-        write(vfd, f"{token} isolation no-limit:{','.join(refused)}\n".encode())
+    if s["uid"] >= 0:
+        os.setgroups([])
+        os.setgid(s["uid"])
+        os.setuid(s["uid"])
+    elif in_user_namespace:
+        drop_capabilities(libc)
+    os.chdir(s["dir"])
+    return refused
+
+
+def run_tests(libc, s, nproc, applied, in_user_namespace, ready_w, call_w, reply_r):
+    """The tests' process: the one that holds the token and the tests (read before the program's process
+    exists; never dumpable) and writes the verdict. The tests call stand-ins for the program's functions
+    (program_names): plain data to the program's process and back. A reply that is none, or the program's
+    process gone, ends this one with status GONE and no verdict (the reaper reports the program's status)."""
+    keep_only({0, 1, 2, s["verdict_fd"], s["secret_fd"], ready_w, call_w, reply_r})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)    # a signal from the program is never an exception here
+    token, tests = secrets(s)
+    os.close(s["secret_fd"])
+    vfd = s["verdict_fd"]
+    os.write(vfd, f"{token} isolation {' '.join(applied)}\n".encode())
     try:
-        if s["uid"] >= 0:
-            os.setgroups([])
-            os.setgid(s["uid"])
-            os.setuid(s["uid"])
-        elif in_user_namespace:
-            drop_capabilities(libc)
-        os.chdir(s["dir"])
+        refused = confine(libc, s, nproc, in_user_namespace)
+        set_dumpable(libc, False)                    # setuid() reset it
     except OSError as e:
-        write(vfd, f"{token} fail sandbox setup failed: {e}\n".encode())
-        leave(2)
-    sys.argv, sys.path[0] = ["candidate.py"], s["dir"]
-    namespace = {"__name__": "__main__", "__file__": "candidate.py", "__builtins__": builtins}
-    stage = "the program"
+        os.write(vfd, f"{token} fail sandbox setup failed: {e}\n".encode())
+        os._exit(2)
+    os.write(ready_w, b".")                          # now the program's process may be forked
+    os.close(ready_w)
+    if refused:
+        os.write(vfd, f"{token} isolation no-limit:{','.join(refused)}\n".encode())
+    calls, replies = os.fdopen(call_w, "wb"), os.fdopen(reply_r, "rb")
+    streams = (sys.stdout, sys.stderr)
+
+    def receive():                                   # a JSON list, or (EOF, garbage, a flood) no verdict
+        try:
+            message = json.loads(replies.readline(s["memory"] // 4))
+            if type(message) is list and message:
+                return message
+        except BaseException:
+            pass
+        os._exit(GONE)
+
+    def ask(name, args, kwargs):
+        try:
+            request = json.dumps(["call", name, to_json(list(args)), to_json(kwargs)]).encode() + b"\n"
+        except (TypeError, ValueError, RecursionError) as e:
+            raise TypeError(f"the tests pass {name}() something that is not a plain value ({e})") from None
+        flush(streams)
+        try:
+            calls.write(request)
+            calls.flush()
+            kind, *reply = receive()
+            if kind == "ok" and len(reply) == 1:
+                return from_json(reply[0])
+            error = program_error(name, *reply)
+        except BaseException:
+            os._exit(GONE)
+        raise error
+
+    kind, *ready = receive()
+    if kind == "fail" and len(ready) == 1 and type(ready[0]) is str:
+        os.write(vfd, f"{token} fail {' '.join(ready[0].split())[:1000] or 'failed'}\n".encode())
+        os._exit(1)
+    try:
+        namespace = program_names(*ready, ask) if kind == "ready" else {}[kind]
+    except BaseException:
+        os._exit(GONE)
+    linecache.cache["tests.py"] = (len(tests), None, tests.splitlines(True), "tests.py")   # tracebacks show them
+    try:
+        exec(compile(tests, "tests.py", "exec"), namespace)
+    except BaseException as e:  # SystemExit too: exiting before the tests finish is not passing
+        try:
+            why = describe(e, "the tests")
+            flush(streams)
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+            if getattr(e, "in_program", None):
+                print("in the program's process:\n" + e.in_program[1], end="", file=sys.stderr)
+        except BaseException:
+            why = "an exception in the tests"
+        flush(streams)
+        os.write(vfd, f"{token} fail {why}\n".encode("utf-8", "replace"))
+        os._exit(1)
+    flush(streams)
+    os.write(vfd, f"{token} pass\n".encode())
+    os._exit(0)
+
+
+def program_names(callables, values, ask):
+    """The tests' namespace from the program's "ready" reply: a stand-in for each callable, a copy of
+    each plain value; no name of a builtin or a dunder. Raises on anything malformed."""
+    namespace = {"__name__": "__main__", "__file__": "tests.py", "__builtins__": builtins}
+    kept = (lambda name: type(name) is str and not name.startswith("__") and name not in builtins.__dict__)
+    for name in filter(kept, callables):
+        namespace[name] = stand_in(name, ask)
+    for name, value in values:
+        if kept(name):
+            namespace[name] = from_json(value)
+    return namespace
+
+
+def stand_in(name, ask):
+    def call(*args, **kwargs):
+        return ask(name, args, kwargs)
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def program_error(function, base, name, args, text, where, trace):
+    """The exception that a call raised in the program's process, rebuilt here: its nearest builtin
+    class (a subclass of it named as the program's when it was the program's own), its args when
+    plain; in_program = (where, the program's traceback) for describe() and the output."""
+    cls = getattr(builtins, base, None) if type(base) is str else None
+    cls = cls if isinstance(cls, type) and issubclass(cls, BaseException) else Exception
+    text = text if type(text) is str else ""
+    if issubclass(cls, (StopIteration, StopAsyncIteration)):   # it would end a map() over the calls early
+        cls, args, text = RuntimeError, None, f"{function}() raised {cls.__name__}"
+    elif type(name) is str and name != cls.__name__:
+        with contextlib.suppress(Exception):
+            cls = type(name, (cls,), {"__module__": "candidate"})
+    try:
+        error = cls(*from_json(args)) if args is not None else cls(text)
+    except Exception:
+        error = Exception(text)
+    error.in_program = (where if type(where) is str else "", trace if type(trace) is str else "")
+    return error
+
+
+def run_program(libc, s, nproc, program, in_user_namespace, call_r, reply_w):
+    """The program's process: nothing here can produce a pass (no token, no tests, no descriptor of ours
+    but two pipes to the tests' process). It runs the program, says "ready" with its names (or "fail"
+    and why), then answers calls: each result checked by plain_value and sent as plain data (to_json),
+    or the exception raised described (an exception that cannot be described ends this process)."""
+    keep_only({0, 1, 2, call_r, reply_w})                   # first: the verdict pipe, the secrets closed
+    set_dumpable(libc, True)                                # as before: a program may read its own /proc/self
+    calls, replies = os.fdopen(call_r, "rb"), os.fdopen(reply_w, "wb")
+    leave, getpid, dumps, loads, me = os._exit, os.getpid, json.dumps, json.loads, os.getpid()
+    settrace, setprofile, streams = sys.settrace, sys.setprofile, (sys.stdout, sys.stderr)
+    saved_builtins = dict(builtins.__dict__)
+
+    def send(message):
+        flush(streams)
+        replies.write(dumps(message).encode() + b"\n")
+        replies.flush()
 
     def restore():  # what the program may have patched: trace hooks, builtins
         settrace(None)
         setprofile(None)
-        builtin_dict.clear()
-        builtin_dict.update(saved_builtins)
+        builtins.__dict__.clear()
+        builtins.__dict__.update(saved_builtins)
     try:
-        run(build(program, "candidate.py", "exec"), namespace)
-        restore()
-        namespace["__builtins__"] = module                     # not a dict of the program's
-        stage = "the tests"
-        run(build(tests, "tests.py", "exec"), plain_calls(namespace, restore))
-    except BaseException as e:  # SystemExit too: exiting before the tests finish is not passing
+        confine(libc, s, nproc, in_user_namespace)
+    except OSError as e:
+        send(["fail", f"sandbox setup failed: {e}"])
+        leave(2)
+    sys.argv, sys.path[0] = ["candidate.py"], s["dir"]
+    namespace = {"__name__": "__main__", "__file__": "candidate.py", "__builtins__": builtins}
+    try:
+        exec(compile(program, "candidate.py", "exec"), namespace)
+    except BaseException as e:  # SystemExit too: exiting before the tests is not passing
         if getpid() == me:
             try:
-                why = explain(e, stage)
-                flush_all(streams)
-                print_exception(type(e), e, e.__traceback__.tb_next)   # from the program's frame on
+                why = describe(e, "the program")
+                flush(streams)
+                traceback.print_exception(type(e), e, e.__traceback__.tb_next)   # from the program's frame on
             except BaseException:
-                why = f"an exception in {stage}"
-            flush_all(streams)
-            write(vfd, f"{token} fail {why}\n".encode("utf-8", "replace"))
+                why = "an exception in the program"
+            send(["fail", why])
         leave(1)
-    flush_all(streams)
-    if getpid() == me:
-        write(vfd, f"{token} pass\n".encode())
+    if getpid() != me:                                   # a copy the program forked: it never answers
+        leave(0)
+    restore()
+    values = []
+    for name, v in namespace.items():
+        with contextlib.suppress(Exception):                # a callable is no plain value
+            values.append([name, to_json(plain_value(v, name))])
+    send(["ready", [name for name, v in namespace.items() if callable(v)], values])
+    while line := calls.readline():
+        try:
+            _, name, args, kwargs = loads(line)
+            try:
+                result = namespace[name](*from_json(args), **from_json(kwargs))
+            finally:
+                restore()
+            answer = ["ok", to_json(plain_value(result, name))]
+        except BaseException as e:
+            if getpid() != me:
+                leave(1)
+            answer = described(e)
+        send(answer)
     leave(0)
 
 
+def described(e):
+    """An exception of the program's as plain data for the tests' process (program_error rebuilds it)."""
+    base = next(c for c in type(e).__mro__ if c.__module__ == "builtins")
+    try:
+        args = to_json(plain_value(e.args, "args"))
+    except TypeError:
+        args = None
+    trace = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))[-4000:]
+    text = " ".join(str(e).split())[:1000]
+    return ["raise", base.__name__, type(e).__qualname__, args, text, located(e.__traceback__), trace]
+
+
 PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset})
+TAGS = {list: "l", tuple: "t", set: "s", frozenset: "f"}
+BUILD = {tag: t for t, tag in TAGS.items()}
 
 
 def plain_value(value, name):
@@ -432,33 +638,41 @@ def plain_value(value, name):
     return value
 
 
-def plain_calls(namespace, restore):
-    """A copy of the program's namespace for the tests: its callables wrapped so that every result
-    is checked by plain_value, with restore() after each call.
+def to_json(v):
+    """A plain value as data for json.dumps that from_json turns back into an equal value of the same
+    types: None, bool, str, float (NaN, infinities, -0.0 too) and small ints as JSON's own; the rest
+    as lists tagged with their type. Anything else: TypeError."""
+    t = type(v)
+    if v is None or t in (bool, str, float) or t is int and -(1 << 53) < v < 1 << 53:
+        return v
+    if t is int:
+        return ["i", hex(v)]                     # no digit limit, unlike str(int)
+    if t is complex:
+        return ["c", v.real, v.imag]
+    if t is bytes:
+        return ["b", v.hex()]
+    if t is dict:
+        return ["d", *(to_json(x) for kv in v.items() for x in kv)]
+    if t in TAGS:
+        return [TAGS[t], *map(to_json, v)]
+    raise TypeError(f"a {t.__module__}.{t.__qualname__} is not a plain value")
 
-    Every callable the program left (its functions, classes, callable objects) returns only when its
-    result is made of plain built-in values (exact types: None, bool, int, float, complex, str,
-    bytes, list, tuple, dict, set, frozenset, nested), else it raises TypeError naming the type, so
-    a comparison in the tests (`assert f(x) == y`, check(f)) is always between genuine values: an
-    object equal to everything, or a subclass of int / str / list overriding __eq__, fails. After
-    every call builtins and trace hooks are restored again. The program's own calls between its
-    functions are not wrapped. Left open: a program that digs into the harness's frames or objects
-    (sys._getframe, gc, ctypes) can still fool the tests (or find the token)."""
-    out = dict(namespace)
-    for name, v in namespace.items():
-        if callable(v) and not name.startswith("__"):
-            out[name] = checked_call(v, name, restore)
-    return out
 
-
-def checked_call(fn, name, restore):
-    def call(*args, **kwargs):
-        try:
-            result = fn(*args, **kwargs)
-        finally:
-            restore()
-        return plain_value(result, name)
-    return call
+def from_json(x):
+    """The plain value that to_json made x from; built from PLAIN types only whatever x is (anything
+    malformed raises)."""
+    t = type(x)
+    if x is None or t in (bool, int, float, str):
+        return x
+    tag = x[0] if t is list and x and type(x[0]) is str else None
+    if tag in ("i", "b") and len(x) == 2 and type(x[1]) is str:
+        return int(x[1], 16) if tag == "i" else bytes.fromhex(x[1])
+    if tag == "c" and len(x) == 3 and all(type(p) in (int, float) for p in x[1:]):
+        return complex(x[1], x[2])
+    if tag not in BUILD and tag != "d" or tag == "d" and len(x) % 2 == 0:
+        raise ValueError("not a plain value")
+    items = [from_json(i) for i in x[1:]]
+    return dict(zip(items[::2], items[1::2])) if tag == "d" else BUILD[tag](items)
 
 
 def set_limits(limits):
@@ -482,12 +696,19 @@ def flush(streams):
             stream.flush()
 
 
-def describe(e, stage):
-    """One line: the exception, where it was raised (file:line of the program or tests), in what stage."""
-    tb, where = e.__traceback__, ""
+def located(tb):
+    """file:line of the last frame of the program or the tests in a traceback, or ""."""
+    where = ""
     while tb is not None:
         if tb.tb_frame.f_code.co_filename in ("candidate.py", "tests.py"):
-            where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+            where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
         tb = tb.tb_next
+    return where
+
+
+def describe(e, stage):
+    """One line: the exception, where it was raised (file:line of the program or the tests; for a
+    call, in the program's process), in what stage."""
+    where = (getattr(e, "in_program", None) or ("",))[0] or located(e.__traceback__)
     text = " ".join(str(e).split())[:300]
-    return f"{type(e).__name__}{': ' + text if text else ''}{where} (in {stage})"
+    return f"{type(e).__name__}{': ' + text if text else ''}{' at ' + where if where else ''} (in {stage})"
