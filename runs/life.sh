@@ -3,7 +3,7 @@
 # from the last one's final checkpoint. Read it top to bottom: every line is a command you could type.
 #
 #   bash runs/life.sh            # one GPU: configs/small.py's shape on Countdown (~7 minutes on an H200)
-#   bash runs/life.sh --tiny     # no GPU: the tiny model on the arithmetic task (a few minutes on a CPU)
+#   bash runs/life.sh --tiny     # no GPU: the tiny model on the arithmetic task (~9 minutes on 2 CPU cores)
 #   bash runs/life.sh --tiny --max_steps=2    # anything after it is added to every stage (a smoke test)
 #
 # Everything lands under out/life/ (out/life_tiny/ with --tiny): one folder per stage, each stage's
