@@ -1,4 +1,4 @@
-# DPO of the SFT'd tiny model on the offline Arithmetic task (tasks.py): the correct answer chosen,
+# DPO of the SFT'd tiny model on the offline Arithmetic task (posttrain/tasks.py): the correct answer chosen,
 # a plausible wrong one (off by one, off by ten, digits swapped) rejected; CPU, a few minutes.
 #   python pretrain.py configs/tiny.py && python sft.py configs/sft_tiny.py
 #   python dpo.py configs/dpo_tiny.py                    (or torchrun --nproc_per_node=2 ...)

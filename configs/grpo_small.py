@@ -1,10 +1,10 @@
-# GRPO on the offline Arithmetic task (tasks.py) from the SFT'd small model (configs/sft_small.py), one GPU:
+# GRPO on the offline Arithmetic task (posttrain/tasks.py) from the SFT'd small model (configs/sft_small.py), one GPU:
 # each step 32 questions x 8 answers, rewarded 1 for the right number; every 20 steps the held-out
 # questions (never trained on) are answered 8 times each and greedily.
 #   torchrun --nproc_per_node=2 pretrain.py configs/small.py && torchrun --nproc_per_node=2 sft.py configs/sft_small.py
 #   python grpo.py configs/grpo_small.py
-#   python plots.py out/grpo_small          # out/grpo_small/run.png: training, held-out sampled and greedy reward
-# What to expect (README): 39 s on one H200; the SFT'd model already answers most questions,
+#   python -m tools.plots out/grpo_small    # out/grpo_small/run.png: training, held-out sampled and greedy reward
+# What to expect (docs/stages.md): 39 s on one H200; the SFT'd model already answers most questions,
 # so the reward curves show the machinery more than a gain.
 init_from, out_dir, task = "out/sft_small", "out/grpo_small", "arithmetic"
 max_steps, eval_every, log_every, ckpt_every = 160, 20, 10, 0   # a checkpoint at the end only

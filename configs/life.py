@@ -1,6 +1,6 @@
 # A model's whole life on one GPU, step 1 of 5: pretrain configs/small.py's shape briefly (~2 min on an H200).
 #   python pretrain.py configs/life.py && python sft.py configs/sft_life.py && python dpo.py configs/dpo_life.py \
-#     && python grpo.py configs/grpo_life.py && python eval.py ... (README: "A model's life on one GPU")
+#     && python grpo.py configs/grpo_life.py && python eval.py ... (docs/life.md)
 # 300 steps of 128 x 1024 tokens of the interpreter's Python files (no cleaning: it is the quick version).
 from configs.small import (tokenizer, tokenizer_vocab, pad_vocab_multiple, n_layer, n_head, n_kv_head, n_embd,
                            block_size, activation, norm, pos_emb, fp32_residual)  # small.py's model, unchanged

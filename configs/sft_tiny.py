@@ -1,4 +1,4 @@
-# Supervised fine-tuning of the tiny pretrained model on the offline Arithmetic task (tasks.py):
+# Supervised fine-tuning of the tiny pretrained model on the offline Arithmetic task (posttrain/tasks.py):
 # "What is 13 + 7?" -> "20", in our chat template; CPU, a few minutes.
 #   python pretrain.py configs/tiny.py            (or torchrun --nproc_per_node=2 ...)
 #   torchrun --nproc_per_node=2 sft.py configs/sft_tiny.py

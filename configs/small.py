@@ -1,9 +1,9 @@
 # GPT-2-small-class LLaMA-style model (about 125M parameters) for 2 GPUs, on every .py file this
-# interpreter can import (data="python": corpus.py), cleaned (clean.py), exactly deduplicated, half
-# the training documents in fill-in-the-middle layout in fragments of <= 2000 characters (fim.py).
+# interpreter can import (data="python": corpora/corpus.py), cleaned (corpora/clean.py), exactly deduplicated, half
+# the training documents in fill-in-the-middle layout in fragments of <= 2000 characters (corpora/fim.py).
 #   torchrun --nproc_per_node=2 pretrain.py configs/small.py
 # Point `data` at a larger corpus (a folder of text/jsonl/parquet, or hf:<dataset>) for a real run.
-# What to expect (README, BENCHMARKS.md): ~1.25M tokens/s on 2 H200s; the corpus is read several times.
+# What to expect (BENCHMARKS.md): ~1.25M tokens/s on 2 H200s; the corpus is read several times.
 out_dir = "out/small"
 data = "python"
 clean = True

@@ -1,8 +1,8 @@
 """A tokenizer of your own: a byte-level BPE trained on a corpus with Hugging Face `tokenizers`.
 
-    python bpe.py train SOURCE OUT --vocab=32768 [--held_out=0.01] [--max_docs=0] [--text_field=text]
-    python bpe.py compare OUT SOURCE      # bytes per token against cl100k_base on SOURCE's documents
-    python pretrain.py configs/tiny.py --tokenizer=OUT      # or shards.py prepare ... --tokenizer=OUT
+    python -m corpora.bpe train SOURCE OUT --vocab=32768 [--held_out=0.01] [--max_docs=0] [--text_field=text]
+    python -m corpora.bpe compare OUT SOURCE      # bytes per token against cl100k_base on SOURCE's documents
+    python pretrain.py configs/tiny.py --tokenizer=OUT      # or python -m corpora.shards prepare ... --tokenizer=OUT
 
 OUT gets tokenizer.json (a byte-level BPE: cl100k_base's split pattern, then GPT-2's byte-to-character
 map; ids 0..vocab-2 the 256 bytes and the merges in the order learned, <|endoftext|> = vocab-1) and

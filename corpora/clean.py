@@ -2,7 +2,7 @@
 
 The steps between raw files and the tokenizer; every removed document is counted under its reason.
 
-    python clean.py IN_DIR_OR_FILE OUT_DIR [--dedup] [--threshold=0.8] [--processes=2] [--key=value]
+    python -m corpora.clean IN_DIR_OR_FILE OUT_DIR [--dedup] [--threshold=0.8] [--processes=2] [--key=value]
 
 turns a folder of .py/.txt/.md/... files or a .jsonl file (a "text" field) into OUT_DIR/clean.jsonl
 and prints the counts. The data path calls `documents(docs, cfg, stats)` instead: a generator in,

@@ -1,8 +1,8 @@
 """Token shards: a corpus tokenized once into fixed-size shards that training streams (stream.py).
 
-    python shards.py prepare SOURCE OUT [--tokenizer=cl100k_base] [--vocab=0] [--shard_tokens=33554432]
-                                        [--processes=N] [--val_fraction=0.0] [--text_field=text] [--max_docs=0]
-    python shards.py verify OUT          # every shard's size and sha256 against the manifest
+    python -m corpora.shards prepare SOURCE OUT [--tokenizer=cl100k_base] [--vocab=0] [--shard_tokens=33554432]
+                                                [--processes=N] [--val_fraction=0.0] [--text_field=text] [--max_docs=0]
+    python -m corpora.shards verify OUT          # every shard's size and sha256 against the manifest
 
 OUT holds shard_000000.bin, ... (raw little-endian uint16/uint32 tokens: shard k is tokens
 [k*shard_tokens, (k+1)*shard_tokens) of the stream "encode(doc) + [eos]" over the corpus' documents

@@ -3,7 +3,7 @@
 # from the last one's final checkpoint. Read it top to bottom: every line is a command you could type.
 #
 #   bash runs/life.sh            # one GPU: configs/small.py's shape on Countdown (~7 minutes on an H200)
-#   bash runs/life.sh --tiny     # no GPU: the tiny model on the arithmetic task (a few minutes on a CPU)
+#   bash runs/life.sh --tiny     # no GPU: the tiny model on the arithmetic task (~9 minutes on 2 CPU cores)
 #   bash runs/life.sh --tiny --max_steps=2    # anything after it is added to every stage (a smoke test)
 #
 # Everything lands under out/life/ (out/life_tiny/ with --tiny): one folder per stage, each stage's
@@ -17,9 +17,11 @@ more=("$@")                             # extra overrides for every stage
 if [ "$size" = tiny ]; then
   pre=configs/tiny.py sft=configs/sft_tiny.py dpo=configs/dpo_tiny.py grpo=configs/grpo_tiny.py
   launch=(python)                       # one CPU process each (torchrun --nproc_per_node=2 works too)
+  bpb_tokens=65536                      # held-out tokens scored: the default 1M takes a CPU minutes
 else
   pre=configs/life.py sft=configs/sft_life.py dpo=configs/dpo_life.py grpo=configs/grpo_life.py
   launch=(python)                       # one GPU; on two: launch=(torchrun --nproc_per_node=2)
+  bpb_tokens=1048576                    # eval.py's default
 fi
 
 # 1. Pretraining: next-token prediction on the Python files of this interpreter (offline), a sample at the end.
@@ -36,7 +38,7 @@ fi
 "${launch[@]}" grpo.py "$grpo" --init_from="$run/dpo" --out_dir="$run/grpo" "${more[@]}"
 
 # 5. Evaluation of the final model: bits per byte on held-out text (eval.py --help lists the other tasks).
-python eval.py "$run/grpo" --tasks=bpb --results="$run/eval.json"
+python eval.py "$run/grpo" --tasks=bpb --bpb_tokens="$bpb_tokens" --results="$run/eval.json"
 
 # 6. The report: each stage's held-out metric before -> after and its minutes (report.md), every curve (report.png).
 python -m tools.plots --life "$run/pretrain" "$run/sft" "$run/dpo" "$run/grpo" --out="$run/report"

@@ -1,8 +1,8 @@
 """Embedding maps: token embeddings and a prompt's hidden states per layer in 2-D, as a PNG.
 
-    python embedmap.py out/tiny --prompt="def add(a, b):" --out=map.png
-    python embedmap.py out/sft_tiny --neighbors="12,+,def,return" --k=8    # nearest tokens (cosine)
-    python embedmap.py /path/to/hf_folder --method=tsne --tokens=3000 --corpus=stdlib
+    python -m tools.embedmap out/tiny --prompt="def add(a, b):" --out=map.png
+    python -m tools.embedmap out/sft_tiny --neighbors="12,+,def,return" --k=8    # nearest tokens (cosine)
+    python -m tools.embedmap /path/to/hf_folder --method=tsne --tokens=3000 --corpus=stdlib
 
 The model is a run folder (its newest checkpoint), a checkpoint or an HF folder (sample.load).
 Panels: the first `tokens` rows of the token embedding table (BPE ids, most frequent merges first),

@@ -2,7 +2,7 @@
 
     python -m tools.plots out/small                          # out/small/run.png
     python -m tools.plots out/small out/small_muon --out=compare.png
-    python -m tools.plots out/sft --log=sft                  # the stage's sft_metrics.jsonl
+    python -m tools.plots out/sft_tiny                       # any stage's run: its train_metrics.jsonl
     python -m tools.plots out/small --attention --prompt="def add(a, b):" --layer=3 --head=5 --out=attn.png
     python -m tools.plots out/small --heatmap=update_ratio   # layers x steps of gradient statistics
     python -m tools.plots --life out/life/pretrain out/life/sft out/life/dpo out/life/grpo   # report.md, .png

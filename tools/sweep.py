@@ -1,8 +1,8 @@
 """Ablation sweeps: a grid of overrides of one config, one run folder each, then a comparison.
 
-    python sweep.py pretrain.py configs/tiny.py --sweep="lr=[3e-4,1e-3];norm=[layernorm,rmsnorm]"
-    python sweep.py pretrain.py configs/small.py --sweep="optimizer=[adamw,muon]" --gpus=0,1 --max_steps=500
-    python sweep.py sft.py configs/sft_tiny.py --sweep="lora_r=[0,16]" --nproc=2    # torchrun, 2 processes a run
+    python -m tools.sweep pretrain.py configs/tiny.py --sweep="lr=[3e-4,1e-3];norm=[layernorm,rmsnorm]"
+    python -m tools.sweep pretrain.py configs/small.py --sweep="optimizer=[adamw,muon]" --gpus=0,1 --max_steps=500
+    python -m tools.sweep sft.py configs/sft_tiny.py --sweep="lora_r=[0,16]" --nproc=2    # torchrun, 2 processes a run
 
 Every combination of the --sweep lists (keys separated by ';', values by ',') is one run of the
 stage script, a subprocess: `<stage> <config> <other --overrides> --<key>=<value>... --out_dir=<run>`,
