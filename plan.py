@@ -36,7 +36,7 @@ from memory import optim_memory, qlora
 from model import ModelConfig, Transformer
 
 GiB = 2 ** 30
-PLAN_DEFAULTS = dict(  # the memory plan's config key (README's "Memory on 24 GB cards")
+PLAN_DEFAULTS = dict(  # the memory plan's config key (memory/README.md: what a 24 GB card needs)
     gpu_memory=0.0,          # >0: print the memory plan (plan.py) for GPUs of this many GiB, what fits, and exit
 )
 RESUME_FREE = ("gpu_memory",)  # a resumed run may change it (lifecycle.RESUME_FREE)

@@ -13,8 +13,7 @@ in CleanConfig):
   1. normalise                  UTF-8, NFC, newlines, control characters; too_long, binary, empty
   2. guess_kind                 "code" or "prose", unless the caller knows (the CLI: the extension)
   3. prose_reason / code_reason Gopher's rules for prose; Codex / The Stack / StarCoder2's for code
-  4. toxicity                   CleanConfig.toxicity: toxicity.py's scorer drops (or keeps a share of)
-                                documents above toxicity_threshold
+  4. toxicity                   toxicity.py's scorer drops (or keeps a share of) documents above a threshold
   5. Deduper                    exact (BLAKE2b) and near (MinHash + LSH, bit-equal to datasketch)
 At corpus scale clean_corpus (the CLI) runs the same steps in a Pool in bounded memory; its
 docstring has the recipe beyond one machine (datasets' map, then `duplicates`).
@@ -674,10 +673,9 @@ def parse_overrides(pairs, cfg):
 
 
 def main(argv=None):
-    rules = [f"--{f.name}={getattr(CleanConfig(), f.name)!r}" for f in fields(CleanConfig) if f.name != "near_dedup"]
+    rules = "".join(f"\n  --{f.name}={getattr(CleanConfig(), f.name)!r}" for f in fields(CleanConfig) if f.name != "near_dedup")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="the rules' settings (CleanConfig, --key=value; comments in corpora/clean.py):\n"
-                                + "\n".join(f"  {r}" for r in rules))
+                                epilog=f"the rules' settings (CleanConfig, --key=value; comments in corpora/clean.py):{rules}")
     p.add_argument("src", help="a folder of .py/.txt/.md/... files, one file, or a .jsonl file")
     p.add_argument("out_dir", help="gets clean.jsonl and stats.json")
     p.add_argument("--dedup", action="store_true", help="near-duplicate removal (exact is on by default)")

@@ -58,7 +58,7 @@ def check_shard(entry, tokens_raw, index_raw, dtype, where=""):
     if len(tokens_raw) != want:
         raise ShardError(f"{name}.bin: {len(tokens_raw):,} bytes, the manifest says {want:,} "
                          f"({'truncated' if len(tokens_raw) < want else 'too long'}); prepare it again "
-                         "(python shards.py prepare resumes from the first bad shard)")
+                         "(python -m corpora.shards prepare resumes from the first bad shard)")
     if sha256(tokens_raw) != entry["sha256"]:
         raise ShardError(f"{name}.bin: sha256 differs from the manifest's (the file was altered); prepare it again")
     if len(index_raw) != 8 * entry["docs"] or sha256(index_raw) != entry["index_sha256"]:
@@ -94,7 +94,7 @@ def verify(folder):
     Returns the manifest."""
     m = read_manifest(folder)
     if m is None:
-        raise ShardError(f"{folder}: no {MANIFEST} (prepare it with python shards.py prepare)")
+        raise ShardError(f"{folder}: no {MANIFEST} (prepare it with python -m corpora.shards prepare)")
     for entry in m["shards"]:
         base = os.path.join(folder, entry["name"])
         check_shard(entry, read_bytes(base + ".bin"), read_bytes(base + ".idx"), m["settings"]["dtype"], f"{folder}/")

@@ -54,10 +54,7 @@ SIGNALS = {signal.SIGXCPU: "CPU time limit", signal.SIGKILL: "killed", signal.SI
            signal.SIGXFSZ: "file size limit", signal.SIGABRT: "aborted"}
 
 
-def here():
-    return os.path.dirname(os.path.abspath(__file__))
-
-
+HERE = os.path.dirname(os.path.abspath(__file__))  # the child imports this file from here
 def clean_env(work):
     """The child's whole environment: nothing inherited from ours."""
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
@@ -91,18 +88,12 @@ def kill_all(proc, uid):
 
 def run_code(program, tests="", *, timeout=10.0, memory_mb=512, nproc=8, nofile=64, file_mb=16,
              output_bytes=1 << 16):
-    """Run program, then tests (a script that sees the program's names: HumanEval's check(f) style),
-    in a fresh `python -I -S` process tree. Returns Result(passed, reason, output, ...).
-    All set-up happens in that child (sandbox_main), no preexec_fn, so run_many's threads may start
-    runs safely: a fresh temporary directory as cwd, a clean environment (nothing inherited), stdin
-    closed, RLIMIT_CPU/_AS/_FSIZE/_NPROC/_NOFILE, no core files, stdout+stderr capped
-    (output_bytes); its own session, killed whole on a wall-clock timeout; Linux namespaces where
-    the OS allows (isolate).
-
-    timeout: wall-clock seconds for the whole run (the CPU limit is ceil(timeout) + 1 s);
-    memory_mb: address space per process; nproc: processes the program may have; nofile: open
-    files; file_mb: largest file it may write; output_bytes: stdout+stderr kept (more is killed).
-    """
+    """Run program, then tests (a script that sees the program's names: HumanEval's check(f) style), in a
+    fresh `python -I -S` process tree set up by itself (sandbox_main; no preexec_fn, so run_many's threads
+    may start runs): a temporary cwd, a clean environment, stdin closed, rlimits (timeout: wall-clock
+    seconds, the CPU limit ceil(timeout) + 1; memory_mb per process; nproc; nofile; file_mb), no core
+    files, output_bytes of stdout+stderr kept (more is killed), its own session killed whole at the
+    timeout, Linux namespaces where the OS allows (isolate). Returns Result(passed, reason, output, ...)."""
     if timeout <= 0 or memory_mb <= 0 or nproc < 1 or nofile < 8 or output_bytes < 1:
         raise ValueError("run_code needs timeout > 0, memory_mb > 0, nproc >= 1, nofile >= 8, output_bytes >= 1")
     token = os.urandom(16).hex()
@@ -119,7 +110,7 @@ def run_code(program, tests="", *, timeout=10.0, memory_mb=512, nproc=8, nofile=
         settings = {"dir": work, "uid": uid, "cpu": math.ceil(timeout) + 1, "memory": memory_mb << 20, "nproc": nproc,
                     "nofile": nofile, "fsize": file_mb << 20, "secret_fd": secret.fileno(), "verdict_fd": ver_w,
                     "site": [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]}
-        child = f"import sys; sys.path.insert(0, {here()!r}); import sandbox; sandbox.sandbox_main()"
+        child = f"import sys; sys.path.insert(0, {HERE!r}); import sandbox; sandbox.sandbox_main()"
         try:
             proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", "-c", child, json.dumps(settings)], cwd=work,
                                     env=clean_env(work), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -258,7 +249,7 @@ def read_only_except(libc, work, root):
     try:
         mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
         if root:
-            expose(libc, [p for p in sys.path if p and p != here()] + [work])
+            expose(libc, [p for p in sys.path if p and p != HERE] + [work])
         mount(libc, work, work, None, MS_BIND | MS_REC)
     except OSError:
         return ["/"]
@@ -520,9 +511,8 @@ def stand_in(name, ask):
 
 
 def program_error(function, base, name, args, text, where, trace):
-    """The exception that a call raised in the program's process, rebuilt here: its nearest builtin
-    class (a subclass of it named as the program's when it was the program's own), its args when
-    plain; in_program = (where, the program's traceback) for describe() and the output."""
+    """A call's exception in the program's process, rebuilt: its nearest builtin class (subclassed under the
+    program's name when its own), its args when plain; in_program = (where, its traceback) for describe()."""
     cls = getattr(builtins, base, None) if type(base) is str else None
     cls = cls if isinstance(cls, type) and issubclass(cls, BaseException) else Exception
     text = text if type(text) is str else ""
@@ -540,10 +530,9 @@ def program_error(function, base, name, args, text, where, trace):
 
 
 def run_program(libc, s, nproc, program, in_user_namespace, call_r, reply_w):
-    """The program's process: nothing here can produce a pass (no token, no tests, no descriptor of ours
-    but two pipes to the tests' process). It runs the program, says "ready" with its names (or "fail"
-    and why), then answers calls: each result checked by plain_value and sent as plain data (to_json),
-    or the exception raised described (an exception that cannot be described ends this process)."""
+    """The program's process: nothing here can produce a pass (no token, no tests, no descriptor of ours but
+    two pipes to the tests' process). It runs the program, says "ready" with its names (or "fail" and why),
+    then answers calls: each result checked (plain_value) and sent (to_json), or the exception described."""
     keep_only({0, 1, 2, call_r, reply_w})                   # first: the verdict pipe, the secrets closed
     set_dumpable(libc, True)                                # as before: a program may read its own /proc/self
     calls, replies = os.fdopen(call_r, "rb"), os.fdopen(reply_w, "wb")
@@ -616,7 +605,8 @@ def described(e):
     return ["raise", base.__name__, type(e).__qualname__, args, text, located(e.__traceback__), trace]
 
 
-PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset})
+PLAIN_ORDER = (type(None), bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset)
+PLAIN = frozenset(PLAIN_ORDER)
 TAGS = {list: "l", tuple: "t", set: "s", frozenset: "f"}
 BUILD = {tag: t for t, tag in TAGS.items()}
 
@@ -630,8 +620,7 @@ def plain_value(value, name):
         t = type(v)  # the object's real type: a __class__ property cannot change it
         if t not in PLAIN:
             raise TypeError(f"{name}() returned a {t.__module__}.{t.__qualname__}{' inside its result' if v is not value else ''}: "
-                            "the tests compare plain values only (None, bool, int, float, complex, str, bytes, "
-                            "list, tuple, dict, set, frozenset)")
+                            f"the tests compare plain values only ({', '.join(p.__name__ for p in PLAIN_ORDER)})")
         if t in (list, tuple, set, frozenset, dict) and id(v) not in seen:
             seen.add(id(v))
             todo.extend(v.items() if t is dict else v)  # items: (key, value) tuples, checked in turn
@@ -639,9 +628,7 @@ def plain_value(value, name):
 
 
 def to_json(v):
-    """A plain value as data for json.dumps that from_json turns back into an equal value of the same
-    types: None, bool, str, float (NaN, infinities, -0.0 too) and small ints as JSON's own; the rest
-    as lists tagged with their type. Anything else: TypeError."""
+    """A plain value as JSON data that from_json turns back into an equal value of the same types."""
     t = type(v)
     if v is None or t in (bool, str, float) or t is int and -(1 << 53) < v < 1 << 53:
         return v
@@ -659,8 +646,7 @@ def to_json(v):
 
 
 def from_json(x):
-    """The plain value that to_json made x from; built from PLAIN types only whatever x is (anything
-    malformed raises)."""
+    """The plain value that to_json made x from: PLAIN types only whatever x is (malformed: raises)."""
     t = type(x)
     if x is None or t in (bool, int, float, str):
         return x

@@ -219,7 +219,7 @@ def write_report(rows, keys, sweep_dir, log, say=print):
 
 def main(argv):
     if len(argv) < 1 or argv[0].startswith("--"):
-        raise config.UserError("usage: python sweep.py <stage.py> [config.py] --sweep=\"key=[a,b];key2=[c,d]\" "
+        raise config.UserError("usage: python -m tools.sweep <stage.py> [config.py] --sweep=\"key=[a,b];key2=[c,d]\" "
                                "[--gpus=0,1] [--gpus_per_run=1] [--nproc=1] [--log=train] [--overrides]")
     stage, rest = argv[0], argv[1:]
     if not os.path.isfile(stage):
