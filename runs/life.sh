@@ -6,11 +6,11 @@
 #   bash runs/life.sh --tiny     # no GPU: the tiny model on the arithmetic task (~9 minutes on 2 CPU cores)
 #   bash runs/life.sh --tiny --max_steps=2    # anything after it is added to every stage (a smoke test)
 #
-# Everything lands under out/life/ (out/life_tiny/ with --tiny): one folder per stage, each stage's
+# Everything lands under out/life_small/ (out/life_tiny/ with --tiny): one folder per stage, each stage's
 # metrics as JSON lines in it, the evaluation's results in out/life*/eval.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-size=life run=out/life
+size=life run=out/life_small  # (configs/life.py alone writes out/life)
 if [ "${1:-}" = "--tiny" ]; then shift; size=tiny run=out/life_tiny; fi
 more=("$@")                             # extra overrides for every stage
 

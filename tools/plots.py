@@ -5,7 +5,7 @@
     python -m tools.plots out/sft_tiny                       # any stage's run: its train_metrics.jsonl
     python -m tools.plots out/small --attention --prompt="def add(a, b):" --layer=3 --head=5 --out=attn.png
     python -m tools.plots out/small --heatmap=update_ratio   # layers x steps of gradient statistics
-    python -m tools.plots --life out/life/pretrain out/life/sft out/life/dpo out/life/grpo   # report.md, .png
+    python -m tools.plots --life out/life_small/pretrain out/life_small/sft out/life_small/dpo out/life_small/grpo   # report.md, .png
 
 Curves come from logs.py's JSONL (<run>/<log>_metrics.jsonl, one record per log step): train and
 validation loss against steps and against tokens (step x batch_size x sequence length, from the run's
