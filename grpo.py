@@ -3,18 +3,15 @@
     python grpo.py configs/grpo_tiny.py                                  # the arithmetic task on CPU
     torchrun --nproc_per_node=2 grpo.py configs/grpo_tiny.py --data_parallel=fsdp --init_from=out/sft_tiny
 
-A step: P prompts -> G samples each from the fast decoder (generate.decode, with the rollout policy's
-log-probs) -> the task's rewards -> advantages -> grpo_epochs optimizer steps on the rollout. The math,
-plain functions at the top (tests compare them with TRL's GRPOTrainer): advantages, policy_loss (the
-clipped surrogate per token or per completion, grpo / dapo / dr_grpo normalisers, clip-higher) and k3
-(the KL to a frozen initial copy, held only when beta > 0). Every log-prob is of logits / temperature;
-a completion's end-of-turn token is in its mask (the policy learns to stop, as TRL). mask_truncated
-drops completions cut at max_new_tokens, dynamic_sampling the groups of equal rewards (DAPO, no refill).
-
-Layouts: each data rank rolls out a contiguous slice of the P x G (rewards are gathered before the
-advantages: a group may span ranks), seeded by the step and its data rank (a group's TP ranks draw the
-same tokens); FSDP gathers the parameters once around the rollout. Normalisers are the step's global
-counts: DP / FSDP steps equal one process. The log splits each step's time into rollout / reward / learn.
+A step: P prompts -> G samples each from the fast decoder (with the rollout policy's log-probs) -> the
+task's rewards -> advantages -> grpo_epochs optimizer steps on the rollout. The math, plain functions at
+the top (tested against TRL's GRPOTrainer): advantages, policy_loss (the clipped surrogate per token or
+per completion, grpo / dapo / dr_grpo normalisers, clip-higher) and k3 (the KL to a frozen initial copy,
+when beta > 0). Log-probs are of logits / temperature; a completion's end of turn is in its mask (it
+learns to stop). mask_truncated drops completions cut at max_new_tokens, dynamic_sampling equal groups.
+Layouts: each data rank rolls out a contiguous slice of the P x G, seeded by the step and its data rank
+(rewards gathered before the advantages; TP ranks draw the same tokens; FSDP gathers once around the
+rollout); normalisers are the step's global counts: DP / FSDP steps equal one process.
 """
 import contextlib
 import sys
@@ -36,8 +33,7 @@ from posttrain import objectives, prompts
 from tools import gradstats
 
 # ours, then TRL's cispo and sapo (objectives.py). Not bnpo: its per-micro-batch token mean depends on the layout
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo", "sapo")
-SCALES = ("group", "batch", "none")
+LOSS_TYPES, SCALES = ("grpo", "dapo", "dr_grpo", "cispo", "sapo"), ("group", "batch", "none")
 
 DEFAULTS = dict(  # this stage's own config keys; batch_size counts completions per step
     task="arithmetic",        # tasks.get(name): prompts with answers and the reward that checks them
@@ -76,6 +72,7 @@ EXTRA = config.Keys({k: chat.CHAT_DEFAULTS[k] for k in ("chat_template", "skip_b
 LOGGED = {"reward": ("reward", "rewarded"), "frac_equal_groups": ("equal", "groups"), "kl": ("kl", "tokens"),
           "clip_low": ("clip_low", "clip_count"), "clip_high": ("clip_high", "clip_count"),
           "t_rollout": ("t_rollout", "steps"), "t_reward": ("t_reward", "steps"), "t_learn": ("t_learn", "steps")}
+CISPO = {**{k: v for k, v in LOGGED.items() if k[:4] != "clip"}, "cispo_clip": ("clip_high", "clip_count")}  # TRL's
 RESUME_FREE = ("eval_prompts", "dead_steps", "eval_prompt_data", "eval_percent")  # a resumed run may change it (with lifecycle.RESUME_FREE)
 
 # ----------------------------------------------------------------------------- the math
@@ -146,8 +143,10 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type="dapo", eps_low=0.2, eps
         raise ValueError(f"loss_type={loss_type!r} must be one of {', '.join(LOSS_TYPES)}")
     with torch.no_grad():  # logged as TRL logs them: k3 (times the ratio with kl_ratio), clip fractions
         kl_sum = (kl * ratio if kl_ratio else kl) * mask  # per token; at sequence level per row (objectives.clip_sums)
-        sums = torch.cat([kl_sum.sum()[None], objectives.clip_sums(ratio, adv, mask, eps_low, eps_high)[[0, 1, 3]],
-                          mask.sum()[None]])
+        clip = objectives.clip_sums(ratio, adv, mask, eps_low, eps_high - 1 if loss_type == "cispo" else eps_high)
+        if loss_type == "cispo":  # TRL's cispo_clip_ratio: the ratio above the cap itself (A > 0); no low clip
+            clip[0] = 0
+        sums = torch.cat([kl_sum.sum()[None], clip[[0, 1, 3]], mask.sum()[None]])
     return loss, sums  # [kl, clipped low, clipped high, what the clip fractions count, tokens]
 
 
@@ -271,9 +270,10 @@ def check(cfg, grid):
     need(G >= 2, f"group_size={G} must be >= 2 (advantages compare samples of one prompt)")
     need(cfg.batch_size % G == 0, f"batch_size={cfg.batch_size} (completions per step): a multiple of group_size={G}")
     need(0 <= cfg.clip_low < 1 and cfg.clip_high >= 0, f"clip_low={cfg.clip_low} must be in [0, 1), clip_high >= 0")
-    need(cfg.beta >= 0 and cfg.temperature > 0, f"beta={cfg.beta} must be >= 0 and temperature={cfg.temperature} > 0")
-    need(min(cfg.max_new_tokens, cfg.grpo_epochs, cfg.train_prompts, cfg.dead_steps) >= 1,
-         "max_new_tokens, grpo_epochs, train_prompts and dead_steps must be >= 1")
+    for key, ok, rule in (("beta", cfg.beta >= 0, ">= 0"), ("temperature", cfg.temperature > 0, "> 0: rollouts sample"),
+                          *((k, getattr(cfg, k) >= 1, ">= 1") for k in ("max_new_tokens", "grpo_epochs", "train_prompts",
+                                                                        "dead_steps"))):
+        need(ok, f"{key}={getattr(cfg, key)} must be {rule}")  # (one line naming the key that is wrong)
     need(not (cfg.prompt_data and cfg.task_args), "task_args set the task; prompt_data replaces the task: give one")
     need(not cfg.eval_prompt_data or cfg.prompt_data, "eval_prompt_data is held out from prompt_data: set both")
     need(cfg.ep == 1, f"ep={cfg.ep}: expert-parallel ranks would stop decoding at different steps; use ep=1")
@@ -379,7 +379,7 @@ def main(argv):
             say(f"first step done {clock.since_start():.1f} s after start")
         if step % cfg.log_every == 0 or step == last:  # means over the steps since the last log line
             n = tally["steps"] * P * G
-            m = {k: tally[a] / max(tally[b], 1) for k, (a, b) in LOGGED.items()}
+            m = {k: tally[a] / max(tally[b], 1) for k, (a, b) in (CISPO if cfg.loss_type == "cispo" else LOGGED).items()}
             m.update(len=tally["gen_tokens"] / n, truncated=tally["truncated"] / n, grad_norm=float(norm), lr=lr,
                      gen_tok_s=tally["gen_tokens"] / tally["t_rollout"], **logs.means(judged_tally, grid.data_group, device))
             logger.report(step, m, cfg.max_steps, say)

@@ -540,7 +540,8 @@ def test_main_rollout_copy_and_reward_plot(tmp_path, monkeypatch):
 def test_trl_policy_types_and_logged_metrics():
     """cispo and sapo through grpo.policy_loss are objectives.policy_loss's (objectives' tests hold them to
     TRL's GRPOTrainer); the logged KL is k3 times the ratio (kl_ratio, as TRL logs it) and sequence-level
-    clip fractions count rows, as objectives.kl_sums / clip_sums compute them."""
+    clip fractions count rows, as objectives.kl_sums / clip_sums compute them; cispo's clip fraction is TRL's
+    cispo_clip_ratio (the ratio above the cap itself, A > 0), by hand."""
     from posttrain import objectives
     g = torch.Generator().manual_seed(0)
     B, N = 4, 6
@@ -554,3 +555,22 @@ def test_trl_policy_types_and_logged_metrics():
     ratio = (((logp - old) * mask).sum(-1) / mask.sum(-1)).exp()[:, None]
     assert torch.allclose(sums[0], objectives.kl_sums(logp, ref, mask, ratio)[0])
     assert torch.equal(sums[1:4], objectives.clip_sums(ratio, adv, mask, 0.01)[[0, 1, 3]]) and sums[3] == B
+    # cispo: TRL's cispo_clip_ratio counts tokens whose ratio is above the cap itself (eps_high), with A > 0
+    _, sums = grpo.policy_loss(logp, old, adv, mask, loss_type="cispo", eps_high=1.02)
+    r = (logp - old).exp()
+    want = (((r > 1.02) & (adv[:, None] > 0)) * mask).sum()
+    assert sums[1] == 0 and sums[2] == want and sums[3] == mask.sum() and 0 < want < mask.sum()
+
+
+@pytest.mark.parametrize("key,value,says", [("temperature", 0.0, "temperature=0.0 must be > 0: rollouts sample"),
+                                            ("beta", -0.1, "beta=-0.1 must be >= 0"),
+                                            ("max_new_tokens", 0, "max_new_tokens=0 must be >= 1"),
+                                            ("dead_steps", 0, "dead_steps=0 must be >= 1")])
+def test_check_names_the_one_key_that_is_wrong(key, value, says):
+    """grpo.check's message names the key the user set wrong, and no other."""
+    import config
+    import parallel
+    cfg = grpo_cfg(**{key: value})
+    with pytest.raises(config.ConfigError) as e:
+        grpo.check(cfg, parallel.init(grpo_cfg()))
+    assert str(e.value) == says
