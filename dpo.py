@@ -346,7 +346,7 @@ def main(argv):
         say("the reference is the one DPO started with (its held-out log-probs as then)")
     logger = logs.Logger(cfg, grid)
     probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
-    held_out, saved = {}, {}  # the held-out metric at the first and latest evaluation; the latest checkpoint
+    held_out, saved = lease.held, {}  # the held-out metric at the run's first and latest evaluation; the latest checkpoint
 
     def evaluate():  # held-out metrics: eval_ + TRL's names
         pol = policy_logps(net, seqs, held_ids, cfg, grid, autocast).T.flatten()

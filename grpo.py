@@ -317,7 +317,7 @@ def main(argv):
     trainer, step = lifecycle.resume(lease, net, say)  # prompts and sampling seeds follow from the step
     logger = logs.Logger(cfg, grid)
     probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
-    held, saved = {}, {}  # the held-out metric at the first and latest evaluation; the latest checkpoint
+    held, saved = lease.held, {}  # the held-out metric at the run's first and latest evaluation; the latest checkpoint
 
     def rewards_of(r, items, which):
         """prompts.judge of r's completions: (rewards (N,), NaN where none; {key: [sum, count]} to log)."""

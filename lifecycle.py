@@ -207,6 +207,7 @@ class Lease:
     resume_from: str | None  # the checkpoint to load, or None: start from scratch
     run_id: str | None       # pass to save(): the lineage this run's checkpoints belong to
     notes: list = field(default_factory=list)  # lines to print once: skipped checkpoints, moved files, changes
+    held: dict = field(default_factory=dict)   # the held-out metric (track_held): its first value is in checkpoints
 
 
 def open_run(cfg, free=()):
@@ -350,6 +351,8 @@ def resume(lease, net, say):
     if net.scaler is not None and "scaler" in trainer:
         net.scaler.load_state_dict(trainer["scaler"])
     checkpoint.set_rng_state(trainer, net.grid.rank)
+    if trainer.get("held_before"):  # the run's first held-out value: summary's "before", not the resumed step's
+        lease.held["before"] = tuple(trainer["held_before"])
     say(f"resumed from {lease.resume_from} at step {trainer['step']}")
     return trainer, trainer["step"]
 
@@ -359,7 +362,9 @@ def save(net, cfg, lease, step, loader_state=None, extra=None, optimizer=True):
     (its path on rank 0, the full weights). extra(weights) -> a function writing more files into the
     checkpoint folder (a LoRA run's PEFT adapter), or None."""
     full, optim_state = net.full_state(optimizer)
-    state = {"scaler": net.scaler.state_dict()} if net.scaler is not None else None  # fp16: resume exactly
+    state = {"scaler": net.scaler.state_dict()} if net.scaler is not None else {}  # fp16: resume exactly
+    if "before" in lease.held:
+        state["held_before"] = list(lease.held["before"])
     path = checkpoint.save(cfg.out_dir, step, full, optim_state, cfg, loader_state, cfg.keep_last, net.grid.rank,
                            run_id=lease.run_id, extra=extra(full) if extra else None,
                            sole_writer=lease.lock is not None, state=state)

@@ -121,7 +121,7 @@ def main(argv):
     logger = logs.Logger(cfg, grid)
     probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
     nbytes = scoring.token_bytes(tok).to(grid.device) if cfg.eval_every and fam.bits_per_byte else None
-    held = {}  # the held-out loss at the first and the latest evaluation
+    held = lease.held  # the held-out loss at the run's first and its latest evaluation
 
     @torch.no_grad()
     def evaluate():

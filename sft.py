@@ -206,7 +206,7 @@ def main(argv):
     say(f"model: {raw.num_params() / 1e6:.2f}M parameters, {n_train / 1e6:.3f}M trained")
     logger = logs.Logger(cfg, grid)
     probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
-    held, saved = {}, {}  # the held-out metric at the first and latest evaluation; the latest checkpoint
+    held, saved = lease.held, {}  # the held-out metric at the run's first and latest evaluation; the latest checkpoint
 
     def evaluate():
         """The task's held-out accuracy (greedy answers) and chat_data's held-out loss."""

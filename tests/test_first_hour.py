@@ -342,6 +342,23 @@ def test_pretrain_says_its_validation_tokens_and_ends_with_a_summary(tmp_path, c
     assert line.endswith(f"final checkpoint {out / 'step_000002'}") and (out / "step_000002" / "complete.json").exists()
 
 
+def test_summary_after_a_resume_keeps_the_runs_first_value(tmp_path, capsys):
+    """Stopped at step 2 and resumed to 4, the closing line's "before" is the run's first held-out loss
+    (step 0, kept in the checkpoint), not the resumed step's."""
+    import pretrain
+    out, args = tmp_path / "run", ["--max_docs=40", "--tokenizer_vocab=512", "--n_layer=1", "--n_head=2", "--n_embd=32",
+                                   "--block_size=32", "--batch_size=2", "--micro_batch_size=2", "--max_steps=4",
+                                   "--eval_every=2", "--eval_batches=2", "--sample_tokens=0", "--progress=False",
+                                   "--device=cpu", "--threads=1", "--ckpt_every=2", f"--data_dir={tmp_path / 'data'}"]
+    pretrain.main(args + [f"--out_dir={out}", "--stop_at=2"])
+    capsys.readouterr()
+    pretrain.main(args + [f"--out_dir={out}", "--resume"])
+    line = summary_line(capsys.readouterr().out)
+    vals = [(r["step"], r["val_loss"]) for r in map(json.loads, open(out / "train_metrics.jsonl")) if "val_loss" in r]
+    (s0, v0), (s1, v1) = vals[0], vals[-1]
+    assert (s0, s1) == (0, 4) and f"held-out validation loss {v0:.4f} (step 0) -> {v1:.4f} (step 4)" in line, line
+
+
 def test_sft_on_own_data_holds_out_a_slice(tmp_path, capsys):
     """SFT on the user's chat_data (no task) holds out every 1/held_out-th conversation, says so, reports
     its loss before and after in the summary line, and warns when the steps read past ~10 epochs."""
