@@ -202,6 +202,8 @@ def to_messages(record, fmt):
     answers = [m for m in messages if m["role"] == "assistant"]
     _bad(answers, "no_assistant", "no assistant turn: nothing to train on")
     _bad(all(m["content"].strip() for m in answers), "empty_answer", "an assistant message is empty")
+    if isinstance(record.get("answer"), (str, int, float)) and messages[-1]["role"] == "assistant":
+        messages[-1] = {**messages[-1], "answer": str(record["answer"])}  # a checkable answer (sft's held-out accuracy)
     return messages
 
 

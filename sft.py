@@ -81,9 +81,9 @@ def check(cfg, grid):
 
 
 def load_data(cfg, task, tok, template, T, fam):
-    """-> (rows, held-out rows, counts, conversations): the training rows (fam.rows: chat.pack's, or the
-    family's), chat_data's held-out rows (every 1/held_out-th conversation, packed), and what was
-    skipped / dropped."""
+    """-> (rows, held-out rows, counts, conversations, held-out conversations): the training rows (fam.rows:
+    chat.pack's, or the family's), chat_data's held-out rows (every 1/held_out-th conversation, packed), and
+    what was skipped / dropped."""
     if cfg.chat_data:
         convs, counts = chat.read_conversations(cfg.chat_data, cfg.chat_format, skip_bad=cfg.skip_bad_records,
                                                 limit=cfg.chat_limit)
@@ -96,7 +96,7 @@ def load_data(cfg, task, tok, template, T, fam):
     convs = [c for i, c in enumerate(convs) if not (every and i % every == every - 1)]
     rows, dropped = fam.rows(convs, tok, template, T, cfg.pack)  # pack=False: one per row, padded
     held_rows = fam.rows(held, tok, template, T, True)[0] if held else []
-    return rows, held_rows, counts + dropped, convs
+    return rows, held_rows, counts + dropped, convs, held
 
 
 @torch.no_grad()
@@ -172,8 +172,10 @@ def main(argv):
     lifecycle.preflight(cfg, grid)  # the GPUs and the memory plan, said once (--gpu_memory: the plan, then exit)
     T = fam.row_length(cfg)
     task = tasks.get(cfg.task, cfg.task_args) if cfg.task else None
-    rows, held_rows, counts, convs = load_data(cfg, task, tok, template, T, fam)
+    rows, held_rows, counts, convs, held_convs = load_data(cfg, task, tok, template, T, fam)
     items = task.test(cfg.n_eval, cfg.seed) if task and cfg.n_eval else []
+    if not items and cfg.n_eval:  # your own data: the held-out conversations whose answers can be checked
+        task, items = tasks.OwnAnswers(), tasks.OwnAnswers.items(held_convs)[:cfg.n_eval]
     accum = cfg.batch_size // (cfg.micro_batch_size * grid.data_world)
     if len(rows) < cfg.batch_size:
         raise config.ConfigError(f"{len(rows)} training rows (from {len(convs)} conversations) cannot fill one global "
@@ -221,7 +223,7 @@ def main(argv):
             lifecycle.track_held(held, step, m[key])
             parts = [f"validation loss {m['val_loss']:.4f} ({len(held_rows)} rows)"] if held_rows else []
             if items:  # rank 0 always has an example
-                parts.append(f"accuracy {m['accuracy']:.1%} of {len(items)} {cfg.task} items | e.g. "
+                parts.append(f"accuracy {m['accuracy']:.1%} of {len(items)} {task.name} items | e.g. "
                              + " -> ".join(map(repr, example or ())))
             say(f"step {step} | held-out " + " | ".join(parts))
 

@@ -589,6 +589,30 @@ class HumanEval(CodeTask):
         return items[:n]
 
 
+class OwnAnswers(Task):
+    """A user's own held-out conversations (sft.py's chat_data) whose last answer carries a checkable final
+    answer (GSM8K's `#### N`, a `\\boxed{}`, `<answer>`, "the answer is"; or the record's `answer` field):
+    the prompt is the conversation before that answer, the reward 1 when the completion's final answer
+    (rewards.lenient_answer) equals it (rewards.math_equal). items() keeps the conversations that have one."""
+    name = "own answers"
+
+    @staticmethod
+    def items(conversations):
+        out = []
+        for conv in conversations:
+            last = conv[-1] if conv and conv[-1]["role"] == "assistant" else None
+            gold = last and (last.get("answer") and rewards.extract_answer(f"#### {last['answer']}")
+                             or rewards.extract_answer(last["content"]))
+            if gold:
+                out.append({"prompt": [{"role": m["role"], "content": m["content"]} for m in conv[:-1]],
+                            "answer": gold})
+        return out
+
+    def reward(self, completion, item):  # the final answer wherever it is (its marker, else its last number)
+        got = rewards.lenient_answer(completion)
+        return float(got is not None and rewards.math_equal(item["answer"], got))
+
+
 class TaskError(UserError, ValueError):
     """A task name or setting that cannot work."""
 

@@ -52,11 +52,11 @@ def write_jsonl(path, rows):
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def rigged_chat_checkpoint(out_dir):
+def rigged_chat_checkpoint(out_dir, direct=False):
     """An SFT-like checkpoint (chat keys in its config, vocabulary 512 + the two ChatML tokens) whose
     model is a bigram table: blocks add nothing, so the logits depend on the last token only. After
-    any other token it says <|im_start|>, after that '7', after '7' <|im_end|> (and then it starts
-    over). -> (tok, seven, model)."""
+    any other token it says <|im_start|> (direct: '7' at once), after that '7', after '7' <|im_end|>
+    (and then it starts over). -> (tok, seven, model)."""
     import sft
     cfg = config.load(SHAPE, extra=sft.EXTRA)
     tok, _ = chat.setup(cfg)
@@ -76,7 +76,7 @@ def rigged_chat_checkpoint(out_dir):
         emb[seven] = 0.0
         emb[seven, 2] = 1.0                      # '7': direction 2
         head.zero_()
-        head[start, 0] = head[seven, 1] = head[end, 2] = 10.0
+        head[seven if direct else start, 0] = head[seven, 1] = head[end, 2] = 10.0
     checkpoint.save(str(out_dir), 1, model.state_dict(), None, cfg)
     return tok, seven, model
 
@@ -357,6 +357,28 @@ def test_summary_after_a_resume_keeps_the_runs_first_value(tmp_path, capsys):
     vals = [(r["step"], r["val_loss"]) for r in map(json.loads, open(out / "train_metrics.jsonl")) if "val_loss" in r]
     (s0, v0), (s1, v1) = vals[0], vals[-1]
     assert (s0, s1) == (0, 4) and f"held-out validation loss {v0:.4f} (step 0) -> {v1:.4f} (step 4)" in line, line
+
+
+def test_sft_on_own_data_reports_held_out_accuracy(tmp_path, capsys):
+    """SFT on the user's GSM8K-style chat_data (no task): the held-out conversations whose answers can be
+    checked (`#### N`, or the record's `answer` field, which wins) are answered greedily before and after,
+    and their accuracy is reported and summarised. The rigged model always answers 7: of the two held-out
+    problems (golds 7 from the answer field, 19) it gets one, 50%, worked by hand."""
+    import sft
+    rigged_chat_checkpoint(tmp_path / "init", direct=True)
+    data = tmp_path / "gsm.jsonl"
+    write_jsonl(data, [{"prompt": f"Tom has {i} apples. How many?", "completion": f"He has {i}.\n#### {i}",
+                        **({"answer": "7"} if i == 9 else {})} for i in range(20)])
+    out = tmp_path / "sft"
+    capsys.readouterr()
+    sft.main([f"--init_from={tmp_path / 'init'}", f"--chat_data={data}", "--task=", "--held_out=0.1", "--pack=False",
+              "--batch_size=4", "--micro_batch_size=4", "--max_steps=1", "--lr=1e-9", "--warmup_steps=0",
+              "--progress=False", "--device=cpu", "--threads=1", f"--out_dir={out}"])
+    text = capsys.readouterr().out
+    assert "step 0 | held-out validation loss" in text and "| accuracy 50.0% of 2 own answers items" in text, text
+    acc = [(r["step"], r["accuracy"]) for r in map(json.loads, open(out / "train_metrics.jsonl")) if "accuracy" in r]
+    assert acc == [(0, 0.5), (1, 0.5)]
+    assert "held-out accuracy 50.0% (step 0) -> 50.0% (step 1)" in summary_line(text)
 
 
 def test_sft_on_own_data_holds_out_a_slice(tmp_path, capsys):
