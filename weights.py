@@ -401,19 +401,19 @@ def configure_chat(cfg, world):
 
 def build_model(cfg, grid, frozen=False):
     """The full model of cfg (its family's) on grid.device, before parallelize lays it out; the same on
-    every rank. Random initial weights (no init_from, or a full fine-tuning whose weights loader
-    overwrites): built on the CPU in fp32 from cfg.seed, then moved (the same weights on any machine).
-    A LoRA run from init_from: built straight into the frozen base's storage dtype on the device
-    (materialize.build, no fp32 copy anywhere; loader fills every tensor), QLoRA's block linears on
-    the host until qlora.quantize takes them to the GPU in 4 bits. frozen: no gradients (a
-    reference model; never QLoRA)."""
+    every rank. Weights trained in fp32 (pretraining, full fine-tuning, a LoRA base kept in fp32): built
+    on the CPU in fp32 from cfg.seed, then moved (the same weights on any machine). A LoRA base in bf16 /
+    NF4, or any LoRA run from init_from: built straight into the frozen base's storage dtype on the
+    device (materialize.build, no fp32 copy anywhere; init_from's loader fills every tensor, else the
+    initial weights are drawn there), QLoRA's block linears on the host until qlora.quantize takes them
+    to the GPU in 4 bits. frozen: no gradients (a reference model; never QLoRA)."""
     torch.manual_seed(cfg.seed)
     fam = family(cfg)
     mcfg = fam.model_config(cfg)
-    if cfg.lora_r and cfg.init_from:  # (LoRA adapts the decoder: another family's model_config refuses it)
+    dtype = materialize.storage_dtype(cfg, parallel.amp_dtype(cfg, grid.device)) if cfg.lora_r else torch.float32
+    if cfg.lora_r and (cfg.init_from or dtype != torch.float32):  # (LoRA adapts the decoder only: model_config)
         host = cfg.lora_base_dtype == "nf4" and grid.device.type == "cuda" and not frozen
-        dtype = materialize.storage_dtype(cfg, parallel.amp_dtype(cfg, grid.device))
-        model = materialize.build(mcfg, grid.device, dtype, init=False,
+        model = materialize.build(mcfg, grid.device, dtype, init=not cfg.init_from,
                                   linear_device="cpu" if host else None)
     else:
         model = fam.Model(mcfg).to(grid.device)

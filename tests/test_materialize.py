@@ -10,6 +10,8 @@ Proves:
 - init=True: norms are ones, matrices are N(0, init_std) (std within 10%); linear_device places the
   blocks' linears apart from the rest; the QLoRA path (bf16 build, HF weights, lora.apply,
   qlora.quantize) gives the logits of the same path from hf.load_hf;
+- weights.build_model (the stages' build): a random LoRA base in bf16 is built in bf16 (peak = its size); an
+  fp32 LoRA base and full training keep the CPU-built fp32 model bitwise;
 - embed_on_host (parallelize -> host_embedding): a LoRA run with a token row trained (train_tokens'
   hook on the embedding) gives bitwise the losses and adapters of the same run without it over 3
   steps; the table is a HostEmbedding that .to() / .double() leave in place, with the same state-dict
@@ -64,6 +66,28 @@ def test_peak_is_the_model():
     devices = {n: p.device.type for n, p in apart.named_parameters()}
     assert all((d == "meta") == (n.startswith("blocks.") and n.endswith(("qkv.weight", "proj.weight", "fc.weight")))
                for n, d in devices.items())
+
+
+def test_stage_builds_a_random_lora_base_in_its_storage_dtype():
+    """weights.build_model, the stage scripts' build: LoRA over a bf16 base without init_from (random
+    weights, sft.py --init_from=) is built straight in bf16, peaking at its own size, never the fp32
+    model; a LoRA base kept in fp32 and full training keep the CPU-built fp32 model (bitwise today's)."""
+    import weights
+    kw = dict(vocab_size=1000, n_layer=8, n_head=4, n_embd=64, block_size=64, device="cpu", init_from="")
+    cfg = train_cfg(kw, lora_r=4, lora_base_dtype="bfloat16", dtype="bfloat16")
+    grid = parallel.init(cfg)
+    with PeakBytes() as built:
+        m = weights.build_model(cfg, grid)
+    size = sum(p.numel() * p.element_size() for p in m.parameters()) + 2 * 64 * 8 * 4  # + fp32 RoPE tables
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16} and built.peak <= size * 1.02, (built.peak, size)
+    w = m.blocks[0].mlp.fc.weight.float()
+    assert abs(w.std().item() - m.cfg.init_std) < 0.1 * m.cfg.init_std
+    for other in (dict(lora_r=4), dict(lora_r=0)):  # fp32: the CPU-built model from the seed
+        c = train_cfg(kw, **other)
+        torch.manual_seed(c.seed)
+        want = Transformer(ModelConfig.from_cfg(c)).state_dict()
+        got = weights.build_model(c, parallel.init(c)).state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_qlora_path_equals_load_hf(tmp_path):
