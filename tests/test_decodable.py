@@ -30,6 +30,7 @@ import eval as ev
 import generate
 import grpo
 import hf
+import lifecycle
 import pretrain
 import sample
 import sft
@@ -172,7 +173,7 @@ def test_eval_and_sample_emit_only_decodable_ids(tmp_path, capsys):
                    "--device=cpu", f"--results={tmp_path / 'res.json'}"])
     assert res["gsm8k"]["n"] == 4
     cfg = config.load(["--tokenizer=cl100k_base", "--tokenizer_vocab=300", f"--vocab_size={SMALL.n_vocab + 3}",
-                       *(f"--{k}={v}" for k, v in TINY.items()), "--device=cpu"])
+                       *(f"--{k}={v}" for k, v in TINY.items()), "--device=cpu"], extra=lifecycle.TRAIN)
     checkpoint.save(str(tmp_path / "ckpt"), 1, model.state_dict(), None, cfg)
     capsys.readouterr()
     for args in (["--prompt=the cat", "--n=3", "--temperature=1.0"], ["--temperature=0"]):
@@ -224,7 +225,7 @@ def test_grpo_on_gsm8k_data_from_the_full_vocabulary(tmp_path):
     chat = FULL.with_chat(tokenizer.CHAT_TOKENS, tokenizer.CHAT_TOKENS[-1])
     model, banned = decoder(chat, extra=1)
     cfg = config.load(["--tokenizer=cl100k_base", f"--vocab_size={chat.n_vocab + 1}",
-                       *(f"--{k}={v}" for k, v in TINY.items()), "--device=cpu"])
+                       *(f"--{k}={v}" for k, v in TINY.items()), "--device=cpu"], extra=lifecycle.TRAIN)
     checkpoint.save(str(tmp_path / "init"), 1, model.state_dict(), None, cfg)
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text("".join(json.dumps({"question": f"Tom has {a} apples and buys {a + 3} more. How many now?",
