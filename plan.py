@@ -99,6 +99,13 @@ def count(cfg):
 
 # ----------------------------------------------------------------------------- activations
 
+def stream_bytes(cfg, compute=2):
+    """Bytes per value of the residual stream: fp32 when fp32_residual and the embedding's output is fp32;
+    a LoRA base stored in bf16 / NF4 hands the blocks a bf16 stream whatever fp32_residual says."""
+    low_base = cfg.lora_r and cfg.lora_base_dtype != "float32"
+    return 4 if compute == 4 or (ModelConfig.from_cfg(cfg).fp32_residual and not low_base) else 2
+
+
 def block_bytes(cfg, tp=1, compute=2, part="all", fused_norm=True):
     """Bytes autograd keeps per token for one block of model.py (prenorm), by the ops it runs under
     autocast (compute = 2: bf16 activations, fp32 residual stream; 4: fp32). part: "attn", "mlp"
@@ -107,11 +114,12 @@ def block_bytes(cfg, tp=1, compute=2, part="all", fused_norm=True):
     the weight's gradient). Each term names the tensor it is."""
     m = ModelConfig.from_cfg(cfg)
     C, H, KV, D, F = m.n_embd, m.n_head // tp, max(1, m.kv_heads // tp), m.head_dim, m.hidden // tp
-    a, res = compute, 4 if (m.fp32_residual or compute == 4) else 2
-    cast = C * a if a == 2 else 0  # autocast's bf16 copy of an fp32 input (fp32 compute: the input itself)
+    a = compute
+    cast = C * a if a == 2 else 0  # the first matmul's bf16 input (autocast's copy, or a bf16 stream's norm output)
     rms = m.norm == "rmsnorm"
-    # a norm keeps its input, rstd (LayerNorm: + mean) and, composite with its weight trained, the normalised input
-    norm = res * C + (4 if rms else 8) + (4 * C if rms and not cfg.lora_r and not fused_norm else 0)
+    # a norm keeps its fp32 input (a bf16 stream's too: RMSNorm's x.float(), autocast's fp32 layer_norm), rstd
+    # (LayerNorm: + mean) and, composite with its weight trained, the normalised input
+    norm = 4 * C + (4 if rms else 8) + (4 * C if rms and not cfg.lora_r and not fused_norm else 0)
     r = cfg.lora_r or 0
     attn = norm + (cast or 4 * C) + a * (H + 2 * KV) * D + 4 * H + a * H * D  # ..., bf16 input, qkv out, lse, out
     if m.pos_emb == "rope":
@@ -140,7 +148,7 @@ def activations(cfg, tokens, tp=1, compute=2, fused_norm=True):
     m = ModelConfig.from_cfg(cfg)
     mode, every = recompute_of(cfg)
     full = block_bytes(cfg, tp, compute, fused_norm=fused_norm)
-    res = 4 if (m.fp32_residual or compute == 4) else 2
+    res = stream_bytes(cfg, compute)  # a checkpointed part keeps its input: the stream, or its norm's output (same dtype)
     n_ck = -(-m.n_layer // every) if mode else 0  # blocks 0, every, 2 every, ... are checkpointed
     if mode == "block":  # the block's input only
         kept, redo = res * m.n_embd, full
@@ -153,6 +161,8 @@ def activations(cfg, tokens, tp=1, compute=2, fused_norm=True):
         kept, redo = kept - res * m.n_embd, redo + 2 * res * m.n_embd  # its own is back and the next one's coming
     final = block_bytes(cfg, tp, compute, "norm", fused_norm) + (2 * m.n_embd if compute == 2 else 0)  # norm_f, the head's input
     saved = tokens * ((m.n_layer - n_ck) * full + n_ck * kept + final)
+    if cfg.lora_r and mode != "block":  # a frozen embedding: the first norm's input needs no gradient, nothing kept
+        saved -= tokens * block_bytes(cfg, tp, compute, "norm", fused_norm)
     return saved, tokens * redo
 
 
@@ -162,7 +172,7 @@ def offloaded_bytes(cfg, tokens):
     mode, every = recompute_of(cfg)
     if not (mode and cfg.offload_activations):
         return 0
-    res = 4 if (m.fp32_residual or compute_bytes(cfg) == 4) else 2
+    res = stream_bytes(cfg, compute_bytes(cfg))
     return tokens * -(-m.n_layer // every) * res * m.n_embd
 
 
@@ -321,13 +331,13 @@ def _halve_batch(cfg):
 # (knob, applies to cfg, change): cheapest in speed first
 LADDER = [
     ("loss_chunk=1024 (chunked loss, no logits)", lambda c, w: not c.loss_chunk, _set(loss_chunk=1024)),
-    ("fp32_residual=False (bf16 residual stream)", lambda c, w: c.fp32_residual and c.dtype != "float32",
-     _set(fp32_residual=False)),
     ("lora_base_dtype=bfloat16", lambda c, w: c.lora_r and c.lora_base_dtype == "float32", _set(lora_base_dtype="bfloat16")),
     ("data_parallel=fsdp", lambda c, w: w // c.tp > 1 and c.data_parallel != "fsdp" and not c.zero1,
      _set(data_parallel="fsdp")),
     ("recompute=mlp (recompute the MLPs)", lambda c, w: not c.grad_checkpoint and not c.recompute,
      _set(recompute="mlp", recompute_every=1)),
+    ("fp32_residual=False (checkpointed inputs in bf16)", lambda c, w: c.fp32_residual and c.dtype != "float32",
+     _set(fp32_residual=False)),
     ("grad_checkpoint=True (recompute whole blocks)", lambda c, w: not c.grad_checkpoint,
      _set(grad_checkpoint=True, recompute="")),
     ("offload_activations=True (block inputs in host memory)", lambda c, w: (c.grad_checkpoint or c.recompute)
