@@ -338,8 +338,8 @@ LADDER = [
      _set(recompute="mlp", recompute_every=1)),
     ("fp32_residual=False (checkpointed inputs in bf16)", lambda c, w: c.fp32_residual and c.dtype != "float32",
      _set(fp32_residual=False)),
-    ("grad_checkpoint=True (recompute whole blocks)", lambda c, w: not c.grad_checkpoint,
-     _set(grad_checkpoint=True, recompute="")),
+    ("recompute=block (whole blocks, not only MLPs)", lambda c, w: not c.grad_checkpoint
+     and c.recompute != "block", _set(recompute="block", recompute_every=1)),
     ("offload_activations=True (block inputs in host memory)", lambda c, w: (c.grad_checkpoint or c.recompute)
      and not c.offload_activations, _set(offload_activations=True)),
     ("embed_on_host=True (the frozen token embedding in host memory)", lambda c, w: c.lora_r and not c.embed_on_host
@@ -389,6 +389,9 @@ def advice(cfg, world=1, gpu_gb=0.0, decode=None):
         out += [f"  + {knob:<50} -> {t['total'] / GiB:6.2f} GiB" for knob, _, t in steps]
         if not steps or steps[-1][2]["total"] > gpu_gb * GiB:
             out.append("  still too large: more GPUs (data_parallel=fsdp, tp), a shorter seq_len, or a smaller model")
+        if steps:  # the keys as they end up (a later knob may replace an earlier one's value)
+            last = vars(steps[-1][1])
+            out.append("  run with: " + " ".join(f"--{k}={v}" for k, v in last.items() if vars(cfg).get(k) != v))
     return out
 
 

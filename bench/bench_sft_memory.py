@@ -76,13 +76,9 @@ def planned(cmd, cap):
     out = subprocess.run([sys.executable, *cmd, f"--gpu_memory={cap}"], cwd=ROOT, capture_output=True, text=True,
                          timeout=900).stdout
     peak = float(re.search(r"^  peak\s+([\d.]+) GiB", out, re.M).group(1))
-    knobs, last = [], peak
-    for knob, gib in re.findall(r"^  \+ (\S+) .*->\s+([\d.]+) GiB", out, re.M):
-        if last <= cap:
-            break
-        knobs.append(f"--{knob}")
-        last = float(gib)
-    return last, knobs, out
+    steps = re.findall(r"^  \+ .*->\s+([\d.]+) GiB", out, re.M)
+    run_with = re.search(r"^  run with: (.*)$", out, re.M)
+    return (float(steps[-1]) if steps else peak), (run_with.group(1).split() if run_with else []), out
 
 
 def measure(cmd, cap, steps, timeout):

@@ -229,7 +229,10 @@ def test_gpu_memory_prints_the_plan_and_exits_before_work(tmp_path):
     assert not out.exists() and not data.exists()
     r = pretrain([f"--out_dir={out}", f"--data_dir={data}", "--gpu_memory=1e-6"])
     assert "does NOT fit" in r.stdout and "to fit 1e-06 GiB, in order of expected cost in speed:" in r.stdout
-    assert "+ fp32_residual=False (bf16 residual stream)" in r.stdout and "still too large" in r.stdout
+    assert "+ fp32_residual=False (checkpointed inputs in bf16)" in r.stdout and "still too large" in r.stdout
+    # the keys as they end up: recompute=block replaced recompute=mlp (a user pastes one line)
+    run_with = [ln for ln in r.stdout.splitlines() if ln.startswith("  run with: ")]
+    assert len(run_with) == 1 and "--recompute=block" in run_with[0] and "--recompute=mlp" not in run_with[0]
     assert "+ loss_chunk" not in r.stdout  # 64 tokens: the chunked loss's head buffers outweigh the logits it saves
     assert not out.exists() and not data.exists()
     r = script("sft.py", ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64", "--tokenizer_vocab=512",
