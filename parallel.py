@@ -583,7 +583,7 @@ def parallelize(model, grid, cfg, load=None, optimizer=True, compile_kwargs=None
         lora.apply(model, cfg, grid)  # freeze the base, add adapters cut like their base (lora.py)
         if cfg.lora_base_dtype == "nf4":  # the base in 4 bits, the rest frozen in the compute dtype
             qlora.quantize(model, double=cfg.qlora_double, rest_dtype=dtype, device=grid.device)
-    recompute.apply(model, cfg.recompute, cfg.recompute_every, cfg.offload_activations)  # "": no-op
+    recompute.apply(model, cfg.recompute, cfg.recompute_every, cfg.offload_activations, cfg.mlp_tile)  # "": no-op
     moe.expert_parallel(model, grid)  # EP: keep this rank's experts, set the groups (dense: no-op)
     trainable = any(p.requires_grad for p in model.parameters())
     dtype = amp_dtype(cfg, grid.device)

@@ -144,28 +144,33 @@ def recompute_of(cfg):
 
 def activations(cfg, tokens, tp=1, compute=2, fused_norm=True):
     """(bytes saved over every block and the final norm, bytes of one part recomputed in backward);
-    fused_norm: block_bytes'."""
+    fused_norm: block_bytes'. mlp_tile: every MLP keeps its input only, and one tile's internals are
+    rebuilt at a time (on top of a recomputed block's)."""
     m = ModelConfig.from_cfg(cfg)
     mode, every = recompute_of(cfg)
     full = block_bytes(cfg, tp, compute, fused_norm=fused_norm)
     res = stream_bytes(cfg, compute)  # a checkpointed part keeps its input: the stream, or its norm's output (same dtype)
+    norm = block_bytes(cfg, tp, compute, "norm", fused_norm)
+    tile = 0
+    if cfg.mlp_tile:  # the MLP's internals (without its norm) become its input, one tile of them at a time in backward
+        mlp = block_bytes(cfg, tp, compute, "mlp", fused_norm) - norm
+        full, tile = full - mlp + res * m.n_embd, min(cfg.mlp_tile, tokens) * mlp
     n_ck = -(-m.n_layer // every) if mode else 0  # blocks 0, every, 2 every, ... are checkpointed
     if mode == "block":  # the block's input only
         kept, redo = res * m.n_embd, full
     elif mode in ("attn", "mlp"):  # the module's input (its norm's output) instead of its internals
-        part, norm = (block_bytes(cfg, tp, compute, k, fused_norm) for k in (mode, "norm"))
+        part = block_bytes(cfg, tp, compute, mode, fused_norm)
         kept, redo = full - part + norm + res * m.n_embd, part - norm
     else:
         kept, redo = full, 0
     if mode and cfg.offload_activations:  # each part's input waits on the host: in backward
         kept, redo = kept - res * m.n_embd, redo + 2 * res * m.n_embd  # its own is back and the next one's coming
-    final = block_bytes(cfg, tp, compute, "norm", fused_norm) + (2 * m.n_embd if compute == 2 else 0)  # norm_f, the head's input
+    final = norm + (2 * m.n_embd if compute == 2 else 0)  # norm_f, the head's input
     saved = tokens * ((m.n_layer - n_ck) * full + n_ck * kept + final)
     if cfg.lora_r and mode != "block":  # a frozen embedding: the first norm's input needs no gradient, nothing kept
-        saved -= tokens * block_bytes(cfg, tp, compute, "norm", fused_norm)
-    return saved, tokens * redo
-
-
+        saved -= tokens * norm
+    # a recomputed block's internals stay while its MLP's tiles are rebuilt; an attention's come after them
+    return saved, (tokens * redo + tile if mode == "block" else max(tokens * redo, tile))
 def offloaded_bytes(cfg, tokens):
     """Pinned host bytes of the inputs offload_activations keeps there (0 without it)."""
     m = ModelConfig.from_cfg(cfg)

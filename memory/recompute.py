@@ -12,6 +12,9 @@ Modes (config keys recompute / recompute_every; plan.py predicts per token and b
   "attn"   the attention keeps only its input (q, k, v, rotations, the output recomputed; with
            flash / efficient SDPA there are no T x T scores to save, so this saves less)
 every = k: blocks 0, k, 2k, ... are checkpointed, the others keep everything.
+mlp_tile = N (tokens; ALST's TiledMLP): every MLP runs over tiles of N tokens of the micro-batch and keeps
+only its input; backward recomputes one tile at a time (Tiled), so a long row's MLP never holds more than
+one tile's 4 x hidden values per token. With recompute=block the recomputed blocks' MLPs tile too.
 
 How: the chosen modules' forward is wrapped on the instance by Checkpointed: torch.utils.checkpoint
 (non-reentrant, RNG state preserved: dropout masks drawn again the same) in training forwards that
@@ -35,6 +38,7 @@ RECOMPUTE_DEFAULTS = dict(  # selective recompute's config keys
     recompute="",            # "" | block | attn | mlp: recompute that part of blocks in backward (recompute.py)
     recompute_every=1,       # recompute only blocks 0, k, 2k, ... (k = recompute_every)
     offload_activations=False,  # the inputs recomputed parts keep wait in pinned host memory (recompute.py)
+    mlp_tile=0,              # >0: MLPs run over tiles of this many tokens, each recomputed in backward (long rows)
 )
 RESUME_FREE = tuple(RECOMPUTE_DEFAULTS)  # a resumed run may change them (lifecycle.RESUME_FREE)
 
@@ -46,6 +50,11 @@ def check(cfg, world=1):
     need(not (cfg.recompute and cfg.grad_checkpoint),
          f"recompute='{cfg.recompute}' and grad_checkpoint=True both recompute (grad_checkpoint is recompute='block' "
          f"on every block): drop one")
+    need(cfg.mlp_tile >= 0, f"mlp_tile={cfg.mlp_tile} must be >= 0 (tokens per MLP tile; 0: no tiling)")
+    need(not (cfg.mlp_tile and cfg.n_experts), f"mlp_tile={cfg.mlp_tile} tiles dense MLPs; a mixture of experts routes "
+         f"over the whole micro-batch: drop mlp_tile")
+    need(not (cfg.mlp_tile and cfg.recompute == "mlp"),
+         f"mlp_tile={cfg.mlp_tile} already recomputes the MLPs (one tile at a time): drop recompute=mlp")
     need(not cfg.offload_activations or cfg.recompute or cfg.grad_checkpoint,
          "offload_activations=True moves what recomputed blocks keep to the host: set grad_checkpoint=True or "
          "recompute")
@@ -147,6 +156,57 @@ class Offloaded(torch.autograd.Function):
         return (None, None, dx, *grads)
 
 
+class Tiled(torch.autograd.Function):
+    """y = fn(x) over tiles of `tile` tokens (x: (..., C), tiled along its flattened tokens), keeping only x:
+    backward recomputes each tile under the forward's autocast and returns the gradients of x and of params
+    (fn's parameters that train), summed over the tiles. fn must act on each token alone (an MLP)."""
+
+    @staticmethod
+    def forward(ctx, fn, tile, x, *params):
+        ctx.fn, ctx.tile, ctx.params, ctx.x_grad = fn, tile, params, x.requires_grad
+        ctx.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
+        ctx.save_for_backward(x)
+        flat, out = x.reshape(-1, x.shape[-1]), None
+        with torch.no_grad():
+            for start in range(0, flat.shape[0], tile):
+                y = fn(flat[start:start + tile])
+                if out is None:  # the output, written tile by tile (no list of tiles and their concatenation)
+                    out = y.new_empty(flat.shape[0], y.shape[-1])
+                out[start:start + tile] = y
+        return out.view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        flat, dflat = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        dx = torch.empty_like(flat) if ctx.x_grad else None
+        sums = [None] * len(ctx.params)
+        for start in range(0, flat.shape[0], ctx.tile):
+            part = flat[start:start + ctx.tile].detach().requires_grad_(ctx.x_grad)
+            with torch.enable_grad(), torch.autocast(x.device.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
+                y = ctx.fn(part)
+            inputs = ((part,) if ctx.x_grad else ()) + tuple(ctx.params)
+            grads = list(torch.autograd.grad(y, inputs, dflat[start:start + ctx.tile], allow_unused=True))
+            if ctx.x_grad:
+                dx[start:start + ctx.tile] = grads.pop(0)
+            sums = [g if s is None else s if g is None else s.add_(g) for s, g in zip(sums, grads)]
+        return (None, None, None if dx is None else dx.view_as(x), *sums)
+
+
+class TiledForward:
+    """A module's forward over token tiles (Tiled) in training forwards that record gradients."""
+
+    def __init__(self, module, forward, tile):
+        self.module, self.forward, self.tile = module, forward, tile
+
+    @torch.compiler.disable  # a Python loop over tiles: runs eagerly (compile skips it)
+    def __call__(self, x):
+        if not (self.module.training and torch.is_grad_enabled()):
+            return self.forward(x)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        return Tiled.apply(self.forward, self.tile, x, *params)
+
+
 class Checkpointed:
     """A module's forward, recomputed in backward when it trains (see the module docstring); offloader:
     its input kept on the host meanwhile (Offloaded), where no other argument needs a gradient."""
@@ -179,10 +239,18 @@ def targets(model, mode, every):
     return [b if mode == "block" else getattr(b, mode) for b in blocks]
 
 
-def apply(model, mode="block", every=1, offload=False):
+def apply(model, mode="block", every=1, offload=False, mlp_tile=0):
     """Checkpoint `mode` ("block", "attn" or "mlp") of every `every`-th block of a model.Transformer,
     in place; mode "" does nothing. offload: their inputs on the host until backward (with
-    grad_checkpoint=True: every block's, which then goes through this file). Returns model."""
+    grad_checkpoint=True: every block's, which then goes through this file). mlp_tile > 0: every block's
+    MLP runs over tiles of that many tokens (Tiled). Returns model."""
+    if mlp_tile:
+        if mode == "mlp":
+            raise ValueError("mlp_tile already recomputes the MLPs: drop recompute='mlp'")
+        for block in model.blocks:
+            if isinstance(block.mlp.forward, (TiledForward, Checkpointed)):
+                raise ValueError("recompute.apply: this model's MLPs are wrapped already")
+            block.mlp.forward = TiledForward(block.mlp, block.mlp.forward, mlp_tile)
     if offload and model.cfg.grad_checkpoint and not mode:  # the same recompute, through Checkpointed
         model.cfg, mode, every = dataclasses.replace(model.cfg, grad_checkpoint=False), "block", 1
     if not mode:

@@ -138,7 +138,7 @@ def measured(cfg, T=24):
     model = Transformer(ModelConfig.from_cfg(cfg))
     if cfg.lora_r:
         lora.apply(model, cfg, parallel.init(cfg))
-    recompute.apply(model, cfg.recompute, cfg.recompute_every)
+    recompute.apply(model, cfg.recompute, cfg.recompute_every, mlp_tile=cfg.mlp_tile)
     seen = {}
 
     def pack(t):
@@ -170,11 +170,12 @@ def test_activations_equal_measured(kw):
                                 dict(grad_checkpoint=True, fp32_residual=False), dict(fp32_residual=False, lora_r=4),
                                 *(dict(lora_r=4, lora_base_dtype="bfloat16", **k) for k in (
                                     {}, dict(fp32_residual=False), dict(recompute="mlp"), dict(recompute="attn"),
-                                    dict(recompute="mlp", fp32_residual=False), dict(recompute="block")))])
+                                    dict(recompute="mlp", fp32_residual=False), dict(recompute="block"),
+                                    dict(mlp_tile=8), dict(mlp_tile=8, recompute="attn"))), dict(mlp_tile=8)])
 def test_activations_per_token_equal_measured(kw):
     """The bytes a forward keeps per token (the difference of two lengths: weight copies cancel) are
     the plan's exactly, for the knobs fit() recommends: a bf16 stream (its norms still keep an fp32
-    input), recomputed MLPs / attention / blocks, a LoRA base in bf16 (a bf16 stream whatever
+    input), recomputed MLPs / attention / blocks, tiled MLPs, a LoRA base in bf16 (a bf16 stream whatever
     fp32_residual says; the frozen embedding's first norm keeps nothing)."""
     cfg = train_cfg(TINY, **kw)
     (p1, _), (p2, _) = (plan.activations(cfg, 2 * T, 1, 2, fused_norm=False) for T in (12, 28))

@@ -13,9 +13,12 @@ Proves:
   checkpointed part) and are gone after it, and no input stays on its device between forward and
   backward (checkpointing without offload keeps them: the control); compiled (aot_eager) the same;
   without a recompute the setting is refused; on a GPU (side stream) offloaded = checkpointed = plain;
+- mlp_tile (recompute.Tiled, MLPs over token tiles, one recomputed at a time): the loss and every gradient
+  equal the untiled model's (relative 1e-6: matmuls over fewer rows) for tiles that divide the tokens and
+  tiles that do not, with dropout, LoRA, and inside recomputed blocks; only the MLPs' inputs are kept;
 - FSDP2 and DP2 (2 gloo processes) with recompute=mlp every 2 / block every 2, DP2 and FSDP2 with
-  offloaded blocks and TP2 with offloaded MLPs equal one process (weights after 2 AdamW steps with
-  clipping, relative error <= 1e-5).
+  offloaded blocks, TP2 with offloaded MLPs, TP2 with tiled MLPs and FSDP2 with tiled MLPs in recomputed
+  blocks equal one process (weights after 2 AdamW steps with clipping, relative error <= 1e-5).
 """
 import copy
 import os
@@ -77,6 +80,39 @@ def test_lora_gradients_equal():
         model = recompute.apply(copy.deepcopy(ref), mode, 1, offload)
         (l1, g1), (l0, g0) = loss_and_grads(model), loss_and_grads(ref)
         assert torch.equal(l1, l0) and g1.keys() == g0.keys() and all(torch.equal(g1[k], g0[k]) for k in g0)
+
+
+def close(a, b, rel=1e-6):
+    return (a - b).abs().max() <= rel * b.abs().max()
+
+
+@pytest.mark.parametrize("tile", [5, 16, 64])
+def test_tiled_mlp_equals_untiled(tile):
+    cfg = train_cfg(SMALL, lora_r=4)
+    for kw, mode, use_lora in ((dict(), "", False), (dict(dropout=0.1), "", False), (dict(), "block", False),
+                               (dict(), "", True), (dict(), "block", True)):
+        ref = model_of(**kw)
+        if use_lora:
+            ref = lora.apply(ref, cfg, parallel.init(cfg))
+            lora.load(ref, parallel.init(cfg), {n: 0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1))
+                                                for n, p in ref.named_parameters() if lora.is_adapter(n)})
+        model = recompute.apply(copy.deepcopy(ref), mode, 1, mlp_tile=tile)
+        assert sum(isinstance(b.mlp.forward, recompute.TiledForward) for b in model.blocks) == 3
+        (l1, g1), (l0, g0) = loss_and_grads(model), loss_and_grads(ref)
+        assert close(l1, l0) and g1.keys() == g0.keys(), (l1, l0)
+        assert all(close(g1[k], g0[k]) for k in g0), [k for k in g0 if not close(g1[k], g0[k])]
+    # what autograd keeps: the MLPs keep their inputs only, as under recompute=mlp (plan.activations)
+    kept = {}
+    for name, m in (("tile", recompute.apply(model_of(), "", 1, mlp_tile=tile)), ("mlp", recompute.apply(model_of(), "mlp"))):
+        seen = {}
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) and t,
+                                                      lambda t: t):
+            m(torch.randint(0, 97, (4, 16)), torch.randint(0, 97, (4, 16)))
+        own = {p.untyped_storage().data_ptr() for p in list(m.parameters()) + list(m.buffers())}
+        kept[name] = sum(n for k, n in seen.items() if k not in own)
+    assert kept["tile"] == kept["mlp"], kept
+    with pytest.raises(ValueError, match="mlp_tile already recomputes"):
+        recompute.apply(model_of(), "mlp", mlp_tile=tile)
 
 
 def test_offload_keeps_inputs_on_the_host_until_backward():
@@ -152,9 +188,9 @@ def test_eval_and_generation_run_plain():
 
 # ----------------------------------------------------------------------------- layouts
 
-def train(cfg, grid, mode, every, offload=False):
+def train(cfg, grid, mode, every, offload=False, tile=0):
     torch.manual_seed(0)
-    model = recompute.apply(Transformer(ModelConfig.from_cfg(cfg)), mode, every, offload)
+    model = recompute.apply(Transformer(ModelConfig.from_cfg(cfg)), mode, every, offload, tile)
     net = parallel.parallelize(model, grid, cfg)
     per = distributed.G // grid.data_world
     for s in range(2):
@@ -165,18 +201,20 @@ def train(cfg, grid, mode, every, offload=False):
 
 
 def _layouts(rank, out_dir):
-    for name, dp, mode, every, offload in (("fsdp", "fsdp", "mlp", 2, False), ("ddp", "ddp", "block", 2, False),
-                                           ("ddp_off", "ddp", "block", 1, True), ("fsdp_off", "fsdp", "block", 1, True),
-                                           ("tp_off", "ddp", "mlp", 1, True)):
-        cfg = train_cfg(SMALL, data_parallel=dp, tp=2 if name == "tp_off" else 1)
-        torch.save(train(cfg, parallel.init(cfg), mode, every, offload), os.path.join(out_dir, f"{name}_{rank}.pt"))
+    for name, dp, mode, every, offload, tile in (
+            ("fsdp", "fsdp", "mlp", 2, False, 0), ("ddp", "ddp", "block", 2, False, 0),
+            ("ddp_off", "ddp", "block", 1, True, 0), ("fsdp_off", "fsdp", "block", 1, True, 0),
+            ("tp_off", "ddp", "mlp", 1, True, 0), ("tp_tile", "ddp", "", 1, False, 5),
+            ("fsdp_tile", "fsdp", "block", 1, False, 5)):
+        cfg = train_cfg(SMALL, data_parallel=dp, tp=2 if name.startswith("tp") else 1)
+        torch.save(train(cfg, parallel.init(cfg), mode, every, offload, tile), os.path.join(out_dir, f"{name}_{rank}.pt"))
 
 
 def test_fsdp2_and_dp2_equal_one_process(tmp_path):
     spawn(_layouts, 2, str(tmp_path))
     cfg = train_cfg(SMALL)
     ref = train(cfg, parallel.init(cfg), "", 1)
-    for name in ("fsdp", "ddp", "ddp_off", "fsdp_off", "tp_off"):
+    for name in ("fsdp", "ddp", "ddp_off", "fsdp_off", "tp_off", "tp_tile", "fsdp_tile"):
         assert_close(torch.load(tmp_path / f"{name}_0.pt", weights_only=True), ref, f"{name}2 weights")
 
 
