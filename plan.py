@@ -281,6 +281,13 @@ def predict(cfg, world=1, decode=None):
     if redo:
         rows.append(("recompute", redo, "one checkpointed part rebuilt in backward (when the logits are gone)"))
     m = ModelConfig.from_cfg(cfg)
+    # a block's backward: the gradients of its attention's internals, flash's fp32 dq and the stream's gradient,
+    # beside what it rebuilt (measured: 8B LoRA at 32k-131k tokens, BENCHMARKS.md); an NF4 base then holds one
+    # dequantised bf16 weight, not the forward's dequantisation buffers
+    flight = tokens * (block_bytes(cfg, tp, a, "attn") + 4 * max(1, m.n_head // tp) * m.head_dim
+                       + stream_bytes(cfg, a) * m.n_embd)
+    rows.append(("backward", flight, "a block's gradients in flight (its attention's, flash's fp32 dq, the stream's)"))
+    bwd_copies = 2 * n["largest_base"] / tp if cfg.lora_r and cfg.lora_base_dtype == "nf4" else copies
     if decode:
         rows.append(("kv cache", 2 * m.n_layer * max(1, m.kv_heads // tp) * m.head_dim * 2 * decode[0] * decode[1],
                      f"{decode[0]} rows x {decode[1]} positions, bf16"))
@@ -294,10 +301,9 @@ def predict(cfg, world=1, decode=None):
     cache = sum(b for name, b, _ in rows if name == "kv cache")
     static = sum(b for name, b, _ in rows if name in ("weights", "optimizer state")) + cache
     end = grads + max(tied, step_tmp)  # the end of backward, the optimizer step: activations and copies freed
-    if dp > 1 or fsdp or cfg.optimizer_in_backward:  # the gradients (buckets, shards, or the one being used)
-        peak = static + max(copies + grads + saved + max(logit, redo), end)  # held all along, beside the activations
-    else:  # one process: gradients appear as backward frees the activations
-        peak = static + max(copies + saved + max(logit, redo), end)
+    held = grads if dp > 1 or fsdp or cfg.optimizer_in_backward else 0  # buckets, shards, or the one being used
+    # (one process: gradients appear as backward frees the activations)
+    peak = static + held + max(copies + saved + logit, bwd_copies + saved + redo + flight, end - held)
     host = ((4 + 8 + 4) * trained if kind == "offload" else 0) + offloaded_bytes(cfg, tokens) + \
         (embed if cfg.lora_r else 0)
     return {"rows": rows, "total": peak, "host": host, "world": world, "dp": dp, "tp": tp}
@@ -327,6 +333,21 @@ def _set(**kw):
     return change
 
 
+def longest(cfg, gpu_gb, world=1):
+    """The longest row (tokens, a multiple of 1024) of micro_batch_size 1 whose plan fits gpu_gb GiB (0: none)."""
+    def fits(t):
+        c = copy.copy(cfg)
+        c.micro_batch_size, c.block_size, c.seq_len = 1, t, 0
+        return predict(c, world)["total"] <= gpu_gb * GiB
+    lo, hi = 0, 1024
+    while fits(hi) and hi < 2 ** 24:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1024:
+        mid = (lo + hi) // 2 // 1024 * 1024
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def _halve_batch(cfg):
     c = copy.copy(cfg)
     c.micro_batch_size = max(1, cfg.micro_batch_size // 2)
@@ -347,6 +368,9 @@ LADDER = [
      and c.recompute != "block", _set(recompute="block", recompute_every=1)),
     ("offload_activations=True (block inputs in host memory)", lambda c, w: (c.grad_checkpoint or c.recompute)
      and not c.offload_activations, _set(offload_activations=True)),
+    ("mlp_tile=4096 (MLPs over tiles of 4096 tokens)", lambda c, w: not c.mlp_tile and not c.n_experts
+     and c.micro_batch_size * (c.seq_len or c.block_size) > 4096, lambda c: _set(
+        mlp_tile=4096, recompute="" if c.recompute == "mlp" else c.recompute)(c)),
     ("embed_on_host=True (the frozen token embedding in host memory)", lambda c, w: c.lora_r and not c.embed_on_host
      and not c.tie_embeddings and c.tp == 1 and c.pp == 1 and c.data_parallel == "ddp", _set(embed_on_host=True)),
     ("optimizer_in_backward=True, grad_clip=0 (each update in backward, no clipping)", lambda c, w: w == 1
@@ -387,7 +411,7 @@ def advice(cfg, world=1, gpu_gb=0.0, decode=None):
         table = predict(cfg, world, decode)
     except NotImplementedError as e:
         raise config.UserError(f"gpu_memory: {e}; drop --gpu_memory") from e
-    out = show(table, gpu_gb or None)
+    out, steps = show(table, gpu_gb or None), []
     if gpu_gb and table["total"] > gpu_gb * GiB:
         steps = fit(cfg, gpu_gb, world, decode)
         out.append(f"to fit {gpu_gb:g} GiB, in order of expected cost in speed:")
@@ -397,6 +421,14 @@ def advice(cfg, world=1, gpu_gb=0.0, decode=None):
         if steps:  # the keys as they end up (a later knob may replace an earlier one's value)
             last = vars(steps[-1][1])
             out.append("  run with: " + " ".join(f"--{k}={v}" for k, v in last.items() if vars(cfg).get(k) != v))
+    if gpu_gb:
+        final = steps[-1][1] if steps else cfg
+        more = [k for k, unset in (("recompute=block", final.recompute != "block" and not final.grad_checkpoint),
+                                   ("offload_activations=True", not final.offload_activations),
+                                   ("mlp_tile=4096", not final.mlp_tile and not final.n_experts),
+                                   ("lora_base_dtype=nf4", final.lora_r and final.lora_base_dtype != "nf4")) if unset]
+        out.append(f"longest row of one sequence that fits {gpu_gb:g} GiB with these keys: {longest(final, gpu_gb, world):,} "
+                   "tokens" + (f" (longer: {', '.join(more)})" if more else ""))
     return out
 
 

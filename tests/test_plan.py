@@ -18,12 +18,12 @@ Proves:
 """
 import pytest
 import torch
+from distributed import train_cfg
 
 import lora
 import parallel
 import plan
 from memory import recompute
-from distributed import train_cfg
 from model import ModelConfig, Transformer
 
 TINY = dict(vocab_size=512, pad_vocab_multiple=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=32,
@@ -106,6 +106,14 @@ def test_checkpointing_chunking_fsdp_cache_by_hand():
                                             "activations")) + r["logits"]
     r, _ = rows({}, decode=(8, 32))
     assert r["kv cache"] == 2 * L * KV * D * 2 * 8 * 32
+    # a block's backward: its attention's gradients, flash's fp32 dq, the (fp32) stream's gradient, beside the
+    # recomputed block; the peak is the larger of that phase and the loss's (here the loss's)
+    r, t = rows(dict(grad_checkpoint=True, loss_chunk=16))
+    assert r["backward"] == TOK * (ATTN + 4 * H * D + 4 * C)
+    static = r["weights"] + r["optimizer state"]
+    assert t["total"] == static + max(r["compute copies"] + r["activations"] + r["logits"],
+                                      r["compute copies"] + r["activations"] + r["recompute"] + r["backward"],
+                                      r["gradients"])
 
 
 def test_lora_by_hand():
