@@ -179,20 +179,27 @@ class ModelConfig:
 # ----------------------------------------------------------------------------- norms
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 (bf16 sums of squares lose too much) and cast back."""
+    """x / rms(x) * weight, computed in fp32 (bf16 sums of squares lose too much) and cast back. lean (the
+    stream's norms): a bf16 input is what backward keeps, its fp32 copy made again there."""
 
-    def __init__(self, dim, eps=1e-5):
+    def __init__(self, dim, eps=1e-5, lean=False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.lean = eps, lean
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        if self.lean and x.dtype != torch.float32 and x.requires_grad and torch.is_grad_enabled():
+            # a bf16 stream: keep x for backward, not the fp32 copy (half the bytes; the cast is redone there)
+            return checkpoint(self.norm, x, use_reentrant=False)
+        return self.norm(x)
+
+    def norm(self, x):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
 
 
 def make_norm(cfg, dim):
     if cfg.norm == "rmsnorm":
-        return RMSNorm(dim, cfg.norm_eps)
+        return RMSNorm(dim, cfg.norm_eps, lean=True)
     return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
@@ -282,6 +289,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is not None or self.qk_norm:  # q, k are new tensors: v alone would keep all of qkv for backward
+            v = v.contiguous()
         return q, k, v
 
     def probs(self, x, cos=None, sin=None, mask=None, is_causal=True):

@@ -117,13 +117,17 @@ def block_bytes(cfg, tp=1, compute=2, part="all", fused_norm=True):
     a = compute
     cast = C * a if a == 2 else 0  # the first matmul's bf16 input (autocast's copy, or a bf16 stream's norm output)
     rms = m.norm == "rmsnorm"
-    # a norm keeps its fp32 input (a bf16 stream's too: RMSNorm's x.float(), autocast's fp32 layer_norm), rstd
-    # (LayerNorm: + mean) and, composite with its weight trained, the normalised input
+    # a norm keeps its fp32 input (autocast's fp32 layer_norm makes one of a bf16 stream), rstd (LayerNorm: + mean)
+    # and, composite with its weight trained, the normalised input; model.RMSNorm on a bf16 stream: that input only
     norm = 4 * C + (4 if rms else 8) + (4 * C if rms and not cfg.lora_r and not fused_norm else 0)
+    if rms and stream_bytes(cfg, compute) == 2:
+        norm = 2 * C
     r = cfg.lora_r or 0
-    attn = norm + (cast or 4 * C) + a * (H + 2 * KV) * D + 4 * H + a * H * D  # ..., bf16 input, qkv out, lse, out
-    if m.pos_emb == "rope":
-        attn += a * (H + KV) * D  # rotated q and k (new tensors; v stays a view of qkv's output)
+    attn = norm + (cast or 4 * C) + 4 * H + a * H * D  # ..., bf16 input, lse, out
+    if m.pos_emb == "rope" or m.qk_norm:  # new q and k (rotated, normed), and v copied out of qkv's output
+        attn += a * (H + KV) * D + a * KV * D
+    else:  # q, k, v: views of qkv's output
+        attn += a * (H + 2 * KV) * D
     attn += 2 * r * 4  # the adapters' h (q, k, v; proj), LoRA only
     split = m.gated and not r  # model.MLP's two-matmul path on a plain nn.Linear: one input cast per matmul
     mlp = norm + (cast or 4 * C) * (2 if split and cast else 1)
