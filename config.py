@@ -8,7 +8,8 @@ extra=...)`), assembled from the parts it reads; each concept's keys live in its
 with the check(cfg, world) of them (optim.py, muon.py, parallel.py, memory/recompute.py, ...; the
 training stages' share lifecycle.TRAIN). This file is the mechanism: loading, overrides, types, the
 refusal of another stage's key (naming this stage's key for the same thing: Keys' instead), --help from
-every *_DEFAULTS' comments. An override is parsed as a Python literal and must have the default's type.
+every *_DEFAULTS' comments. An override is parsed as a Python literal (or JSON) and must have the default's
+type (a dict key also takes a name: --rope_scaling=yarn).
 The result is a flat namespace `cfg`, printed once and saved into every checkpoint; cfg.given holds the
 keys the user set.
 
@@ -134,6 +135,8 @@ def _check_type(key, value, default):
         value = float(value) if ok else value
     elif isinstance(default, int):
         ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, dict):  # or a name, which its owner completes (--rope_scaling=yarn: weights.context)
+        ok = isinstance(value, (dict, str))
     else:
         ok = isinstance(value, type(default))
     if not ok:
@@ -143,7 +146,7 @@ def _check_type(key, value, default):
 
 
 def parse_override(arg, d):
-    """'--key=value' -> (key, value): value is a Python literal of the default's type.
+    """'--key=value' -> (key, value): value is a Python literal (or JSON) of the default's type.
     Strings need no quotes (--data=/my/corpus); '--flag' alone means True (BARE_FLAG's value
     for the string keys it lists: bare --resume is --resume=latest)."""
     if not arg.startswith("--"):
@@ -161,7 +164,10 @@ def parse_override(arg, d):
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
-        value = raw  # a bare string
+        try:
+            value = json.loads(raw)  # (JSON's true / false / null)
+        except ValueError:
+            value = raw  # a bare string
     if isinstance(d[key], str) and not isinstance(value, str) and not (key == "resume" and isinstance(value, bool)):
         value = raw  # a string key takes the text as written (--resume=True/False are _check_type's)
     return key, _check_type(key, value, d[key])

@@ -5,8 +5,8 @@
     hf.export_hf(model, "out/hf", tokenizer=tok)           # AutoModelForCausalLM.from_pretrained("out/hf")
     python pretrain.py configs/x.py --init_from=models/Llama-3.2-1B     # any stage: weights.configure, weights.loader
 
-Architectures: GPT-2, LLaMA (Llama-3.1 rope scaling included), Qwen2 (q/k/v bias; its sliding window on
-the last layers) and Mistral (its sliding window), MPT (ALiBi).
+Architectures: GPT-2, LLaMA (RoPE scaling linear, dynamic, yarn, llama3: rope.py), Qwen2 (q/k/v bias; its
+sliding window on the last layers) and Mistral (its sliding window), MPT (ALiBi).
 Everything is local: config.json is read as JSON, weights through safetensors, and `transformers`
 is never imported here (the tests use it as the reference).
 
@@ -30,8 +30,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import config
+import rope
+from model import ModelConfig, Transformer
 from tokenizer import save_tokenizer, write_json
-from model import LLAMA3_ROPE_KEYS, ModelConfig, Transformer
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "gpt2": "GPT2LMHeadModel", "mpt": "MptForCausalLM"}
@@ -93,14 +94,8 @@ def _rope(hf):
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if params and not ("rope_type" in params or "type" in params or "rope_theta" in params):
         raise ValueError(f"per-layer rope_parameters {sorted(params)} are not supported")
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return theta, {}
-    if kind != "llama3":
-        raise ValueError(f"rope scaling type {kind!r} is not supported (only default and llama3)")
-    params = {"original_max_position_embeddings": hf.get("max_position_embeddings"), **params}
-    return theta, {"rope_type": "llama3", **{k: params[k] for k in LLAMA3_ROPE_KEYS}}
+    return params.get("rope_theta", hf.get("rope_theta", 10000.0)), rope.from_hf(params, hf.get(
+        "max_position_embeddings", 2048))
 
 
 def _sliding_window(mt, hf):
@@ -210,7 +205,9 @@ def _export_type(cfg, model_type=None):
 
 
 def config_to_hf(cfg, model_type=None, tokenizer=None):
-    """ModelConfig -> an HF config.json dict (rope fields in the v4 form, which v5 also reads)."""
+    """ModelConfig -> an HF config.json dict. RoPE in both transformers' forms: v5's rope_parameters, v4's
+    rope_theta / rope_scaling (which v5 also reads); max_position_embeddings block_size (dynamic: its
+    original positions, past which HF's dynamic scales: rope.to_hf)."""
     mt = _export_type(cfg, model_type)
     ids = {k: getattr(tokenizer, a, None) for k, a in (("bos_token_id", "bos_id"), ("eos_token_id", "eos_id"))}
     common = dict(architectures=[ARCHS[mt]], model_type=mt, vocab_size=cfg.vocab_size,
@@ -224,11 +221,13 @@ def config_to_hf(cfg, model_type=None, tokenizer=None):
         return dict(common, d_model=cfg.n_embd, n_heads=cfg.n_head, n_layers=cfg.n_layer, expansion_ratio=4,
                     max_seq_len=cfg.block_size, layer_norm_epsilon=cfg.norm_eps, no_bias=True, learned_pos_emb=False,
                     resid_pdrop=cfg.dropout, emb_pdrop=cfg.dropout, attn_config=dict(alibi=True, alibi_bias_max=8))
+    scaling, positions = rope.to_hf(cfg.rope_scaling, cfg.block_size)
     out = dict(common, hidden_size=cfg.n_embd, intermediate_size=cfg.hidden, num_hidden_layers=cfg.n_layer,
                num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                hidden_act={v: k for k, v in LLAMA_ACTS.items()}[cfg.activation],
-               max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-               rope_scaling=dict(cfg.rope_scaling) or None, attention_dropout=cfg.dropout)
+               max_position_embeddings=positions, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+               rope_scaling=scaling, rope_parameters={"rope_type": "default", **(scaling or {}),
+                                                      "rope_theta": cfg.rope_theta}, attention_dropout=cfg.dropout)
     if mt == "llama":
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
     else:

@@ -7,7 +7,7 @@ One decoder-only model covers both families; ModelConfig picks the pieces:
     MPT:    pos_emb="alibi", norm="layernorm", activation="gelu", bias=False, tie_embeddings=True
     Mistral / Qwen2 windows: sliding_window=W (window_from=k: layers k.. only), with any of the above
 
-Read top to bottom: config, norms, RoPE, attention, MLP, block, the model (forward,
+Read top to bottom: config, norms, attention (RoPE's tables: rope.py), MLP, block, the model (forward,
 init, parameter/FLOP counts). The attention here is training's (flash-attn, else SDPA). The KV
 caches, their attention, sampling and generate() live in generate.py: given a cache (generate.Cache:
 `length`, `attend(layer, q, k, v, mask, is_causal, dropout)`, optionally `index`, the new tokens' cache
@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 import fused
 import moe
 from fused import IGNORE  # target id that contributes no loss (prompt tokens, padding): -100
+from rope import apply_rope, check_scaling, rope_tables  # (model.rope_tables: memory/materialize.py)
 
 try:  # optional: Tri Dao's kernels; SDPA is the always-available fallback
     from flash_attn import flash_attn_func
@@ -44,7 +45,6 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "relu2", "swiglu", "geglu")
 NORMS = ("layernorm", "rmsnorm")
 POS_EMBS = ("rope", "learned", "alibi")
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def round_up(n, multiple):
@@ -67,9 +67,9 @@ class ModelConfig:
     prenorm: bool = True           # False -> post-norm (original Transformer / BERT)
     pos_emb: str = "rope"          # rope | learned | alibi (MPT: per-head linear score biases, no position table)
     rope_theta: float = 10000.0    # RoPE's base frequency
-    rope_scaling: dict = field(default_factory=dict)  # {} or Llama-3.1's frequency scaling, in HF's form:
-                                   # {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                   # "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    rope_scaling: dict = field(default_factory=dict)  # {} (none), linear | dynamic | yarn | llama3 (init_from:
+                                   # factor = block_size / its positions, transformers' defaults), or HF's dict
+                                   # {"rope_type": "yarn", "factor": 4.0, ...} (rope.py)
     bias: bool = False             # biases in linears (and LayerNorm)
     qkv_bias: bool = False         # bias on the q/k/v projection only (Qwen2); implied by bias
     tie_embeddings: bool = False   # the head shares the token embedding's weight
@@ -124,11 +124,9 @@ class ModelConfig:
         if self.pos_emb == "rope" and self.head_dim % 2:
             raise ValueError(f"pos_emb='rope' needs an even head_dim, got n_embd/n_head = {self.head_dim}: "
                              f"change n_embd or n_head")
-        if self.rope_scaling:
-            missing = set(LLAMA3_ROPE_KEYS) - set(self.rope_scaling)
-            if self.rope_scaling.get("rope_type") != "llama3" or missing:
-                raise ValueError(f"rope_scaling={self.rope_scaling!r}: only {{}} (none) or rope_type 'llama3' "
-                                 f"with keys {', '.join(LLAMA3_ROPE_KEYS)} is supported")
+        check_scaling(self.rope_scaling)
+        if self.rope_scaling and self.pos_emb != "rope":
+            raise ValueError(f"rope_scaling={self.rope_scaling!r} scales RoPE: pos_emb={self.pos_emb!r} has none")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         if self.n_experts < 0:
@@ -201,38 +199,6 @@ def make_norm(cfg, dim):
     if cfg.norm == "rmsnorm":
         return RMSNorm(dim, cfg.norm_eps, lean=True)
     return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
-
-
-# ----------------------------------------------------------------------------- RoPE
-
-def rope_tables(head_dim, length, theta, device=None, scaling=None):
-    """cos/sin of position * frequency, (length, head_dim/2), fp32.
-
-    Computed the way HF's LlamaRotaryEmbedding does (fp32 inverse frequencies times fp32
-    positions), so imported LLaMA weights reproduce HF's numbers. scaling: ModelConfig.rope_scaling.
-    """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    if scaling:  # Llama-3.1: slow the low frequencies down by `factor`, blend the middle band
-        factor, lo, hi, old_len = (scaling[k] for k in LLAMA3_ROPE_KEYS)
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        middle = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-        inv_freq = torch.where(middle, blended, scaled)
-    angles = torch.outer(torch.arange(length, device=device).float(), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x, cos, sin):
-    """Rotate pairs (x[i], x[i + D/2]) by position-dependent angles ("rotate half", as HF LLaMA).
-
-    x: (B, T, heads, D); cos/sin: (B or 1, T, 1, D/2) in fp32. Real arithmetic rather than
-    complex numbers so torch.compile fuses it into one elementwise kernel; done in fp32 and
-    cast back because bf16 angles are off by ~1e-2 at long positions.
-    """
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
 def position_ids(attention_mask):

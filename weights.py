@@ -34,6 +34,7 @@ import generate
 import hf
 import lora
 import parallel
+import rope
 from config import need
 from memory import materialize
 from model import ModelConfig, Transformer
@@ -76,12 +77,13 @@ class Family:
         """configure() for this family's init_from -> the line saying so. An HF folder: its config.json's
         model keys, its tokenizer. Our checkpoint or run folder (init_from then names its newest
         checkpoint): its model keys, tokenizer, tokenizer_vocab and tokenizer_fim (a truncated vocabulary's
-        ids depend on it). block_size is capped at the model's (learned positions: the model's); the line
-        names any other of these keys the user gave that init_from replaced."""
-        if hf.is_hf_folder(cfg.init_from):
+        ids depend on it). block_size and rope_scaling: context()'s (a block_size beyond the model's
+        positions is the user's, said); the line names any other of these keys the user gave that
+        init_from replaced."""
+        is_hf = hf.is_hf_folder(cfg.init_from)
+        if is_hf:
             try:
-                folder = hf.read_config(cfg.init_from)
-                m = vars(hf.config_from_hf(folder, min(cfg.block_size, hf.config_from_hf(folder).block_size)))
+                m = vars(hf.config_from_hf(hf.read_config(cfg.init_from)))
             except ValueError as e:
                 raise config.ConfigError(f"init_from={cfg.init_from}: {e}") from e
             keys, tok = hf.MODEL_KEYS, dict(tokenizer=cfg.init_from, tokenizer_vocab=0)
@@ -89,20 +91,19 @@ class Family:
             cfg.init_from, m = init_checkpoint(cfg.init_from)
             keys = [f.name for f in fields(ModelConfig)
                     if f.name not in ("dropout", "grad_checkpoint", "fp32_residual")]
-            if m["pos_emb"] == "rope":  # (a learned position table keeps its rows)
-                m = dict(m, block_size=min(cfg.block_size, m["block_size"]))
             tok = {k: m[k] for k in ("tokenizer", "tokenizer_vocab")}  # its FIM sentinels (older checkpoints: fim_rate)
             tok["tokenizer_fim"] = m.get("tokenizer_fim", m.get("fim_rate", 0) > 0)
+        m, longer = context(cfg, m, cut=is_hf or m["pos_emb"] == "rope")
         taken = [(k, m[k]) for k in keys] + list(tok.items())
-        replaced = [f"{k}={v!r} (not {getattr(cfg, k)!r} as given)" for k, v in taken
-                    if k in getattr(cfg, "given", ()) and k != "block_size" and getattr(cfg, k) != v]
+        replaced = [f"{k}={v!r} (not {getattr(cfg, k)!r} as given)" for k, v in taken if k in getattr(cfg, "given", ())
+                    and k not in ("block_size", "rope_scaling") and getattr(cfg, k) != v]
         for k, v in taken:
             setattr(cfg, k, v)
         if cfg.seq_len > cfg.block_size:
             raise config.ConfigError(f"seq_len={cfg.seq_len} > block_size={cfg.block_size} of {cfg.init_from}")
-        line = f"model and tokenizer of {'the HF folder' if keys is hf.MODEL_KEYS else 'checkpoint'} {cfg.init_from}"
+        line = f"model and tokenizer of {'the HF folder' if is_hf else 'checkpoint'} {cfg.init_from}"
         return line + (f"; note: init_from's {', '.join(replaced)}: drop those keys, or start without init_from"
-                       if replaced else "")
+                       if replaced else "") + (f"\n{longer}" if longer else "")
 
     def loader(self, cfg, grid):
         """parallelize's `load` callback for cfg.init_from (None without one): an HF folder (each TP rank
@@ -344,12 +345,43 @@ def init_checkpoint(path):
     return ckpt, hf.read_config(ckpt)
 
 
+def context(cfg, m, cut=True):
+    """init_from's model config m (a dict) -> (m with the run's block_size and rope_scaling, a line to say
+    or ""). block_size not given: the model's positions M (cut: at most cfg's default). Given: the user's
+    N, never cut: beyond M a learned position table refuses (ConfigError), RoPE runs at N with the model's
+    or the given rope_scaling (rope.resolve: a type's name gets factor = N / the model's original
+    positions), or unscaled, and ALiBi runs; the line says so. A given rope_scaling needs RoPE."""
+    M, given, scaling = m["block_size"], getattr(cfg, "given", ()), m.get("rope_scaling") or {}
+    N = cfg.block_size if "block_size" in given else min(cfg.block_size, M) if cut else M
+    need(m["pos_emb"] != "learned" or N <= M, f"block_size={N} > the {M} positions of init_from={cfg.init_from}'s "
+         f"learned position table (GPT-2 style: it cannot grow): set block_size <= {M}")
+    if "rope_scaling" in given:
+        need(m["pos_emb"] == "rope", f"rope_scaling={cfg.rope_scaling!r} scales RoPE: init_from={cfg.init_from} "
+             f"has pos_emb={m['pos_emb']!r}: drop rope_scaling")
+        try:
+            scaling = rope.resolve(cfg.rope_scaling, N, M, scaling)
+        except ValueError as e:
+            raise config.ConfigError(str(e)) from e
+    m = dict(m, block_size=N, rope_scaling=scaling)
+    if m["pos_emb"] == "learned" or not (N > M or scaling and "rope_scaling" in given):
+        return m, ""
+    if scaling:
+        return m, f"training at {N} positions, the model's {M}, rope_scaling={scaling['rope_type']} " \
+                  f"(factor {scaling['factor']:g})"
+    return m, (f"training at {N} positions, the model's {M}: positions {M}..{N - 1} were never trained " + (
+        "(ALiBi's biases extrapolate)" if m["pos_emb"] == "alibi" else
+        "and RoPE is not scaled (--rope_scaling=yarn, or linear, dynamic, llama3, scales it)"))
+
+
 def configure(cfg):
     """init_from's model and tokenizer become cfg's (no need to repeat the model shape); returns a line
     saying so ("" without init_from): its family's configure (Family.configure). Its objective becomes
     cfg's (SFT: a T5 trains sequence to sequence; pretraining: the family's keys join cfg with their
     defaults); a different objective the user gave is refused. loader(cfg, grid) then loads the weights."""
     if not cfg.init_from:
+        scaling = getattr(cfg, "rope_scaling", {})
+        need(not isinstance(scaling, str), f"rope_scaling={scaling!r} scales init_from's positions: without "
+             f"init_from give its whole dict (factor, original_max_position_embeddings, ...)")
         return ""
     objective = init_objective(cfg.init_from)
     if objective != getattr(cfg, "objective", "lm"):
@@ -440,10 +472,12 @@ def grow_vocab(t, n_old, n_new):
 
 def fit_weights(weights, saved, mcfg):
     """A checkpoint's full weights (`saved`: its config dict) -> model config mcfg's: LoRA adapters
-    merged into their base, vocabulary grown (grow_vocab)."""
+    merged into their base, vocabulary grown (grow_vocab), a learned position table cut to block_size."""
     if any(lora.is_adapter(k) for k in weights):
         weights = lora.merge_weights(weights, SimpleNamespace(**saved))
     out, n = dict(weights), saved["vocab_size"]
+    if "pos_emb.weight" in out:  # a learned position table: the first block_size rows
+        out["pos_emb.weight"] = out["pos_emb.weight"][:mcfg.block_size]
     for k in ("tok_emb.weight", "head.weight") if n < mcfg.vocab_size else ():
         grown = torch.cat([out[k][:n], out[k].new_zeros(mcfg.padded_vocab - n, mcfg.n_embd)])
         out[k] = grow_vocab(grown, n, mcfg.vocab_size)

@@ -222,7 +222,7 @@ def test_shard_fn_reads_slices(arch):
 @pytest.mark.parametrize("over, match", [
     ({"model_type": "bert", "architectures": ["BertForMaskedLM"]}, "bert"),
     ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "longrope"),  # (the others: test_rope_scaling.py)
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
