@@ -50,11 +50,11 @@ def check_scaling(scaling):
         raise ValueError(f"rope_scaling={scaling!r}: factor must be > 0")
 
 
-def inv_freq(head_dim, theta, scaling=None, length=None, device=None):
+def inv_freq(head_dim, theta, scaling, length, device=None):
     """(inverse frequencies (head_dim/2,), attention factor) of transformers' ROPE_INIT_FUNCTIONS for
     scaling (none: its default), for a table of `length` positions (dynamic's seq_len, the default original)."""
-    base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float)
-                            / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / head_dim
+    base = 1.0 / (theta ** exponents)
     if not scaling:
         return base, 1.0
     if isinstance(scaling, str):
@@ -67,8 +67,7 @@ def inv_freq(head_dim, theta, scaling=None, length=None, device=None):
     if kind == "dynamic":  # (as HF: Python numbers up to the original positions, beyond them a tensor's)
         seq = torch.maximum(torch.tensor(length), torch.tensor(old)) if length > old else old
         grown = theta * ((factor * seq / old) - (factor - 1)) ** (head_dim / (head_dim - 2))
-        return 1.0 / (grown ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float)
-                                / head_dim)), 1.0
+        return 1.0 / (grown ** exponents), 1.0
     if kind == "llama3":
         lo, hi = scaling["low_freq_factor"], scaling["high_freq_factor"]
         wavelen = 2 * math.pi / base
