@@ -33,7 +33,6 @@ import torch.distributed as dist
 
 import checkpoint
 import config
-import gpus
 import logs
 import lora
 import muon
@@ -45,7 +44,7 @@ import weights
 from checkpoint import CheckpointError, ResumeMismatch, RunDirError
 from config import need
 from memory import chunked, materialize, optim_memory, qlora, recompute
-from parallelism import pp
+from parallelism import gpus, pp
 from tools import gradstats
 
 # the run folder's config keys: where a run writes, how it starts, when it saves and evaluates

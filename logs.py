@@ -15,8 +15,8 @@ import time
 
 import torch
 
-import gpus
 from config import UserError, need
+from parallelism import gpus
 
 # the logs' config keys (eval_every, how often a run evaluates: lifecycle.py)
 LOGS_DEFAULTS = dict(

@@ -26,10 +26,9 @@ layout.
 import torch
 import torch.distributed as dist
 
-import gpus
 from config import need
 from memory import optim_memory
-from parallelism import fsdp, tp
+from parallelism import fsdp, gpus, tp
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 # Muon's config keys (optimizer="muon"): hidden matrices; embeddings, head, norms, biases stay on AdamW

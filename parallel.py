@@ -33,13 +33,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import config
-import gpus
 import lora
 import moe
 import optim
 from config import need
 from memory import chunked, materialize, qlora, recompute, scaler
-from parallelism import dp, fsdp, pp, tp
+from parallelism import dp, fsdp, gpus, pp, tp
 
 # the batch, the processes and the layout: config keys (the pipeline's: pp.PP_DEFAULTS)
 PARALLEL_DEFAULTS = dict(

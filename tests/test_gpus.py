@@ -10,7 +10,7 @@ with what to use instead, and auto_dtype picks float16 for it; peer-connected H2
 import pytest
 
 import config
-import gpus
+from parallelism import gpus
 
 
 def machine(name, n, mem=24.0, bf16=True, p2p=True):
