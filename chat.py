@@ -63,6 +63,7 @@ CHAT_DEFAULTS = dict(
     skip_bad_records=False,  # skip malformed records (counted per reason) instead of stopping at the first
     chat_limit=0,            # read the first N good records (0: all)
     pack=True,               # several whole conversations per row (block-diagonal attention); False: one per row
+                             # (padded, plain causal attention: long rows; one longer than a row is dropped, counted)
 )
 
 
@@ -639,11 +640,17 @@ def pack(examples, T, *, drop_long=True, one_per_row=False):
 def batch(rows, device="cpu"):
     """Rows -> (x, y, pos, attn_mask): x (B, T) ids; y (B, T) next ids, IGNORE where not trained, across
     example borders and on padding; pos (B, T) positions restarting per example; attn_mask (B, T, T)
-    bool, causal within the same example (padding sees padding: no empty row)."""
+    bool, causal within the same example (padding sees padding: no empty row). Rows of one example each
+    (pack=False, or a packed row that took one) give pos and attn_mask None: the model's plain causal
+    path (flash / SDPA, memory linear in T), exact there, as the padding comes after the example."""
+    seg = np.stack([r.seg for r in rows])
+    single = bool((seg[:, 0] == 0).all() and (seg <= 0).all() and (seg[:, 1:] <= seg[:, :-1]).all())
     ids, mask, seg, pos = (torch.from_numpy(np.stack([getattr(r, k) for r in rows])).to(device)
                            for k in ("ids", "mask", "seg", "pos"))  # the (B, T, T) mask is built on the device
     same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] >= 0)
     y = torch.where(mask[:, 1:] & same, ids[:, 1:], IGNORE)
+    if single:
+        return ids[:, :-1], y, None, None
     s = seg[:, :-1]
     T = s.shape[1]
     attn = (s[:, :, None] == s[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=s.device).tril()

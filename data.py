@@ -2,6 +2,7 @@
 
     loader, val_path, meta = data.make_loader(cfg, grid, tok, T)   # what pretraining calls: either kind
     loader = data.Loader(train_bin, B, T, rank, world, seed); x, y = loader.next()  # state_dict(): resume
+    loader = data.Documents(train_bin, B, T, rank, world, seed, cut="split")  # rows="documents": one per row
     batches, note = data.eval_plan(val_bin, B, T, world, n)        # what the validation split holds
     for x, y in data.eval_batches(val_bin, B, T, rank, world, n): ...
 
@@ -9,7 +10,7 @@ A corpus (data=...) is tokenized once by prepare.prepare into out_dir/{train,val
 check_split / eval_plan at start-up, then Loader and eval_batches read (B, T) windows per rank. Shard
 sets (data="shards:<folder or URL>" or data_sources) are streamed by stream.Loader over shards.py's
 token shards instead (make_loader). DATA_DEFAULTS: a run's data keys, preparation's among them
-(prepare.PREPARE_DEFAULTS).
+(prepare.PREPARE_DEFAULTS); ROWS_DEFAULTS: what a row holds (rows="windows" | "documents", doc_cut).
 
 Invariants: data-parallel ranks read disjoint windows whose union is what one process reads (Loader);
 evaluation batches are the same on every run; user errors are corpus.DataError with one message
@@ -25,6 +26,7 @@ import parallel
 from config import need
 from corpora import corpus, mix, prepare, stream
 from corpora.prepare import need_data
+from model import IGNORE
 
 # The data pipeline's config keys (pretraining and eval.py read them; config.load(extra=...))
 DATA_DEFAULTS = dict(
@@ -39,8 +41,24 @@ DATA_DEFAULTS = dict(
     shard_cache_gb=8.0,      # its bound per process: it must hold 2 x shuffle_block shards of every remote source
     shard_wait_s=3600.0,     # how long to wait for a shard still being prepared before giving up
 )
+# What a pretraining row holds (pretrain.py reads them; Documents)
+ROWS_DEFAULTS = dict(
+    rows="windows",          # "windows": the token stream cut into T-token rows (documents run into each other) |
+                             # "documents": one document per row (never two), padded (no loss there), plain causal
+                             # attention; a prepared corpus (not shards). Long ones: join_docs builds them
+    doc_cut="split",         # rows="documents", a document longer than a row: "split" into consecutive rows (every
+                             # token trained) | "truncate" (its first row only); the data line says how many
+)
 RESUME_FREE = ("data_dir", "shard_cache", "shard_cache_gb", "shard_wait_s")  # data keys a resumed run may change
 SHARDS = "shards:"  # data="shards:<folder or URL>": a shard set streamed, not a corpus to prepare
+
+
+def check_rows(cfg, world=1):
+    """ROWS_DEFAULTS' keys (a Keys part's check): one message saying what to change."""
+    need(cfg.rows in ("windows", "documents"), f"rows={cfg.rows!r} must be 'windows' or 'documents'")
+    need(cfg.doc_cut in ("split", "truncate"), f"doc_cut={cfg.doc_cut!r} must be 'split' or 'truncate'")
+    need(cfg.rows == "windows" or not streamed(cfg), f"rows='documents' reads a prepared corpus' documents; "
+         f"shard sets are streamed as windows: set rows='windows', or data=<the corpus> instead of shards")
 
 
 def check_settings(cfg):
@@ -100,7 +118,10 @@ def _batch(tokens, windows, T, device):
     for row, w in enumerate(windows):
         buf[row] = tokens[w * T: w * T + T + 1]
     xy = torch.from_numpy(buf)
-    x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
+    return _to_device(xy[:, :-1].contiguous(), xy[:, 1:].contiguous(), device)
+
+
+def _to_device(x, y, device):
     if device.type == "cuda":  # pinned host memory lets the copy run asynchronously
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
@@ -167,6 +188,81 @@ class Loader:
 
     def close(self):
         """Nothing to release (stream.Loader's: its fetching threads and temporary cache)."""
+
+
+def document_rows(tokens, eos_id, T, cut="split", chunk=1 << 26):
+    """(starts, lengths, counts): the rows of a token file of documents, each ending in EOS (the last may
+    not: a validation split cut it), one document per row of at most T + 1 tokens (x = row[:-1], y =
+    row[1:]). A longer document is split (cut="split") into consecutive rows that share one token, as
+    windows do (each of its tokens after the first is a target exactly once), or truncated to its first
+    row ("truncate"). A one-token document (a lone EOS: FIM's SPM layout starts with one) has no target
+    and no row. counts: documents, long (longer than a row), rows, cut_tokens (left out by truncate)."""
+    ends = [np.flatnonzero(tokens[i:i + chunk] == eos_id) + (i + 1) for i in range(0, len(tokens), chunk)]
+    ends = np.concatenate([np.zeros(0, np.int64), *ends]).astype(np.int64)
+    if not len(ends) or ends[-1] != len(tokens):
+        ends = np.append(ends, len(tokens))
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    starts, lens = starts[ends - starts >= 2], (ends - starts)[ends - starts >= 2]
+    n = T + 1
+    pieces = np.ones_like(lens) if cut == "truncate" else -(-(lens - 1) // T)  # ceil((length - 1) / T)
+    doc = np.repeat(np.arange(len(lens)), pieces)
+    k = np.arange(len(doc)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # the piece's index in its document
+    row_starts, row_lens = starts[doc] + k * T, np.minimum(n, lens[doc] - k * T)
+    counts = dict(documents=len(lens), long=int((lens > n).sum()), rows=len(doc),
+                  cut_tokens=int(lens.sum() - row_lens.sum()) if cut == "truncate" else 0)
+    return row_starts, row_lens, counts
+
+
+def length_summary(lengths, n):
+    """One line on rows of n slots holding `lengths` real tokens each: their distribution and the padding."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    low, mid, p90, high = np.percentile(lengths, [0, 50, 90, 100]) if len(lengths) else (0, 0, 0, 0)
+    return (f"min {low:,.0f} / median {mid:,.0f} / p90 {p90:,.0f} / max {high:,.0f} tokens a row of {n:,}, "
+            f"{1 - lengths.sum() / max(len(lengths) * n, 1):.1%} padding")
+
+
+class Documents(Loader):
+    """One document per row (rows="documents"): Loader's stream (a permutation per epoch, B*world rows per
+    global batch, ranks disjoint, state_dict / load_state_dict exact) over document_rows' rows of a
+    prepared token file instead of its windows. next() -> (x, y): x padded with EOS after the document,
+    y its next tokens and IGNORE on the padding; no attention mask, so the model keeps its plain causal
+    path (flash / SDPA: memory linear in T), which is exact: a row holds one document and the padding
+    comes after it. cut: what a document longer than a row becomes (document_rows); describe(): the
+    data line's part."""
+
+    def __init__(self, path, B, T, rank=0, world=1, seed=0, device="cpu", cut="split"):
+        self.init_stream(B, T, rank, world, seed, device)
+        self.path, self.tokens, self.cut = path, _open_tokens(path), cut
+        self.eos_id = prepare.read_meta(os.path.dirname(os.path.abspath(path)))["eos_id"]
+        self.starts, self.lengths, self.counts = document_rows(self.tokens, self.eos_id, T, cut)
+        self.n_windows = len(self.starts)
+        need_data(self.n_windows >= B * world, f"{path}: its {self.counts['documents']:,} documents make "
+                  f"{self.n_windows} rows of T={T}, but one global batch needs {B * world} (B*world): a smaller "
+                  "micro_batch_size or fewer data-parallel ranks, or more data")
+
+    def next(self):
+        rows = self.next_windows()
+        buf = np.full((len(rows), self.T + 1), self.eos_id, dtype=np.int64)
+        for r, i in enumerate(rows):
+            buf[r, :self.lengths[i]] = self.tokens[self.starts[i]:self.starts[i] + self.lengths[i]]
+        xy = torch.from_numpy(buf)
+        y = xy[:, 1:].clone()
+        y[torch.arange(self.T)[None, :] >= torch.from_numpy(self.lengths[rows] - 1)[:, None]] = IGNORE
+        return _to_device(xy[:, :-1].contiguous(), y, self.device)
+
+    def describe(self):
+        """What the rows hold: the documents, the rows' length distribution, what was split or truncated."""
+        c, n = self.counts, self.T + 1
+        if not c["long"]:
+            cut = f"none longer than a row of {n:,}"
+        elif self.cut == "split":
+            cut = (f"{c['long']:,} longer than a row of {n:,} split into consecutive rows "
+                   f"({c['rows'] - c['documents']:,} more)")
+        else:
+            cut = (f"{c['long']:,} longer than a row of {n:,} truncated to it: {c['cut_tokens']:,} tokens "
+                   f"({c['cut_tokens'] / max(len(self.tokens), 1):.1%} of the train split) left out")
+        return f"one document per row: {c['documents']:,} training documents ({cut}) -> {c['rows']:,} rows: " + \
+            length_summary(self.lengths, n)
 
 
 def _eval_layout(path, B, T, world, n_batches):
@@ -256,7 +352,8 @@ def make_loader(cfg, grid, tok, T):
     """A pretraining run's data: (training loader, its validation split's path, meta), on every rank.
 
     A corpus (cfg.data) is tokenized once into memmaps (prepare.prepared; reused after) and read
-    by Loader; the path is its val.bin. Shard sets (data="shards:<folder or URL>", or data_sources
+    by Loader (rows="documents": by Documents, one document per row; meta's n_rows counts them);
+    the path is its val.bin. Shard sets (data="shards:<folder or URL>", or data_sources
     mixed by data_weights) are streamed by stream.Loader from where they are (remote ones through
     a cache of shard_cache_gb per process in shard_cache/rank<r>); the path is the first set's
     val.bin (downloaded into out_dir/val when remote), None with eval_every=0. The shards must have
@@ -266,8 +363,13 @@ def make_loader(cfg, grid, tok, T):
     B, rank, world = cfg.micro_batch_size, grid.data_rank, grid.data_world
     if sources is None:
         data_dir, meta = prepare.prepared(cfg, grid, tok)
-        loader = Loader(os.path.join(data_dir, "train.bin"), B, T, rank, world, seed=cfg.seed, device=grid.device)
+        train = os.path.join(data_dir, "train.bin")
         about = f"{meta['n_docs']:,} documents, {meta['n_train']:,} train / {meta['n_val']:,} validation tokens"
+        if getattr(cfg, "rows", "windows") == "documents":
+            loader = Documents(train, B, T, rank, world, seed=cfg.seed, device=grid.device, cut=cfg.doc_cut)
+            about += f"; {loader.describe()} (validation: windows of T)"
+            return loader, os.path.join(data_dir, "val.bin"), dict(meta, about=about, n_rows=loader.n_windows)
+        loader = Loader(train, B, T, rank, world, seed=cfg.seed, device=grid.device)
         return loader, os.path.join(data_dir, "val.bin"), dict(meta, about=about)
     loader = stream.Loader(
         sources if cfg.data_sources else sources["data"], B, T, rank, world, seed=cfg.seed, device=grid.device,

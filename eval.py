@@ -85,7 +85,7 @@ EXTRA = config.Keys({"init_from": lifecycle.RUN_DEFAULTS["init_from"]}, (tokeniz
 CKPT_KEYS = [f.name for f in fields(ModelConfig) if f.name not in ("dropout", "grad_checkpoint", "init_std")] + [
     "tokenizer", "tokenizer_vocab", "tokenizer_fim", "fim_rate", "fim_spm_rate", "fim_seed", "data", "text_field", "data_dir",
     "val_fraction", "val_tokens", "max_docs", "clean", "dedup", "seq_len", "fim_fragment", "toxicity",
-    "toxicity_threshold", "toxicity_keep", "data_sources"]
+    "toxicity_threshold", "toxicity_keep", "data_sources", "join_docs"]
 CODE_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # Codex's (Chen et al. 2021)
 GSM8K_STOPS = ("Question:", "</s>", "<|im_end|>")              # lm-eval's gsm8k `until`
 

@@ -43,7 +43,7 @@ PRETRAIN_DEFAULTS = dict(
                              # (weights.FAMILIES: the family that trains it, its own keys); init_from's model sets it
 )
 # this script's keys (config.load(extra=...)): the data pipeline's, the training keys and its own
-EXTRA = config.Keys(data.DATA_DEFAULTS, lifecycle.TRAIN, PRETRAIN_DEFAULTS,
+EXTRA = config.Keys(data.DATA_DEFAULTS, (data.ROWS_DEFAULTS, data.check_rows), lifecycle.TRAIN, PRETRAIN_DEFAULTS,
                     instead={k: "pretrain.py reads its corpus from data" for k in ("chat_data", "prompt_data")})
 FAMILY_KEYS = weights.objective_keys  # config.load's plugins: the keys of the family objective picks
 RESUME_FREE = (*data.RESUME_FREE, "eval_batches", "sample_tokens", "sample_prompt", "sample_temperature", "sample_top_k")
@@ -61,6 +61,8 @@ def check(cfg, tok=None):
         (cfg.sample_tokens < 0, f"sample_tokens={cfg.sample_tokens} must be >= 0 (0: no sample)"),
         (cfg.sample_temperature < 0, f"sample_temperature={cfg.sample_temperature} must be >= 0 (0: greedy)"),
         (cfg.sample_top_k < 0, f"sample_top_k={cfg.sample_top_k} must be >= 0 (0: no top-k filter)"),
+        (cfg.rows != "windows" and cfg.objective != "lm", f"rows={cfg.rows!r} pads rows for next-token prediction: "
+         f"objective={cfg.objective!r} reads windows (set rows='windows')"),
         (tok and cfg.sample_tokens and len(tok.encode(cfg.sample_prompt) or [0]) >= cfg.block_size,
          f"sample_prompt leaves no room to generate within block_size={cfg.block_size}: shorten it or sample_tokens=0")]:
         if bad:
@@ -96,7 +98,7 @@ def main(argv):
     loader, val_path, meta = data.make_loader(cfg, reader, tok, T)
     n_eval, note = (data.eval_plan(val_path, cfg.micro_batch_size, T, grid.data_world, cfg.eval_batches)
                     if cfg.eval_every else (0, None))
-    epochs = cfg.max_steps * cfg.batch_size * T / max(meta["n_train"], 1)
+    epochs = cfg.max_steps * cfg.batch_size / (meta.get("n_rows") or max(meta["n_train"], 1) / T)  # rows' worth
     for line in [started, *lease.notes, f"config:\n{config.show(cfg)}", note,
                  f"corpus: {meta['about']}; {cfg.max_steps} steps read {epochs:.2f} epochs" + (
                      " (warning: past ~10 epochs a model memorises its corpus: more data or fewer steps)"

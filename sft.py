@@ -29,6 +29,7 @@ from tqdm import tqdm
 import chat
 import checkpoint
 import config
+import data
 import hf
 import lifecycle
 import logs
@@ -142,6 +143,13 @@ def held_out_loss(net, rows, cfg, autocast):
     return (total[0] / total[1].clamp(min=1)).item()
 
 
+def lengths(rows, T):
+    """The data line's part on chat.pack's rows: the distribution of their real tokens, the padding ("" for
+    a family's own rows)."""
+    rows = [r for r in rows if isinstance(r, chat.Row)]
+    return f" | {data.length_summary([int((r.seg >= 0).sum()) for r in rows], T + 1)}" if rows else ""
+
+
 def train_step(net, micro, autocast, router=False):
     """Forwards and backwards of one optimizer step over this rank's micro-batches [(x, y, forward
     keywords)] (the family's loader's: summed NLLs): the gradient of the mean NLL over the global
@@ -184,10 +192,12 @@ def main(argv):
     loader = fam.sft_loader(rows, cfg, grid)  # next(): (x, y, forward keywords)
     n_loss, shape = fam.describe(rows, T, cfg)
     epochs = cfg.max_steps * cfg.batch_size / len(rows)
-    left_out = "".join(f"; {n:,} {why}" for why, n in sorted(counts.items()))  # skipped records, dropped examples
+    left_out = "".join(f"; {n:,} {why}" + f" (longer than a row of {T + 1:,} tokens: dropped)" * (why == "too_long")
+                       for why, n in sorted(counts.items()))  # skipped records, dropped examples
     for line in [started, *lease.notes, f"config:\n{config.show(cfg)}",
                  f"data: {len(convs):,} conversations -> {shape}, {n_loss:,} "
-                 f"assistant tokens trained on{left_out} | {cfg.max_steps} steps read {epochs:.2f} epochs"
+                 f"assistant tokens trained on{left_out}{lengths(rows, T)} | {cfg.max_steps} steps read "
+                 f"{epochs:.2f} epochs"
                  + (" (warning: past ~10 epochs a model memorises its data: more data or fewer steps)"
                     if epochs > 10 else "")
                  + (f" | {len(held_rows):,} held-out rows (every {round(1 / cfg.held_out)}th conversation)"
@@ -224,7 +234,7 @@ def main(argv):
             parts = [f"validation loss {m['val_loss']:.4f} ({len(held_rows)} rows)"] if held_rows else []
             if items:  # rank 0 always has an example
                 parts.append(f"accuracy {m['accuracy']:.1%} of {len(items)} {task.name} items | e.g. "
-                             + " -> ".join(map(repr, example or ())))
+                             + " -> ".join(repr(t if len(t) < 300 else f"...{t[-200:]}") for t in example or ()))
             say(f"step {step} | held-out " + " | ".join(parts))
 
     def save():  # every rank helps gather full tensors; rank 0 writes (adapters: their PEFT folder too, fam.peft)

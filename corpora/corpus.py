@@ -2,6 +2,7 @@
 stream of document strings:
 
     iter_documents(source)  ->  non-blank documents (str), in a fixed order
+    iter_documents(source, groups=True)  ->  (group, document): a package's, a folder's, a file's together
 
 Sources (SOURCES): the embedded corpora "stdlib" (the running interpreter's standard library) and
 "python" (plus the installed packages: deduplicated by content, in a seeded order, no package above
@@ -15,6 +16,7 @@ concern that grows on its own: cleaning and deduplication (a future clean.py) pl
 stream of documents and tokenization.
 """
 import collections
+import functools
 import hashlib
 import itertools
 import json
@@ -301,7 +303,8 @@ def _file_documents(path, text_field, report):
 def _nonempty(docs, source, report):
     n = 0
     for doc in docs:
-        if doc and not doc.isspace():  # a blank document would train only on EOS
+        text = doc[1] if isinstance(doc, tuple) else doc  # (group, text) pairs: iter_documents(groups=True)
+        if text and not text.isspace():  # a blank document would train only on EOS
             n += 1
             yield doc
     if n == 0:
@@ -309,24 +312,45 @@ def _nonempty(docs, source, report):
         raise DataError(f"corpus {source!r} is empty: it yields no non-empty document" + (f" ({skipped})" * bool(skipped)))
 
 
-def iter_documents(source="stdlib", text_field="text", report=None):
+def iter_documents(source="stdlib", text_field="text", report=None, groups=False):
     """Documents (non-blank strings) of a corpus, in a fixed order. Accepted sources: see SOURCES.
     A file is one document, except .txt (split at '<|endoftext|>' and form feeds) and .jsonl /
     .parquet (one per row). Checks the source now; reads lazily, noting skipped and repaired files
-    in `report` (an Intake)."""
+    in `report` (an Intake). groups=True: (group, document) pairs, a group's documents one after
+    another (the files reordered by their group's first place, stable): an embedded corpus' file is
+    in its top-level package's group, a .jsonl / .parquet file's records in that file's, any other
+    file in its folder's; a hub dataset is one group (what prepare's join_docs joins)."""
     report = Intake() if report is None else report
     if source in PYTHON_CORPORA:
         site_packages, share = PYTHON_CORPORA[source]
-        files = python_files(python_roots(site_packages), CORPUS_SEED, share, report)
+        roots = python_roots(site_packages)
+        files = python_files(roots, CORPUS_SEED, share, report)
+        group = functools.partial(package_of, roots=roots)
     elif source.startswith("hf:"):
         name, config, split = parse_hf(source)
-        return _nonempty(_rows(text_field, name, config, split), source, report)
+        docs = _rows(text_field, name, config, split)
+        return _nonempty(((source, d) for d in docs) if groups else docs, source, report)
     elif os.path.exists(source):
         files = _corpus_files(source, report)
+
+        def group(f):
+            return f if f.endswith(ROW_SUFFIXES) else os.path.dirname(f)
     else:
         raise DataError(f"corpus {source!r} not found; accepted sources: {SOURCES}")
-    docs = itertools.chain.from_iterable(_file_documents(f, text_field, report) for f in files)
-    return _nonempty(docs, source, report)
+    if not groups:
+        return _nonempty(itertools.chain.from_iterable(_file_documents(f, text_field, report) for f in files),
+                         source, report)
+    first = {}
+    for f in files:
+        first.setdefault(group(f), len(first))
+    files = sorted(files, key=lambda f: first[group(f)])
+    return _nonempty(((group(f), d) for f in files for d in _file_documents(f, text_field, report)), source, report)
+
+
+def package_of(path, roots):
+    """An embedded corpus' file's group: its top-level package (or module) under the deepest root holding it."""
+    root = max((r for r in roots if path.startswith(r + os.sep)), key=len, default=os.path.dirname(path))
+    return os.path.join(root, os.path.relpath(path, root).split(os.sep)[0].removesuffix(".py"))
 
 
 def parse_hf(source):

@@ -3,7 +3,7 @@
     meta = prepare.prepare(source, tok, out_dir, **prepare.data_settings(cfg))  # reused when finished and matching
     data_dir, meta = prepare.prepared(cfg, grid, tok)  # a run's corpus: rank 0 tokenizes, once; every rank waits
 
-    corpus.iter_documents(source)  ->  clean.documents (clean=True / dedup, optional)
+    corpus.iter_documents(source)  ->  joined (join_docs > 0: long documents)  ->  clean.documents (optional)
     ->  prepare(): tokenize (FIM layout for fim_rate of the training documents), append EOS, split
     ->  out_dir/{train,val}.bin (flat uint16/uint32 token streams) + meta.json, which data.py's loaders read
 
@@ -18,6 +18,7 @@ so changing one prepares other files; bins are written before meta.json, so a cr
 meta.json that matches; validation is always plain text; user errors are corpus.DataError with one
 message saying what to change.
 """
+import collections
 import hashlib
 import itertools
 import json
@@ -41,6 +42,8 @@ PREPARE_DEFAULTS = dict(
     val_fraction=0.01,       # validation share of the corpus: at least val_tokens, at most 10% (val_split)
     val_tokens=1 << 20,      # floor of the validation split in tokens (a small corpus still gets a real one)
     max_docs=0,              # read at most this many documents (0: all)
+    join_docs=0,             # >0: long documents, a source's documents joined in order (a blank line between) into
+                             # ones of at least this many tokens (joined(); pretraining's rows="documents" at long T)
     # data quality and Fill-in-the-Middle (prepare(); each changes the prepared folder's name)
     clean=False,             # clean.py's normalisation + quality filters before tokenization
     dedup="none",            # "none" | "exact" (normalised content hash) | "near" (exact + MinHash LSH at Jaccard 0.8)
@@ -57,7 +60,9 @@ FORMAT = "ingot-tokens-v2"  # bump when the file layout or the split changes: ol
 VAL_TOKENS = PREPARE_DEFAULTS["val_tokens"]  # prepare()'s default floor of validation tokens (up to max_val_share)
 # prepare()'s settings that change the tokens (besides source and tokenizer), with their defaults
 VARIANT_DEFAULTS = {k: PREPARE_DEFAULTS[k] for k in ("fim_rate", "fim_spm_rate", "fim_seed", "fim_fragment", "clean",
-                                                     "dedup", "toxicity", "toxicity_threshold", "toxicity_keep")}
+                                                     "dedup", "toxicity", "toxicity_threshold", "toxicity_keep",
+                                                     "join_docs")}
+JOIN = "\n\n"  # between the documents joined() joins
 
 
 def need_data(ok, message):
@@ -77,6 +82,8 @@ def check_settings(cfg):
     need(0 <= cfg.val_fraction < 1, f"val_fraction={cfg.val_fraction} must be in [0, 1)")
     need(cfg.val_tokens >= 0, f"val_tokens={cfg.val_tokens} must be >= 0")
     need(cfg.max_docs >= 0, f"max_docs={cfg.max_docs} must be >= 0 (0: all documents)")
+    need(isinstance(cfg.join_docs, int) and cfg.join_docs >= 0,
+         f"join_docs={cfg.join_docs} must be an integer >= 0 (tokens of a joined document; 0: no joining)")
     need(not cfg.toxicity or cfg.clean, f"toxicity={cfg.toxicity!r} runs inside clean.py's cleaning: set clean=True")
     need(cfg.toxicity or not (cfg.toxicity_threshold or cfg.toxicity_keep),
          "toxicity_threshold / toxicity_keep need a scorer: set toxicity (e.g. toxicity=wordlist)")
@@ -100,7 +107,8 @@ def default_data_dir(source, tokenizer_name, vocab=0, root="data", **settings):
     changed = {k: settings[k] for k, v in sorted(VARIANT_DEFAULTS.items()) if settings.get(k, v) != v}
     digest = hashlib.sha1(f"{key}|{tokenizer_name}|{vocab}{f'|{changed}' if changed else ''}".encode()).hexdigest()[:8]
     tags = "".join(f"-{t}" for t, on in (("clean", changed.get("clean")), (changed.get("dedup"), "dedup" in changed),
-                                          ("tox", changed.get("toxicity")), ("fim", changed.get("fim_rate"))) if on)
+                                          ("tox", changed.get("toxicity")), ("fim", changed.get("fim_rate")),
+                                          (f"join{changed.get('join_docs')}", changed.get("join_docs"))) if on)
     return os.path.join(root, f"{slug}-{tokenizer_name}{f'-{vocab}' if vocab else ''}{tags}-{digest}")
 
 
@@ -192,6 +200,37 @@ def _tokenize(docs, tokenizer, paths, dtype, num_threads, bar, transform=None):
     return [np.array(x, dtype=np.int64) for x in lens], np.array(modes, dtype=np.int8)
 
 
+def joined(items, tokenizer, min_tokens, stats, num_threads=1, batch=256):
+    """(group, text) pairs, each group's together (corpus.iter_documents(groups=True)) -> long documents:
+    a group's texts joined in order with JOIN between them, a document closed once its texts hold at least
+    min_tokens tokens (each text counted as it encodes alone: a join may shift the total by a token); a
+    group's tail below min_tokens joins its last document, a whole group below it stays one shorter
+    document. stats (a Counter): texts read, documents made, short (those below min_tokens)."""
+    group, held, cur, n = object(), None, [], 0  # held: the group's last closed document, until its tail is known
+
+    def close():
+        if held is not None or cur:
+            stats["documents"] += 1
+            stats["short"] += held is None
+            yield JOIN.join((held or []) + cur)
+    items = iter(items)
+    while chunk := list(itertools.islice(items, batch)):
+        encoded = tokenizer.encode_batch([text for _, text in chunk], num_threads=num_threads)
+        for (g, text), ids in zip(chunk, encoded):
+            stats["texts"] += 1
+            if g != group:
+                yield from close()
+                group, held, cur, n = g, None, [], 0
+            cur.append(text)
+            n += len(ids)
+            if n >= min_tokens:
+                if held is not None:
+                    stats["documents"] += 1
+                    yield JOIN.join(held)
+                held, cur, n = cur, [], 0
+    yield from close()
+
+
 def _cleaned(docs, source, clean_docs, dedup, stats, toxicity="", toxicity_threshold=0.0, toxicity_keep=0.0):
     # clean.py between intake and tokenization: normalisation + quality filters (clean_docs), then
     # the toxicity filter (with clean_docs), and dedup ("exact" or "near", which is exact then
@@ -239,13 +278,16 @@ def val_split(doc_lens, val_fraction=0.01, val_tokens=VAL_TOKENS, max_val_share=
 
 def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", max_docs=0, num_proc=None,
             verbose=True, val_tokens=VAL_TOKENS, max_val_share=0.1, fim_rate=0.0, fim_spm_rate=0.5, fim_seed=0,
-            fim_fragment=0, clean=False, dedup="none", toxicity="", toxicity_threshold=0.0, toxicity_keep=0.0):
+            fim_fragment=0, clean=False, dedup="none", toxicity="", toxicity_threshold=0.0, toxicity_keep=0.0,
+            join_docs=0):
     """Tokenize `source` into out_dir/train.bin, val.bin (each document's tokens then EOS, in corpus
     order; validation chosen by val_split) and meta.json. Reuses a finished matching preparation.
     num_proc: tokenizer threads (default: all cores). clean / dedup: clean.py between intake and
     tokenization (_cleaned; max_docs counts the documents that pass; toxicity: toxicity.py's scorer, with
     clean, drops or keeps toxicity_keep of the documents above toxicity_threshold). fim_rate > 0: the training
-    documents in FIM layout (fim.py; fim_fragment > 0: per fragment of that many characters).
+    documents in FIM layout (fim.py; fim_fragment > 0: per fragment of that many characters). join_docs > 0:
+    long documents, joined() per group of the corpus into ones of at least join_docs tokens, before
+    cleaning (which then sees the joined documents, as max_docs counts them); meta's `joined` counts them.
     Returns the meta dict, which holds n_docs, n_train / n_val tokens, n_train_docs / n_val_docs (a
     document cut by a "tokens" split counts in both), val_split (the mode), intake
     (Intake.counts(): files read, skipped, repaired), cleaned (clean.Stats: documents in, kept,
@@ -268,6 +310,7 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
     need_data(0 <= max_val_share < 1, f"max_val_share={max_val_share} must be in [0, 1)")
     need_data(dedup in ("none", "exact", "near"), f"dedup={dedup!r} must be 'none', 'exact' or 'near'")
     need_data(not toxicity or clean, f"toxicity={toxicity!r} runs inside the cleaning: set clean=True")
+    need_data(isinstance(join_docs, int) and join_docs >= 0, f"join_docs={join_docs} must be an integer >= 0")
     transform = fim_mod.Transform(tokenizer, fim_rate, fim_spm_rate, fim_seed, fim_fragment) if fim_rate > 0 else None
     dtype = np.dtype(np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32)
     meta = dict(format=FORMAT, source=corpus.source_key(source), text_field=text_field, tokenizer=tokenizer.name,
@@ -276,7 +319,7 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
                 max_docs=max_docs, fingerprint=corpus.source_fingerprint(source, FORMAT),
                 fim_rate=fim_rate, fim_spm_rate=fim_spm_rate, fim_seed=fim_seed, fim_fragment=fim_fragment,
                 clean=clean, dedup=dedup, toxicity=toxicity, toxicity_threshold=toxicity_threshold,
-                toxicity_keep=toxicity_keep)
+                toxicity_keep=toxicity_keep, join_docs=join_docs)
     old = read_meta(out_dir)
     bins = {s: os.path.join(out_dir, f"{s}.bin") for s in ("train", "val")}
     if old is not None and all(old.get(k, VARIANT_DEFAULTS.get(k)) == v for k, v in meta.items()) and all(
@@ -286,8 +329,11 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
                   f"{old['n_val']:,} val tokens)")
         return old
 
-    report, stats = corpus.Intake(), clean_mod.Stats()
-    docs = corpus.iter_documents(source, text_field, report)  # a bad source fails here, before anything is written
+    report, stats, joins = corpus.Intake(), clean_mod.Stats(), collections.Counter()
+    threads = num_proc or os.cpu_count() or 1
+    docs = corpus.iter_documents(source, text_field, report, groups=bool(join_docs))  # a bad source fails here
+    if join_docs:
+        docs = joined(docs, tokenizer, join_docs, joins, threads)
     docs = _cleaned(docs, meta["source"], clean, dedup, stats, toxicity, toxicity_threshold, toxicity_keep)
     os.makedirs(out_dir, exist_ok=True)
     if old is not None:  # the bins are about to change: never let an old meta.json describe them
@@ -299,7 +345,7 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
     try:
         with tqdm(desc=f"tokenizing {source}", unit="doc", total=max_docs or None, disable=not verbose) as bar:
             lens, modes = _tokenize(docs, tokenizer, [tmp["all"], tmp["fim"]][:1 + bool(transform)], dtype,
-                                    num_proc or os.cpu_count() or 1, bar, transform)
+                                    threads, bar, transform)
         ranges, mode = val_split(lens[0], val_fraction, val_tokens, max_val_share)  # over the plain documents
         n_train, fim_docs = _write_splits(tmp, dtype, lens, modes, ranges)
         ends = np.cumsum(lens[0])
@@ -311,7 +357,7 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
                     n_val_docs=n_val_docs, val_split=mode, intake=report.counts(),
                     cleaned=dict(docs=stats.docs, kept=stats.kept, chars_in=stats.chars_in, chars_out=stats.chars_out,
                                  removed=dict(stats.removed.most_common()), flagged=dict(stats.flagged)),
-                    fim_docs=fim_docs)
+                    fim_docs=fim_docs, **({"joined": dict(joins)} if join_docs else {}))
         # Bins first, meta.json last: a crash at any point leaves no meta.json that matches.
         for split in ("train", "val"):
             os.replace(tmp[split], bins[split])
@@ -325,6 +371,10 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.01, text_field="text", ma
     if verbose:
         for line in report.summary() + (stats.report().splitlines() if clean or dedup != "none" else []):
             print(f"data: {line}")
+        if join_docs:
+            print(f"data: join_docs={join_docs}: {joins['texts']:,} documents joined per group into "
+                  f"{joins['documents']:,} of >= {join_docs:,} tokens ({joins['short']:,} of them shorter: a whole "
+                  "group below that)")
         if transform:
             frag = f", in fragments of <= {fim_fragment} characters" if fim_fragment else ""
             print(f"data: FIM (rate {fim_rate}, SPM {fim_spm_rate} of them{frag}) on {sum(fim_docs.values()):,} of "
