@@ -17,6 +17,7 @@ An OOM is a result: the row says so.
 import argparse
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -44,8 +45,9 @@ CHILD = ("import runpy, sys, torch\n"
          "runpy.run_path(sys.argv[0], run_name='__main__')\n")
 
 
-def make(folder, shape):
-    """A random model of `shape` written as an HF folder with our tokenizer (bf16 on a GPU)."""
+def make(folder, shape, positions=0):
+    """A random model of `shape` written as an HF folder with our tokenizer (bf16 on a GPU); positions: its
+    max_position_embeddings (default: the shape's block_size)."""
     sys.path.insert(0, ROOT)
     import torch
 
@@ -55,13 +57,39 @@ def make(folder, shape):
     from model import ModelConfig
     cuda = torch.cuda.is_available()
     torch.manual_seed(0)
-    model = materialize.build(ModelConfig(**SHAPES[shape]), "cuda" if cuda else "cpu",
+    model = materialize.build(ModelConfig(**{**SHAPES[shape], "block_size": positions or SHAPES[shape]["block_size"]}),
+                              "cuda" if cuda else "cpu",
                               torch.bfloat16 if cuda else torch.float32)
     hf.export_hf(model, folder, tokenizer=tokenizer.get_tokenizer("cl100k_base", 0 if shape == "8b" else 500))
     return folder
 
 
+def long_data(path, tokens, shape, n=3):
+    """n conversations of about 0.95 x `tokens` tokens each (a long user turn of filler words counted with the
+    folder's tokenizer, a short answer): one row each with pack=False, so attention spans the whole row."""
+    sys.path.insert(0, ROOT)
+    import tokenizer
+    words = "the of and to in a is that for it as was with be by on not he this are or his from at which".split()
+    rng = random.Random(0)
+    sample = " ".join(rng.choice(words) for _ in range(2000))
+    per_word = len(tokenizer.get_tokenizer("cl100k_base", 0 if shape == "8b" else 500).encode(sample)) / 2000
+    with open(path, "w") as f:
+        for _ in range(n):
+            text = " ".join(rng.choice(words) for _ in range(int((tokens * 0.95 - 64) / per_word)))
+            f.write(json.dumps({"messages": [{"role": "user", "content": text},
+                                             {"role": "assistant", "content": "done"}]}) + "\n")
+    return path
+
+
 def base_args(folder, shape, args):
+    if args.block_size != 2048:  # long rows: one conversation of about block_size tokens per row, causal
+        data = long_data(os.path.join(args.work, "long.jsonl"), args.block_size, shape)
+        return (["sft.py", "configs/sft_small.py" if shape == "8b" else "configs/sft_tiny.py", f"--init_from={folder}",
+                 "--micro_batch_size=1", "--batch_size=1", f"--max_steps={args.steps + 5}", "--log_every=1",
+                 "--eval_every=0", "--n_eval=0", "--ckpt_every=0", "--compile=False", "--progress=False",
+                 "--warmup_steps=1", f"--out_dir={args.work}/run", "--overwrite=True", "--dtype=bfloat16",
+                 f"--block_size={args.block_size}", "--task=", f"--chat_data={data}", "--pack=False"]
+                + ([] if shape == "8b" else ["--device=cpu"]), [])
     tokens = ["--block_size=2048"] if shape == "8b" else []
     keys = [f"--{k}={v}" for k, v in SHAPES[shape].items() if k not in ("vocab_size",)]
     return (["sft.py", "configs/sft_tiny.py" if shape == "tiny" else "configs/sft_small.py", f"--init_from={folder}",
@@ -122,6 +150,8 @@ def main():
     p.add_argument("folder")
     p.add_argument("--cap_gib", type=float, default=24.0)
     p.add_argument("--micro", type=int, default=1, help="rows of 2048 tokens per step")
+    p.add_argument("--block_size", type=int, default=2048, help="!= 2048: long rows of this many tokens (micro 1), "
+                   "and `make` writes a folder of this many positions")
     p.add_argument("--steps", type=int, default=3, help="steps measured after the first")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds a row may take")
     p.add_argument("--rows", default="", help="comma-separated row numbers (default: all)")
@@ -132,10 +162,11 @@ def main():
     shape = "tiny" if args.tiny else "8b"
     if args.what in ("make", "all"):
         t = time.time()
-        make(args.folder, shape)
+        make(args.folder, shape, args.block_size if args.block_size != 2048 else 0)
         print(f"made {args.folder} in {time.time() - t:.0f} s", flush=True)
     if args.what == "make":
         return
+    os.makedirs(args.work, exist_ok=True)
     cmd0, keys = base_args(args.folder, shape, args)
     results = []
     picked = [int(i) for i in args.rows.split(",")] if args.rows else range(len(ROWS))
