@@ -156,6 +156,17 @@ class Offloaded(torch.autograd.Function):
         return (None, None, dx, *grads)
 
 
+def tiled(fn, x, tile):
+    """fn(x) computed `tile` tokens at a time into one output (no list of tiles and their concatenation)."""
+    flat, out = x.reshape(-1, x.shape[-1]), None
+    for start in range(0, flat.shape[0], tile):
+        y = fn(flat[start:start + tile])
+        if out is None:
+            out = y.new_empty(flat.shape[0], y.shape[-1])
+        out[start:start + tile] = y
+    return out.view(*x.shape[:-1], -1)
+
+
 class Tiled(torch.autograd.Function):
     """y = fn(x) over tiles of `tile` tokens (x: (..., C), tiled along its flattened tokens), keeping only x:
     backward recomputes each tile under the forward's autocast and returns the gradients of x and of params
@@ -166,14 +177,8 @@ class Tiled(torch.autograd.Function):
         ctx.fn, ctx.tile, ctx.params, ctx.x_grad = fn, tile, params, x.requires_grad
         ctx.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         ctx.save_for_backward(x)
-        flat, out = x.reshape(-1, x.shape[-1]), None
         with torch.no_grad():
-            for start in range(0, flat.shape[0], tile):
-                y = fn(flat[start:start + tile])
-                if out is None:  # the output, written tile by tile (no list of tiles and their concatenation)
-                    out = y.new_empty(flat.shape[0], y.shape[-1])
-                out[start:start + tile] = y
-        return out.view(*x.shape[:-1], -1)
+            return tiled(fn, x, tile)
 
     @staticmethod
     def backward(ctx, dy):
@@ -194,15 +199,18 @@ class Tiled(torch.autograd.Function):
 
 
 class TiledForward:
-    """A module's forward over token tiles (Tiled) in training forwards that record gradients."""
+    """A module's forward over token tiles in training: Tiled where it records gradients, and tile by tile
+    without (a recomputed or offloaded block's first forward: no full-length intermediates there either)."""
 
     def __init__(self, module, forward, tile):
         self.module, self.forward, self.tile = module, forward, tile
 
     @torch.compiler.disable  # a Python loop over tiles: runs eagerly (compile skips it)
     def __call__(self, x):
-        if not (self.module.training and torch.is_grad_enabled()):
+        if not self.module.training:
             return self.forward(x)
+        if not torch.is_grad_enabled():
+            return tiled(self.forward, x, self.tile)
         params = [p for p in self.module.parameters() if p.requires_grad]
         return Tiled.apply(self.forward, self.tile, x, *params)
 
