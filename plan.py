@@ -288,8 +288,13 @@ def predict(cfg, world=1, decode=None):
     # a block's backward: the gradients of its attention's internals, flash's fp32 dq and the stream's gradient,
     # beside what it rebuilt (measured: 8B LoRA at 32k-131k tokens, BENCHMARKS.md); an NF4 base then holds one
     # dequantised bf16 weight, not the forward's dequantisation buffers
-    flight = tokens * (block_bytes(cfg, tp, a, "attn") + 4 * max(1, m.n_head // tp) * m.head_dim
-                       + stream_bytes(cfg, a) * m.n_embd)
+    attn = block_bytes(cfg, tp, a, "attn")
+    flight = tokens * (attn + 4 * max(1, m.n_head // tp) * m.head_dim + stream_bytes(cfg, a) * m.n_embd)
+    if mode == "block":  # by the attention's backward the rebuilt block's MLP part is freed: its attention is left
+        res = stream_bytes(cfg, a)
+        redo_attn = tokens * (attn + (2 * res * m.n_embd if cfg.offload_activations else 0)) + redo_copies
+    else:
+        redo_attn = redo
     rows.append(("backward", flight, "a block's gradients in flight (its attention's, flash's fp32 dq, the stream's)"))
     bwd_copies = 2 * n["largest_base"] / tp if cfg.lora_r and cfg.lora_base_dtype == "nf4" else copies
     if decode:
@@ -307,7 +312,8 @@ def predict(cfg, world=1, decode=None):
     end = grads + max(tied, step_tmp)  # the end of backward, the optimizer step: activations and copies freed
     held = grads if dp > 1 or fsdp or cfg.optimizer_in_backward else 0  # buckets, shards, or the one being used
     # (one process: gradients appear as backward frees the activations)
-    peak = static + held + max(copies + saved + logit, bwd_copies + saved + redo + flight, end - held)
+    peak = static + held + max(copies + saved + logit, bwd_copies + saved + redo, bwd_copies + saved + redo_attn + flight,
+                               end - held)
     host = ((4 + 8 + 4) * trained if kind == "offload" else 0) + offloaded_bytes(cfg, tokens) + \
         (embed if cfg.lora_r else 0)
     return {"rows": rows, "total": peak, "host": host, "world": world, "dp": dp, "tp": tp}
