@@ -230,9 +230,12 @@ def test_gpu_memory_prints_the_plan_and_exits_before_work(tmp_path):
     r = pretrain([f"--out_dir={out}", f"--data_dir={data}", "--gpu_memory=1e-6"])
     assert "does NOT fit" in r.stdout and "to fit 1e-06 GiB, in order of expected cost in speed:" in r.stdout
     assert "+ fp32_residual=False (checkpointed inputs in bf16)" in r.stdout and "still too large" in r.stdout
-    # the keys as they end up: recompute=block replaced recompute=mlp (a user pastes one line)
+    # the keys as they end up, one line a user pastes: each knob's key once, at its last value
     run_with = [ln for ln in r.stdout.splitlines() if ln.startswith("  run with: ")]
-    assert len(run_with) == 1 and "--recompute=block" in run_with[0] and "--recompute=mlp" not in run_with[0]
+    knobs = [ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith("  + ")]
+    last = {k.split("=")[0]: k for k in knobs if "=" in k and "micro_batch_size" not in k}
+    assert len(run_with) == 1 and all(f"--{k}" in run_with[0] for k in last.values()), (run_with, last)
+    assert all(run_with[0].count(f"--{key}=") == 1 for key in last)
     assert "+ loss_chunk" not in r.stdout  # 64 tokens: the chunked loss's head buffers outweigh the logits it saves
     assert not out.exists() and not data.exists()
     r = script("sft.py", ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64", "--tokenizer_vocab=512",
