@@ -19,7 +19,7 @@ gradients too under DP / FSDP) and its end / the optimizer step (the gradients +
 
 fit() walks LADDER, knobs ordered by their cost in speed (recompute before 8-bit AdamW as measured
 on the 1B shape, BENCHMARKS.md; the rest judged, offload_activations among them; each applied only
-where it lowers the total), until the plan fits gpu_gb. Dense models only (MoE refused); not
+where it lowers the total), until the plan fits gpu_gb less SPARE (7%). Dense models only (MoE refused); not
 modelled: sequence parallelism, dropout masks, attention without flash kernels (T x T scores).
 """
 import copy
@@ -39,6 +39,8 @@ GiB = 2 ** 30
 PLAN_DEFAULTS = dict(  # the memory plan's config key (memory/README.md: what a 24 GB card needs)
     gpu_memory=0.0,          # >0: print the memory plan (plan.py) for GPUs of this many GiB, what fits, and exit
 )
+SPARE = 0.07  # of gpu_memory left free: the allocator's reserved-but-unused blocks and the plan's own error (<= 4.7%
+# on the 8B rows through sft.py, BENCHMARKS.md); "fits" means the predicted peak is within the rest
 RESUME_FREE = ("gpu_memory",)  # a resumed run may change it (lifecycle.RESUME_FREE)
 
 
@@ -326,7 +328,8 @@ def show(table, gpu_gb=None):
     out += [f"  {name:<16} {b / GiB:8.2f} GiB  {note}" for name, b, note in table["rows"]]
     out.append(f"  {'peak':<16} {table['total'] / GiB:8.2f} GiB  weights, copies, state, gradients + the larger "
                f"of the loss and a recompute on top of the activations"
-               + (f"  [{'fits' if table['total'] <= gpu_gb * GiB else 'does NOT fit'} {gpu_gb:g} GiB]" if gpu_gb else ""))
+               + (f"  [{'fits' if fits(table, gpu_gb) else 'does NOT fit'} {gpu_gb:g} GiB, {SPARE:.0%} kept spare]"
+                  if gpu_gb else ""))
     if table["host"]:
         out.append(f"  {'host (pinned)':<16} {table['host'] / GiB:8.2f} GiB  offloaded master, state and gradients")
     return out
@@ -343,18 +346,23 @@ def _set(**kw):
     return change
 
 
+def fits(table, gpu_gb):
+    """Does predict()'s table fit GPUs of gpu_gb GiB, SPARE of them kept free?"""
+    return table["total"] <= (1 - SPARE) * gpu_gb * GiB
+
+
 def longest(cfg, gpu_gb, world=1):
     """The longest row (tokens, a multiple of 1024) of micro_batch_size 1 whose plan fits gpu_gb GiB (0: none)."""
-    def fits(t):
+    def ok(t):
         c = copy.copy(cfg)
         c.micro_batch_size, c.block_size, c.seq_len = 1, t, 0
-        return predict(c, world)["total"] <= gpu_gb * GiB
+        return fits(predict(c, world), gpu_gb)
     lo, hi = 0, 1024
-    while fits(hi) and hi < 2 ** 24:
+    while ok(hi) and hi < 2 ** 24:
         lo, hi = hi, 2 * hi
     while hi - lo > 1024:
         mid = (lo + hi) // 2 // 1024 * 1024
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
 
 
@@ -399,9 +407,8 @@ def fit(cfg, gpu_gb, world=1, decode=None):
     fits already; the last table says whether it fits in the end). A knob that does not lower the
     peak is skipped; micro_batch_size may be halved several times."""
     steps, cur = [], predict(cfg, world, decode)
-    budget = gpu_gb * GiB
     for knob, applies, change in LADDER:
-        while cur["total"] > budget and applies(cfg, world):
+        while not fits(cur, gpu_gb) and applies(cfg, world):
             new_cfg = change(cfg)
             new = predict(new_cfg, world, decode)
             if new["total"] >= cur["total"]:
@@ -422,11 +429,11 @@ def advice(cfg, world=1, gpu_gb=0.0, decode=None):
     except NotImplementedError as e:
         raise config.UserError(f"gpu_memory: {e}; drop --gpu_memory") from e
     out, steps = show(table, gpu_gb or None), []
-    if gpu_gb and table["total"] > gpu_gb * GiB:
+    if gpu_gb and not fits(table, gpu_gb):
         steps = fit(cfg, gpu_gb, world, decode)
         out.append(f"to fit {gpu_gb:g} GiB, in order of expected cost in speed:")
         out += [f"  + {knob:<50} -> {t['total'] / GiB:6.2f} GiB" for knob, _, t in steps]
-        if not steps or steps[-1][2]["total"] > gpu_gb * GiB:
+        if not steps or not fits(steps[-1][2], gpu_gb):
             out.append("  still too large: more GPUs (data_parallel=fsdp, tp), a shorter seq_len, or a smaller model")
         if steps:  # the keys as they end up (a later knob may replace an earlier one's value)
             last = vars(steps[-1][1])
