@@ -14,7 +14,7 @@ Proves:
   backward (checkpointing without offload keeps them: the control); compiled (aot_eager) the same;
   without a recompute the setting is refused; on a GPU (side stream) offloaded = checkpointed = plain;
 - mlp_tile (recompute.Tiled, MLPs over token tiles, one recomputed at a time): the loss and every gradient
-  equal the untiled model's (relative 1e-6: matmuls over fewer rows) for tiles that divide the tokens and
+  equal the untiled model's (relative 1e-5: matmuls over fewer rows sum in another order) for tiles that divide the tokens and
   tiles that do not, with dropout, LoRA, and inside recomputed blocks; only the MLPs' inputs are kept;
 - FSDP2 and DP2 (2 gloo processes) with recompute=mlp every 2 / block every 2, DP2 and FSDP2 with
   offloaded blocks, TP2 with offloaded MLPs, TP2 with tiled MLPs and FSDP2 with tiled MLPs in recomputed
@@ -82,7 +82,7 @@ def test_lora_gradients_equal():
         assert torch.equal(l1, l0) and g1.keys() == g0.keys() and all(torch.equal(g1[k], g0[k]) for k in g0)
 
 
-def close(a, b, rel=1e-6):
+def close(a, b, rel=1e-5):
     return (a - b).abs().max() <= rel * b.abs().max()
 
 
