@@ -29,7 +29,7 @@ import optim
 import parallel
 import weights
 from model import IGNORE
-from posttrain import objectives, prompts
+from posttrain import diagnose, objectives, prompts
 from tools import gradstats
 
 # ours, then TRL's cispo and sapo (objectives.py). Not bnpo: its per-micro-batch token mean depends on the layout
@@ -61,7 +61,7 @@ DEFAULTS = dict(  # this stage's own config keys; batch_size counts completions 
     dynamic_sampling=False,   # leave out groups whose rewards are all equal (DAPO, without refill)
     mask_truncated=False,     # completions cut at max_new_tokens count no token (DAPO's overlong filtering)
     reward_truncated=False,   # a completion cut at max_new_tokens keeps its reward (False: it earns 0)
-    dead_steps=20,            # warn when no step of this many in a row had a learning signal (diagnose)
+    dead_steps=20,            # warn when no step of this many in a row had a learning signal (posttrain/diagnose.py)
     rollout_copy=True,        # rollouts read a copy in the compute dtype (main; False: the trained weights)
     out_dir="out/grpo",       # checkpoints and metrics
 )
@@ -70,6 +70,7 @@ EXTRA = config.Keys({k: chat.CHAT_DEFAULTS[k] for k in ("chat_template", "skip_b
                     replaces={"prompt_data": ("task", "task_args")})  # on the command line: the file's task drops
 # a log line's means over its steps: name -> (the tally's sum, what it is divided by)
 LOGGED = {"reward": ("reward", "rewarded"), "frac_equal_groups": ("equal", "groups"), "kl": ("kl", "tokens"),
+          "entropy": ("neglogp", "gen_tokens"),
           "clip_low": ("clip_low", "clip_count"), "clip_high": ("clip_high", "clip_count"),
           "t_rollout": ("t_rollout", "steps"), "t_reward": ("t_reward", "steps"), "t_learn": ("t_learn", "steps")}
 CISPO = {**{k: v for k, v in LOGGED.items() if k[:4] != "clip"}, "cispo_clip": ("clip_high", "clip_count")}  # TRL's
@@ -185,7 +186,7 @@ def score(r, rewards, grid, cfg, stops):
     earns 0 unless reward_truncated (an answer that never ended is not an answer). Every data rank's
     rewards are gathered before the group statistics; dynamic_sampling leaves out groups of equal rewards,
     mask_truncated completions that did not stop. stats: global sums {reward, rewarded (completions with a
-    reward), equal (groups of equal rewards), groups, truncated (did not stop), gen_tokens}."""
+    reward), equal (groups of equal rewards), groups, truncated (did not stop), gen_tokens, neglogp (their -log p)}."""
     G, R, T, dev = cfg.group_size, rewards.numel(), r.prompt_len, rewards.device
     last = r.tokens.gather(1, (T + r.lengths - 1)[:, None]).squeeze(1)
     stopped = torch.isin(last, torch.as_tensor(stops, device=dev))
@@ -201,30 +202,13 @@ def score(r, rewards, grid, cfg, stops):
     loss_mask = r.mask[:, T:] & keep[mine, None]
     if cfg.mask_truncated:
         loss_mask &= stopped[:, None]
-    counts = parallel.data_sum(torch.stack([loss_mask.sum(), (~stopped).sum(), r.lengths.sum()]).float(), grid)
+    counts = torch.stack([loss_mask.sum(), (~stopped).sum(), r.lengths.sum(), -r.logprobs.sum()])  # logprobs: 0 after
+    counts = parallel.data_sum(counts.float(), grid)
     stats = {"reward": every.nansum().item(), "rewarded": (~every.isnan()).sum().item(), "equal": equal.sum().item(),
-             "groups": equal.numel(), "truncated": counts[1].item(), "gen_tokens": counts[2].item()}
+             "groups": equal.numel(), "truncated": counts[1].item(), "gen_tokens": counts[2].item(),
+             "neglogp": counts[3].item()}
     return Batch(r.tokens, r.mask, T, r.logprobs, loss_mask, adv[mine].to(dev), keep.sum().item(),
                  counts[0].item()), stats
-
-
-def diagnose(m, cfg):
-    """What is wrong with a stretch of steps that cannot learn (their logged means m), and what to try;
-    None while the run has signal. Equal rewards in (nearly) every group give zero advantages: no gradient."""
-    if m["truncated"] >= 0.9 and (cfg.mask_truncated or not cfg.reward_truncated):  # truncated: no reward / token
-        return (f"{m['truncated']:.0%} of completions ran to max_new_tokens={cfg.max_new_tokens} without their end of "
-                "turn, so they earn nothing: raise max_new_tokens, lower lr, or start from a model that stops "
-                "(more SFT)")
-    if m["frac_equal_groups"] >= 0.95:
-        if m["reward"] <= 0.05:
-            return ("every sample of nearly every prompt earns 0: nothing to reinforce. The task is too hard for this "
-                    "model: fine-tune it first (sft.py), make the task easier (task_args), or sample more (group_size, "
-                    "temperature)")
-        if m["reward"] >= 0.95:
-            return "every sample of nearly every prompt is right: the task is solved; harder prompts (task_args)"
-        return ("the rewards of each group are all equal: check that the reward varies between completions "
-                "(a reward that only sees the prompt), or sample more (group_size, temperature)")
-    return None
 
 
 @torch.no_grad()
@@ -317,7 +301,7 @@ def main(argv):
     trainer, step = lifecycle.resume(lease, net, say)  # prompts and sampling seeds follow from the step
     logger = logs.Logger(cfg, grid)
     probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
-    held, saved = lease.held, {}  # the held-out metric at the run's first and latest evaluation; the latest checkpoint
+    held, saved, history = lease.held, {}, []  # the held-out metric at the run's first and latest evaluation; the latest checkpoint
 
     def rewards_of(r, items, which):
         """prompts.judge of r's completions: (rewards (N,), NaN where none; {key: [sum, count]} to log)."""
@@ -338,6 +322,7 @@ def main(argv):
                         **{k.replace("accuracy", "heldout"): v for k, v in judged.items() if k.startswith("accuracy_")}},
                        grid.data_group, device)
         logger.log(step, m)
+        history.append({"step": step, **m})
         lifecycle.track_held(held, step, m.get("heldout_lenient", m["heldout_greedy"]))
         say(f"step {step} | held-out ({len(test)} prompts) | " + logs.fmt(m))
 
@@ -349,7 +334,7 @@ def main(argv):
         evaluate()
     last, interrupt, stopped = cfg.stop_at or cfg.max_steps, lifecycle.Interrupt(grid), False
     tally, judged_tally, first = {}, {}, step + 1  # what the log line reports, summed over its steps
-    dead, logged, warned = 0, step, {}  # steps in a row without signal (diagnose), their warnings
+    dead, logged, warned = 0, step, {}  # steps in a row without signal (diagnose.dead), the warnings said
     while step < last:
         t0 = clock.now()
         idx = [(step * P + i) % len(train) for i in range(P)]
@@ -383,11 +368,14 @@ def main(argv):
             m.update(len=tally["gen_tokens"] / n, truncated=tally["truncated"] / n, grad_norm=float(norm), lr=lr,
                      gen_tok_s=tally["gen_tokens"] / tally["t_rollout"], **logs.means(judged_tally, grid.data_group, device))
             logger.report(step, m, cfg.max_steps, say)
-            tally, judged_tally, why = {}, {}, diagnose(m, cfg)
+            tally, judged_tally, why = {}, {}, diagnose.dead(m, cfg)
             dead, logged = (dead + step - logged if why else 0), step
-            if why and dead >= cfg.dead_steps and not warned.get(why):
-                warned[why] = True
-                say(f"warning: no learning signal in the last {dead} steps: {why}")
+            history.append({"step": step, **m})
+            found = [(why, f"no learning signal in the last {dead} steps: {why}")] if why and dead >= cfg.dead_steps else []
+            for kind, line in found + diagnose.warnings(history):  # each kind once per run (say: rank 0)
+                if not warned.get(kind):
+                    warned[kind] = True
+                    say(f"warning: {line}")
         stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate if cfg.eval_every else None, say, clock)
         if stopped:
             break

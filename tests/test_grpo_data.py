@@ -4,7 +4,7 @@ Proves: grpo.py reads a GSM8K-style .jsonl (question / answer '#### N') with a u
 from a file (path.py:function, given the prompts, the completions and the records' columns), holds a
 share out, and under DP2 and TP2 x DP2 (gloo: the same data ranks, so the same rollouts) logs the
 same rewards at every step and ends with the same weights (<= 1e-5); the held-out greedy reward
-before training, split over the data ranks and gathered, is the one-process run's. diagnose names
+before training, split over the data ranks and gathered, is the one-process run's. diagnose.dead names
 the cause on constructed means (truncation, every reward 0, every reward 1, equal rewards) and
 nothing on means with signal; a run whose reward is always 0 warns once, after dead_steps steps,
 naming that cause, and a run with signal does not warn.
@@ -18,6 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 import grpo
+from posttrain import diagnose
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -85,13 +86,13 @@ def test_prompt_file_under_dp2_and_tp2_dp2(files, tmp_path):
 def test_diagnose_names_the_cause():
     from types import SimpleNamespace
     base = {"truncated": 0.0, "frac_equal_groups": 0.5, "reward": 0.4}
-    assert grpo.diagnose(base, _cfg()) is None
+    assert diagnose.dead(base, _cfg()) is None
     kept = SimpleNamespace(max_new_tokens=6, reward_truncated=True, mask_truncated=False)  # truncation costs nothing
-    assert grpo.diagnose({**base, "truncated": 0.95}, kept) is None
-    assert "max_new_tokens=6" in grpo.diagnose({**base, "truncated": 0.95}, _cfg())
-    assert "earns 0" in grpo.diagnose({**base, "frac_equal_groups": 1.0, "reward": 0.0}, _cfg())
-    assert "solved" in grpo.diagnose({**base, "frac_equal_groups": 0.97, "reward": 1.0}, _cfg())
-    assert "all equal" in grpo.diagnose({**base, "frac_equal_groups": 1.0, "reward": 0.5}, _cfg())
+    assert diagnose.dead({**base, "truncated": 0.95}, kept) is None
+    assert "max_new_tokens=6" in diagnose.dead({**base, "truncated": 0.95}, _cfg())
+    assert "earns 0" in diagnose.dead({**base, "frac_equal_groups": 1.0, "reward": 0.0}, _cfg())
+    assert "solved" in diagnose.dead({**base, "frac_equal_groups": 0.97, "reward": 1.0}, _cfg())
+    assert "all equal" in diagnose.dead({**base, "frac_equal_groups": 1.0, "reward": 0.5}, _cfg())
 
 
 def _cfg():

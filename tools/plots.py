@@ -5,6 +5,7 @@
     python -m tools.plots out/sft_tiny                       # any stage's run: its train_metrics.jsonl
     python -m tools.plots out/small --attention --prompt="def add(a, b):" --layer=3 --head=5 --out=attn.png
     python -m tools.plots out/small --heatmap=update_ratio   # layers x steps of gradient statistics
+    python -m tools.plots --grpo out/grpo_tiny               # why a GRPO run does (not) learn: out/grpo_tiny/grpo.png
     python -m tools.plots --life out/life_small/pretrain out/life_small/sft out/life_small/dpo out/life_small/grpo   # report.md, .png
 
 Curves come from logs.py's JSONL (<run>/<log>_metrics.jsonl, one record per log step): train and
@@ -53,6 +54,11 @@ PANELS = [("loss", "step", ("loss", "val_loss")), ("loss", "tokens", ("loss", "v
           ("DPO: accuracies", "step", ("rewards/accuracies", "policy/accuracy")),
           ("DPO: log-probs of the answers", "step", ("logps/chosen", "logps/rejected")),
           ("DPO: NLL of the chosen answers", "step", ("nll",)), ("pairs/s", "step", ("pairs_s",))]
+# --grpo: why a GRPO run does (not) learn, one PNG (posttrain/diagnose.py's warnings read the same metrics)
+GRPO_PANELS = [("GRPO: held-out accuracy (greedy, sampled) and training reward", "step",
+                ("heldout_greedy", "heldout_reward", "reward")),
+               ("GRPO: entropy of the samples, nats per token", "step", ("entropy",)),
+               ("GRPO: share of informative groups (unequal rewards)", "step", ("informative_groups",))]
 LOG_SCALE = ("loss", "gradient norm")
 HELD_OUT = ("val_", "eval_", "heldout_", "accuracy")  # drawn with markers: evaluated every few steps
 DASHES = ("-", "--", ":", "-.")            # the metrics of one panel, when colours tell the runs apart
@@ -110,19 +116,21 @@ def step_tokens(run_dir):
     return cfg["batch_size"] * (cfg.get("seq_len") or cfg["block_size"])
 
 
-def plot_runs(run_dirs, out, log="train", tokens_per_step=None):
+def plot_runs(run_dirs, out, log="train", tokens_per_step=None, panels=PANELS):
     """One PNG of every panel with data, one line per run and metric; returns what was drawn,
     read back from the figure: {panel title (x axis): {"<run> <metric>": (xs, ys)}}.
     tokens_per_step: for metrics kept without their checkpoints (default: each run's config).
-    out=None: nothing is rendered or written (the data only)."""
+    out=None: nothing is rendered or written (the data only). panels: PANELS, or GRPO_PANELS (--grpo)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     runs = []
     for d in run_dirs:
-        runs.append((os.path.basename(os.path.normpath(d)), read_metrics(metrics_file(d, log)),
-                     tokens_per_step or step_tokens(d)))
-    panels = [(t, x, held_out(names)) for t, x, names in PANELS
+        metrics = read_metrics(metrics_file(d, log))
+        if "frac_equal_groups" in metrics:
+            metrics["informative_groups"] = {s: 1 - v for s, v in metrics["frac_equal_groups"].items()}
+        runs.append((os.path.basename(os.path.normpath(d)), metrics, tokens_per_step or step_tokens(d)))
+    panels = [(t, x, held_out(names)) for t, x, names in panels
               if any(m in metrics for _, metrics, tps in runs for m in held_out(names) if x == "step" or tps)]
     if not panels:
         raise ValueError(f"nothing to plot in {', '.join(run_dirs)}: no logged metric")
@@ -236,6 +244,8 @@ def main(argv=None):
     p.add_argument("--layer", type=int, default=0)
     p.add_argument("--head", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--grpo", action="store_true", help="a GRPO run's held-out greedy and sampled accuracy, training "
+                   "reward, entropy and informative groups (default <first run>/grpo.png)")
     p.add_argument("--life", action="store_true", help="runs are a life's stages in order (pretrain, sft, dpo, "
                    "grpo): --out is a folder that gets report.md and report.png (life_report)")
     a = p.parse_args(argv)
@@ -253,8 +263,8 @@ def main(argv=None):
             out = a.out or os.path.join(a.runs[0], f"{a.heatmap}.png")
             plot_heatmap(a.runs[0], out, a.heatmap, a.log)
         else:
-            out = a.out or os.path.join(a.runs[0], "run.png")
-            plot_runs(a.runs, out, a.log, a.tokens_per_step)
+            out = a.out or os.path.join(a.runs[0], "grpo.png" if a.grpo else "run.png")
+            plot_runs(a.runs, out, a.log, a.tokens_per_step, GRPO_PANELS if a.grpo else PANELS)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
     print(f"wrote {out}")
