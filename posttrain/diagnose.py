@@ -69,32 +69,25 @@ def heldout_flat(evals, b):
     return change(evals, "heldout_greedy") < b["flat"] and change(evals, "heldout_reward") < b["flat"]
 
 
-def signal_without_gain(history, b=BANDS):
-    """Groups carry signal, yet neither held-out accuracy (greedy, sampled) nor the training reward rises."""
+def flat_heldout(history, b=BANDS):
+    """(kind, line) when held-out accuracy (greedy and sampled) is flat or falls over the window while training
+    rises (reward_without_heldout: fitting the training prompts, or gaming the reward) or only carries signal
+    (signal_without_gain: informative groups, a flat training reward)."""
     evals, train = window(history, b["evals"])
-    if not train or rise(train, "reward") >= b["rising"]:  # a rising training reward: reward_without_heldout's case
+    if not train or not heldout_flat(evals, b):
         return None
-    informative = sum(1 - t["frac_equal_groups"] for t in train) / len(train)
-    if informative >= b["informative"] and heldout_flat(evals, b):
-        return (f"{informative:.0%} of groups carry a learning signal, yet held-out greedy accuracy went "
-                f"{evals[0]['heldout_greedy']:.3f} -> {evals[-1]['heldout_greedy']:.3f} over the last {len(evals)} "
-                "evaluations and the training reward is flat: raise lr, more samples per prompt (group_size), or "
-                "filter prompts by pass rate (keep those the model sometimes solves)")
-    return None
-
-
-def reward_without_heldout(history, b=BANDS):
-    """The training reward rises while held-out accuracy (greedy and sampled) stays flat (or falls)."""
-    evals, train = window(history, b["evals"])
-    if not train:
-        return None
-    up = rise(train, "reward")
-    if up >= b["rising"] and heldout_flat(evals, b):
-        return (f"the training reward rose by {up:.3f} while held-out greedy accuracy changed by "
-                f"{change(evals, 'heldout_greedy'):+.3f} over "
-                f"the last {len(evals)} evaluations: the policy fits the training prompts or games the reward. "
-                "More training prompts (train_prompts), check the reward against strict / lenient accuracy, lower lr, "
-                "raise beta")
+    up, informative = rise(train, "reward"), sum(1 - t["frac_equal_groups"] for t in train) / len(train)
+    seen = (f"held-out greedy accuracy went {evals[0]['heldout_greedy']:.3f} -> {evals[-1]['heldout_greedy']:.3f} "
+            f"over the last {len(evals)} evaluations")
+    if up >= b["rising"]:
+        return "reward_without_heldout", (f"the training reward rose by {up:.3f} while {seen}: the policy fits the "
+                                          "training prompts or games the reward. More training prompts "
+                                          "(train_prompts), check the reward against strict / lenient accuracy, "
+                                          "lower lr, raise beta")
+    if informative >= b["informative"]:
+        return "signal_without_gain", (f"{informative:.0%} of groups carry a learning signal, yet the training reward "
+                                       f"is flat and {seen}: raise lr, more samples per prompt (group_size), or "
+                                       "filter prompts by pass rate (keep those the model sometimes solves)")
     return None
 
 
@@ -144,11 +137,11 @@ def kl_growing(history, b=BANDS):
     return None
 
 
-RULES = {"signal_without_gain": signal_without_gain, "reward_without_heldout": reward_without_heldout,
-         "greedy_against_sampled": greedy_against_sampled, "clipped": clipped, "kl_growing": kl_growing}
+RULES = {"greedy_against_sampled": greedy_against_sampled, "clipped": clipped, "kl_growing": kl_growing}  # kind: rule
+KINDED = (flat_heldout, entropy)  # rules that return (kind, line): one of two kinds each
 
 
 def warnings(history, b=BANDS):
-    """Every rule that holds on history: [(kind, line)], a kind per rule (entropy: collapse or explode)."""
-    out = [(kind, line) for kind, rule in RULES.items() if (line := rule(history, b))]
-    return out + [e] if (e := entropy(history, b)) else out
+    """Every rule that holds on history: [(kind, line)]."""
+    return ([found for rule in KINDED if (found := rule(history, b))]
+            + [(kind, line) for kind, rule in RULES.items() if (line := rule(history, b))])

@@ -25,7 +25,8 @@ Proves:
   the base model's, and the adapters come back after it;
 - rewards to a batch (score): rewards gathered before the group statistics, dynamic sampling
   drops groups of equal rewards from the loss mask and the normaliser, mask_truncated drops
-  completions that did not stop, the end-of-turn token is in the completion mask;
+  completions that did not stop, the end-of-turn token is in the completion mask; the entropy
+  estimate's sum (neglogp) is -sum of the generated tokens' rollout log-probs;
 - the rollout copy (generate.cast_copy / refresh): after a step the refreshed copy holds the trained
   weights cast to bf16 at unchanged addresses; in fp32 it samples the trained model's tokens and
   log-probs (also through a decoder kept across calls); in bf16 under CPU bf16 autocast exactly the
@@ -375,6 +376,8 @@ def test_score_masks_and_normalisers():
     for i in range(12):  # the end-of-turn token is the completion's last counted token
         last = r.tokens[i, r.prompt_len + r.lengths[i] - 1]
         assert batch.loss_mask[i, r.lengths[i] - 1] and (last == STOP) == (i % 3 != 1)
+    neglogp = stats.pop("neglogp")  # the entropy estimate's sum: -log p of the generated tokens (mask: theirs)
+    assert neglogp > 0 and abs(neglogp + float((r.logprobs * gen).sum())) <= 1e-4 * neglogp
     assert stats == {"reward": 6.0, "rewarded": 11.0, "equal": 1.0, "groups": 3.0, "truncated": 4.0,
                      "gen_tokens": float(r.lengths.sum())}
     batch, _ = grpo.score(r, rewards, grid, grpo_cfg(dynamic_sampling=True, mask_truncated=True), [STOP])
