@@ -34,7 +34,7 @@ import pretrain  # noqa: E402
 import tokenizer  # noqa: E402
 from corpora import corpus, prepare  # noqa: E402
 from model import IGNORE, ModelConfig, Transformer  # noqa: E402
-from posttrain import tasks  # noqa: E402
+from posttrain import retrieval, tasks  # noqa: E402
 
 EOS = 999
 # documents as prepare writes them (each ends in EOS); lengths 3, 9, 1 (a lone EOS), 5, 14, 2, 6
@@ -261,5 +261,5 @@ def test_retrieval_accuracy_by_depth():
     items = [{"depth": d} for d in (100, 110, 150, 199, 200, 260, 299)]
     scores = [1, 1, 0, 1, 0, 0, 1]
     # depths 100..299 in 4 ranges of 50: [100, 150) [150, 200) [200, 250) [250, 300)
-    assert tasks.Retrieval.by_depth(items, scores) == [(100, 149, 2, 1.0), (150, 199, 2, 0.5), (200, 249, 1, 0.0),
+    assert retrieval.Retrieval.by_depth(items, scores) == [(100, 149, 2, 1.0), (150, 199, 2, 0.5), (200, 249, 1, 0.0),
                                                        (250, 299, 2, 0.5)]
