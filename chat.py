@@ -642,7 +642,9 @@ def batch(rows, device="cpu"):
     example borders and on padding; pos (B, T) positions restarting per example; attn_mask (B, T, T)
     bool, causal within the same example (padding sees padding: no empty row). Rows of one example each
     (pack=False, or a packed row that took one) give pos and attn_mask None: the model's plain causal
-    path (flash / SDPA, memory linear in T), exact there, as the padding comes after the example."""
+    path (flash / SDPA, memory linear in T), exact there, as the padding comes after the example; such a
+    batch is also cut to its longest row, rounded up to a multiple of 64 and of T/16 (padding computes nothing
+    it needs; a compiled forward meets at most 16 lengths)."""
     seg = np.stack([r.seg for r in rows])
     single = bool((seg[:, 0] == 0).all() and (seg <= 0).all() and (seg[:, 1:] <= seg[:, :-1]).all())
     ids, mask, seg, pos = (torch.from_numpy(np.stack([getattr(r, k) for r in rows])).to(device)
@@ -650,7 +652,9 @@ def batch(rows, device="cpu"):
     same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] >= 0)
     y = torch.where(mask[:, 1:] & same, ids[:, 1:], IGNORE)
     if single:
-        return ids[:, :-1], y, None, None
+        grain = max(64, (len(rows[0].ids) - 1) // 16 // 64 * 64)  # (a multiple of tp: sequence parallelism)
+        n = min(-(-int((seg >= 0).sum(1).max()) // grain) * grain, y.shape[1])
+        return ids[:, :n], y[:, :n], None, None
     s = seg[:, :-1]
     T = s.shape[1]
     attn = (s[:, :, None] == s[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=s.device).tril()

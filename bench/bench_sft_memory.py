@@ -5,6 +5,8 @@ process capped with torch.cuda.set_per_process_memory_fraction, next to what tha
     python bench/bench_sft_memory.py make /tmp/llama8b            # a random Llama-3-8B-shaped HF folder (bf16)
     python bench/bench_sft_memory.py rows /tmp/llama8b --cap_gib=24 --json=bench/results/memory/sft_8b.json
     python bench/bench_sft_memory.py all /tmp/tiny_hf --tiny       # CPU smoke test: tiny shapes, no cap
+    python bench/bench_sft_memory.py rows /tmp/llama8b --rows=1 --lengths=155648,167936 \
+        --knobs="--loss_chunk=1024 --recompute=block --offload_activations=True --mlp_tile=4096"  # longest row
 
 Rows (ROWS): LoRA r=16 on a bf16 base and QLoRA on an NF4 base from the HF folder, each with the knobs
 the plan itself recommends for cap_gib (`sft.py ... --gpu_memory=24`, applied in its order until it
@@ -65,18 +67,23 @@ def make(folder, shape, positions=0):
 
 
 def long_data(path, tokens, shape, n=3):
-    """n conversations of about 0.95 x `tokens` tokens each (a long user turn of filler words counted with the
-    folder's tokenizer, a short answer): one row each with pack=False, so attention spans the whole row."""
+    """n conversations of one long user turn of filler words and a short answer, each within 96 tokens of
+    `tokens` (the turn's words counted with the folder's tokenizer, bisected; the chat template adds fewer):
+    one row each with pack=False, which chat.batch cuts to its longest row rounded up to tokens/16, so a
+    step computes `tokens` positions."""
     sys.path.insert(0, ROOT)
     import tokenizer
     words = "the of and to in a is that for it as was with be by on not he this are or his from at which".split()
     rng = random.Random(0)
-    sample = " ".join(rng.choice(words) for _ in range(2000))
-    per_word = len(tokenizer.get_tokenizer("cl100k_base", 0 if shape == "8b" else 500).encode(sample)) / 2000
+    tok = tokenizer.get_tokenizer("cl100k_base", 0 if shape == "8b" else 500)
     with open(path, "w") as f:
         for _ in range(n):
-            text = " ".join(rng.choice(words) for _ in range(int((tokens * 0.95 - 64) / per_word)))
-            f.write(json.dumps({"messages": [{"role": "user", "content": text},
+            pool = [rng.choice(words) for _ in range(tokens)]
+            lo, hi = 1, tokens  # the most words whose text has at most tokens - 96 tokens
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if len(tok.encode(" ".join(pool[:mid]))) <= tokens - 96 else (lo, mid - 1)
+            f.write(json.dumps({"messages": [{"role": "user", "content": " ".join(pool[:lo])},
                                              {"role": "assistant", "content": "done"}]}) + "\n")
     return path
 
@@ -99,11 +106,14 @@ def base_args(folder, shape, args):
             + ["--dtype=bfloat16"] + ([] if shape == "8b" else ["--device=cpu"]) + tokens, keys)
 
 
-def planned(cmd, cap):
-    """The command's own --gpu_memory plan -> (predicted peak GiB of the recommendation, the knobs it adds)."""
+def planned(cmd, cap, fixed=False):
+    """The command's own --gpu_memory plan -> (predicted peak GiB of the recommendation, the knobs it adds);
+    fixed: the peak of the command as given (no knobs added)."""
     out = subprocess.run([sys.executable, *cmd, f"--gpu_memory={cap}"], cwd=ROOT, capture_output=True, text=True,
                          timeout=900).stdout
     peak = float(re.search(r"^  peak\s+([\d.]+) GiB", out, re.M).group(1))
+    if fixed:
+        return peak, [], out
     steps = re.findall(r"^  \+ .*->\s+([\d.]+) GiB", out, re.M)
     run_with = re.search(r"^  run with: (.*)$", out, re.M)
     return (float(steps[-1]) if steps else peak), (run_with.group(1).split() if run_with else []), out
@@ -152,6 +162,10 @@ def main():
     p.add_argument("--micro", type=int, default=1, help="rows of 2048 tokens per step")
     p.add_argument("--block_size", type=int, default=2048, help="!= 2048: long rows of this many tokens (micro 1), "
                    "and `make` writes a folder of this many positions")
+    p.add_argument("--lengths", default="", help="comma-separated long-row lengths probed in turn (ascending: the "
+                   "probes stop at the first that does not fit); `make` writes a folder of the largest's positions")
+    p.add_argument("--knobs", default="", help="sft.py keys every row runs with, instead of the plan's "
+                   "recommendation (the plan's peak for them is printed beside)")
     p.add_argument("--steps", type=int, default=3, help="steps measured after the first")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds a row may take")
     p.add_argument("--rows", default="", help="comma-separated row numbers (default: all)")
@@ -160,31 +174,35 @@ def main():
     p.add_argument("--json", default="")
     args = p.parse_args()
     shape = "tiny" if args.tiny else "8b"
+    lengths = sorted(int(t) for t in args.lengths.split(",")) if args.lengths else [args.block_size]
     if args.what in ("make", "all"):
         t = time.time()
-        make(args.folder, shape, args.block_size if args.block_size != 2048 else 0)
+        make(args.folder, shape, max(lengths) if max(lengths) != 2048 else 0)
         print(f"made {args.folder} in {time.time() - t:.0f} s", flush=True)
     if args.what == "make":
         return
     os.makedirs(args.work, exist_ok=True)
-    cmd0, keys = base_args(args.folder, shape, args)
     results = []
     picked = [int(i) for i in args.rows.split(",")] if args.rows else range(len(ROWS))
     for i in picked:
-        name, extra = ROWS[i]
-        cmd = cmd0 + extra + (keys if "--init_from=" in extra else [])
-        cap = args.cap_gib if not args.tiny else 0.0
-        predicted, knobs, plan_out = planned(cmd, args.cap_gib)
-        row = {"row": name, "command": " ".join(cmd + knobs), "plan_gib": predicted, "plan_knobs": knobs,
-               **measure(cmd + knobs, cap, args.steps, args.timeout)}
-        results.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "log_tail"}), flush=True)
-        if "error" in row:
-            print("\n".join(row["log_tail"]), flush=True)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"cap_gib": args.cap_gib, "rows": results}, f, indent=1)
+        for length in lengths:
+            args.block_size = length
+            cmd0, keys = base_args(args.folder, shape, args)
+            name, extra = ROWS[i]
+            cmd = cmd0 + extra + (keys if "--init_from=" in extra else []) + args.knobs.split()
+            cap = args.cap_gib if not args.tiny else 0.0
+            predicted, knobs, plan_out = planned(cmd, args.cap_gib, fixed=bool(args.knobs))
+            row = {"row": name, "tokens": length, "command": " ".join(cmd + knobs), "plan_gib": predicted,
+                   "plan_knobs": knobs, **measure(cmd + knobs, cap, args.steps, args.timeout)}
+            results.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "log_tail"}), flush=True)
+            if args.json:  # after every row: a call cut short keeps what it measured
+                os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+                with open(args.json, "w") as f:
+                    json.dump({"cap_gib": args.cap_gib, "rows": results}, f, indent=1)
+            if "error" in row:
+                print("\n".join(row["log_tail"]), flush=True)
+                break  # a longer row does not fit either
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ and padding share (worked out here with numpy) and says how many documents were 
 ranks read disjoint rows whose union is one process' batch, a saved state resumes the identical rows, and
 pretrain.py with rows="documents" stopped and resumed logs exactly the uninterrupted run's losses. A
 padded row's loss is each document's loss alone (the model's plain causal path: SDPA gets no mask and
-is_causal=True), and so are chat rows of one conversation each (chat.batch gives no mask; the packed path
-still does). Bad settings are one line. join_docs: corpus groups (a folder's files together) are joined
+is_causal=True), and so are chat rows of one conversation each (chat.batch gives no mask and cuts the batch to
+its longest row, rounded up to a multiple of 64 and of T/16; the packed path still does). Bad settings are one line. join_docs: corpus groups (a folder's files together) are joined
 into documents of at least N tokens that never mix two groups. The retrieval task: the asked number sits
 at the requested depth (tokens counted with the tokenizer), min_depth / length / keys shape the prompt,
 the reward scores right 1 and wrong / near misses 0, train and test numbers never meet (hash split),
@@ -138,7 +138,12 @@ def test_chat_rows_of_one_conversation_take_the_causal_path():
     ex = [(list(range(1, 1 + k)), [False] * 2 + [True] * (k - 2)) for k in (9, 5, 12, 3)]
     rows, _ = chat.pack(ex, 15, one_per_row=True)
     x, y, pos, attn = chat.batch(rows)
-    assert pos is None and attn is None
+    assert pos is None and attn is None and x.shape == y.shape == (4, 15)  # T=15 (< 64: never cut)
+    for T, k, n in [(2048, 70, 128), (2048, 200, 256), (2048, 1100, 1152), (299, 200, 256), (299, 290, 299)]:
+        one = (list(range(1, 1 + k)), [False] + [True] * (k - 1))  # a conversation of k tokens
+        got = chat.batch(chat.pack([one], T, one_per_row=True)[0])
+        assert got[0].shape == got[1].shape == (1, n)  # cut to a multiple of 64 and of T/16, at most T
+        assert (got[1][0, :k - 1] != IGNORE).all() and (got[1][0, k - 1:] == IGNORE).all()
     loss = model(x, y, reduction="none")
     for r, row in enumerate(rows):
         ids, mask = next(e for e in ex if e[0] == row.ids[row.seg == 0].tolist())
