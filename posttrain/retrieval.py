@@ -14,8 +14,8 @@ class Retrieval(Task):
     """Retrieval over a long context (passkey, Mohtashami & Jaggi 2023): `keys` pass keys, 5-digit numbers
     (named by a word when keys > 1), hidden in filler (plain sentences, no digit), the one asked for at least
     `depth` tokens before the prompt's end (min_depth > 0: drawn in [min_depth, depth]; an item's "depth"
-    holds its count), counted by `tokenizer` (ours by default; name the model's, e.g. its HF folder, for
-    exact depths). length > 0: filler before the keys too, to about length tokens. Offline, seeded; split
+    holds its count), counted by `tokenizer` (ours by default; name the model's, e.g. its HF folder, or
+    give its tokenizer_vocab, for exact depths). length > 0: filler before the keys too, to about length tokens. Offline, seeded; split
     by a hash of the asked number. Reward: 1.0 when the completion's first integer is the number, else 0.0
     (a near miss, a digit off or another key's number, earns nothing). Chance: blind, 1/90,000 (~0);
     copying one of the prompt's numbers at random, 1/keys. by_depth(): accuracy by distance."""
@@ -25,14 +25,16 @@ class Retrieval(Task):
              "cat farmer river bird teacher wind child boat garden horse baker".split(),
              "watches follows paints carries finds visits cleans remembers passes".split())
 
-    def __init__(self, depth=8192, min_depth=0, length=0, keys=1, test_percent=10, tokenizer="cl100k_base"):
+    def __init__(self, depth=8192, min_depth=0, length=0, keys=1, test_percent=10, tokenizer="cl100k_base",
+                 tokenizer_vocab=0):
         if depth < 16 or not 0 <= min_depth <= depth or length and length <= depth \
                 or not 1 <= keys <= len(self.NAMES) or not 0 < test_percent < 100:
             raise TaskError(f"Retrieval needs depth >= 16, 0 <= min_depth <= depth, length 0 or > depth, 1 <= keys <= "
                             f"{len(self.NAMES)}, 0 < test_percent < 100")
         self.depth, self.min_depth, self.length, self.keys = depth, min_depth, length, keys
         self.test_percent = test_percent
-        self.tok, rng, (adj, noun, verb) = tokenizer_mod.get_tokenizer(tokenizer), random.Random(0), self.WORDS
+        self.tok = tokenizer_mod.get_tokenizer(tokenizer, tokenizer_vocab)
+        rng, (adj, noun, verb) = random.Random(0), self.WORDS
         self.filler = [f" The {rng.choice(adj)} {rng.choice(noun)} {rng.choice(verb)} the {rng.choice(noun)}."
                        for _ in range(512)]
         self.sizes = [self.count(f) for f in self.filler]

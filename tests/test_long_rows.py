@@ -236,6 +236,9 @@ def test_retrieval_depth_is_counted_in_tokens():
         text = it["prompt"][0]["content"]
         assert tokens_after(tok, text, it["answer"]) == it["depth"] and 1000 <= len(tok.encode(text)) < 1020
         assert len(set(tasks.NUMBER.findall(text))) == 4 and it["answer"] in text
+    small = tokenizer.get_tokenizer("cl100k_base", 512)  # a truncated vocabulary: more tokens for the same text
+    for it in tasks.get("retrieval", dict(depth=300, tokenizer_vocab=512)).test(3):
+        assert tokens_after(small, it["prompt"][0]["content"], it["answer"]) == it["depth"] and 300 <= it["depth"] < 330
 
 
 def test_retrieval_reward_split_and_determinism():

@@ -1,0 +1,123 @@
+"""Context extension of a small model (issue 58), through the commands a user types: a ~124M RoPE model
+pretrained at 1,024 positions (pretrain.py configs/small.py on the standard library, shortened), extended to --length tokens with each
+rope_scaling type by a short full fine-tune on long documents (sft.py --task=retrieval --pack=False: a pass key
+buried in filler, 64 to length-512 tokens back), all types at once on the one GPU. Judged on held-out keys
+(never trained on: the task's hash split) at least --far tokens back, greedy, by depth; the base is each
+fine-tune's step-0 accuracy (sft.py's own line: the pretrained weights under that scaling, before training).
+
+    python bench/long_extend.py --out=out/long_extend [--types=linear,dynamic,yarn,llama3] [--length=16384]
+    python bench/long_extend.py --out=/tmp/long_extend --tiny      # CPU smoke test: tiny shapes, minutes
+
+Writes OUT/long_extend.json (per type: the base's and the extended model's accuracy, by depth) and the
+runs' logs. Chance: a blind 5-digit guess, ~0; copying the one number in the prompt is the skill itself.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TYPES = ("linear", "dynamic", "yarn", "llama3")
+
+
+def run(cmd, log, wait=True):
+    """A stage script as a user runs it (cwd: the repo), its output to log."""
+    f = open(log, "w")
+    p = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if wait:
+        if p.wait():
+            sys.exit(f"{' '.join(cmd[:2])} failed: see {log}\n" + "".join(open(log).readlines()[-15:]))
+    return p
+
+
+def score(path, depth, far, n, device):
+    """Greedy answers of the fine-tuned checkpoint at path to n held-out items whose key lies far..depth
+    tokens back -> (accuracy, Retrieval.by_depth rows)."""
+    sys.path.insert(0, ROOT)
+    from types import SimpleNamespace
+
+    import torch
+
+    import sample
+    import weights
+    from posttrain.retrieval import Retrieval
+    model, _, cfg = sample.load(path, device)
+    tok, template = sample.chat_setup(path, cfg)
+    task = Retrieval(depth=depth, min_depth=far, tokenizer_vocab=cfg.tokenizer_vocab)
+    items = task.test(n)
+    got = []
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    run_cfg = SimpleNamespace(block_size=cfg.block_size, eval_tokens=8)
+    with torch.autocast(device, dtype=dtype, enabled=device == "cuda"):
+        for i in range(0, len(items), 8):
+            chunk = items[i:i + 8]
+            for it, ids in zip(chunk, weights.DECODER.answers(model, tok, template, [it["prompt"] for it in chunk],
+                                                               run_cfg)):
+                got.append(task.reward(tok.decode(ids), it))
+    return sum(got) / len(got), task.by_depth(items, got)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--types", default=",".join(TYPES))
+    p.add_argument("--length", type=int, default=16384, help="positions after extension (the base has 1,024)")
+    p.add_argument("--far", type=int, default=8192, help="judged on keys at least this many tokens back")
+    p.add_argument("--pretrain_steps", type=int, default=300, help="of 128 x 1,024 tokens")
+    p.add_argument("--steps", type=int, default=60, help="fine-tuning steps of --rows rows each")
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--n_eval", type=int, default=64)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test)")
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    out, types = os.path.abspath(a.out), a.types.split(",")
+    base = os.path.join(out, "base")
+    if a.tiny:
+        a.length, a.far, a.pretrain_steps, a.steps, a.rows, a.n_eval = 512, 256, 30, 4, 2, 4
+        pre = ["configs/tiny.py", "--max_docs=100", "--block_size=64", f"--max_steps={a.pretrain_steps}",
+               "--eval_every=0", "--sample_tokens=0", "--device=cpu"]
+        ft = ["configs/sft_tiny.py", "--device=cpu", "--micro_batch_size=1"]
+    else:
+        pre = ["configs/small.py", "--data=stdlib", f"--max_steps={a.pretrain_steps}", "--batch_size=128", "--fim_rate=0",
+               "--eval_every=0", "--warmup_steps=30", "--clean=False", "--dedup=none"]
+        ft = ["configs/sft_small.py", "--micro_batch_size=2", "--loss_chunk=1024", "--compile=False"]
+    t0 = time.time()
+    if not os.path.isdir(base):
+        run(["pretrain.py", *pre, f"--out_dir={base}", f"--ckpt_every={a.pretrain_steps}"], os.path.join(out, "base.log"))
+    pretrain_s = time.time() - t0
+    vocab = 4096 if a.tiny else 32768  # the base's tokenizer_vocab: depths in its tokens
+    depth = a.length - min(512, a.length // 8)  # the prompt's template and question fit beside
+    runs = {}
+    for t in types:  # all at once: one GPU, shared
+        runs[t] = run(["sft.py", *ft, f"--init_from={base}", f"--out_dir={out}/ft_{t}", "--overwrite=True",
+                       f"--block_size={a.length}", f"--rope_scaling={t}", "--task=retrieval",
+                       "--task_args=" + json.dumps({"depth": depth, "min_depth": 64, "tokenizer_vocab": vocab}), "--pack=False",
+                       f"--n_train={a.steps * a.rows}", f"--batch_size={a.rows}", f"--max_steps={a.steps}",
+                       f"--lr={a.lr}", f"--warmup_steps={max(1, a.steps // 10)}", f"--n_eval={a.n_eval}",
+                       "--eval_tokens=8", f"--ckpt_every={a.steps}", "--log_every=5", "--progress=False"],
+                      os.path.join(out, f"ft_{t}.log"), wait=False)
+    result = {"length": a.length, "far": a.far, "pretrain_steps": a.pretrain_steps, "pretrain_s": round(pretrain_s),
+              "steps": a.steps, "rows": a.rows, "lr": a.lr, "types": {}}
+    for t, proc in runs.items():
+        log = os.path.join(out, f"ft_{t}.log")
+        if proc.wait():
+            result["types"][t] = {"error": "".join(open(log).readlines()[-5:])}
+            continue
+        text = open(log).read()
+        acc = [float(x) / 100 for x in re.findall(r"held-out accuracy ([\d.]+)%", text)]
+        acc_far, bins = score(f"{out}/ft_{t}", depth, a.far, a.n_eval, "cpu" if a.tiny else "cuda")
+        result["types"][t] = {"base_accuracy": acc[0] if acc else None, "after_accuracy": acc[-1] if acc else None,
+                              f"accuracy_at_{a.far}_plus": acc_far, "by_depth": bins}
+        print(t, json.dumps(result["types"][t]), flush=True)
+    result["wall_s"] = round(time.time() - t0)
+    with open(os.path.join(out, "long_extend.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
