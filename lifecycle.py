@@ -15,7 +15,8 @@ The run folder is owned by one run at a time (claim: the lock, then the policy):
 - resume takes the newest checkpoint that verifies, names the ones it skipped and why, and refuses
   changed settings that break exactness (RESUME_FREE, a stage's own) unless --force_resume.
 end_of_step: a signal (every rank agrees) saves and stops; then the checkpoint cadence, then the
-evaluation (a failing evaluation never costs the steps before it); both off the throughput clock.
+evaluation (a failing evaluation never costs the steps before it; one at a target loss saves and stops);
+all of it off the throughput clock.
 """
 import contextlib
 import fcntl
@@ -412,13 +413,14 @@ class Interrupt:
         for s, h in self.previous.items():
             signal.signal(s, h)
 
-def end_of_step(step, last, cfg, interrupt, save, evaluate, say, clock=None):
+def end_of_step(step, last, cfg, interrupt, save, evaluate, say, clock=None, target=0.0):
     """A stage script's work after optimizer step `step` (of `last`), in this order: a signal
     (every rank agrees) saves and stops; the checkpoint cadence (cfg.ckpt_every, and the last step);
     the evaluation (every cfg.eval_every steps, and always at the last step: pass evaluate=None for
     none) after the checkpoint, so that an evaluation that fails never costs the steps before it.
-    Both stay off clock (the throughput timer); say is the stage's rank-0 line writer. Returns True
-    when the run must stop."""
+    target > 0 (pretraining's target_loss): an evaluation that returns a held-out loss <= target saves
+    (unless the cadence just did) and stops the run. All of it stays off clock (the throughput timer);
+    say is the stage's rank-0 line writer. Returns True when the run must stop."""
     if interrupt.requested():
         save()
         say(f"{interrupt.name()}: saved step {step} in {cfg.out_dir}; continue with --resume")
@@ -429,8 +431,13 @@ def end_of_step(step, last, cfg, interrupt, save, evaluate, say, clock=None):
         with clock.paused() if clock is not None else contextlib.nullcontext():
             if do_save:
                 save()
-            if do_eval:
-                evaluate()
+            held_out = evaluate() if do_eval else None  # every rank gets the same value (all-reduced)
+            if target and held_out is not None and held_out <= target:
+                if not do_save:
+                    save()
+                say(f"held-out loss {held_out:.4f} <= target_loss {target:g} at step {step}: saved in "
+                    f"{cfg.out_dir}, stopping")
+                return True
     return False
 
 

@@ -35,6 +35,7 @@ from tools import gradstats, scoring
 PRETRAIN_DEFAULTS = dict(
     out_dir="out/pretrain",  # checkpoints and metrics
     eval_batches=20,         # validation batches per evaluation (0: the whole validation split)
+    target_loss=0.0,         # >0: stop (and save) at the first evaluation whose validation loss is <= this
     sample_tokens=128,       # sample printed at the end (0: none)
     sample_prompt="def ",    # its prompt
     sample_temperature=0.8,  # its temperature (0: greedy)
@@ -46,7 +47,8 @@ PRETRAIN_DEFAULTS = dict(
 EXTRA = config.Keys(data.DATA_DEFAULTS, (data.ROWS_DEFAULTS, data.check_rows), lifecycle.TRAIN, PRETRAIN_DEFAULTS,
                     instead={k: "pretrain.py reads its corpus from data" for k in ("chat_data", "prompt_data")})
 FAMILY_KEYS = weights.objective_keys  # config.load's plugins: the keys of the family objective picks
-RESUME_FREE = (*data.RESUME_FREE, "eval_batches", "sample_tokens", "sample_prompt", "sample_temperature", "sample_top_k")
+RESUME_FREE = (*data.RESUME_FREE, "eval_batches", "target_loss", "sample_tokens", "sample_prompt", "sample_temperature",
+               "sample_top_k")
 
 
 def check(cfg, tok=None):
@@ -58,6 +60,8 @@ def check(cfg, tok=None):
         fam.pretrain_check(cfg, tok)
     for bad, msg in [
         (cfg.eval_batches < 0, f"eval_batches={cfg.eval_batches} must be >= 0 (0: the whole validation split)"),
+        (cfg.target_loss < 0 or (cfg.target_loss and not cfg.eval_every),
+         f"target_loss={cfg.target_loss} must be >= 0 and is checked at evaluations: set eval_every > 0"),
         (cfg.sample_tokens < 0, f"sample_tokens={cfg.sample_tokens} must be >= 0 (0: no sample)"),
         (cfg.sample_temperature < 0, f"sample_temperature={cfg.sample_temperature} must be >= 0 (0: greedy)"),
         (cfg.sample_top_k < 0, f"sample_top_k={cfg.sample_top_k} must be >= 0 (0: no top-k filter)"),
@@ -146,6 +150,7 @@ def main(argv):
         scored = f" over {int(total[1]):,} predicted tokens" if bpb is None else f" | bpb {bpb:.4f}"
         write(f"step {step} | val loss {val:.4f}{scored} (the first {int(total[4]):,} of {meta['n_val']:,} "
               f"validation tokens; eval.py scores them all)")
+        return val
 
     saved = {}
 
@@ -188,7 +193,8 @@ def main(argv):
             bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tok_s:.3g}")
             loss_sum.zero_()
             t_steps = 0
-        stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate if cfg.eval_every else None, write, clock)
+        stopped = lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate if cfg.eval_every else None, write,
+                                        clock, target=cfg.target_loss)  # a signal, or the target loss reached
         if stopped:
             break
     bar.close()

@@ -1,0 +1,106 @@
+"""configs/speedrun.py, pretrain.py's target_loss and bench/speedrun.py, on CPU with tiny shapes.
+
+Proves: the speedrun recipe (Muon, ReLU², QK-norm, an untied head, WSD; tiny shapes by overrides) stopped at
+step 3 and resumed logs exactly the losses of an uninterrupted run; target_loss stops the run at the first
+evaluation at or below it, after exactly the steps of the same run without it, and saves that step; and
+bench/speedrun.py --tiny races nanoGPT's own train.py against the config: nanoGPT reads our tokens, its val.bin
+holds exactly the held-out windows ingot evaluates, its target L agrees with train.py's own estimate, and the
+race's scoring of ingot's final model equals ingot's own last evaluation (the same windows). The race needs a
+checkout of karpathy/nanoGPT (INGOT_NANOGPT=<folder>): skipped without one.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TINY = ["configs/speedrun.py", "--data=stdlib", "--max_docs=40", "--tokenizer_vocab=512", "--n_layer=2", "--n_head=2",
+        "--n_embd=32", "--block_size=32", "--batch_size=4", "--micro_batch_size=2", "--compile=False",
+        "--warmup_steps=2", "--log_every=1", "--progress=False"]
+
+
+def pretrain(args):
+    r = subprocess.run([sys.executable, "pretrain.py", *TINY, *args], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=600, check=False)
+    assert r.returncode == 0, f"pretrain failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+def metrics(out_dir, key):
+    with open(os.path.join(out_dir, "train_metrics.jsonl")) as f:
+        return {r["step"]: r[key] for r in map(json.loads, f) if key in r}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data"))
+
+
+def test_speedrun_config_resumes_exactly(tmp_path, data_dir):
+    common = [f"--data_dir={data_dir}", "--max_steps=6", "--ckpt_every=3", "--eval_every=0"]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    pretrain(common + [f"--out_dir={full}"])
+    pretrain(common + [f"--out_dir={part}", "--stop_at=3"])
+    pretrain(common + [f"--out_dir={part}", "--resume=True"])
+    a, b = metrics(full, "loss"), metrics(part, "loss")
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]
+    assert all(a[s] == b[s] for s in a), (a, b)  # bit for bit: Muon's momenta, the loader, the WSD schedule
+    assert a[6] < a[1]
+
+
+def test_target_loss_stops_at_the_first_evaluation_below_it(tmp_path, data_dir):
+    common = [f"--data_dir={data_dir}", "--max_steps=8", "--eval_every=1", "--eval_batches=2", "--ckpt_every=0"]
+    free = str(tmp_path / "free")
+    pretrain(common + [f"--out_dir={free}"])
+    val = metrics(free, "val_loss")
+    # the target: a step's loss below every earlier one (it is the first at or below itself); not the last step
+    k = next(s for s in range(2, 8) if val[s] < min(val[t] for t in range(s)))
+    stopped = str(tmp_path / "stopped")
+    r = pretrain(common + [f"--out_dir={stopped}", f"--target_loss={val[k]!r}"])
+    assert f"<= target_loss {val[k]:g} at step {k}" in r.stdout
+    assert metrics(stopped, "val_loss") == {s: v for s, v in val.items() if s <= k}
+    loss = metrics(free, "loss")
+    assert metrics(stopped, "loss") == {s: v for s, v in loss.items() if s <= k}  # the same steps, no more
+    assert sorted(os.listdir(stopped)).count(f"step_{k:06d}") == 1  # the step that reached it, saved
+
+
+def test_race_tiny_on_cpu(tmp_path):
+    nanogpt = os.environ.get("INGOT_NANOGPT", "")
+    if not os.path.isfile(os.path.join(nanogpt, "train.py")):
+        pytest.skip("no nanoGPT checkout: set INGOT_NANOGPT to a clone of karpathy/nanoGPT")
+    out, results = tmp_path / "race", tmp_path / "results"
+    r = subprocess.run([sys.executable, "bench/speedrun.py", "--tiny", f"--nanogpt={nanogpt}", f"--out={out}",
+                        f"--data_dir={tmp_path / 'data'}", "--ablate=qk_norm", "--cap_gib=24", f"--results={results}"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    rep = json.loads((results / "speedrun.json").read_text())
+    rows = {row["row"]: row for row in rep["rows"]}
+    assert list(rows) == ["nanogpt", "ingot", "ingot-no-qk_norm", "ingot-24gib"]
+    race, nano = rep["race"], rows["nanogpt"]
+    # nanoGPT's held-out file is the first windows of our validation split, token for token
+    ours = np.fromfile(os.path.join(race["data_dir"], "val.bin"), dtype=np.uint16)
+    theirs = np.fromfile(os.path.join(race["nano_dir"], "val.bin"), dtype=np.uint16)
+    assert len(theirs) == race["windows"] * race["T"] + 1 and (theirs == ours[:len(theirs)]).all()
+    # L: the final model's mean loss over those windows, close to train.py's own estimate on random windows of them
+    windows = json.loads((out / "nanogpt" / "windows.json").read_text())["windows"]
+    assert len(windows) == race["windows"] and rep["L"] == pytest.approx(np.mean(windows), abs=1e-12)
+    own = [float(line.split("val loss ")[1]) for line in (out / "nanogpt" / "train.log").read_text().splitlines()
+           if line.startswith(f"step {nano['steps_to_L']}: ")]
+    assert abs(own[0] - rep["L"]) < 0.05, (own, rep["L"])
+    assert nano["tokens_to_L"] == 40 * 8 * 2 * 64 and nano["time_to_L_s"] > 0
+    for name in ("ingot", "ingot-no-qk_norm", "ingot-24gib"):
+        row = rows[name]
+        assert "--target_loss=" in row["command"] and row["curve"][0][0] == 0
+        if row["reached"]:  # stopped at its first evaluation at or below L, scored on the same windows as nanoGPT's
+            own = metrics(str(out / name / "run"), "val_loss")
+            assert max(own) == row["steps_to_L"] and own[row["steps_to_L"]] <= rep["L"]
+            assert rep["L"] + row["final_minus_L"] == pytest.approx(own[row["steps_to_L"]], abs=1e-4)
+            assert row["tokens_to_L"] == row["steps_to_L"] * 16 * 64
+            assert 0 <= row["time_bracket_s"][0] < row["time_bracket_s"][1] == row["time_to_L_s"]
+    assert "--qk_norm=False" in rows["ingot-no-qk_norm"]["command"]
+    assert rows["ingot-24gib"]["plan"]["predicted_peak_gib"] > 0
+    assert (results / "speedrun.png").exists() or "matplotlib is not installed" in r.stdout
