@@ -77,9 +77,10 @@ class Family(Task):
             if len(out) == n:
                 return out
             p = self.draw(rng)
-            if held_out(self.solve(p)[0], self.test_percent) != test or (test and p in seen):
+            if held_out(self.solve(p)[0], self.test_percent) != test or p in seen:
                 continue
-            seen.add(p)
+            if test:
+                seen.add(p)
             out.append(p)
         raise TaskError(f"{self.name}: found only {len(out)} of {n} {'test' if test else 'train'} problems: ask fewer")
 
