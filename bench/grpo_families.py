@@ -1,0 +1,205 @@
+"""GRPO across task families: from one pretrained base, SFT then GRPO on each family of posttrain/families.py
+(and any other task), every setting as the life configs give it, each family's held-out accuracy at the start
+and the end of GRPO in one row.
+
+    python bench/grpo_families.py --out=bench/results/families/<date> --base=out/life      # one GPU
+    python bench/grpo_families.py --out=/tmp/fam --tiny --families=strings,units            # CPU, ~1 minute
+
+Each stage runs as its users run it: `python sft.py configs/sft_life.py --init_from=<base> --task=<family>
+--task_args={}`, then `python grpo.py configs/grpo_life.py --init_from=<that SFT> --task=<family> --task_args={}
+--max_new_tokens=<n>` (n: the family's longest worked solution in the base's tokens, plus a quarter, rounded up
+to 16; the SFT's eval_tokens too), with --sft / --grpo appended. --tiny: configs/tiny.py pretrained 20 steps
+(rows of 256 tokens) when no --base, configs/sft_tiny.py and grpo_tiny.py with a few steps each. --minutes
+caps each GRPO run's wall clock (start-up and evaluations included): at the cap it gets SIGTERM, saves and stops,
+and its end is its last held-out evaluation (the row says so: "stopped": true). Without --base, configs/life.py
+(tiny: tiny.py) is pretrained into <runs>/base first.
+
+Written under --out: <family>/{sft,grpo}.log and their metrics, rows.jsonl (one JSON row a family: SFT's held-out
+greedy accuracy before -> after, GRPO's held-out greedy and sampled accuracy at its first and last evaluation,
+its steps and minutes, the share of equal-reward groups, the commands), report.md (the table), curves.png
+(`python -m tools.plots --grpo` of every family's GRPO run) and <family>/grpo.png.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+FAMILIES = ("word_problems", "long_arithmetic", "strings", "units", "shortest_path")
+FULL = {"pretrain": ["configs/life.py"], "sft": ["configs/sft_life.py"], "grpo": ["configs/grpo_life.py"]}
+TINY = {"pretrain": ["configs/tiny.py", "--max_steps=20", "--block_size=256", "--batch_size=8", "--micro_batch_size=8",
+                     "--eval_every=0", "--ckpt_every=0", "--log_every=10"],
+        "sft": ["configs/sft_tiny.py", "--max_steps=10", "--n_train=400", "--n_eval=16", "--eval_batch=16",
+                "--log_every=5", "--ckpt_every=0"],
+        "grpo": ["configs/grpo_tiny.py", "--max_steps=4", "--train_prompts=64", "--eval_prompts=8", "--eval_every=2",
+                 "--batch_size=16", "--group_size=4", "--micro_batch_size=16", "--log_every=2"]}
+
+
+def stage(name, args, log, minutes=0.0):
+    """`python <args>` from the repository root, its output in log; at `minutes` (> 0) of wall clock it gets
+    SIGTERM (a stage saves and stops), and is killed 5 minutes later. -> (return code, seconds, stopped)."""
+    t, stopped = time.perf_counter(), False
+    with open(log, "w") as f:
+        f.write(f"$ python {' '.join(args)}\n")
+        f.flush()
+        p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=f,
+                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            p.wait(timeout=minutes * 60 if minutes else None)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGTERM)
+            stopped = True
+            try:
+                p.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    seconds = time.perf_counter() - t
+    print(f"{name}: rc {p.returncode}, {seconds:.0f} s{' (stopped at the time cap)' if stopped else ''}", flush=True)
+    if p.returncode:
+        with open(log) as f:
+            print(f.read()[-3000:], flush=True)
+    return p.returncode, seconds, stopped
+
+
+def new_tokens(family, base):
+    """max_new_tokens for a family: its longest worked solution (2,000 training items) in the base's tokens, plus
+    its end of turn, plus a quarter, rounded up to a multiple of 16."""
+    import checkpoint
+    import tokenizer
+    from posttrain import tasks
+    with open(os.path.join(checkpoint.latest(base), "config.json")) as f:
+        cfg = json.load(f)
+    tok = tokenizer.get_tokenizer(cfg["tokenizer"], cfg.get("tokenizer_vocab", 0))
+    longest = max(len(tok.encode(it["solution"])) for it in tasks.get(family).train(2000, seed=0)) + 1
+    return 16 * math.ceil(1.25 * longest / 16)
+
+
+def records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def first_last(recs, key):
+    """(step, value) of the first and the last record holding key ((None, None) twice when none does)."""
+    got = [(r["step"], r[key]) for r in recs if key in r] or [(None, None)]
+    return got[0], got[-1]
+
+
+def row(family, sft_dir, grpo_dir, log, seconds, stopped, n, commands):
+    sft, grpo = records(os.path.join(sft_dir, "train_metrics.jsonl")), records(os.path.join(grpo_dir, "train_metrics.jsonl"))
+    out = {"family": family, "max_new_tokens": n, "grpo_seconds": round(seconds, 1), "stopped": stopped,
+           "grpo_dir": grpo_dir, "commands": commands}
+    (_, a0), (s1, a1) = first_last(sft, "accuracy")
+    out["sft"] = {"greedy_before": a0, "greedy_after": a1, "steps": s1}
+    evals = [r for r in grpo if "heldout_greedy" in r]
+    if evals:
+        start, end = evals[0], evals[-1]
+        out["grpo"] = {"start_step": start["step"], "end_step": end["step"],
+                       **{f"{when}_{k}": r.get(f"heldout_{m}") for when, r in (("start", start), ("end", end))
+                          for k, m in (("greedy", "greedy"), ("sampled", "reward"), ("strict", "strict"),
+                                       ("lenient", "lenient"))},
+                       "gain_greedy": end["heldout_greedy"] - start["heldout_greedy"],
+                       "gain_sampled": end["heldout_reward"] - start["heldout_reward"],
+                       "steps": max((r["step"] for r in grpo), default=0)}
+        with open(log) as f:  # the stage's closing line: the steps it ran and its minutes (start-up included)
+            done = re.findall(r"GRPO (?:done|stopped): (\d+) steps in ([\d.]+) min", f.read())
+        if done:
+            out["grpo"].update(steps=int(done[-1][0]), stage_minutes=float(done[-1][1]))
+        (_, e0), (_, e1) = first_last(grpo, "frac_equal_groups")
+        out["grpo"].update(frac_equal_groups_first=e0, frac_equal_groups_last=e1)
+    return out
+
+
+def pct(x):
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def report(rows, path):
+    lines = [("| family | SFT greedy before -> after (%) | GRPO start greedy / sampled (%) | GRPO end greedy / "
+              "sampled (%) | gain greedy / sampled (points) | GRPO steps (last eval) | GRPO minutes | equal-reward "
+              "groups first -> last log (%) |"),
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        g = r.get("grpo")
+        if not g:
+            lines.append(f"| {r['family']} | failed: {r.get('failed', 'no held-out evaluation')} |||||||")
+            continue
+        lines.append(f"| {r['family']} | {pct(r['sft']['greedy_before'])} -> {pct(r['sft']['greedy_after'])} | "
+                     f"{pct(g['start_greedy'])} / {pct(g['start_sampled'])} | {pct(g['end_greedy'])} / "
+                     f"{pct(g['end_sampled'])} | {100 * g['gain_greedy']:+.1f} / {100 * g['gain_sampled']:+.1f} | "
+                     f"{g['steps']} ({g['end_step']}){' stopped' if r['stopped'] else ''} | "
+                     f"{r['grpo_seconds'] / 60:.1f} | {pct(g['frac_equal_groups_first'])} -> "
+                     f"{pct(g['frac_equal_groups_last'])} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="where the logs, metrics, rows, report and curves go")
+    p.add_argument("--base", default="", help="a pretrained run folder (default: pretrain configs/life.py, tiny: "
+                   "configs/tiny.py, into <runs>/base first)")
+    p.add_argument("--runs", default="out/families", help="the folder the stages' out_dirs go under (checkpoints)")
+    p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated task names (any of tasks.TASKS)")
+    p.add_argument("--minutes", type=float, default=10.0, help="each GRPO run's wall-clock cap (0: none)")
+    p.add_argument("--grpo_steps", type=int, default=0, help="GRPO's max_steps (0: the config's)")
+    p.add_argument("--sft", default="", help="--key=value for SFT (space separated)")
+    p.add_argument("--grpo", default="", help="--key=value for GRPO (space separated)")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: configs/tiny.py, sft_tiny.py, grpo_tiny.py")
+    a = p.parse_args(argv)
+    cfgs, common = (TINY if a.tiny else FULL), ["--overwrite=True", "--progress=False"]
+    os.makedirs(a.out, exist_ok=True)
+    base = a.base
+    if not base:
+        base = os.path.join(a.runs, "base")
+        if stage("pretrain", ["pretrain.py", *cfgs["pretrain"], f"--out_dir={base}", *common],
+                 os.path.join(a.out, "pretrain.log"))[0]:
+            raise SystemExit("pretraining failed")
+    for family in [f for f in a.families.split(",") if f]:
+        here, n = os.path.join(a.out, family), new_tokens(family, base)
+        os.makedirs(here, exist_ok=True)
+        sft_dir, grpo_dir = (os.path.join(a.runs, f"{s}_{family}") for s in ("sft", "grpo"))
+        task = [f"--task={family}", "--task_args={}"]
+        sft_args = [*cfgs["sft"], f"--init_from={base}", f"--out_dir={sft_dir}", *task, f"--eval_tokens={n}", *common,
+                    *a.sft.split()]
+        grpo_args = [*cfgs["grpo"], f"--init_from={sft_dir}", f"--out_dir={grpo_dir}", *task, f"--max_new_tokens={n}",
+                     *([f"--max_steps={a.grpo_steps}"] if a.grpo_steps else []), *common, *a.grpo.split()]
+        commands = {s: f"python {s}.py {' '.join(x)}" for s, x in (("sft", sft_args), ("grpo", grpo_args))}
+        rc = stage(f"{family} sft", ["sft.py", *sft_args], os.path.join(here, "sft.log"))[0]
+        rc, seconds, stopped = stage(f"{family} grpo", ["grpo.py", *grpo_args], os.path.join(here, "grpo.log"),
+                                     a.minutes) if not rc else (rc, 0.0, False)
+        try:
+            r = row(family, sft_dir, grpo_dir, os.path.join(here, "grpo.log"), seconds, stopped, n, commands)
+            for s, d in (("sft", sft_dir), ("grpo", grpo_dir)):
+                shutil.copy(os.path.join(d, "train_metrics.jsonl"), os.path.join(here, f"{s}_metrics.jsonl"))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            r = {"family": family, "failed": f"rc {rc}: {e}", "commands": commands}
+        if rc:
+            r["failed"] = f"rc {rc}"
+        with open(os.path.join(a.out, "rows.jsonl"), "a") as f:  # appended: families run in several calls add up
+            f.write(json.dumps(r) + "\n")
+        if "grpo" in r:
+            stage(f"{family} plot", ["-m", "tools.plots", "--grpo", grpo_dir, f"--out={os.path.join(here, 'grpo.png')}"],
+                  os.path.join(here, "plot.log"))
+    rows = list({r["family"]: r for r in records(os.path.join(a.out, "rows.jsonl"))}.values())  # each family's latest
+    runs = [r["grpo_dir"] for r in rows if "grpo" in r and os.path.isdir(r["grpo_dir"])]
+    if runs:
+        stage("curves", ["-m", "tools.plots", "--grpo", *runs, f"--out={os.path.join(a.out, 'curves.png')}"],
+              os.path.join(a.out, "plot.log"))
+    print(report(rows, os.path.join(a.out, "report.md")))
+    if any("failed" in r for r in rows):
+        raise SystemExit("some families failed: " + ", ".join(r["family"] for r in rows if "failed" in r))
+
+
+if __name__ == "__main__":
+    main()
