@@ -39,7 +39,7 @@ GiB = 2 ** 30
 PLAN_DEFAULTS = dict(  # the memory plan's config key (memory/README.md: what a 24 GB card needs)
     gpu_memory=0.0,          # >0: print the memory plan (plan.py) for GPUs of this many GiB, what fits, and exit
 )
-SPARE = 0.07  # of gpu_memory left free: the allocator's reserved-but-unused blocks and the plan's own error (<= 4.7%
+SPARE = 0.07  # of gpu_memory left free: the allocator's reserved-but-unused blocks and the plan's own error (<= 4.9%
 # on the 8B rows through sft.py, BENCHMARKS.md); "fits" means the predicted peak is within the rest
 RESUME_FREE = ("gpu_memory",)  # a resumed run may change it (lifecycle.RESUME_FREE)
 
@@ -130,6 +130,9 @@ def block_bytes(cfg, tp=1, compute=2, part="all", fused_norm=True):
         attn += a * (H + KV) * D + a * KV * D
     else:  # q, k, v: views of qkv's output
         attn += a * (H + 2 * KV) * D
+    if getattr(cfg, "pack", False) and KV < H:  # SFT's packed rows: a mask, so model.sdpa repeats k and v to every
+        # head (q, k, v all H wide are kept, not k and the v copy) and SDPA keeps the mask as a bias, T per token
+        attn += a * 2 * (H - KV) * D + a * (cfg.seq_len or cfg.block_size)
     attn += 2 * r * 4  # the adapters' h (q, k, v; proj), LoRA only
     split = m.gated and not r  # model.MLP's two-matmul path on a plain nn.Linear: one input cast per matmul
     mlp = norm + (cast or 4 * C) * (2 if split and cast else 1)
@@ -314,7 +317,13 @@ def predict(cfg, world=1, decode=None):
     end = grads + max(tied, step_tmp)  # the end of backward, the optimizer step: activations and copies freed
     held = grads if dp > 1 or fsdp or cfg.optimizer_in_backward else 0  # buckets, shards, or the one being used
     # (one process: gradients appear as backward frees the activations)
-    peak = static + held + max(copies + saved + logit, bwd_copies + saved + redo, bwd_copies + saved + redo_attn + flight,
+    # an MLP's backward: the gradients of its hidden activations beside its internals, 2 x T x ffn in the compute
+    # dtype (the down projection's input gradient, then gate's and up's; measured on CPU: 1.5 (NF4) to 2.0 of it),
+    # one tile's with mlp_tile
+    mlp_grads = 2 * a * (m.hidden // tp) * (min(cfg.mlp_tile, tokens) if cfg.mlp_tile else tokens)
+    rows.append(("mlp backward", mlp_grads, "an MLP's hidden gradients in flight (one tile's with mlp_tile)"))
+    peak = static + held + max(copies + saved + logit, bwd_copies + saved + redo + mlp_grads,
+                               bwd_copies + saved + redo_attn + flight,
                                end - held)
     host = ((4 + 8 + 4) * trained if kind == "offload" else 0) + offloaded_bytes(cfg, tokens) + \
         (embed if cfg.lora_r else 0)

@@ -11,7 +11,9 @@ Proves:
 - measured (saved-tensor hooks, unique storages, bf16 autocast on CPU): the bytes a forward keeps
   for backward (activations + autocast's weight copies) are the plan's within 1% (full fine-tuning,
   whole-block checkpointing, LoRA, whose adapters' bf16 copies are not modelled); per token, exactly,
-  under every recompute mode, a bf16 stream and a bf16 LoRA base;
+  under every recompute mode, a bf16 stream and a bf16 LoRA base; packed rows' attention (a mask: k and v
+  repeated to every head, the mask's bias) per token exactly; an MLP's backward gradients (every storage the
+  ops make, tracked) within -5% / +35% of the plan's row;
 - fit() applies knobs in LADDER order, each lowering the peak, until the plan fits, and returns []
   when it already fits; show() prints every term and the verdict;
 - `plan.py --stage=sft` plans from the config's model keys when init_from is not on disk (one note says so).
@@ -19,6 +21,9 @@ Proves:
 import pytest
 import torch
 from distributed import train_cfg
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora
 import parallel
@@ -139,9 +144,10 @@ def test_lora_by_hand():
     assert rq["compute copies"] == 8 * 2 * F * C  # the largest base matrix dequantised (fp32, index, bf16)
 
 
-def measured(cfg, T=24):
+def measured(cfg, T=24, mask=False):
     """Bytes of the unique storages autograd saves in a bf16-autocast hidden_states forward (the
-    embedding's int64 ids left out), parameters and buffers excluded; recompute.apply'd as cfg says."""
+    embedding's int64 ids left out), parameters and buffers excluded; recompute.apply'd as cfg says.
+    mask: packed rows' forward (a (2, T, T) causal mask and positions, as chat.batch gives)."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_cfg(cfg))
     if cfg.lora_r:
@@ -155,7 +161,9 @@ def measured(cfg, T=24):
         return t
     own = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
-        model.hidden_states(torch.randint(0, 512, (2, T)))
+        kw = dict(attn_mask=torch.ones(2, T, T, dtype=torch.bool).tril(), pos=torch.arange(T).expand(2, T)) if mask \
+            else {}
+        model.hidden_states(torch.randint(0, 512, (2, T)), **kw)
     return sum(n for k, n in seen.items() if k not in own)
 
 
@@ -221,3 +229,62 @@ def test_cli_plans_without_the_base_on_disk(tmp_path, monkeypatch, capsys):
     assert out[0].startswith("note: init_from=out/tiny: no such folder") and "config's own model keys" in out[0]
     cfg = config.load([os.path.join(root, "configs", "sft_tiny.py")], extra=sft.EXTRA, world=1)
     assert out[1:] == plan.advice(cfg, 1, 24.0, None)
+
+
+def test_packed_rows_attention_per_token_equals_measured():
+    """Packed SFT rows (pack=True: a mask) with grouped kv heads: model.sdpa repeats k and v to every head and
+    SDPA keeps the mask as a bf16 bias, T values a token; the plan's extra is the measured extra exactly, less
+    the per-row cos / sin tables of explicit positions (fp32, D/2 each, shared by the blocks)."""
+    for T in (12, 28):
+        plain, packed = (train_cfg(TINY, block_size=T, pack=p) for p in (False, True))
+        extra = (plan.block_bytes(packed, 1, 2, "attn", False) - plan.block_bytes(plain, 1, 2, "attn", False)) * 2 * T * L
+        assert extra == 2 * T * L * (2 * 2 * (H - KV) * D + 2 * T)
+        assert measured(plain, T, mask=True) - measured(plain, T) - 2 * (2 * T * D // 2 * 4) == extra
+
+
+class Live(TorchDispatchMode):
+    """The bytes of the storages ops made (those in `skip` aside) while they live, and their peak."""
+
+    def __init__(self, skip=()):
+        super().__init__()
+        self.refs, self.skip, self.peak = {}, set(skip), 0
+
+    def now(self):
+        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
+        return sum(n for _, n in self.refs.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and (k := t.untyped_storage().data_ptr()) and k not in self.skip:
+                self.refs.setdefault(k, (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+        self.peak = max(self.peak, self.now())
+        return out
+
+
+@pytest.mark.parametrize("base", ["bfloat16", "nf4"])
+def test_mlp_backward_gradients_within_the_plan(base):
+    """An MLP's backward holds the gradients of its hidden activations beside what its forward kept: measured
+    (every storage the ops make, bf16 autocast on CPU, LoRA r=4 on a bf16 / NF4 base) the peak above the
+    forward's leftovers is 1.5-2 x T x hidden x 2 bytes; the plan's `mlp backward` row (2 x T x hidden x 2)
+    is within -5% / +35% of it."""
+    T, width, hidden = 512, 256, 1024  # (at TINY's width the adapters' share blurs the ratio)
+    cfg = train_cfg(TINY, lora_r=4, lora_base_dtype=base, n_embd=width, ffn_hidden=hidden, block_size=T,
+                    micro_batch_size=1)
+    model = Transformer(ModelConfig.from_cfg(cfg))
+    lora.apply(model, cfg, parallel.init(cfg))
+    mlp = model.blocks[0].mlp
+    x = torch.randn(1, T, width, dtype=torch.bfloat16, requires_grad=True)
+    skip = {t.untyped_storage().data_ptr() for t in [x, *model.parameters(), *model.buffers()]}
+    with torch.autocast("cpu", torch.bfloat16):
+        with Live(skip) as fwd:
+            y = mlp(x)
+        dy = torch.randn_like(y)
+        bwd = Live(skip | {dy.untyped_storage().data_ptr()})
+        bwd.refs = dict(fwd.refs)
+        left = bwd.now()
+        with bwd:
+            y.backward(dy)
+    transient = bwd.peak - left
+    row = dict((name, b) for name, b, _ in plan.predict(cfg)["rows"])["mlp backward"]  # (1 row of T tokens)
+    assert row == 2 * 2 * hidden * T and 0.95 * transient <= row <= 1.35 * transient, (transient, row)
