@@ -1,17 +1,20 @@
-"""Context extension of a small model (issue 58), through the commands a user types: a ~124M RoPE model
-pretrained at 1,024 positions (pretrain.py configs/small.py on the standard library, shortened), extended to --length tokens with each
-rope_scaling type by a short full fine-tune on long documents (sft.py --task=retrieval --pack=False: a pass key
-buried in filler, 64 to length-512 tokens back), all types at once on the one GPU. Judged on held-out keys
-(never trained on: the task's hash split) at least --far tokens back, greedy, by depth; the base is each
-fine-tune's step-0 accuracy (sft.py's own line: the pretrained weights under that scaling, before training).
+"""Context extension of a small model (issue 58), through the commands a user types: a ~124M RoPE model pretrained at
+1,024 positions (pretrain.py configs/small.py on the standard library, shortened), extended to --length tokens with
+each rope_scaling type by a short full fine-tune on long documents (sft.py --task=retrieval --pack=False: a pass key
+buried in filler, 64 to length-512 tokens back), all types at once on the one GPU. Judged on held-out keys (never
+trained on: the task's hash split) at least --far tokens back, greedy, by depth; the base is each fine-tune's step-0
+accuracy (sft.py's own line: the pretrained weights under that scaling, before training).
 
     python bench/long_extend.py --out=out/long_extend [--types=linear,dynamic,yarn,llama3] [--length=16384]
     python bench/long_extend.py --out=/tmp/long_extend --tiny      # CPU smoke test: tiny shapes, minutes
 
-Writes OUT/long_extend.json (per type: the base's and the extended model's accuracy, by depth) and the
-runs' logs. Chance: a blind 5-digit guess, ~0; copying the one number in the prompt is the skill itself.
+Also the held-out loss by position (the base unscaled and each extension, on windows of --length tokens of
+the base's validation split). Writes OUT/long_extend.json (per type: the base's and the extended model's
+accuracy, by depth; the loss by position) and the runs' logs. Chance: a blind 5-digit guess, ~0; copying
+the one number in the prompt is the skill itself.
 """
 import argparse
+import glob
 import json
 import os
 import re
@@ -61,6 +64,36 @@ def score(path, depth, far, n, device):
     return sum(got) / len(got), task.by_depth(items, got)
 
 
+def loss_by_position(path, val_bin, length, n, device, bins=8):
+    """Mean next-token loss of the checkpoint at path over n held-out windows of `length` tokens of the base's
+    validation split (code the model never trained on), in `bins` equal position ranges: a model that uses
+    the positions keeps its loss flat or falling; one that cannot, rises past its trained length. A
+    pretraining checkpoint is built at `length` positions unscaled (the base as it is)."""
+    sys.path.insert(0, ROOT)
+    from types import SimpleNamespace
+
+    import torch
+
+    import checkpoint
+    import data
+    import hf
+    import weights
+    from model import ModelConfig, Transformer
+    ckpt = path if os.path.isfile(os.path.join(path, "model.safetensors")) else checkpoint.latest(path)
+    cfg = hf.read_config(ckpt)
+    model = Transformer(ModelConfig.from_cfg(SimpleNamespace(**{**cfg, "block_size": max(cfg["block_size"], length)})))
+    weights.load_model(ckpt, model)
+    model = model.to(device).eval()
+    total, count = torch.zeros(length), 0
+    with torch.no_grad(), torch.autocast(device, torch.bfloat16, enabled=device == "cuda"):
+        for x, y in data.eval_batches(val_bin, 1, length, n_batches=n, device=device):
+            total += model(x, y, reduction="none").float()[0].cpu()
+            count += 1
+    per = total / max(count, 1)
+    edges = [length * b // bins for b in range(bins + 1)]
+    return count, [(a, b - 1, round(per[a:b].mean().item(), 4)) for a, b in zip(edges, edges[1:])]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -72,23 +105,25 @@ def main():
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--n_eval", type=int, default=64)
+    p.add_argument("--n_loss", type=int, default=8, help="held-out windows of --length tokens for the loss by position")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     out, types = os.path.abspath(a.out), a.types.split(",")
     base = os.path.join(out, "base")
     if a.tiny:
-        a.length, a.far, a.pretrain_steps, a.steps, a.rows, a.n_eval = 512, 256, 30, 4, 2, 4
+        a.length, a.far, a.pretrain_steps, a.steps, a.rows, a.n_eval, a.n_loss = 512, 256, 30, 4, 2, 4, 2
         pre = ["configs/tiny.py", "--max_docs=100", "--block_size=64", f"--max_steps={a.pretrain_steps}",
                "--eval_every=0", "--sample_tokens=0", "--device=cpu"]
         ft = ["configs/sft_tiny.py", "--device=cpu", "--micro_batch_size=1"]
     else:
-        pre = ["configs/small.py", "--data=stdlib", f"--max_steps={a.pretrain_steps}", "--batch_size=128", "--fim_rate=0",
-               "--eval_every=0", "--warmup_steps=30", "--clean=False", "--dedup=none"]
+        pre = ["configs/small.py", "--data=stdlib", f"--max_steps={a.pretrain_steps}", "--batch_size=128",
+               "--fim_rate=0", "--eval_every=0", "--warmup_steps=30", "--clean=False", "--dedup=none"]
         ft = ["configs/sft_small.py", "--micro_batch_size=2", "--loss_chunk=1024", "--compile=False"]
     t0 = time.time()
     if not os.path.isdir(base):
-        run(["pretrain.py", *pre, f"--out_dir={base}", f"--ckpt_every={a.pretrain_steps}"], os.path.join(out, "base.log"))
+        run(["pretrain.py", *pre, f"--out_dir={base}", f"--ckpt_every={a.pretrain_steps}", f"--data_dir={out}/data",
+             "--val_fraction=0.05"], os.path.join(out, "base.log"))
     pretrain_s = time.time() - t0
     vocab = 4096 if a.tiny else 32768  # the base's tokenizer_vocab: depths in its tokens
     depth = a.length - min(512, a.length // 8)  # the prompt's template and question fit beside
@@ -96,7 +131,8 @@ def main():
     for t in types:  # all at once: one GPU, shared
         runs[t] = run(["sft.py", *ft, f"--init_from={base}", f"--out_dir={out}/ft_{t}", "--overwrite=True",
                        f"--block_size={a.length}", f"--rope_scaling={t}", "--task=retrieval",
-                       "--task_args=" + json.dumps({"depth": depth, "min_depth": 64, "tokenizer_vocab": vocab}), "--pack=False",
+                       "--task_args=" + json.dumps({"depth": depth, "min_depth": 64, "tokenizer_vocab": vocab}),
+                       "--pack=False",
                        f"--n_train={a.steps * a.rows}", f"--batch_size={a.rows}", f"--max_steps={a.steps}",
                        f"--lr={a.lr}", f"--warmup_steps={max(1, a.steps // 10)}", f"--n_eval={a.n_eval}",
                        "--eval_tokens=8", f"--ckpt_every={a.steps}", "--log_every=5", "--progress=False"],
@@ -114,6 +150,12 @@ def main():
         result["types"][t] = {"base_accuracy": acc[0] if acc else None, "after_accuracy": acc[-1] if acc else None,
                               f"accuracy_at_{a.far}_plus": acc_far, "by_depth": bins}
         print(t, json.dumps(result["types"][t]), flush=True)
+    val = sorted(glob.glob(os.path.join(out, "data", "**", "val.bin"), recursive=True))
+    if val:  # the held-out loss by position: the base unscaled, then each extension
+        for name, path in [("base", base)] + [(t, f"{out}/ft_{t}") for t in runs if "error" not in result["types"][t]]:
+            n, bins = loss_by_position(path, val[0], a.length, a.n_loss, "cpu" if a.tiny else "cuda")
+            result.setdefault("loss_by_position", {})[name] = bins
+            print(name, "loss by position", n, "windows:", " ".join(f"{b[2]:.3f}" for b in bins), flush=True)
     result["wall_s"] = round(time.time() - t0)
     with open(os.path.join(out, "long_extend.json"), "w") as f:
         json.dump(result, f, indent=1)
