@@ -377,21 +377,6 @@ class Block(nn.Module):
 
 # ----------------------------------------------------------------------------- the model
 
-class DenseCounts:
-    """The parameter counts pretrain.py prints, for a dense model whose blocks are self.blocks (BERT, T5)."""
-
-    def num_params(self):
-        """Unique parameters (a tied head counts once)."""
-        return sum(p.numel() for p in self.parameters())
-
-    def non_embedding_params(self):
-        """Matmul parameters inside the blocks: the 2-D weights of every nn.Linear."""
-        return sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
-
-    def active_params(self):
-        return self.num_params()
-
-
 class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
