@@ -1,16 +1,18 @@
-"""Triton kernels for the GPU: a fused cross-entropy (training) and one decode step's attention.
+"""Triton kernels for the GPU: a fused cross-entropy (training) and one decode step's attention; the
+logits' soft cap.
 
-    nll = fused.cross_entropy(logits, targets, ignore_index)  # (N,) fp32, 0 where ignored: model.py's loss
+    nll = fused.cross_entropy(logits, targets, ignore_index, softcap)  # (N,) fp32, 0 where ignored: model.py's loss
     out = fused.decode_attention(q, k, v, bias)                # generate.py's captured decode step
-    fused.available(logits)                                    # can they run here?
+    fused.available(logits)                                    # can the Triton kernels run here?
+    logits = fused.softcap(z, 15.0)                            # cap * tanh(z / cap): logit_softcap
 
-Each kernel is registered as a custom op, so torch.compile traces it as one opaque call; the
+The Triton kernels are registered as custom ops, so torch.compile traces each as one opaque call; the
 registration, at import, is this file's one import-time effect. They need CUDA tensors, Triton and
 torch.library.triton_op (torch >= 2.6): `available()` says whether they can run; model.py falls
 back to F.cross_entropy otherwise, generate.py to SDPA. The kernels launch on the current CUDA
 device, so the tensors must live there (torch.cuda.set_device, as parallel.init does for every
-rank). Why each kernel exists and how it works: cross_entropy, decode_attention. IGNORE: the target
-id that contributes no loss.
+rank). Why each kernel exists and how it works: cross_entropy, decode_attention.
+IGNORE: the target id that contributes no loss.
 
 Invariants: each kernel computes what its plain-PyTorch reference does, within rounding
 (tests/test_fused.py compares values and gradients on a GPU); the cross-entropy allocates nothing
@@ -48,9 +50,11 @@ def decode_attention(q, k, v, bias, chunk=32, warps=1):
     return torch.ops.ingot.decode_attention(q, k, v, bias.reshape(bias.shape[0], -1), chunk, warps)
 
 
-def cross_entropy(logits, targets, ignore_index=IGNORE):
+def cross_entropy(logits, targets, ignore_index=IGNORE, softcap=0.0):
     """logits (N, V) with unit column stride (a vocab slice of wider rows is fine), targets (N,) ->
-    per-row nll in fp32, 0 where the target is ignore_index.
+    per-row nll in fp32 of softcap(logits, softcap) (below; 0: the logits as they are), 0 where the
+    target is ignore_index. The cap is applied inside both kernels, on the fp32 values they load: the
+    capped logits are never stored, and backward multiplies by the cap's derivative 1 - (capped / c)^2.
     Why: at the 124M shape the loss is a pure memory problem. Its logits (tokens x 50k: 3.3 GB of
     bf16 at batch 32) are read by the loss and its gradient written, and torch.compile's kernels for
     F.cross_entropy run well below the copy bandwidth there (BENCHMARKS.md).
@@ -58,19 +62,37 @@ def cross_entropy(logits, targets, ignore_index=IGNORE):
                 grows), plus the target's logit; stores the nll and one fp32 lse per row.
       backward: (softmax - one_hot) * the row's incoming gradient, computed from the logits and the
                 saved lse and written in the logits' dtype: nothing fp32 of the logits' size exists."""
-    return torch.ops.ingot.cross_entropy(logits, targets.contiguous(), ignore_index)[0]
+    return torch.ops.ingot.cross_entropy(logits, targets.contiguous(), ignore_index, float(softcap))[0]
+
+
+def softcap(z, cap):
+    """Logits z squashed into (-cap, cap): cap * tanh(z / cap) (Gemma 2, modded-nanogpt's tanh form), in z's
+    dtype; cap 0: z itself. ModelConfig.logit_softcap: every path that makes logits applies it (model.py,
+    tp.VocabParallelHead, memory/chunked.py)."""
+    return cap * torch.tanh(z / cap) if cap else z
 
 
 if triton is not None:
     @triton.jit
-    def _forward_kernel(logits, row_stride, targets, nll, lse, V, ignore_index, BLOCK: tl.constexpr):
+    def _cap(x, CAP: tl.constexpr):
+        """CAP * tanh(x / CAP) as 2 sigmoid(2y) - 1 = tanh(y) (no tanh in every Triton); CAP 0: x."""
+        if CAP > 0:
+            x = CAP * (2 * tl.sigmoid(2 * x / CAP) - 1)
+        return x
+
+    @triton.jit
+    def _forward_kernel(logits, row_stride, targets, nll, lse, V, ignore_index, BLOCK: tl.constexpr,
+                        CAP: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits + row * row_stride
         cols = tl.arange(0, BLOCK)
         m = tl.full([], float("-inf"), tl.float32)  # running max
         s = tl.full([], 0.0, tl.float32)  # running sum of exp(x - m)
         for start in tl.range(0, V, BLOCK):
-            x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            inside = start + cols < V
+            x = tl.load(base + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
+            if CAP > 0:  # capped, the padding's -inf would be -CAP: padding again
+                x = tl.where(inside, _cap(x, CAP), float("-inf"))
             m_new = tl.maximum(m, tl.max(x, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: exp(-inf - -inf) is nan
             s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), 0)
@@ -78,50 +100,56 @@ if triton is not None:
         row_lse = m + tl.log(s)
         t = tl.load(targets + row)
         in_range = (t >= 0) & (t < V)
-        x_t = tl.load(base + tl.where(in_range, t, 0)).to(tl.float32)
+        x_t = _cap(tl.load(base + tl.where(in_range, t, 0)).to(tl.float32), CAP)
         # an ignored target counts 0; one outside [0, V) makes the loss NaN, loudly wrong
         tl.store(lse + row, row_lse)
         tl.store(nll + row, tl.where(t == ignore_index, 0.0, tl.where(in_range, row_lse - x_t, float("nan"))))
 
     @triton.jit
-    def _backward_kernel(logits, row_stride, grad, targets, lse, dnll, V, ignore_index, BLOCK: tl.constexpr):
+    def _backward_kernel(logits, row_stride, grad, targets, lse, dnll, V, ignore_index, BLOCK: tl.constexpr,
+                         CAP: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < V
         t = tl.load(targets + row)
-        x = tl.load(logits + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _cap(tl.load(logits + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32), CAP)
         d = (tl.exp(x - tl.load(lse + row)) - tl.where(cols == t, 1.0, 0.0)) * tl.load(dnll + row)
+        if CAP > 0:  # through the cap: d(c tanh(z / c)) / dz = 1 - tanh^2
+            d = d * (1 - (x / CAP) * (x / CAP))
         d = tl.where(t == ignore_index, 0.0, d)  # not d * 0: an ignored row's d may be nan
         tl.store(grad + row * V + cols, d.to(grad.dtype.element_ty), mask=mask)
 
     # custom ops, so torch.compile traces them as opaque calls into the two kernels
     @triton_op("ingot::cross_entropy", mutates_args=())
-    def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                       softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
         N, V = logits.shape
         assert logits.stride(1) == 1 and targets.shape == (N,), "logits (N, V) with unit column stride, targets (N,)"
         nll = torch.empty(N, device=logits.device, dtype=torch.float32)
         lse = torch.empty_like(nll)
         wrap_triton(_forward_kernel)[(N,)](logits, logits.stride(0), targets, nll, lse, V, ignore_index,
-                                           BLOCK=FWD_BLOCK, num_warps=4)
+                                           BLOCK=FWD_BLOCK, CAP=softcap, num_warps=4)
         return nll, lse
 
     @triton_op("ingot::cross_entropy_backward", mutates_args=())
     def _cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                                dnll: torch.Tensor, ignore_index: int) -> torch.Tensor:
+                                dnll: torch.Tensor, ignore_index: int, softcap: float) -> torch.Tensor:
         N, V = logits.shape
         grad = torch.empty((N, V), device=logits.device, dtype=logits.dtype)
         wrap_triton(_backward_kernel)[(N, triton.cdiv(V, BWD_BLOCK))](
-            logits, logits.stride(0), grad, targets, lse, dnll, V, ignore_index, BLOCK=BWD_BLOCK, num_warps=8)
+            logits, logits.stride(0), grad, targets, lse, dnll, V, ignore_index, BLOCK=BWD_BLOCK, CAP=softcap,
+            num_warps=8)
         return grad
 
     def _setup_context(ctx, inputs, output):
-        logits, targets, ctx.ignore_index = inputs
+        logits, targets, ctx.ignore_index, ctx.softcap = inputs
         ctx.save_for_backward(logits, targets, output[1])
 
     def _backward(ctx, dnll, _dlse):  # lse is an internal output: its gradient is never used
         logits, targets, lse = ctx.saved_tensors
         dnll = dnll.float().contiguous()  # a mean/sum's gradient arrives expanded (stride 0)
-        return torch.ops.ingot.cross_entropy_backward(logits, targets, lse, dnll, ctx.ignore_index), None, None
+        grad = torch.ops.ingot.cross_entropy_backward(logits, targets, lse, dnll, ctx.ignore_index, ctx.softcap)
+        return grad, None, None, None
 
     _cross_entropy.register_autograd(_backward, setup_context=_setup_context)
 

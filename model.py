@@ -6,6 +6,7 @@ One decoder-only model covers both families; ModelConfig picks the pieces:
     LLaMA:  pos_emb="rope", norm="rmsnorm", activation="swiglu", n_kv_head < n_head (GQA)
     MPT:    pos_emb="alibi", norm="layernorm", activation="gelu", bias=False, tie_embeddings=True
     Mistral / Qwen2 windows: sliding_window=W (window_from=k: layers k.. only), with any of the above
+    modded-nanogpt: activation="relu2", qk_norm, logit_softcap
 
 Read top to bottom: config, norms, attention (RoPE's tables: rope.py), MLP, block, the model (forward,
 init, parameter/FLOP counts). The attention here is training's (flash-attn, else SDPA). The KV
@@ -76,6 +77,7 @@ class ModelConfig:
     sliding_window: int = 0        # > 0: a query sees only the latest sliding_window keys, itself included (Mistral)
     window_from: int = 0           # the window applies from this layer on (Qwen2's max_window_layers); 0: every layer
     qk_norm: bool = False          # RMSNorm on q and k per head (OLMo-2 / Gemma-3 style)
+    logit_softcap: float = 0.0     # > 0: logits = c * tanh(z / c) on every path that makes them (Gemma 2)
     dropout: float = 0.0           # on attention probabilities and residual branches (training only)
     init_std: float = 0.02         # normal init of the weights (residual projections scaled by depth)
     grad_checkpoint: bool = False  # recompute each block in backward (activation checkpointing)
@@ -109,6 +111,8 @@ class ModelConfig:
         for name in ("norm_eps", "init_std", "rope_theta"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.logit_softcap < 0:
+            raise ValueError(f"logit_softcap={self.logit_softcap} must be >= 0 (0: none)")
         if self.sliding_window < 0 or not 0 <= self.window_from < self.n_layer:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 0 (0: none) and window_from="
                              f"{self.window_from} in [0, n_layer={self.n_layer})")
@@ -480,25 +484,28 @@ class Transformer(nn.Module):
     # The output layer in two methods, so that tensor parallelism (tp.py) can replace them on the
     # instance with vocab-parallel versions (a loss that never gathers the full logits).
     def logits(self, x):
-        """Hidden states (..., C) -> logits (..., vocab_size): padded vocabulary rows sliced off."""
-        return self.head(x)[..., :self.cfg.vocab_size]
+        """Hidden states (..., C) -> logits (..., vocab_size): padded vocabulary rows sliced off, soft-capped."""
+        return fused.softcap(self.head(x)[..., :self.cfg.vocab_size], self.cfg.logit_softcap)
 
     def head_loss(self, x, targets, reduction="mean", temperature=1.0):
-        """Hidden states (B, T, C) and targets (B, T) -> cross-entropy of the head's logits / temperature."""
-        logits = self.logits(x)
-        return self.loss(logits if temperature == 1.0 else logits / temperature, targets, reduction)
+        """Hidden states (B, T, C), targets (B, T) -> cross-entropy of the head's soft-capped logits / temperature."""
+        logits, cap = self.head(x)[..., :self.cfg.vocab_size], self.cfg.logit_softcap
+        if temperature != 1.0:  # the cap first, then the temperature
+            logits, cap = fused.softcap(logits, cap) / temperature, 0.0
+        return self.loss(logits, targets, reduction, cap)
 
     @staticmethod
-    def loss(logits, targets, reduction="mean"):
+    def loss(logits, targets, reduction="mean", softcap=0.0):
+        """Cross-entropy of fused.softcap(logits, softcap): the cap inside the fused kernels, else in fp32."""
         if fused.available(logits):  # GPU: one fused pass each way, computed in fp32 (fused.py)
-            nll = fused.cross_entropy(logits.flatten(0, 1), targets.flatten(), IGNORE).view(targets.shape)
+            nll = fused.cross_entropy(logits.flatten(0, 1), targets.flatten(), IGNORE, softcap).view(targets.shape)
             if reduction == "none":
                 return nll
             # mean over the counted tokens, as F.cross_entropy (NaN when none is counted)
             return nll.sum() if reduction == "sum" else nll.sum() / (targets != IGNORE).sum()
         # upcast: softmax over 50k classes in bf16 is noticeably wrong; one fp32 copy of the
         # (already vocab-sliced) logits, which torch.compile fuses into the loss kernel
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+        loss = F.cross_entropy(fused.softcap(logits.float(), softcap).flatten(0, 1), targets.flatten(),
                                ignore_index=IGNORE, reduction=reduction)
         return loss.view(targets.shape) if reduction == "none" else loss
 

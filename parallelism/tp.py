@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import fused
 from fused import IGNORE
 
 
@@ -361,19 +362,20 @@ def vocab_parallel_cross_entropy(local_logits, targets, group, vocab_size=None, 
 
 
 class VocabParallelHead(ColumnParallelLinear):
-    """The output layer, column-parallel over the padded vocabulary; its loss never gathers."""
+    """The output layer, column-parallel over the padded vocabulary; its loss never gathers. Each rank
+    soft-caps its own logits (softcap: the model's logit_softcap)."""
 
-    def __init__(self, linear, grid, vocab_size):
+    def __init__(self, linear, grid, vocab_size, softcap=0.0):
         super().__init__(linear, grid)
-        self.vocab_size = vocab_size
+        self.vocab_size, self.softcap = vocab_size, softcap
 
     def logits(self, x):
         """Full logits (..., vocab_size): gathers the shards (generation / evaluation only)."""
-        return Gather.apply(self(x), self.group)[..., :self.vocab_size]
+        return Gather.apply(fused.softcap(self(x), self.softcap), self.group)[..., :self.vocab_size]
 
     def loss(self, x, targets, reduction="mean", temperature=1.0):
         """Cross-entropy of this rank's logits / temperature (each rank divides its own columns)."""
-        logits = self(x)
+        logits = fused.softcap(self(x), self.softcap)
         logits = logits if temperature == 1.0 else logits / temperature
         return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_size, IGNORE, reduction)
 
@@ -441,7 +443,7 @@ def tensor_parallel(model, grid, sequence_parallel=False):
     if cfg.pos_emb == "alibi":  # the slopes of this rank's heads
         model.alibi_heads = slice(grid.tp_rank * (H // tp), (grid.tp_rank + 1) * (H // tp))
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, grid)
-    head = VocabParallelHead(model.head, grid, cfg.vocab_size)
+    head = VocabParallelHead(model.head, grid, cfg.vocab_size, cfg.logit_softcap)
     if cfg.tie_embeddings:
         head.weight = model.tok_emb.weight  # keep the tie: the same shard Parameter
     model.head = head
