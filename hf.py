@@ -191,9 +191,10 @@ def _export_type(cfg, model_type=None):
          "(Qwen2's layout)"), (window and cfg.bias, "a sliding window with bias=True"),
         (not (gpt2 or mpt) and cfg.norm != "rmsnorm", "rope with layernorm"),
         (not (gpt2 or mpt) and cfg.activation not in LLAMA_ACTS.values(), f"activation={cfg.activation!r} with rope"),
-        # no HF class above has it (Gemma 2's final_logit_softcapping comes with its other differences:
-        # scaled embeddings, (1 + w) norms, post-norms, attention soft caps)
-        (cfg.logit_softcap, f"logit_softcap={cfg.logit_softcap}"),
+        # modded-nanogpt's pieces: no HF class above has them (Gemma 2's final_logit_softcapping comes with
+        # its other differences: scaled embeddings, (1 + w) norms, post-norms, attention soft caps)
+        (cfg.logit_softcap, f"logit_softcap={cfg.logit_softcap}"), (cfg.unet_skips, "unet_skips=True"),
+        (cfg.value_embeds, f"value_embeds={cfg.value_embeds}"),
     ] if bad]
     mt = "gpt2" if gpt2 else "mpt" if mpt else "qwen2" if cfg.qkv_bias and not cfg.bias else "llama"
     if mt == "llama" and (window or model_type == "mistral") and not cfg.bias:  # Mistral without a window = LLaMA
@@ -204,7 +205,7 @@ def _export_type(cfg, model_type=None):
         raise ValueError(f"this model cannot be exported to Hugging Face: {'; '.join(why)}. Exportable: GPT-2 "
                          "(learned positions, layernorm, gelu/gelu_tanh/relu/relu2, bias), MPT (alibi) and "
                          "LLaMA/Qwen2/Mistral (rope, rmsnorm, swiglu/geglu), pre-norm, without qk_norm, "
-                         "logit_softcap")
+                         "logit_softcap, value_embeds, unet_skips")
     return mt
 
 

@@ -6,7 +6,8 @@
 attn.qkv and mlp.fc are column-parallel (each rank computes its heads / its slice of the hidden
 units), attn.proj and mlp.proj row-parallel (each rank multiplies its input columns; one all-reduce
 sums the partial outputs): two all-reduces per block forward, two backward. Embedding and head are
-split over the (padded) vocabulary; the loss never gathers the logits. MoE layers cut their own
+split over the (padded) vocabulary; the loss never gathers the logits. Value embeddings
+(value_embeds) keep their columns of this rank's kv heads, as v's rows. MoE layers cut their own
 experts (moe.MoE.tensor_parallel). Sequence parallelism (cfg.sequence_parallel): tensor_parallel.
 
 Every cut parameter carries `p.tp_split = (dim, segments)`: along `dim` the full tensor is the
@@ -436,12 +437,16 @@ def tensor_parallel(model, grid, sequence_parallel=False):
         if a.qk_norm:  # replicated, but each rank applies them to its own heads: sum their grads
             for norm in (a.q_norm, a.k_norm):
                 norm.weight = shard(norm.weight, grid, 0, [(D, 1)])
+        if hasattr(a, "ve_lambdas"):  # the same: replicated, applied to this rank's v heads
+            a.ve_lambdas = shard(a.ve_lambdas, grid, 0, [(2, 1)])
         if hasattr(block.mlp, "tensor_parallel"):  # moe.MoE: cuts its experts like the MLP (moe.py)
             block.mlp.tensor_parallel(grid)
         else:
             mlp_parallel(block.mlp, grid)
     if cfg.pos_emb == "alibi":  # the slopes of this rank's heads
         model.alibi_heads = slice(grid.tp_rank * (H // tp), (grid.tp_rank + 1) * (H // tp))
+    for ve in model.value_embeds:  # value embeddings (vocab x kv width): the columns of this rank's kv heads, as v's
+        ve.weight = shard(ve.weight, grid, 1, [(KV * D, ckv)])
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, grid)
     head = VocabParallelHead(model.head, grid, cfg.vocab_size, cfg.logit_softcap)
     if cfg.tie_embeddings:
