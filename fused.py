@@ -1,9 +1,10 @@
-"""Triton kernels for the GPU: a fused cross-entropy (training) and one decode step's attention; the
-logits' soft cap.
+"""GPU kernels and the head's arithmetic: a fused cross-entropy (training), one decode step's attention,
+the head's matmul in FP8, and the logits' soft cap.
 
     nll = fused.cross_entropy(logits, targets, ignore_index, softcap)  # (N,) fp32, 0 where ignored: model.py's loss
     out = fused.decode_attention(q, k, v, bias)                # generate.py's captured decode step
     fused.available(logits)                                    # can the Triton kernels run here?
+    head = fused.FP8Linear(C, V, bias=False)                   # model.py's head with fp8_head=True
     logits = fused.softcap(z, 15.0)                            # cap * tanh(z / cap): logit_softcap
 
 The Triton kernels are registered as custom ops, so torch.compile traces each as one opaque call; the
@@ -11,15 +12,17 @@ registration, at import, is this file's one import-time effect. They need CUDA t
 torch.library.triton_op (torch >= 2.6): `available()` says whether they can run; model.py falls
 back to F.cross_entropy otherwise, generate.py to SDPA. The kernels launch on the current CUDA
 device, so the tensors must live there (torch.cuda.set_device, as parallel.init does for every
-rank). Why each kernel exists and how it works: cross_entropy, decode_attention.
+rank). Why each kernel exists and how it works: cross_entropy, decode_attention, FP8Matmul.
 IGNORE: the target id that contributes no loss.
 
 Invariants: each kernel computes what its plain-PyTorch reference does, within rounding
-(tests/test_fused.py compares values and gradients on a GPU); the cross-entropy allocates nothing
-fp32 of the logits' size; a target outside [0, vocab) that is not ignore_index makes its row's loss
-NaN (F.cross_entropy raises).
+(tests/test_fused.py compares values and gradients on a GPU; tests/test_speedrun_model.py the FP8
+matmul); the cross-entropy allocates nothing fp32 of the logits' size; a target outside [0, vocab)
+that is not ignore_index makes its row's loss NaN (F.cross_entropy raises). FP8Linear is nn.Linear
+exactly wherever FP8 does not run (evaluation, CPU, a GPU below compute capability 8.9).
 """
 import torch
+import torch.nn as nn
 
 try:
     import triton
@@ -70,6 +73,80 @@ def softcap(z, cap):
     dtype; cap 0: z itself. ModelConfig.logit_softcap: every path that makes logits applies it (model.py,
     tp.VocabParallelHead, memory/chunked.py)."""
     return cap * torch.tanh(z / cap) if cap else z
+
+
+# ----------------------------------------------------------------------------- the head's matmul in FP8
+
+def has_fp8(device):
+    """Whether `device` runs FP8 matmuls (torch._scaled_mm): an NVIDIA GPU of compute capability >= 8.9 (Ada,
+    Hopper and later). (torch.compile folds get_device_properties to a constant.)"""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.version.hip is not None or not hasattr(torch, "_scaled_mm"):
+        return False
+    props = torch.cuda.get_device_properties(device)
+    return (props.major, props.minor) >= (8, 9)
+
+
+def to_fp8(t, dtype):
+    """t -> (t / scale in the FP8 dtype, scale): one fp32 scale per tensor, amax(|t|) / the dtype's largest
+    value, so the largest entry lands on the format's top (torchao's dynamic "tensorwise" scaling)."""
+    top = torch.finfo(dtype).max
+    scale = t.detach().abs().amax().float().clamp(min=1e-12) / top
+    return (t.float() / scale).clamp(-top, top).to(dtype).contiguous(), scale  # (row-major, as _scaled_mm's a)
+
+
+def scaled_mm(a8, b8, sa, sb, out_dtype, fast=False):
+    """(a8 * sa) @ (b8 * sb) in out_dtype, a8 (M, K) row-major, b8 (K, N) column-major: torch._scaled_mm."""
+    return torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast)
+
+
+class FP8Matmul(torch.autograd.Function):
+    """x (N, C) @ w (V, C)^T with both cast to float8_e4m3fn (per-tensor scales: to_fp8), fp32 accumulation.
+    Backward: the output gradient cast to float8_e5m2 (more range, less precision, as torchao and
+    modded-nanogpt), then dx = g w and dw = g^T x as two more FP8 matmuls on the saved FP8 x and w (1 byte a
+    value kept for backward). Output in out_dtype, dx in x's dtype, dw fp32 then w's dtype.
+    modded-nanogpt fixes the scales by hand for its model (x 2, w 32, grad 2^29); here they follow the tensors."""
+
+    @staticmethod
+    def forward(ctx, x, w, out_dtype):
+        x8, sx = to_fp8(x, torch.float8_e4m3fn)
+        w8, sw = to_fp8(w, torch.float8_e4m3fn)
+        ctx.save_for_backward(x8, sx, w8, sw)
+        ctx.dtypes = x.dtype, w.dtype
+        return scaled_mm(x8, w8.t(), sx, sw, out_dtype, fast=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        x8, sx, w8, sw = ctx.saved_tensors
+        g8, sg = to_fp8(g, torch.float8_e5m2)
+        dx = scaled_mm(g8, w8.t().contiguous().t(), sg, sw, ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
+        dw = scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), sg, sx, torch.float32).to(ctx.dtypes[1]) \
+            if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def fp8_fits(x, w):
+    """FP8Matmul can run x (..., C) @ w^T here: a device with FP8, every matmul dimension a multiple of 16."""
+    return has_fp8(x.device) and x.shape[-1] % 16 == 0 and w.shape[0] % 16 == 0 and (x.numel() // x.shape[-1]) % 16 == 0
+
+
+def fp8_matmul(x, w):
+    """x (..., C) @ w (V, C)^T through FP8Matmul, out in the autocast dtype (else x's)."""
+    dev = x.device.type
+    out = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    with torch.autocast(dev, enabled=False):
+        return FP8Matmul.apply(x.reshape(-1, x.shape[-1]), w, out).view(*x.shape[:-1], w.shape[0])
+
+
+class FP8Linear(nn.Linear):
+    """A bias-free nn.Linear whose matmul runs in FP8 (fp8_matmul) while it trains where fp8_fits; nn.Linear's
+    own matmul otherwise: evaluation and generation (modded-nanogpt's rule), a CPU, an older GPU, odd shapes.
+    model.py's head with fp8_head=True; tp.VocabParallelHead keeps the choice for its slice."""
+
+    def forward(self, x):
+        if self.training and self.bias is None and fp8_fits(x, self.weight):
+            return fp8_matmul(x, self.weight)
+        return super().forward(x)
 
 
 if triton is not None:

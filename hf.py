@@ -40,8 +40,8 @@ GPT2_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": 
              "relu2": "relu2"}
 LLAMA_ACTS = {"silu": "swiglu", "gelu": "geglu"}  # hidden_act of the gated MLP
 # the ModelConfig keys an HF config defines (the others stay the run's own)
-MODEL_KEYS = [f.name for f in fields(ModelConfig)
-              if f.name not in ("pad_vocab_multiple", "dropout", "init_std", "grad_checkpoint", "fp32_residual")]
+MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name not in (
+    "pad_vocab_multiple", "dropout", "init_std", "grad_checkpoint", "fp32_residual", "fp8_head")]
 
 
 class FolderError(config.UserError, ValueError):

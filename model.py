@@ -6,7 +6,7 @@ One decoder-only model covers both families; ModelConfig picks the pieces:
     LLaMA:  pos_emb="rope", norm="rmsnorm", activation="swiglu", n_kv_head < n_head (GQA)
     MPT:    pos_emb="alibi", norm="layernorm", activation="gelu", bias=False, tie_embeddings=True
     Mistral / Qwen2 windows: sliding_window=W (window_from=k: layers k.. only), with any of the above
-    modded-nanogpt: activation="relu2", qk_norm, logit_softcap, value_embeds, unet_skips
+    modded-nanogpt: activation="relu2", qk_norm, logit_softcap, value_embeds, unet_skips, fp8_head (fused.py)
 
 Read top to bottom: config, norms, attention (RoPE's tables: rope.py), MLP, block, the model (forward,
 init, parameter/FLOP counts). The attention here is training's (flash-attn, else SDPA). The KV
@@ -80,6 +80,7 @@ class ModelConfig:
     logit_softcap: float = 0.0     # > 0: logits = c * tanh(z / c) on every path that makes them (Gemma 2)
     value_embeds: int = 0          # n > 0: token tables (vocab x kv width) mixed into v, table i in layers i, L-n+i
     unet_skips: bool = False       # block i < n_layer//2's output, times a learned weight, joins block L-1-i's input
+    fp8_head: bool = False         # the head's matmul in FP8 while training on a GPU that has it (fused.FP8Linear)
     dropout: float = 0.0           # on attention probabilities and residual branches (training only)
     init_std: float = 0.02         # normal init of the weights (residual projections scaled by depth)
     grad_checkpoint: bool = False  # recompute each block in backward (activation checkpointing)
@@ -416,7 +417,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         # post-norm already ends every block with a norm
         self.norm_f = make_norm(cfg, C) if cfg.prenorm else nn.Identity()
-        self.head = nn.Linear(C, V, bias=False)
+        self.head = (fused.FP8Linear if cfg.fp8_head else nn.Linear)(C, V, bias=False)
         # modded-nanogpt: value embeddings (kv width: tp.py cuts their columns as v's), U-net skip weights
         self.value_embeds = nn.ModuleList(nn.Embedding(V, cfg.kv_heads * cfg.head_dim) for _ in range(cfg.value_embeds))
         self.skip_weights = nn.Parameter(torch.ones(cfg.n_layer // 2)) if cfg.unet_skips else None

@@ -23,7 +23,8 @@ The head weight's gradient is computed only when it requires one (a frozen LoRA 
 LoRA's token rows (lora.train_tokens) enter through head.token_rows_weight: the weight copied
 with the rows in it, so its gradient (fp32, the head's size) is then computed. A soft cap
 (logit_softcap = c) applies to each chunk's logits before the temperature, z -> c tanh(z / c), and
-backward multiplies dz by its derivative 1 - (capped z / c)^2.
+backward multiplies dz by its derivative 1 - (capped z / c)^2. The head's matmuls here are the
+compute dtype's: fp8_head is refused with loss_chunk (check).
 """
 import types
 
@@ -43,6 +44,8 @@ RESUME_FREE = ("loss_chunk",)  # a resumed run may change it (lifecycle.RESUME_F
 
 def check(cfg, world=1):
     need(cfg.loss_chunk >= 0, f"loss_chunk={cfg.loss_chunk} must be >= 0 (0: the logits are materialised)")
+    need(not (cfg.loss_chunk and getattr(cfg, "fp8_head", False)), f"fp8_head=True runs the head's matmul in FP8, "
+         f"loss_chunk={cfg.loss_chunk} runs the head in chunks of its own (bf16): set fp8_head=False or loss_chunk=0")
 
 
 def _world(group):

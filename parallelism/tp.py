@@ -364,11 +364,18 @@ def vocab_parallel_cross_entropy(local_logits, targets, group, vocab_size=None, 
 
 class VocabParallelHead(ColumnParallelLinear):
     """The output layer, column-parallel over the padded vocabulary; its loss never gathers. Each rank
-    soft-caps its own logits (softcap: the model's logit_softcap)."""
+    soft-caps its own logits (softcap: the model's logit_softcap) and, when cut from a fused.FP8Linear,
+    runs its slice's matmul in FP8 where that one would."""
 
     def __init__(self, linear, grid, vocab_size, softcap=0.0):
         super().__init__(linear, grid)
-        self.vocab_size, self.softcap = vocab_size, softcap
+        self.vocab_size, self.softcap, self.fp8 = vocab_size, softcap, isinstance(linear, fused.FP8Linear)
+
+    def forward(self, x):
+        if not (self.fp8 and self.training and fused.fp8_fits(x, self.weight)):
+            return super().forward(x)
+        x = SequenceParallel.apply(x, self.group, True) if sequence_sharded(self) else Copy.apply(x, self.group)
+        return fused.fp8_matmul(x, self.weight)
 
     def logits(self, x):
         """Full logits (..., vocab_size): gathers the shards (generation / evaluation only)."""
