@@ -40,8 +40,8 @@ GPT2_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": 
              "relu2": "relu2"}
 LLAMA_ACTS = {"silu": "swiglu", "gelu": "geglu"}  # hidden_act of the gated MLP
 # the ModelConfig keys an HF config defines (the others stay the run's own)
-MODEL_KEYS = [f.name for f in fields(ModelConfig)
-              if f.name not in ("pad_vocab_multiple", "dropout", "init_std", "grad_checkpoint", "fp32_residual")]
+MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name not in (
+    "pad_vocab_multiple", "dropout", "init_std", "grad_checkpoint", "fp32_residual", "fp8_head")]
 
 
 class FolderError(config.UserError, ValueError):
@@ -191,6 +191,10 @@ def _export_type(cfg, model_type=None):
          "(Qwen2's layout)"), (window and cfg.bias, "a sliding window with bias=True"),
         (not (gpt2 or mpt) and cfg.norm != "rmsnorm", "rope with layernorm"),
         (not (gpt2 or mpt) and cfg.activation not in LLAMA_ACTS.values(), f"activation={cfg.activation!r} with rope"),
+        # modded-nanogpt's pieces: no HF class above has them (Gemma 2's final_logit_softcapping comes with
+        # its other differences: scaled embeddings, (1 + w) norms, post-norms, attention soft caps)
+        (cfg.logit_softcap, f"logit_softcap={cfg.logit_softcap}"), (cfg.unet_skips, "unet_skips=True"),
+        (cfg.value_embeds, f"value_embeds={cfg.value_embeds}"),
     ] if bad]
     mt = "gpt2" if gpt2 else "mpt" if mpt else "qwen2" if cfg.qkv_bias and not cfg.bias else "llama"
     if mt == "llama" and (window or model_type == "mistral") and not cfg.bias:  # Mistral without a window = LLaMA
@@ -200,7 +204,8 @@ def _export_type(cfg, model_type=None):
     if why:
         raise ValueError(f"this model cannot be exported to Hugging Face: {'; '.join(why)}. Exportable: GPT-2 "
                          "(learned positions, layernorm, gelu/gelu_tanh/relu/relu2, bias), MPT (alibi) and "
-                         "LLaMA/Qwen2/Mistral (rope, rmsnorm, swiglu/geglu), pre-norm, without qk_norm")
+                         "LLaMA/Qwen2/Mistral (rope, rmsnorm, swiglu/geglu), pre-norm, without qk_norm, "
+                         "logit_softcap, value_embeds, unet_skips")
     return mt
 
 

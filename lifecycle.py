@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 import checkpoint
 import config
+import fused
 import logs
 import lora
 import muon
@@ -111,11 +112,16 @@ def say(grid):
 
 
 def layout(cfg, grid):
-    """One line: the world, its layout, the device (CPU: threads per process) and the compute dtype."""
+    """One line: the world, its layout, the device (CPU: threads per process), the compute dtype and, with
+    fp8_head, which head matmul runs (fused.FP8Linear: FP8 where the device has it)."""
     where = f"{grid.device}" + (f" ({torch.get_num_threads()} threads per process)" if grid.device.type == "cpu" else "")
     pipe = f"pp {grid.pp} {cfg.pp_schedule}, " if grid.pp > 1 else ""
+    dtype, head = parallel.amp_dtype(cfg, grid.device), ""
+    if getattr(cfg, "fp8_head", False):  # (a stage without the model's keys has no fp8_head)
+        head = (" | fp8_head: the head's matmul in FP8 while training" if fused.has_fp8(grid.device) else
+                f" | fp8_head: no FP8 on {grid.device} (needs compute capability >= 8.9): the head's matmul in {dtype}")
     return (f"world {grid.world} ({pipe}dp {grid.dp} {cfg.data_parallel}, ep {grid.ep}, tp {grid.tp}) on {where} | "
-            f"{parallel.amp_dtype(cfg, grid.device)}")
+            f"{dtype}{head}")
 
 
 def preflight(cfg, grid):

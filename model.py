@@ -6,6 +6,7 @@ One decoder-only model covers both families; ModelConfig picks the pieces:
     LLaMA:  pos_emb="rope", norm="rmsnorm", activation="swiglu", n_kv_head < n_head (GQA)
     MPT:    pos_emb="alibi", norm="layernorm", activation="gelu", bias=False, tie_embeddings=True
     Mistral / Qwen2 windows: sliding_window=W (window_from=k: layers k.. only), with any of the above
+    modded-nanogpt: activation="relu2", qk_norm, logit_softcap, value_embeds, unet_skips, fp8_head (fused.py)
 
 Read top to bottom: config, norms, attention (RoPE's tables: rope.py), MLP, block, the model (forward,
 init, parameter/FLOP counts). The attention here is training's (flash-attn, else SDPA). The KV
@@ -76,6 +77,10 @@ class ModelConfig:
     sliding_window: int = 0        # > 0: a query sees only the latest sliding_window keys, itself included (Mistral)
     window_from: int = 0           # the window applies from this layer on (Qwen2's max_window_layers); 0: every layer
     qk_norm: bool = False          # RMSNorm on q and k per head (OLMo-2 / Gemma-3 style)
+    logit_softcap: float = 0.0     # > 0: logits = c * tanh(z / c) on every path that makes them (Gemma 2)
+    value_embeds: int = 0          # n > 0: token tables (vocab x kv width) mixed into v, table i in layers i, L-n+i
+    unet_skips: bool = False       # block i < n_layer//2's output, times a learned weight, joins block L-1-i's input
+    fp8_head: bool = False         # the head's matmul in FP8 while training on a GPU that has it (fused.FP8Linear)
     dropout: float = 0.0           # on attention probabilities and residual branches (training only)
     init_std: float = 0.02         # normal init of the weights (residual projections scaled by depth)
     grad_checkpoint: bool = False  # recompute each block in backward (activation checkpointing)
@@ -109,6 +114,9 @@ class ModelConfig:
         for name in ("norm_eps", "init_std", "rope_theta"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.logit_softcap < 0 or not 0 <= 2 * self.value_embeds <= self.n_layer:
+            raise ValueError(f"logit_softcap={self.logit_softcap} must be >= 0 (0: none) and value_embeds="
+                             f"{self.value_embeds} in [0, n_layer/2 = {self.n_layer // 2}] (the first and last layers)")
         if self.sliding_window < 0 or not 0 <= self.window_from < self.n_layer:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 0 (0: none) and window_from="
                              f"{self.window_from} in [0, n_layer={self.n_layer})")
@@ -224,6 +232,14 @@ def alibi_slopes(n_head, device=None, bias_max=8):
 
 # ----------------------------------------------------------------------------- attention
 
+def value_layer(cfg, layer):
+    """The value table layer `layer` mixes into its v, or None: table i serves layers i and n_layer - value_embeds + i.
+    As modded-nanogpt's train_gpt.py of its 2025-01-16 record (Sub3Min: "012 ... 012" over 12 layers, v = l0 v +
+    l1 table[ids], l = (0.5, 0.5) at init), but kv-wide tables (GQA), N(0, init_std), no l0 in layers without."""
+    n, L = cfg.value_embeds, cfg.n_layer
+    return layer if layer < n else layer - (L - n) if layer >= L - n else None
+
+
 class Attention(nn.Module):
     """Causal self-attention with MHA / GQA / MQA, optional per-head q/k RMSNorm.
 
@@ -231,7 +247,7 @@ class Attention(nn.Module):
     tensor parallelism shrinks them to the heads this rank owns.
     """
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer=0):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         # one fused matmul; output rows ordered [q heads | k heads | v heads]
@@ -242,15 +258,20 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        if value_layer(cfg, layer) is not None:  # v = l0 v + l1 ve, l = (0.5, 0.5) at init (modded-nanogpt)
+            self.ve_lambdas = nn.Parameter(torch.full((2,), 0.5))
         self.dropout = cfg.dropout
 
-    def heads(self, x, cos=None, sin=None):
-        """x (B, T, C) -> q (B, T, H, D), k and v (B, T, KV, D): projected, q/k normed, rotated."""
+    def heads(self, x, cos=None, sin=None, ve=None):
+        """x (B, T, C) -> q (B, T, H, D), k and v (B, T, KV, D): projected, q/k normed, rotated; ve (B, T, KV * D):
+        the tokens' value embeddings, mixed into v."""
         H, KV, D = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.qkv(x)  # (B, T, ...): the whole sequence also when x is a shard of it (tp.py)
         B, T, _ = qkv.shape
         q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
         q, k, v = q.view(B, T, H, D), k.view(B, T, KV, D), v.view(B, T, KV, D)
+        if ve is not None:
+            v = (self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve.view(B, T, KV, D)).type_as(v)
         if self.qk_norm:  # before RoPE, as in OLMo-2 / Qwen-3
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
@@ -274,9 +295,9 @@ class Attention(nn.Module):
             scores = scores.masked_fill(~mask, float("-inf"))
         return scores.softmax(-1)
 
-    def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0):
+    def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0, ve=None):
         H, D = self.n_head, self.head_dim
-        q, k, v = self.heads(x, cos, sin)
+        q, k, v = self.heads(x, cos, sin, ve)
         B, T = q.shape[:2]
         p = self.dropout if self.training else 0.0
         if cache is not None:  # generation or a prefix (generate.Cache): it keeps k, v and attends over all it holds
@@ -360,37 +381,22 @@ class Block(nn.Module):
         super().__init__()
         self.prenorm = cfg.prenorm
         self.norm1 = make_norm(cfg, cfg.n_embd)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         self.norm2 = make_norm(cfg, cfg.n_embd)
         self.mlp = make_moe(cfg) if moe.moe_layer(cfg, layer) else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0):
+    def forward(self, x, cos=None, sin=None, mask=None, is_causal=True, cache=None, layer=0, ve=None):
         if self.prenorm:  # residual stream stays un-normalised: stable deep training (GPT-2 onwards)
-            x = x + self.drop(self.attn(self.norm1(x), cos, sin, mask, is_causal, cache, layer))
+            x = x + self.drop(self.attn(self.norm1(x), cos, sin, mask, is_causal, cache, layer, ve))
             x = x + self.drop(self.mlp(self.norm2(x)))
         else:  # post-norm: normalise after each residual add (original Transformer)
-            x = self.norm1(x + self.drop(self.attn(x, cos, sin, mask, is_causal, cache, layer)))
+            x = self.norm1(x + self.drop(self.attn(x, cos, sin, mask, is_causal, cache, layer, ve)))
             x = self.norm2(x + self.drop(self.mlp(x)))
         return x
 
 
 # ----------------------------------------------------------------------------- the model
-
-class DenseCounts:
-    """The parameter counts pretrain.py prints, for a dense model whose blocks are self.blocks (BERT, T5)."""
-
-    def num_params(self):
-        """Unique parameters (a tied head counts once)."""
-        return sum(p.numel() for p in self.parameters())
-
-    def non_embedding_params(self):
-        """Matmul parameters inside the blocks: the 2-D weights of every nn.Linear."""
-        return sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
-
-    def active_params(self):
-        return self.num_params()
-
 
 class Transformer(nn.Module):
     def __init__(self, cfg):
@@ -411,7 +417,10 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         # post-norm already ends every block with a norm
         self.norm_f = make_norm(cfg, C) if cfg.prenorm else nn.Identity()
-        self.head = nn.Linear(C, V, bias=False)
+        self.head = (fused.FP8Linear if cfg.fp8_head else nn.Linear)(C, V, bias=False)
+        # modded-nanogpt: value embeddings (kv width: tp.py cuts their columns as v's), U-net skip weights
+        self.value_embeds = nn.ModuleList(nn.Embedding(V, cfg.kv_heads * cfg.head_dim) for _ in range(cfg.value_embeds))
+        self.skip_weights = nn.Parameter(torch.ones(cfg.n_layer // 2)) if cfg.unet_skips else None
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
         self.init_weights()
@@ -439,12 +448,16 @@ class Transformer(nn.Module):
                 nn.init.normal_(m.weight, 0.0, std)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Embedding):
+            elif isinstance(m, nn.Embedding):  # value tables too (modded-nanogpt: N(0, 1), lately N(0, 0.01))
                 nn.init.normal_(m.weight, 0.0, cfg.init_std)
+            elif hasattr(m, "ve_lambdas"):
+                m.ve_lambdas.fill_(0.5)
             elif isinstance(m, (RMSNorm, nn.LayerNorm)):
                 nn.init.ones_(m.weight)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
+        if cfg.unet_skips:
+            self.skip_weights.fill_(1.0)
 
     def _apply(self, fn, recurse=True):
         # model.to(torch.bfloat16) casts every floating buffer; RoPE tables must stay fp32
@@ -495,25 +508,28 @@ class Transformer(nn.Module):
     # The output layer in two methods, so that tensor parallelism (tp.py) can replace them on the
     # instance with vocab-parallel versions (a loss that never gathers the full logits).
     def logits(self, x):
-        """Hidden states (..., C) -> logits (..., vocab_size): padded vocabulary rows sliced off."""
-        return self.head(x)[..., :self.cfg.vocab_size]
+        """Hidden states (..., C) -> logits (..., vocab_size): padded vocabulary rows sliced off, soft-capped."""
+        return fused.softcap(self.head(x)[..., :self.cfg.vocab_size], self.cfg.logit_softcap)
 
     def head_loss(self, x, targets, reduction="mean", temperature=1.0):
-        """Hidden states (B, T, C) and targets (B, T) -> cross-entropy of the head's logits / temperature."""
-        logits = self.logits(x)
-        return self.loss(logits if temperature == 1.0 else logits / temperature, targets, reduction)
+        """Hidden states (B, T, C), targets (B, T) -> cross-entropy of the head's soft-capped logits / temperature."""
+        logits, cap = self.head(x)[..., :self.cfg.vocab_size], self.cfg.logit_softcap
+        if temperature != 1.0:  # the cap first, then the temperature
+            logits, cap = fused.softcap(logits, cap) / temperature, 0.0
+        return self.loss(logits, targets, reduction, cap)
 
     @staticmethod
-    def loss(logits, targets, reduction="mean"):
+    def loss(logits, targets, reduction="mean", softcap=0.0):
+        """Cross-entropy of fused.softcap(logits, softcap): the cap inside the fused kernels, else in fp32."""
         if fused.available(logits):  # GPU: one fused pass each way, computed in fp32 (fused.py)
-            nll = fused.cross_entropy(logits.flatten(0, 1), targets.flatten(), IGNORE).view(targets.shape)
+            nll = fused.cross_entropy(logits.flatten(0, 1), targets.flatten(), IGNORE, softcap).view(targets.shape)
             if reduction == "none":
                 return nll
             # mean over the counted tokens, as F.cross_entropy (NaN when none is counted)
             return nll.sum() if reduction == "sum" else nll.sum() / (targets != IGNORE).sum()
         # upcast: softmax over 50k classes in bf16 is noticeably wrong; one fp32 copy of the
         # (already vocab-sliced) logits, which torch.compile fuses into the loss kernel
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+        loss = F.cross_entropy(fused.softcap(logits.float(), softcap).flatten(0, 1), targets.flatten(),
                                ignore_index=IGNORE, reduction=reduction)
         return loss.view(targets.shape) if reduction == "none" else loss
 
@@ -521,7 +537,7 @@ class Transformer(nn.Module):
         """The final-normalised hidden states (B, T, C), before the head: embeddings, blocks, final norm."""
         T = idx.shape[1]
         start, pos = self.positions(T, cache, pos, attn_mask)
-        x = self.run_blocks(self.embed(idx, start, pos), T, start, pos, attn_mask, cache)
+        x = self.run_blocks(self.embed(idx, start, pos), T, start, pos, attn_mask, cache, idx=idx)
         if cache is not None:
             cache.length += T
         return self.norm_f(x)
@@ -549,9 +565,11 @@ class Transformer(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))  # blocks add bf16 outputs: x stays bf16
         return x
 
-    def run_blocks(self, x, T, start=0, pos=None, attn_mask=None, cache=None, layers=None):
+    def run_blocks(self, x, T, start=0, pos=None, attn_mask=None, cache=None, layers=None, idx=None):
         """The residual stream x through the blocks of `layers` (default: all; a pipeline stage runs its
-        own, pp.py), each given RoPE's angles and its attention mask for T tokens from slot start."""
+        own, pp.py), each given RoPE's angles and its attention mask for T tokens from slot start, and the
+        value embeddings of the tokens idx; with unet_skips, block i < n_layer // 2's output joins the input
+        of block n_layer - 1 - i (a stack: the last pushed is the first popped)."""
         cfg = self.cfg
         cos = sin = None
         if cfg.pos_emb == "rope":
@@ -563,14 +581,20 @@ class Transformer(nn.Module):
         windowed = None
         if cfg.pos_emb == "alibi" or cfg.sliding_window:
             (mask, is_causal), windowed = self._positional_masks(mask, is_causal, T, start, cache, x)
+        half, skips = len(self.skip_weights) if cfg.unet_skips else 0, []
         for i in range(cfg.n_layer) if layers is None else layers:
-            block = self.blocks[i]
+            block, j = self.blocks[i], value_layer(cfg, i)
+            ve = None if j is None else self.value_embeds[j](idx)
             if windowed is not None and i >= cfg.window_from:  # from window_from on: the sliding window's mask
                 mask, is_causal = windowed, False
+            if i >= cfg.n_layer - half:
+                x = x + self.skip_weights[i - (cfg.n_layer - half)].to(x.dtype) * skips.pop()  # (a bf16 x stays)
             if cfg.grad_checkpoint and self.training and cache is None:
-                x = checkpoint(block, x, cos, sin, mask, is_causal, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, mask, is_causal, None, i, ve, use_reentrant=False)
             else:
-                x = block(x, cos, sin, mask, is_causal, cache, i)
+                x = block(x, cos, sin, mask, is_causal, cache, i, ve)
+            if i < half:
+                skips.append(x)
         return x
 
     @staticmethod
@@ -636,8 +660,8 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ counting
 
     def num_params(self, non_embedding=False):
-        """Unique parameters (a tied head counts once). non_embedding=True leaves out the token
-        and position tables and an untied head."""
+        """Unique parameters (a tied head counts once). non_embedding=True leaves out the token,
+        position and value tables and an untied head."""
         n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
         if non_embedding:
             n -= self.tok_emb.weight.numel()
@@ -645,6 +669,7 @@ class Transformer(nn.Module):
                 n -= self.pos_emb.weight.numel()
             if not self.cfg.tie_embeddings:
                 n -= self.head.weight.numel()
+            n -= sum(e.weight.numel() for e in self.value_embeds)
         return n
 
     def non_embedding_params(self):

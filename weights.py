@@ -89,8 +89,9 @@ class Family:
             keys, tok = hf.MODEL_KEYS, dict(tokenizer=cfg.init_from, tokenizer_vocab=0)
         else:
             cfg.init_from, m = init_checkpoint(cfg.init_from)
+            m = {**vars(ModelConfig()), **m}  # a model key newer than the checkpoint: its default (off)
             keys = [f.name for f in fields(ModelConfig)
-                    if f.name not in ("dropout", "grad_checkpoint", "fp32_residual")]
+                    if f.name not in ("dropout", "grad_checkpoint", "fp32_residual", "fp8_head")]
             tok = {k: m[k] for k in ("tokenizer", "tokenizer_vocab")}  # its FIM sentinels (older checkpoints: fim_rate)
             tok["tokenizer_fim"] = m.get("tokenizer_fim", m.get("fim_rate", 0) > 0)
         m, longer = context(cfg, m, cut=is_hf or m["pos_emb"] == "rope")

@@ -37,7 +37,7 @@ import hf
 from config import ConfigError
 from encoders import denoising
 from fused import IGNORE
-from model import Block, DenseCounts, ModelConfig, Transformer, activation_fn, round_up
+from model import Block, ModelConfig, Transformer, activation_fn, round_up
 
 HEADS = ("mlm", "sequence", "token")
 ARCHS = {"mlm": "BertForMaskedLM", "sequence": "BertForSequenceClassification", "token": "BertForTokenClassification"}
@@ -96,7 +96,7 @@ class BertConfig:
         return round_up(self.vocab_size, self.pad_vocab_multiple)
 
 
-class Bert(DenseCounts, nn.Module):
+class Bert(denoising.DenseCounts, nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg, mcfg, C = cfg, cfg.block_config(), cfg.n_embd

@@ -19,7 +19,8 @@ Loss: each micro-step's summed NLL over its predicted tokens times data_world / 
 count of them (counted before the first forward; DataParallel and FSDP divide by data_world): the
 mean over the global batch, every predicted token weighted the same, as sft.py's loss.
 Denoising (a weights.Family) is also what BERT and T5 share: the layouts and keys they refuse, their
-init_from (HF folders, our checkpoints), no sampling by sample.py; DENOISING_DEFAULTS their keys.
+init_from (HF folders, our checkpoints), no sampling by sample.py; DENOISING_DEFAULTS their keys;
+DenseCounts the parameter counts pretrain.py prints for them.
 """
 import dataclasses
 import os
@@ -29,6 +30,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import checkpoint
 import hf
@@ -198,3 +200,18 @@ def token_mean(micro, grid):
         dist.all_reduce(count, group=grid.data_group)
     scale = grid.data_world / count.clamp(min=1)
     return lambda i, nll: (nll * scale, nll.detach() * scale)
+
+
+class DenseCounts:
+    """The parameter counts pretrain.py prints, for a dense model whose blocks are self.blocks (BERT, T5)."""
+
+    def num_params(self):
+        """Unique parameters (a tied head counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def non_embedding_params(self):
+        """Matmul parameters inside the blocks: the 2-D weights of every nn.Linear."""
+        return sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
+
+    def active_params(self):
+        return self.num_params()

@@ -38,7 +38,7 @@ import hf
 from config import ConfigError, need
 from encoders import denoising, seq2seq
 from generate import Emittable, KVCache, sample
-from model import DenseCounts, RMSNorm, Transformer, activate, round_up
+from model import RMSNorm, Transformer, activate, round_up
 
 VOCAB_ROWS = ("tok_emb.weight", "head.weight")  # padded to the model's vocabulary: zero rows in, cut on export
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gated-gelu": lambda x: F.gelu(x, approximate="tanh"),
@@ -185,7 +185,7 @@ class Block(nn.Module):
 
 # ----------------------------------------------------------------------------- the model
 
-class T5(DenseCounts, nn.Module):
+class T5(denoising.DenseCounts, nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg, C = cfg, cfg.n_embd

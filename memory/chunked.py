@@ -21,13 +21,17 @@ the head's own tp.Copy / sequence-parallel entry, which head_loss applies first)
 softmax in fp32; on a GPU with Triton a one-rank chunk goes through fused.py's kernels instead.
 The head weight's gradient is computed only when it requires one (a frozen LoRA head skips it).
 LoRA's token rows (lora.train_tokens) enter through head.token_rows_weight: the weight copied
-with the rows in it, so its gradient (fp32, the head's size) is then computed.
+with the rows in it, so its gradient (fp32, the head's size) is then computed. A soft cap
+(logit_softcap = c) applies to each chunk's logits before the temperature, z -> c tanh(z / c), and
+backward multiplies dz by its derivative 1 - (capped z / c)^2. The head's matmuls here are the
+compute dtype's: fp8_head is refused with loss_chunk (check).
 """
 import types
 
 import torch
 import torch.distributed as dist
 
+import fused
 from config import need
 from parallelism import tp
 from parallelism.tp import IGNORE
@@ -40,6 +44,8 @@ RESUME_FREE = ("loss_chunk",)  # a resumed run may change it (lifecycle.RESUME_F
 
 def check(cfg, world=1):
     need(cfg.loss_chunk >= 0, f"loss_chunk={cfg.loss_chunk} must be >= 0 (0: the logits are materialised)")
+    need(not (cfg.loss_chunk and getattr(cfg, "fp8_head", False)), f"fp8_head=True runs the head's matmul in FP8, "
+         f"loss_chunk={cfg.loss_chunk} runs the head in chunks of its own (bf16): set fp8_head=False or loss_chunk=0")
 
 
 def _world(group):
@@ -62,19 +68,16 @@ def _compute_dtype(x, weight):
 
 
 def _fused_ok(z, group):
-    """fused.py's Triton kernels for a one-rank chunk on a GPU (imported lazily: GPU-only path)."""
-    if _world(group) > 1 or not z.is_cuda:
-        return False
-    import fused
-    return fused.available(z)
+    """fused.py's Triton kernels for a one-rank chunk on a GPU."""
+    return _world(group) == 1 and fused.available(z)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """x (N, C), weight (V_local, C) -> nll (N,) fp32 of x W^T / temperature over the whole (split)
-    vocabulary; 0 where targets == ignore_index. See the module docstring."""
+    """x (N, C), weight (V_local, C) -> nll (N,) fp32 of softcap(x W^T, cap) / temperature over the whole
+    (split) vocabulary; 0 where targets == ignore_index. See the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, temperature, chunk, vocab_size, ignore_index, group):
+    def forward(ctx, x, weight, targets, temperature, chunk, vocab_size, ignore_index, group, cap=0.0):
         cd = _compute_dtype(x, weight)
         Vl = weight.shape[0]
         start = (dist.get_rank(group) if _world(group) > 1 else 0) * Vl
@@ -92,13 +95,14 @@ class LinearCrossEntropy(torch.autograd.Function):
                     continue
                 z = x[a:b].to(cd) @ w.T
                 if _fused_ok(z, group):  # one rank: the Triton loss on the chunk's logits (cd, no fp32 copy)
+                    z = fused.softcap(z, cap)
                     z = z if temperature == 1.0 else z / temperature
-                    nll_c, lse_c = torch.ops.ingot.cross_entropy(z, targets[a:b].contiguous(), ignore_index)
+                    nll_c, lse_c = torch.ops.ingot.cross_entropy(z, targets[a:b].contiguous(), ignore_index, 0.0)
                     fused_lse = torch.empty(N, device=x.device) if fused_lse is None else fused_lse
                     fused_lse[a:b] = lse_c
                     tl[a:b] = lse_c - nll_c  # so that lse - tl is the kernel's nll
                     continue
-                z = z.float()
+                z = fused.softcap(z.float(), cap)
                 if temperature != 1.0:
                     z = z / temperature
                 t = targets[a:b] - start
@@ -116,13 +120,13 @@ class LinearCrossEntropy(torch.autograd.Function):
         valid = targets != ignore_index
         nll = (lse - tl).masked_fill(~valid, 0.0)
         ctx.save_for_backward(x, weight, targets, lse)
-        ctx.conf = (temperature, chunk, start, n_real, ignore_index, cd, group)
+        ctx.conf = (temperature, chunk, start, n_real, ignore_index, cd, group, cap)
         return nll
 
     @staticmethod
     def backward(ctx, g):
         x, weight, targets, lse = ctx.saved_tensors
-        temperature, chunk, start, n_real, ignore_index, cd, group = ctx.conf
+        temperature, chunk, start, n_real, ignore_index, cd, group, cap = ctx.conf
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w = weight[:n_real].to(cd)
         g = g.float().masked_fill(targets == ignore_index, 0.0) / temperature  # d nll / d z, per token
@@ -138,12 +142,15 @@ class LinearCrossEntropy(torch.autograd.Function):
                 xc = x[a:b].to(cd)
                 z = xc @ w.T
                 if _fused_ok(z, group):
+                    z = fused.softcap(z, cap)
+                    capped = 1 - (z / cap).square() if cap else None  # d softcap(z) / dz, before z is reused
                     zt = z if temperature == 1.0 else z / temperature
                     # the kernel's (softmax - onehot) * g_row, in cd; g already holds 1 / temperature
                     dz = torch.ops.ingot.cross_entropy_backward(zt, targets[a:b].contiguous(), lse[a:b].contiguous(),
-                                                                g[a:b].contiguous(), ignore_index)
+                                                                g[a:b].contiguous(), ignore_index, 0.0)
                 else:
-                    z = z.float()
+                    z = fused.softcap(z.float(), cap)
+                    capped = 1 - (z / cap).square() if cap else None
                     if temperature != 1.0:
                         z = z / temperature
                     dz = z.sub_(lse[a:b, None]).exp_()  # softmax, in place of the logits
@@ -151,27 +158,30 @@ class LinearCrossEntropy(torch.autograd.Function):
                     mine = (t >= 0) & (t < n_real) & (targets[a:b] != ignore_index)
                     rows = mine.nonzero().squeeze(-1)
                     dz[rows, t[rows]] -= 1.0
-                    dz = (dz * g[a:b, None]).to(cd)
+                    dz = dz * g[a:b, None]
+                if cap:
+                    dz = dz * capped  # through the soft cap
+                dz = dz.to(cd)
                 if need_x:
                     dx[a:b] = (dz @ w).float()
                 if need_w:
                     dw[:n_real] += torch.mm(dz.T, xc, out=part)  # (no fp32 copy of it: the add upcasts)
         return (dx.to(x.dtype) if need_x else None, dw.to(weight.dtype) if need_w else None,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(x, weight, targets, reduction="mean", temperature=1.0, chunk=1024,
-                         vocab_size=None, ignore_index=IGNORE, group=None):
-    """F.cross_entropy(x W^T / temperature, targets) without the logits. x (..., C), targets (...),
-    weight (V_local, C): the head's rows (group None: every row; padded rows >= vocab_size are left
-    out). Under TP (group: the TP group) x must already have entered the column-parallel region
+                         vocab_size=None, ignore_index=IGNORE, group=None, softcap=0.0):
+    """F.cross_entropy(fused.softcap(x W^T, softcap) / temperature, targets) without the logits. x (..., C),
+    targets (...), weight (V_local, C): the head's rows (group None: every row; padded rows >= vocab_size
+    are left out). Under TP (group: the TP group) x must already have entered the column-parallel region
     (tp.Copy, or the sequence-parallel gather): head_loss does that. reduction "none" (-> targets'
     shape, fp32, 0 where ignored: the negative log-probs), "sum" or "mean" (over counted tokens)."""
     if chunk <= 0:
         raise ValueError(f"chunk={chunk} must be a positive number of tokens")
     V = weight.shape[0] * _world(group) if vocab_size is None else vocab_size
     nll = LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, targets.reshape(-1), float(temperature),
-                                   int(chunk), V, ignore_index, group)
+                                   int(chunk), V, ignore_index, group, float(softcap))
     if reduction == "none":
         return nll.view(targets.shape)
     if reduction == "sum":
@@ -190,9 +200,9 @@ def head_loss(model, x, targets, reduction="mean", temperature=1.0):
         g = head.group  # enter the column-parallel region as the head's own forward does
         x = tp.SequenceParallel.apply(x, g, True) if tp.sequence_sharded(head) else tp.Copy.apply(x, g)
         return linear_cross_entropy(x, weight, targets, reduction, temperature, model.loss_chunk,
-                                    head.vocab_size, IGNORE, g)
+                                    head.vocab_size, IGNORE, g, model.cfg.logit_softcap)
     return linear_cross_entropy(x, weight, targets, reduction, temperature, model.loss_chunk,
-                                model.cfg.vocab_size, IGNORE, None)
+                                model.cfg.vocab_size, IGNORE, None, model.cfg.logit_softcap)
 
 
 def use(model, chunk):

@@ -22,7 +22,7 @@ the last stage's loss, broadcast. net.full_params() (generation) broadcasts ever
 every stage: decoding is sequential, a pipeline would only idle, and generate.py runs unchanged (the
 whole model's memory while it lasts). Net.full_state gathers every stage's tensors (one-process names).
 pretrain.py, sft.py and dpo.py (its reference through net(x, y)) run under it; grpo.py refuses pp > 1:
-its rollouts decode with the whole model every step. Not here: MoE, torch.compile.
+its rollouts decode with the whole model every step. Not here: MoE, torch.compile, value_embeds, unet_skips.
 """
 import contextlib
 from dataclasses import dataclass
@@ -63,6 +63,8 @@ def check(cfg, dp):
     need(cfg.pp == 1 or not cfg.n_experts, "pp > 1 works with dense models (n_experts=0): MoE router losses "
          "on every stage are not summed yet")
     need(cfg.pp == 1 or not cfg.compile, "pp > 1 with compile=True is untested: set --compile=False")
+    need(cfg.pp == 1 or not (cfg.unet_skips or cfg.value_embeds), f"pp > 1 with unet_skips={cfg.unet_skips}, "
+         f"value_embeds={cfg.value_embeds}: both tie the first blocks to the last, across stages: set pp=1 or them off")
     need(cfg.pp_micro >= 0, f"pp_micro={cfg.pp_micro} must be >= 0 (0: from the batch split)")
     if cfg.pp_micro:
         need(cfg.batch_size % (cfg.pp_micro * dp) == 0,

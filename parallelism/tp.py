@@ -6,7 +6,8 @@
 attn.qkv and mlp.fc are column-parallel (each rank computes its heads / its slice of the hidden
 units), attn.proj and mlp.proj row-parallel (each rank multiplies its input columns; one all-reduce
 sums the partial outputs): two all-reduces per block forward, two backward. Embedding and head are
-split over the (padded) vocabulary; the loss never gathers the logits. MoE layers cut their own
+split over the (padded) vocabulary; the loss never gathers the logits. Value embeddings
+(value_embeds) keep their columns of this rank's kv heads, as v's rows. MoE layers cut their own
 experts (moe.MoE.tensor_parallel). Sequence parallelism (cfg.sequence_parallel): tensor_parallel.
 
 Every cut parameter carries `p.tp_split = (dim, segments)`: along `dim` the full tensor is the
@@ -28,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import fused
 from fused import IGNORE
 
 
@@ -361,19 +363,27 @@ def vocab_parallel_cross_entropy(local_logits, targets, group, vocab_size=None, 
 
 
 class VocabParallelHead(ColumnParallelLinear):
-    """The output layer, column-parallel over the padded vocabulary; its loss never gathers."""
+    """The output layer, column-parallel over the padded vocabulary; its loss never gathers. Each rank
+    soft-caps its own logits (softcap: the model's logit_softcap) and, when cut from a fused.FP8Linear,
+    runs its slice's matmul in FP8 where that one would."""
 
-    def __init__(self, linear, grid, vocab_size):
+    def __init__(self, linear, grid, vocab_size, softcap=0.0):
         super().__init__(linear, grid)
-        self.vocab_size = vocab_size
+        self.vocab_size, self.softcap, self.fp8 = vocab_size, softcap, isinstance(linear, fused.FP8Linear)
+
+    def forward(self, x):
+        if not (self.fp8 and self.training and fused.fp8_fits(x, self.weight)):
+            return super().forward(x)
+        x = SequenceParallel.apply(x, self.group, True) if sequence_sharded(self) else Copy.apply(x, self.group)
+        return fused.fp8_matmul(x, self.weight)
 
     def logits(self, x):
         """Full logits (..., vocab_size): gathers the shards (generation / evaluation only)."""
-        return Gather.apply(self(x), self.group)[..., :self.vocab_size]
+        return Gather.apply(fused.softcap(self(x), self.softcap), self.group)[..., :self.vocab_size]
 
     def loss(self, x, targets, reduction="mean", temperature=1.0):
         """Cross-entropy of this rank's logits / temperature (each rank divides its own columns)."""
-        logits = self(x)
+        logits = fused.softcap(self(x), self.softcap)
         logits = logits if temperature == 1.0 else logits / temperature
         return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_size, IGNORE, reduction)
 
@@ -434,14 +444,18 @@ def tensor_parallel(model, grid, sequence_parallel=False):
         if a.qk_norm:  # replicated, but each rank applies them to its own heads: sum their grads
             for norm in (a.q_norm, a.k_norm):
                 norm.weight = shard(norm.weight, grid, 0, [(D, 1)])
+        if hasattr(a, "ve_lambdas"):  # the same: replicated, applied to this rank's v heads
+            a.ve_lambdas = shard(a.ve_lambdas, grid, 0, [(2, 1)])
         if hasattr(block.mlp, "tensor_parallel"):  # moe.MoE: cuts its experts like the MLP (moe.py)
             block.mlp.tensor_parallel(grid)
         else:
             mlp_parallel(block.mlp, grid)
     if cfg.pos_emb == "alibi":  # the slopes of this rank's heads
         model.alibi_heads = slice(grid.tp_rank * (H // tp), (grid.tp_rank + 1) * (H // tp))
+    for ve in model.value_embeds:  # value embeddings (vocab x kv width): the columns of this rank's kv heads, as v's
+        ve.weight = shard(ve.weight, grid, 1, [(KV * D, ckv)])
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, grid)
-    head = VocabParallelHead(model.head, grid, cfg.vocab_size)
+    head = VocabParallelHead(model.head, grid, cfg.vocab_size, cfg.logit_softcap)
     if cfg.tie_embeddings:
         head.weight = model.tok_emb.weight  # keep the tie: the same shard Parameter
     model.head = head

@@ -1,10 +1,11 @@
 """fused.py's Triton kernels against PyTorch's own, on a GPU. Skipped without CUDA (CPU builds of
 torch have no Triton).
 
-cross_entropy equals F.cross_entropy: per-row values and gradients for fp32 and bf16 logits, a
-vocabulary slice of wider rows (the model's padded head), ignored targets and a vocabulary that is
-no multiple of the kernel's block; the same through Transformer.loss's three reductions, under
-torch.compile, and for a whole model's gradients against the F.cross_entropy path.
+cross_entropy equals F.cross_entropy: per-row values and gradients for fp32 and bf16 logits, plain and
+soft-capped (cap * tanh(logits / cap) before the loss: model.py's logit_softcap), a vocabulary slice of
+wider rows (the model's padded head), ignored targets and a vocabulary that is no multiple of the
+kernel's block; the same through Transformer.loss's three reductions, under torch.compile, and for a
+whole model's gradients against the F.cross_entropy path (plain and soft-capped).
 
 decode_attention equals SDPA over the same masked keys in fp32 and bf16 (MHA, GQA, MQA, a head size
 that is no power of two; chunks holding only padding or only unwritten slots, a last chunk cut short;
@@ -31,15 +32,17 @@ def case(dtype, N=300, V=5000, pad=120, seed=0):
     return logits, targets
 
 
+@pytest.mark.parametrize("cap", [0.0, 2.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_torch(dtype):
+def test_matches_torch(dtype, cap):
     logits, targets = case(dtype)
     x = logits.detach().requires_grad_()
-    got = fused.cross_entropy(x, targets, IGNORE)
+    got = fused.cross_entropy(x, targets, IGNORE, cap)
     dnll = torch.randn_like(got)
     (got * dnll).sum().backward()
     ref_x = logits.detach().float().requires_grad_()
-    want = F.cross_entropy(ref_x, targets, ignore_index=IGNORE, reduction="none")
+    want = F.cross_entropy(cap * torch.tanh(ref_x / cap) if cap else ref_x, targets, ignore_index=IGNORE,
+                           reduction="none")
     (want * dnll).sum().backward()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert x.grad.dtype == dtype and x.grad.shape == logits.shape
@@ -65,8 +68,10 @@ def test_transformer_loss_reductions(compiled):
         torch.testing.assert_close(x.grad.float(), ref_x.grad, rtol=1e-2, atol=1e-5)
 
 
-def test_model_gradients_match_fallback(monkeypatch):
-    cfg = ModelConfig(vocab_size=1000, pad_vocab_multiple=128, block_size=64, n_layer=2, n_head=4, n_embd=64)
+@pytest.mark.parametrize("cap", [0.0, 10.0])
+def test_model_gradients_match_fallback(monkeypatch, cap):
+    cfg = ModelConfig(vocab_size=1000, pad_vocab_multiple=128, block_size=64, n_layer=2, n_head=4, n_embd=64,
+                      logit_softcap=cap)
     torch.manual_seed(0)
     model = Transformer(cfg).cuda()
     x = torch.randint(0, 1000, (4, 64), device="cuda")
