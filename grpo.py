@@ -29,7 +29,7 @@ import optim
 import parallel
 import weights
 from model import IGNORE
-from posttrain import diagnose, objectives, prompts
+from posttrain import diagnose, objectives, prompts, selection
 from tools import gradstats
 
 # ours, then TRL's cispo and sapo (objectives.py). Not bnpo: its per-micro-batch token mean depends on the layout
@@ -58,19 +58,20 @@ DEFAULTS = dict(  # this stage's own config keys; batch_size counts completions 
     importance_level="token",  # token | sequence (GSPO)
     beta=0.0,                 # k3 KL to the reference (0: no reference model is held)
     kl_ratio=True,            # the k3 term times the ratio (TRL's use_bias_correction_kl)
-    dynamic_sampling=False,   # leave out groups whose rewards are all equal (DAPO, without refill)
+    dynamic_sampling=False,   # leave out groups whose rewards are all equal (DAPO; refill: refill_rounds, selection.py)
+    entropy_coeff=0.0,        # loss - this x the completions' mean entropy of softmax(logits / temperature) (verl)
     mask_truncated=False,     # completions cut at max_new_tokens count no token (DAPO's overlong filtering)
     reward_truncated=False,   # a completion cut at max_new_tokens keeps its reward (False: it earns 0)
     dead_steps=20,            # warn when no step of this many in a row had a learning signal (posttrain/diagnose.py)
     rollout_copy=True,        # rollouts read a copy in the compute dtype (main; False: the trained weights)
     out_dir="out/grpo",       # checkpoints and metrics
 )
-EXTRA = config.Keys({k: chat.CHAT_DEFAULTS[k] for k in ("chat_template", "skip_bad_records", "chat_limit")},
-                    lifecycle.TRAIN, DEFAULTS, instead={"chat_data": "grpo.py reads prompts from prompt_data"},
+EXTRA = config.Keys({k: chat.CHAT_DEFAULTS[k] for k in ("chat_template", "skip_bad_records", "chat_limit")}, lifecycle.TRAIN,
+                    DEFAULTS, selection.KEYS, instead={"chat_data": "grpo.py reads prompts from prompt_data"},
                     replaces={"prompt_data": ("task", "task_args")})  # on the command line: the file's task drops
 # a log line's means over its steps: name -> (the tally's sum, what it is divided by)
 LOGGED = {"reward": ("reward", "rewarded"), "frac_equal_groups": ("equal", "groups"), "kl": ("kl", "tokens"),
-          "entropy": ("neglogp", "gen_tokens"),
+          "entropy": ("neglogp", "gen_tokens"), "rounds": ("rounds", "steps"),  # rounds: with refill_rounds
           "clip_low": ("clip_low", "clip_count"), "clip_high": ("clip_high", "clip_count"),
           "t_rollout": ("t_rollout", "steps"), "t_reward": ("t_reward", "steps"), "t_learn": ("t_learn", "steps")}
 CISPO = {**{k: v for k, v in LOGGED.items() if k[:4] != "clip"}, "cispo_clip": ("clip_high", "clip_count")}  # TRL's
@@ -181,24 +182,19 @@ class Batch:
     ref: torch.Tensor = None  # (R, N) reference log-probs when beta > 0
 
 
-def score(r, rewards, grid, cfg, stops):
+def score(r, rewards, grid, cfg, stops, limit=None):
     """A Rollout and this rank's rewards (NaN: none) -> (Batch, stats). A completion cut at max_new_tokens
     earns 0 unless reward_truncated (an answer that never ended is not an answer). Every data rank's
-    rewards are gathered before the group statistics; dynamic_sampling leaves out groups of equal rewards,
-    mask_truncated completions that did not stop. stats: global sums {reward, rewarded (completions with a
-    reward), equal (groups of equal rewards), groups, truncated (did not stop), gen_tokens, neglogp (their -log p)}."""
+    rewards are gathered before the group statistics; dynamic_sampling leaves out groups of equal rewards (and
+    those past the first `limit` others), mask_truncated completions that did not stop. stats: global sums
+    {reward, rewarded, equal (groups of equal rewards), groups, truncated (did not stop), gen_tokens, neglogp}."""
     G, R, T, dev = cfg.group_size, rewards.numel(), r.prompt_len, rewards.device
-    last = r.tokens.gather(1, (T + r.lengths - 1)[:, None]).squeeze(1)
-    stopped = torch.isin(last, torch.as_tensor(stops, device=dev))
-    if not cfg.reward_truncated:
-        rewards = torch.where(stopped | rewards.isnan(), rewards, torch.zeros_like(rewards))
+    every, stopped = selection.gather_rewards(r, rewards, grid, stops, cfg.reward_truncated)
     mine = slice(grid.data_rank * R, (grid.data_rank + 1) * R)
-    every = torch.zeros(R * grid.data_world, device=dev)
-    every[mine] = rewards  # each data rank fills its slot; the sum gathers them (NaN stays NaN)
-    every = parallel.data_sum(every, grid)
     adv = advantages(every, G, cfg.scale_rewards)
     equal = ~(nanstd(every.view(-1, G)) > 0)  # all equal (or fewer than two rewards): no signal
-    keep = (~equal).repeat_interleave(G) if cfg.dynamic_sampling else torch.ones_like(every, dtype=torch.bool)
+    keep = ~equal if cfg.dynamic_sampling else torch.ones_like(equal)
+    keep = (keep & (keep.cumsum(0) <= (limit or len(keep)))).repeat_interleave(G)  # refill: only the first `limit`
     loss_mask = r.mask[:, T:] & keep[mine, None]
     if cfg.mask_truncated:
         loss_mask &= stopped[:, None]
@@ -230,14 +226,18 @@ def learn(net, batch, cfg, autocast=contextlib.nullcontext(), hooks=()):
         for i in range(0, R, mb):
             rows = slice(i, i + mb)
             with net.no_sync() if i + mb < R else contextlib.nullcontext():
-                with autocast:
-                    logp = token_logprobs(net, batch.tokens[rows], batch.mask[rows], batch.start, cfg.temperature)
+                with autocast:  # entropy_coeff: the entropies too, from the full logits
+                    args = net, batch.tokens[rows], batch.mask[rows], batch.start, cfg.temperature
+                    logp, ent = objectives.logprobs_and_entropy(*args) if cfg.entropy_coeff else (token_logprobs(*args), 0)
                 loss, s = policy_loss(
                     logp.float(), batch.old[rows], batch.adv[rows], batch.loss_mask[rows], loss_type=cfg.loss_type,
                     eps_low=cfg.clip_low, eps_high=cfg.cispo_cap if cfg.loss_type == "cispo" else cfg.clip_high,
                     beta=cfg.beta, kl_ratio=cfg.kl_ratio,
                     ref_logp=None if batch.ref is None else batch.ref[rows], level=cfg.importance_level,
                     n_seqs=n_seqs, n_tokens=n_tokens, max_len=cfg.max_new_tokens)
+                if cfg.entropy_coeff:  # verl's bonus: pg_loss - entropy_coeff x the entropy, normalised as the loss
+                    loss = loss - cfg.entropy_coeff * objectives.aggregate(ent, batch.loss_mask[rows], cfg.loss_type,
+                                                                          n_seqs, n_tokens, cfg.max_new_tokens)
                 net.backward(loss)
             sums = sums + s
         norm = net.step(cfg.grad_clip, *hooks)
@@ -255,8 +255,8 @@ def check(cfg, grid):
     need(cfg.batch_size % G == 0, f"batch_size={cfg.batch_size} (completions per step): a multiple of group_size={G}")
     need(0 <= cfg.clip_low < 1 and cfg.clip_high >= 0, f"clip_low={cfg.clip_low} must be in [0, 1), clip_high >= 0")
     for key, ok, rule in (("beta", cfg.beta >= 0, ">= 0"), ("temperature", cfg.temperature > 0, "> 0: rollouts sample"),
-                          *((k, getattr(cfg, k) >= 1, ">= 1") for k in ("max_new_tokens", "grpo_epochs", "train_prompts",
-                                                                        "dead_steps"))):
+                          ("entropy_coeff", cfg.entropy_coeff >= 0, ">= 0"),
+                          *((k, getattr(cfg, k) >= 1, ">= 1") for k in ("max_new_tokens", "grpo_epochs", "train_prompts", "dead_steps"))):
         need(ok, f"{key}={getattr(cfg, key)} must be {rule}")  # (one line naming the key that is wrong)
     need(not (cfg.prompt_data and cfg.task_args), "task_args set the task; prompt_data replaces the task: give one")
     need(not cfg.eval_prompt_data or cfg.prompt_data, "eval_prompt_data is held out from prompt_data: set both")
@@ -298,10 +298,6 @@ def main(argv):
     # raw under TP (cut weights), LoRA (unmerged adapters), MoE (no nn.Linear experts), FSDP (a full copy per rank)
     plain = cfg.rollout_copy and grid.tp == 1 and not (cfg.lora_r or cfg.n_experts or cfg.data_parallel == "fsdp")
     policy, keep = (generate.cast_copy(raw, parallel.amp_dtype(cfg, device)) if plain else raw), {}
-    trainer, step = lifecycle.resume(lease, net, say)  # prompts and sampling seeds follow from the step
-    logger = logs.Logger(cfg, grid)
-    probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
-    held, saved, history = lease.held, {}, []  # the held-out metric at the run's first and latest evaluation; the latest checkpoint
 
     def rewards_of(r, items, which):
         """prompts.judge of r's completions: (rewards (N,), NaN where none; {key: [sum, count]} to log)."""
@@ -329,6 +325,30 @@ def main(argv):
     def save():
         saved["path"] = lifecycle.save(net, cfg, lease, step, {})[0]
 
+    def sample(idx, n, at, j=0):
+        """This data rank's share of n samples of each train[idx] (step at, round j): Rollout, rewards_of's, seconds."""
+        t = clock.now()
+        with net.full_params(), autocast:  # FSDP: parameters gathered once for the whole rollout
+            r, which = generate.rollout(generate.refresh(policy, raw), [train_ids[i] for i in idx], n, grid.data_rank,
+                                        grid.data_world, cfg.max_new_tokens, seed=rollout_seed(cfg.seed + j, at, grid),
+                                        keep=keep, **sampling)
+        t = clock.now() - t
+        return r, *rewards_of(r, [train[i] for i in idx], which), t
+
+    def one_round(j, need):  # this step's round j (selection.refill): its Batch (<= need informative groups), stats
+        t0 = clock.now()
+        r, got, judged, t_rollout = sample(selection.prompts_of(step, j, P, len(train), cfg.refill_rounds), G, step, j)
+        logs.add(judged_tally, judged)  # reward parts, accuracy: this rank's [sum, count]
+        batch, stats = score(r, got, grid, cfg, stops, need)
+        return batch, {**stats, "t_rollout": t_rollout, "t_reward": clock.now() - t0 - t_rollout}
+
+    if cfg.filter_pass_rate:  # the prompts the start passes sometimes, not always (selection.py)
+        train, train_ids = selection.by_pass_rate((train, train_ids), sample, cfg, grid, stops, say)
+    trainer, step = lifecycle.resume(lease, net, say)  # prompts and sampling seeds follow from the step
+    logger = logs.Logger(cfg, grid)
+    probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps
+    held, saved, history = lease.held, {}, []  # the held-out metric at the run's first and latest evaluation; the latest checkpoint
+
     # ------------------------------------------------------------------------ training loop
     if cfg.eval_every and step == 0:
         evaluate()
@@ -336,16 +356,7 @@ def main(argv):
     tally, judged_tally, first = {}, {}, step + 1  # what the log line reports, summed over its steps
     dead, logged, warned = 0, step, {}  # steps in a row without signal (diagnose.dead), the warnings said
     while step < last:
-        t0 = clock.now()
-        idx = [(step * P + i) % len(train) for i in range(P)]
-        with net.full_params(), autocast:  # FSDP: parameters gathered once for the whole rollout
-            r, which = generate.rollout(generate.refresh(policy, raw), [train_ids[i] for i in idx], G, grid.data_rank,
-                               grid.data_world, cfg.max_new_tokens, seed=rollout_seed(cfg.seed, step, grid), keep=keep,
-                               **sampling)
-        t1 = clock.now()
-        got, judged = rewards_of(r, [train[i] for i in idx], which)
-        batch, stats = score(r, got, grid, cfg, stops)
-        t2 = clock.now()
+        (batch, stats), t2 = selection.refill(one_round, P, G, cfg.refill_rounds, grid), clock.now()  # refill_rounds: more
         if cfg.beta:
             with (contextlib.nullcontext() if ref else lora.disabled(raw)), net.full_params(), autocast:
                 batch.ref = reference_logprobs(ref if ref else raw, batch, cfg)
@@ -356,15 +367,15 @@ def main(argv):
         kl, low, high, clip_count, tokens = parallel.data_sum(sums.detach().float(), grid).tolist()
         t3 = clock.now()
         logs.add(tally, {**stats, "kl": kl, "clip_low": low, "clip_high": high, "clip_count": clip_count, "tokens": tokens,
-                         "t_rollout": t1 - t0, "t_reward": t2 - t1, "t_learn": t3 - t2, "steps": 1})
-        logs.add(judged_tally, judged)  # reward parts, accuracy: this rank's [sum, count]
+                         "t_learn": t3 - t2, "steps": 1})
         step += 1
         probe.after(step, logger, say)  # its statistics logged, the ratio warning said
         if step == first:
             say(f"first step done {clock.since_start():.1f} s after start")
         if step % cfg.log_every == 0 or step == last:  # means over the steps since the last log line
-            n = tally["steps"] * P * G
-            m = {k: tally[a] / max(tally[b], 1) for k, (a, b) in (CISPO if cfg.loss_type == "cispo" else LOGGED).items()}
+            n = tally["groups"] * G  # completions, every refill round's
+            m = {k: tally[a] / max(tally[b], 1) for k, (a, b) in (CISPO if cfg.loss_type == "cispo" else LOGGED).items()
+                 if a in tally}
             m.update(len=tally["gen_tokens"] / n, truncated=tally["truncated"] / n, grad_norm=float(norm), lr=lr,
                      gen_tok_s=tally["gen_tokens"] / tally["t_rollout"], **logs.means(judged_tally, grid.data_group, device))
             logger.report(step, m, cfg.max_steps, say)

@@ -176,3 +176,27 @@ def clip_sums(ratio, adv, mask, eps_low=0.2, eps_high=None):
         return torch.cat([flags.flatten(1).sum(-1), torch.tensor([float(ratio.shape[0])], dtype=ratio.dtype)])
     mask = mask.to(ratio.dtype)
     return torch.cat([(flags * mask).flatten(1).sum(-1), mask.sum()[None]])
+
+
+# ----------------------------------------------------------------------------- entropy (verl's entropy_coeff)
+
+def logprobs_and_entropy(logits, targets, temperature=1.0):
+    """logits (B, N, V) of the positions that predict targets (B, N) -> (log p(targets), the entropy of
+    softmax(logits / temperature)) per position (B, N), in fp32 (verl's entropy_from_logits)."""
+    logp = torch.log_softmax(logits.float() / temperature, -1)
+    return logp.gather(-1, targets[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def aggregate(per_token, mask, loss_type="dapo", n_seqs=None, n_tokens=None, max_len=None):
+    """A per-token term (B, N) reduced over mask as grpo.policy_loss reduces loss_type's surrogate (verl's
+    agg_loss of the entropy): grpo, sapo: a token mean per completion, summed / n_seqs; dapo, cispo: summed /
+    n_tokens; dr_grpo: summed / (n_seqs x max_len). The normalisers default to this batch's."""
+    mask = mask.to(per_token.dtype)
+    n_seqs = per_token.shape[0] if n_seqs is None else n_seqs
+    if loss_type in ("grpo", "sapo"):
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / n_seqs
+    if loss_type in ("dapo", "cispo"):
+        return (per_token * mask).sum() / (mask.sum().clamp(min=1.0) if n_tokens is None else n_tokens)
+    if loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (n_seqs * (per_token.shape[1] if max_len is None else max_len))
+    raise ValueError(f"loss_type={loss_type!r}: choose one of grpo, dapo, dr_grpo, cispo, sapo")
