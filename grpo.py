@@ -7,8 +7,9 @@ A step: P prompts -> G samples each from the fast decoder (with the rollout poli
 task's rewards -> advantages -> grpo_epochs optimizer steps on the rollout. The math, plain functions at
 the top (tested against TRL's GRPOTrainer): advantages, policy_loss (the clipped surrogate per token or
 per completion, grpo / dapo / dr_grpo normalisers, clip-higher) and k3 (the KL to a frozen initial copy,
-when beta > 0). Log-probs are of logits / temperature; a completion's end of turn is in its mask (it
-learns to stop). mask_truncated drops completions cut at max_new_tokens, dynamic_sampling equal groups.
+when beta > 0), entropy_coeff's bonus. Log-probs are of logits / temperature; a completion's end of turn
+is in its mask. mask_truncated drops completions cut at max_new_tokens, dynamic_sampling equal groups
+(refill_rounds: DAPO's refill), filter_pass_rate prompts by the start's pass rate (posttrain/selection.py).
 Layouts: each data rank rolls out a contiguous slice of the P x G, seeded by the step and its data rank
 (rewards gathered before the advantages; TP ranks draw the same tokens; FSDP gathers once around the
 rollout); normalisers are the step's global counts: DP / FSDP steps equal one process.
@@ -342,8 +343,7 @@ def main(argv):
         batch, stats = score(r, got, grid, cfg, stops, need)
         return batch, {**stats, "t_rollout": t_rollout, "t_reward": clock.now() - t0 - t_rollout}
 
-    if cfg.filter_pass_rate:  # the prompts the start passes sometimes, not always (selection.py)
-        train, train_ids = selection.by_pass_rate((train, train_ids), sample, cfg, grid, stops, say)
+    train, train_ids = selection.by_pass_rate((train, train_ids), sample, cfg, grid, stops, say)  # filter_pass_rate
     trainer, step = lifecycle.resume(lease, net, say)  # prompts and sampling seeds follow from the step
     logger = logs.Logger(cfg, grid)
     probe = gradstats.Probe(net, cfg)  # grad_stats_every > 0: per-layer statistics on their steps

@@ -17,6 +17,8 @@ layout-dependent, as TRL's), cispo (REINFORCE on log-probs with the ratio clampe
 detached; normalised as dapo) and sapo (a soft sigmoid gate instead of the clip; aggregated as grpo).
 kl_sums() and clip_sums() give what TRL logs as kl (k3, times the ratio with kl_ratio) and
 clip_ratio/* (a token mean at token level; at sequence level, rows counted), as sums to reduce.
+Entropy (verl's entropy_coeff, grpo.py's): logprobs_and_entropy() from the full logits, aggregate() a
+per-token term normalised as each loss type's surrogate (loss = pg_loss - entropy_coeff x the entropy's).
 """
 import math
 
@@ -180,11 +182,12 @@ def clip_sums(ratio, adv, mask, eps_low=0.2, eps_high=None):
 
 # ----------------------------------------------------------------------------- entropy (verl's entropy_coeff)
 
-def logprobs_and_entropy(logits, targets, temperature=1.0):
-    """logits (B, N, V) of the positions that predict targets (B, N) -> (log p(targets), the entropy of
-    softmax(logits / temperature)) per position (B, N), in fp32 (verl's entropy_from_logits)."""
-    logp = torch.log_softmax(logits.float() / temperature, -1)
-    return logp.gather(-1, targets[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+def logprobs_and_entropy(fwd, tokens, mask, start, temperature=1.0):
+    """grpo.token_logprobs's log-probs (R, S - start) and each position's entropy of softmax(logits / temperature),
+    both from fwd's full logits in fp32 (verl's entropy_from_logits: a (R, S, vocab) tensor), 0 where mask is False."""
+    logits = fwd(tokens[:, :-1], attn_mask=mask[:, :-1])[:, start - 1:]
+    logp, m = torch.log_softmax(logits.float() / temperature, -1), mask[:, start:]
+    return logp.gather(-1, tokens[:, start:, None]).squeeze(-1) * m, -(logp.exp() * logp).sum(-1) * m
 
 
 def aggregate(per_token, mask, loss_type="dapo", n_seqs=None, n_tokens=None, max_len=None):

@@ -26,7 +26,7 @@ DEFAULTS = dict(
     filter_pass_rate=0,  # k > 0: k samples of the start per training prompt; train on those with filter_low < pass rate
     filter_low=0.0,      # kept prompts pass more often than this (a pass: a reward >= 1)
     filter_high=1.0,     # and less often than this
-    refill_rounds=0,     # dynamic_sampling: up to this many more rollout rounds a step for batch_size / G informative groups
+    refill_rounds=0,     # dynamic_sampling: up to this many more rollout rounds a step, for batch_size / G signal groups
 )
 
 
@@ -58,10 +58,12 @@ def gather_rewards(r, rewards, grid, stops, reward_truncated=False):
 
 
 def by_pass_rate(lists, sample, cfg, grid, stops, say=print):
-    """lists (the training prompts, their token ids, ...: n each) -> those of the prompts kept. sample(idx, k, at)
-    -> (this data rank's Rollout of k samples of each prompt idx, its rewards, ...), drawn with step at's seeds:
-    -2 - c for chunk c (evaluate's are -1, the steps' >= 0)."""
+    """lists (the training prompts, their token ids, ...: n each) -> those of the prompts kept (all when
+    filter_pass_rate is 0: no sample drawn). sample(idx, k, at) -> (this data rank's Rollout of k samples of
+    each prompt idx, its rewards, ...), drawn with step at's seeds: -2 - c for chunk c (evaluate's are -1)."""
     n, k, world = len(lists[0]), cfg.filter_pass_rate, grid.data_world
+    if not k:
+        return lists
     per = world // math.gcd(k, world)  # chunk prompts x k splits evenly over the data ranks
     c = -(-max(1, cfg.batch_size // k) // per) * per
     passed = torch.zeros(n)

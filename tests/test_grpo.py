@@ -411,16 +411,16 @@ def test_truncated_completions_earn_nothing_by_default():
     assert stats["reward"] == float(want.nansum()) and stats["truncated"] == float((~stopped).sum())
 
 
-def one_step(cfg, grid, r, rewards, out=None):
+def one_step(cfg, grid, r, rewards, out=None, batch=None):
     """Rollouts r (this rank's rows) and rewards -> full weights after one GRPO step (2 epochs, KL to
     the initial weights), the gradient norm of its last epoch (AdamW would hide a gradient off by a
-    factor), the sums it logs (KL, clipped tokens, tokens) over every rank."""
+    factor), the sums it logs (KL, clipped tokens, tokens) over every rank. batch: this one instead of r's."""
     import parallel
     torch.manual_seed(0)
     run = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg)
     torch.manual_seed(0)
     ref = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)).requires_grad_(False), grid, cfg, optimizer=False)
-    batch, _ = grpo.score(r, rewards, grid, cfg, [STOP])
+    batch = grpo.score(r, rewards, grid, cfg, [STOP])[0] if batch is None else batch  # or one given (refill's)
     batch.ref = grpo.reference_logprobs(ref.fwd, batch, cfg)
     sums, norm = learn(run, batch, cfg, cfg.lr)
     weights = run.full_state(optimizer=False)[0]
