@@ -1,9 +1,10 @@
 """Context extension of a small model (issue 58), through the commands a user types: a ~124M RoPE model pretrained at
 1,024 positions (pretrain.py configs/small.py on the standard library, shortened), extended to --length tokens with
 each rope_scaling type by a short full fine-tune on long documents (sft.py --task=retrieval --pack=False: a pass key
-buried in filler, 64 to length-512 tokens back), all types at once on the one GPU. Judged on held-out keys (never
-trained on: the task's hash split) at least --far tokens back, greedy, by depth; the base is each fine-tune's step-0
-accuracy (sft.py's own line: the pretrained weights under that scaling, before training).
+buried in filler, 64 to length-512 tokens back, log-uniformly: most rows short), all types at once on the one GPU.
+Judged on held-out keys (never trained on: the task's hash split) at least --far tokens back, greedy, by depth; the
+base is each fine-tune's step-0 accuracy (sft.py's own line: the pretrained weights under that scaling, before
+training).
 
     python bench/long_extend.py --out=out/long_extend [--types=linear,dynamic,yarn,llama3] [--length=16384]
     python bench/long_extend.py --out=/tmp/long_extend --tiny      # CPU smoke test: tiny shapes, minutes
@@ -101,7 +102,7 @@ def main():
     p.add_argument("--length", type=int, default=16384, help="positions after extension (the base has 1,024)")
     p.add_argument("--far", type=int, default=8192, help="judged on keys at least this many tokens back")
     p.add_argument("--pretrain_steps", type=int, default=300, help="of 128 x 1,024 tokens")
-    p.add_argument("--steps", type=int, default=60, help="fine-tuning steps of --rows rows each")
+    p.add_argument("--steps", type=int, default=200, help="fine-tuning steps of --rows rows each")
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--n_eval", type=int, default=64)
@@ -131,7 +132,8 @@ def main():
     for t in types:  # all at once: one GPU, shared
         runs[t] = run(["sft.py", *ft, f"--init_from={base}", f"--out_dir={out}/ft_{t}", "--overwrite=True",
                        f"--block_size={a.length}", f"--rope_scaling={t}", "--task=retrieval",
-                       "--task_args=" + json.dumps({"depth": depth, "min_depth": 64, "tokenizer_vocab": vocab}),
+                       "--task_args=" + json.dumps({"depth": depth, "min_depth": 64, "spread": "log",
+                                                    "tokenizer_vocab": vocab}),
                        "--pack=False",
                        f"--n_train={a.steps * a.rows}", f"--batch_size={a.rows}", f"--max_steps={a.steps}",
                        f"--lr={a.lr}", f"--warmup_steps={max(1, a.steps // 10)}", f"--n_eval={a.n_eval}",

@@ -3,6 +3,7 @@
 
     task = tasks.get("retrieval", depth=8192)     # or python sft.py ... --task=retrieval --pack=False
 """
+import math
 import random
 
 import tokenizer as tokenizer_mod
@@ -11,14 +12,15 @@ from posttrain.tasks import NUMBER, Task, TaskError, assistant, first_integer, h
 
 
 class Retrieval(Task):
-    """Retrieval over a long context (passkey, Mohtashami & Jaggi 2023): `keys` pass keys, 5-digit numbers
-    (named by a word when keys > 1), hidden in filler (plain sentences, no digit), the one asked for at least
-    `depth` tokens before the prompt's end (min_depth > 0: drawn in [min_depth, depth]; an item's "depth"
-    holds its count), counted by `tokenizer` (ours by default; name the model's, e.g. its HF folder, or
-    give its tokenizer_vocab, for exact depths). length > 0: filler before the keys too, to about length tokens. Offline, seeded; split
-    by a hash of the asked number. Reward: 1.0 when the completion's first integer is the number, else 0.0
-    (a near miss, a digit off or another key's number, earns nothing). Chance: blind, 1/90,000 (~0);
-    copying one of the prompt's numbers at random, 1/keys. by_depth(): accuracy by distance."""
+    """Retrieval over a long context (passkey, Mohtashami & Jaggi 2023): `keys` pass keys, 5-digit numbers (named by a
+    word when keys > 1), hidden in filler (plain sentences, no digit), the one asked for at least `depth` tokens
+    before the prompt's end (min_depth > 0: drawn in [min_depth, depth], uniformly or with spread="log" log-
+    uniformly: most items short and cheap, a tail as long as depth; an item's "depth" holds its count), counted
+    by `tokenizer` (ours by default; name the model's, e.g. its HF folder, or give its tokenizer_vocab, for
+    exact depths). length > 0: filler before the keys too, to about length tokens. Offline, seeded; split by a
+    hash of the asked number. Reward: 1.0 when the completion's first integer is the number, else 0.0 (a near
+    miss, a digit off or another key's number, earns nothing). Chance: blind, 1/90,000 (~0); copying one of the
+    prompt's numbers at random, 1/keys. by_depth(): accuracy by distance."""
     name = "retrieval"
     NAMES = "apple zephyr candle violet harbor meadow copper falcon lantern orchid pepper saddle thistle walnut".split()
     WORDS = ("small old quiet bright green heavy gentle distant yellow careful".split(),
@@ -26,12 +28,14 @@ class Retrieval(Task):
              "watches follows paints carries finds visits cleans remembers passes".split())
 
     def __init__(self, depth=8192, min_depth=0, length=0, keys=1, test_percent=10, tokenizer="cl100k_base",
-                 tokenizer_vocab=0):
+                 tokenizer_vocab=0, spread="uniform"):
         if depth < 16 or not 0 <= min_depth <= depth or length and length <= depth \
-                or not 1 <= keys <= len(self.NAMES) or not 0 < test_percent < 100:
-            raise TaskError(f"Retrieval needs depth >= 16, 0 <= min_depth <= depth, length 0 or > depth, 1 <= keys <= "
+                or not 1 <= keys <= len(self.NAMES) or not 0 < test_percent < 100 \
+                or spread not in ("uniform", "log") or spread == "log" and not min_depth:
+            raise TaskError(f"Retrieval needs depth >= 16, 0 <= min_depth <= depth, length 0 or > depth, spread "
+                            f"uniform or log (log: min_depth > 0), 1 <= keys <= "
                             f"{len(self.NAMES)}, 0 < test_percent < 100")
-        self.depth, self.min_depth, self.length, self.keys = depth, min_depth, length, keys
+        self.depth, self.min_depth, self.length, self.keys, self.spread = depth, min_depth, length, keys, spread
         self.test_percent = test_percent
         self.tok = tokenizer_mod.get_tokenizer(tokenizer, tokenizer_vocab)
         rng, (adj, noun, verb) = random.Random(0), self.WORDS
@@ -61,7 +65,9 @@ class Retrieval(Task):
         order = rng.sample(range(self.keys), self.keys)
         at = order.index(0)  # the asked key's place among the needles
         question = f" What is the pass key{f' of {names[0]}' if names[0] else ''}? Answer with the number only."
-        want = self.depth if not self.min_depth else rng.randint(self.min_depth, self.depth)
+        lo, hi = self.min_depth, self.depth
+        want = hi if not lo else rng.randint(lo, hi) if self.spread == "uniform" \
+            else round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
         rest = "." + "".join(needles[i] for i in order[at + 1:])  # after the asked number
         tail = rest + self.fill(rng, want - self.count(rest + question)) + question
         while (depth := self.count(tail)) < want:  # a tokenizer whose pieces do not add up: more filler

@@ -1,19 +1,19 @@
 """Long rows (issue 58): one document per row, long documents offline, and a long-context retrieval task.
 
-Proves: data.Documents (rows="documents") puts exactly one document per row: every row's real tokens are
-a document's tokens (EOS-ended, as prepare writes them), or, for a document longer than the row, its
-consecutive pieces (split: each token after the first a target exactly once) or its head (truncate);
-the rest is EOS padding whose targets are IGNORE. Its description reports the rows' length distribution
-and padding share (worked out here with numpy) and says how many documents were cut and how. Data-parallel
-ranks read disjoint rows whose union is one process' batch, a saved state resumes the identical rows, and
-pretrain.py with rows="documents" stopped and resumed logs exactly the uninterrupted run's losses. A
-padded row's loss is each document's loss alone (the model's plain causal path: SDPA gets no mask and
-is_causal=True), and so are chat rows of one conversation each (chat.batch gives no mask and cuts the batch to
-its longest row, rounded up to a multiple of 64 and of T/16; the packed path still does). Bad settings are one line. join_docs: corpus groups (a folder's files together) are joined
-into documents of at least N tokens that never mix two groups. The retrieval task: the asked number sits
-at the requested depth (tokens counted with the tokenizer), min_depth / length / keys shape the prompt,
-the reward scores right 1 and wrong / near misses 0, train and test numbers never meet (hash split),
-items are deterministic, and by_depth bins accuracy by distance as worked by hand.
+Proves: data.Documents (rows="documents") puts exactly one document per row: every row's real tokens are a
+document's tokens (EOS-ended, as prepare writes them), or, for a document longer than the row, its consecutive
+pieces (split: each token after the first a target exactly once) or its head (truncate); the rest is EOS padding
+whose targets are IGNORE. Its description reports the rows' length distribution and padding share (worked out here
+with numpy) and says how many documents were cut and how. Data-parallel ranks read disjoint rows whose union is one
+process' batch, a saved state resumes the identical rows, and pretrain.py with rows="documents" stopped and resumed
+logs exactly the uninterrupted run's losses. A padded row's loss is each document's loss alone (the model's plain
+causal path: SDPA gets no mask and is_causal=True), and so are chat rows of one conversation each (chat.batch gives
+no mask and cuts the batch to its longest row, rounded up to a multiple of 64 and of T/16; the packed path still
+does). Bad settings are one line. join_docs: corpus groups (a folder's files together) are joined into documents of
+at least N tokens that never mix two groups. The retrieval task: the asked number sits at the requested depth
+(tokens counted with the tokenizer, a truncated one too), min_depth / spread (log-uniform depths) / length / keys
+shape the prompt, the reward scores right 1 and wrong / near misses 0, train and test numbers never meet (hash
+split), items are deterministic, and by_depth bins accuracy by distance as worked by hand.
 """
 import json
 import os
@@ -236,6 +236,12 @@ def test_retrieval_depth_is_counted_in_tokens():
         text = it["prompt"][0]["content"]
         assert tokens_after(tok, text, it["answer"]) == it["depth"] and 1000 <= len(tok.encode(text)) < 1020
         assert len(set(tasks.NUMBER.findall(text))) == 4 and it["answer"] in text
+    for spread, lo, hi in (("log", 0.4, 0.6), ("uniform", 0.0, 0.2)):  # below the geometric mean 724: half if log
+        task = tasks.get("retrieval", dict(depth=8192, min_depth=64, spread=spread))
+        depths = [it["depth"] for it in task.train(200)]
+        assert all(64 <= d < 8192 + 12 for d in depths) and lo < sum(d < 724 for d in depths) / 200 < hi
+    with pytest.raises(tasks.TaskError, match="spread"):
+        tasks.get("retrieval", dict(depth=8192, spread="log"))  # log needs min_depth
     small = tokenizer.get_tokenizer("cl100k_base", 512)  # a truncated vocabulary: more tokens for the same text
     for it in tasks.get("retrieval", dict(depth=300, tokenizer_vocab=512)).test(3):
         assert tokens_after(small, it["prompt"][0]["content"], it["answer"]) == it["depth"] and 300 <= it["depth"] < 330
