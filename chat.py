@@ -647,13 +647,14 @@ def batch(rows, device="cpu"):
     it needs; a compiled forward meets at most 16 lengths)."""
     seg = np.stack([r.seg for r in rows])
     single = bool((seg[:, 0] == 0).all() and (seg <= 0).all() and (seg[:, 1:] <= seg[:, :-1]).all())
+    longest = int((seg >= 0).sum(1).max())  # (on the host: no device sync)
     ids, mask, seg, pos = (torch.from_numpy(np.stack([getattr(r, k) for r in rows])).to(device)
                            for k in ("ids", "mask", "seg", "pos"))  # the (B, T, T) mask is built on the device
     same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] >= 0)
     y = torch.where(mask[:, 1:] & same, ids[:, 1:], IGNORE)
     if single:
         grain = max(64, (len(rows[0].ids) - 1) // 16 // 64 * 64)  # (a multiple of tp: sequence parallelism)
-        n = min(-(-int((seg >= 0).sum(1).max()) // grain) * grain, y.shape[1])
+        n = min(-(-longest // grain) * grain, y.shape[1])
         return ids[:, :n], y[:, :n], None, None
     s = seg[:, :-1]
     T = s.shape[1]
