@@ -107,11 +107,12 @@ def main():
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--n_eval", type=int, default=64)
     p.add_argument("--n_loss", type=int, default=8, help="held-out windows of --length tokens for the loss by position")
+    p.add_argument("--base", default="", help="the pretrained base's folder (default OUT/base: made when missing)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     out, types = os.path.abspath(a.out), a.types.split(",")
-    base = os.path.join(out, "base")
+    base = os.path.abspath(a.base) if a.base else os.path.join(out, "base")
     if a.tiny:
         a.length, a.far, a.pretrain_steps, a.steps, a.rows, a.n_eval, a.n_loss = 512, 256, 30, 4, 2, 4, 2
         pre = ["configs/tiny.py", "--max_docs=100", "--block_size=64", f"--max_steps={a.pretrain_steps}",
@@ -122,9 +123,11 @@ def main():
                "--fim_rate=0", "--eval_every=0", "--warmup_steps=30", "--clean=False", "--dedup=none"]
         ft = ["configs/sft_small.py", "--micro_batch_size=2", "--loss_chunk=1024", "--compile=False"]
     t0 = time.time()
+    home = os.path.dirname(base)  # the base's data and log beside it
+    os.makedirs(home, exist_ok=True)
     if not os.path.isdir(base):
-        run(["pretrain.py", *pre, f"--out_dir={base}", f"--ckpt_every={a.pretrain_steps}", f"--data_dir={out}/data",
-             "--val_fraction=0.05"], os.path.join(out, "base.log"))
+        run(["pretrain.py", *pre, f"--out_dir={base}", f"--ckpt_every={a.pretrain_steps}", f"--data_dir={home}/data",
+             "--val_fraction=0.05"], os.path.join(home, "base.log"))
     pretrain_s = time.time() - t0
     vocab = 4096 if a.tiny else 32768  # the base's tokenizer_vocab: depths in its tokens
     depth = a.length - min(512, a.length // 8)  # the prompt's template and question fit beside
@@ -152,7 +155,7 @@ def main():
         result["types"][t] = {"base_accuracy": acc[0] if acc else None, "after_accuracy": acc[-1] if acc else None,
                               f"accuracy_at_{a.far}_plus": acc_far, "by_depth": bins}
         print(t, json.dumps(result["types"][t]), flush=True)
-    val = sorted(glob.glob(os.path.join(out, "data", "**", "val.bin"), recursive=True))
+    val = sorted(glob.glob(os.path.join(home, "data", "**", "val.bin"), recursive=True))
     if val:  # the held-out loss by position: the base unscaled, then each extension
         for name, path in [("base", base)] + [(t, f"{out}/ft_{t}") for t in runs if "error" not in result["types"][t]]:
             n, bins = loss_by_position(path, val[0], a.length, a.n_loss, "cpu" if a.tiny else "cuda")
