@@ -64,10 +64,12 @@ TECHNIQUES = {
     "bf16_residual": {"fp32_residual": True},
     "wsd": {"schedule": "cosine"},
     "compile": {"compile": False},
-    # the options another branch adds to model.py (issue 56), once configs/speedrun.py sets them:
-    # "logit_softcap": {"logit_softcap": 0.0}, "value_embeds": {...}, "unet_skips": {...}, "fp8_head": {...},
+    "logit_softcap": {"logit_softcap": 0.0},
+    "value_embeds": {"value_embeds": 0},
+    "unet_skips": {"unet_skips": False},
+    "fp8_head": {"fp8_head": False},
 }
-TINY_INGOT = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=64", "--batch_size=16",
+TINY_INGOT = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--value_embeds=1", "--block_size=64", "--batch_size=16",
               "--micro_batch_size=8", "--compile=False", "--max_steps=60", "--warmup_steps=3", "--tokenizer_vocab=2048",
               "--max_docs=200"]
 TINY_NANOGPT = {"n_layer": 2, "n_head": 2, "n_embd": 64, "batch_size": 8, "gradient_accumulation_steps": 2,

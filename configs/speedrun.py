@@ -27,11 +27,12 @@ qk_norm = True             # RMSNorm on q and k per head: steadier at high learn
 tie_embeddings = False     # an untied head (modded-nanogpt). --ablate=untied_head: tied (GPT-2)
 fp32_residual = False      # the residual stream in bf16: ~4% faster (BENCHMARKS.md). --ablate=bf16_residual
 dropout = 0.0
-# slots for the options another branch adds to model.py (issue 56); set here once they exist:
-# logit_softcap = 15.0     # c * tanh(z / c) on the logits (modded-nanogpt). --ablate=logit_softcap
-# value_embeds = ...       # value embeddings added to the attention values. --ablate=value_embeds
-# unet_skips = ...         # U-net skips from the first half of the blocks to the second. --ablate=unet_skips
-# fp8_head = ...           # the head's matmul in FP8 where the GPU has it, bf16 elsewhere. --ablate=fp8_head
+logit_softcap = 15.0       # logits = c * tanh(z / c): bounded logits, steadier early (modded-nanogpt, Gemma 2).
+                           # --ablate=logit_softcap
+value_embeds = 3           # 3 token tables mixed into v of layers 0-2 and 9-11 (modded-nanogpt). --ablate=value_embeds
+unet_skips = True          # block i's output, times a learned weight, joins block 11-i's input. --ablate=unet_skips
+fp8_head = True            # the head's matmul in FP8 on a GPU that has it (compute capability >= 8.9), bf16
+                           # elsewhere. --ablate=fp8_head
 
 # --- the optimizer: Muon for the blocks' matrices, AdamW for embeddings, head and norms
 optimizer = "muon"         # --ablate=muon: AdamW everywhere, at lr

@@ -1,7 +1,8 @@
 """configs/speedrun.py, pretrain.py's target_loss and bench/speedrun.py, on CPU with tiny shapes.
 
-Proves: the speedrun recipe (Muon, ReLU², QK-norm, an untied head, WSD; tiny shapes by overrides) stopped at
-step 3 and resumed logs exactly the losses of an uninterrupted run; target_loss stops the run at the first
+Proves: the speedrun recipe (Muon, ReLU², QK-norm, an untied head, soft-capped logits, value embeddings, U-net
+skips, the FP8 head (the plain head on CPU), WSD; tiny shapes by overrides) stopped at step 3 and resumed logs
+exactly the losses of an uninterrupted run; target_loss stops the run at the first
 evaluation at or below it, after exactly the steps of the same run without it, and saves that step; and
 bench/speedrun.py --tiny races nanoGPT's own train.py against the config: nanoGPT reads our tokens, its val.bin
 holds exactly the held-out windows ingot evaluates, its target L agrees with train.py's own estimate, and the
@@ -19,8 +20,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TINY = ["configs/speedrun.py", "--data=stdlib", "--max_docs=40", "--tokenizer_vocab=512", "--n_layer=2", "--n_head=2",
-        "--n_embd=32", "--block_size=32", "--batch_size=4", "--micro_batch_size=2", "--compile=False",
-        "--warmup_steps=2", "--log_every=1", "--progress=False"]
+        "--n_embd=32", "--value_embeds=1", "--block_size=32", "--batch_size=4", "--micro_batch_size=2",
+        "--compile=False", "--warmup_steps=2", "--log_every=1", "--progress=False"]
 
 
 def pretrain(args):
