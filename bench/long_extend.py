@@ -98,7 +98,7 @@ def loss_by_position(path, val_bin, length, n, device, bins=8):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--types", default=",".join(TYPES))
+    p.add_argument("--types", default=",".join(TYPES), help="rope_scaling types (empty: pretrain the base only)")
     p.add_argument("--length", type=int, default=16384, help="positions after extension (the base has 1,024)")
     p.add_argument("--far", type=int, default=8192, help="judged on keys at least this many tokens back")
     p.add_argument("--pretrain_steps", type=int, default=300, help="of 128 x 1,024 tokens")
@@ -111,7 +111,7 @@ def main():
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    out, types = os.path.abspath(a.out), a.types.split(",")
+    out, types = os.path.abspath(a.out), [t for t in a.types.split(",") if t]  # none: the base alone
     base = os.path.abspath(a.base) if a.base else os.path.join(out, "base")
     if a.tiny:
         a.length, a.far, a.pretrain_steps, a.steps, a.rows, a.n_eval, a.n_loss = 512, 256, 30, 4, 2, 4, 2
