@@ -155,6 +155,8 @@ def main():
         result["types"][t] = {"base_accuracy": acc[0] if acc else None, "after_accuracy": acc[-1] if acc else None,
                               f"accuracy_at_{a.far}_plus": acc_far, "by_depth": bins}
         print(t, json.dumps(result["types"][t]), flush=True)
+        with open(os.path.join(out, "long_extend.json"), "w") as f:  # each type as it is scored
+            json.dump(result, f, indent=1)
     val = sorted(glob.glob(os.path.join(home, "data", "**", "val.bin"), recursive=True))
     if val:  # the held-out loss by position: the base unscaled, then each extension
         for name, path in [("base", base)] + [(t, f"{out}/ft_{t}") for t in runs if "error" not in result["types"][t]]:
