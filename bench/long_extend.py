@@ -51,11 +51,11 @@ def score(path, depth, far, n, device):
     from posttrain.retrieval import Retrieval
     model, _, cfg = sample.load(path, device)
     tok, template = sample.chat_setup(path, cfg)
-    task = Retrieval(depth=depth, min_depth=far, tokenizer_vocab=cfg.tokenizer_vocab)
+    task = Retrieval(depth=depth, min_depth=far, tokenizer_vocab=cfg.tokenizer_vocab, answer="sentence")
     items = task.test(n)
     got = []
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    run_cfg = SimpleNamespace(block_size=cfg.block_size, eval_tokens=8)
+    run_cfg = SimpleNamespace(block_size=cfg.block_size, eval_tokens=12)
     with torch.autocast(device, dtype=dtype, enabled=device == "cuda"):
         for i in range(0, len(items), 8):
             chunk = items[i:i + 8]
@@ -136,11 +136,11 @@ def main():
         runs[t] = run(["sft.py", *ft, f"--init_from={base}", f"--out_dir={out}/ft_{t}", "--overwrite=True",
                        f"--block_size={a.length}", f"--rope_scaling={t}", "--task=retrieval",
                        "--task_args=" + json.dumps({"depth": depth, "min_depth": 64, "spread": "log",
-                                                    "tokenizer_vocab": vocab}),
+                                                    "tokenizer_vocab": vocab, "answer": "sentence"}),
                        "--pack=False",
                        f"--n_train={a.steps * a.rows}", f"--batch_size={a.rows}", f"--max_steps={a.steps}",
                        f"--lr={a.lr}", f"--warmup_steps={max(1, a.steps // 10)}", f"--n_eval={a.n_eval}",
-                       "--eval_tokens=8", f"--ckpt_every={a.steps}", "--log_every=5", "--progress=False"],
+                       "--eval_tokens=12", f"--ckpt_every={a.steps}", "--log_every=5", "--progress=False"],
                       os.path.join(out, f"ft_{t}.log"), wait=False)
     result = {"length": a.length, "far": a.far, "pretrain_steps": a.pretrain_steps, "pretrain_s": round(pretrain_s),
               "steps": a.steps, "rows": a.rows, "lr": a.lr, "types": {}}

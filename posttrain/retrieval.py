@@ -20,7 +20,9 @@ class Retrieval(Task):
     exact depths). length > 0: filler before the keys too, to about length tokens. Offline, seeded; split by a
     hash of the asked number. Reward: 1.0 when the completion's first integer is the number, else 0.0 (a near
     miss, a digit off or another key's number, earns nothing). Chance: blind, 1/90,000 (~0); copying one of the
-    prompt's numbers at random, 1/keys. by_depth(): accuracy by distance."""
+    prompt's numbers at random, 1/keys. answer="sentence": the question drops "Answer with the number only." and
+    SFT answers restate the needle ("The pass key is N."), a copy that follows the model's own words (the reward is
+    the same: the first integer). by_depth(): accuracy by distance."""
     name = "retrieval"
     NAMES = "apple zephyr candle violet harbor meadow copper falcon lantern orchid pepper saddle thistle walnut".split()
     WORDS = ("small old quiet bright green heavy gentle distant yellow careful".split(),
@@ -28,14 +30,16 @@ class Retrieval(Task):
              "watches follows paints carries finds visits cleans remembers passes".split())
 
     def __init__(self, depth=8192, min_depth=0, length=0, keys=1, test_percent=10, tokenizer="cl100k_base",
-                 tokenizer_vocab=0, spread="uniform"):
+                 tokenizer_vocab=0, spread="uniform", answer="number"):
         if depth < 16 or not 0 <= min_depth <= depth or length and length <= depth \
                 or not 1 <= keys <= len(self.NAMES) or not 0 < test_percent < 100 \
-                or spread not in ("uniform", "log") or spread == "log" and not min_depth:
+                or spread not in ("uniform", "log") or spread == "log" and not min_depth \
+                or answer not in ("number", "sentence"):
             raise TaskError(f"Retrieval needs depth >= 16, 0 <= min_depth <= depth, length 0 or > depth, spread "
-                            f"uniform or log (log: min_depth > 0), 1 <= keys <= "
+                            f"uniform or log (log: min_depth > 0), answer number or sentence, 1 <= keys <= "
                             f"{len(self.NAMES)}, 0 < test_percent < 100")
         self.depth, self.min_depth, self.length, self.keys, self.spread = depth, min_depth, length, keys, spread
+        self.answer = answer
         self.test_percent = test_percent
         self.tok = tokenizer_mod.get_tokenizer(tokenizer, tokenizer_vocab)
         rng, (adj, noun, verb) = random.Random(0), self.WORDS
@@ -64,7 +68,8 @@ class Retrieval(Task):
         needles = [f" The pass key{f' of {m}' if m else ''} is {v}." for m, v in zip(names, values)]
         order = rng.sample(range(self.keys), self.keys)
         at = order.index(0)  # the asked key's place among the needles
-        question = f" What is the pass key{f' of {names[0]}' if names[0] else ''}? Answer with the number only."
+        question = f" What is the pass key{f' of {names[0]}' if names[0] else ''}?" + \
+            (" Answer with the number only." if self.answer == "number" else "")
         lo, hi = self.min_depth, self.depth
         want = hi if not lo else rng.randint(lo, hi) if self.spread == "uniform" \
             else round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
@@ -77,7 +82,8 @@ class Retrieval(Task):
         head += ".\n"
         keys = "".join(needles[i] for i in order[:at + 1])[:-1]
         before = self.fill(rng, self.length - self.count(head + keys) - depth) if self.length else ""
-        return {"prompt": user(head + before + keys + tail), "answer": str(values[0]), "depth": depth}
+        return {"prompt": user(head + before + keys + tail), "answer": str(values[0]), "depth": depth,
+                "needle": needles[0][1:-1]}
 
     def train(self, n, seed=0):
         rng = random.Random(seed)
@@ -99,7 +105,8 @@ class Retrieval(Task):
         return float(text.strip() == item["answer"]), float(item["answer"] in NUMBER.findall(text))
 
     def sft_examples(self, n, seed=0):
-        return [it["prompt"] + assistant(it["answer"]) for it in self.train(n, seed)]
+        return [it["prompt"] + assistant(it["answer"] if self.answer == "number" else it["needle"] + ".")
+                for it in self.train(n, seed)]
 
     @staticmethod
     def by_depth(items, scores, bins=4):

@@ -12,8 +12,9 @@ no mask and cuts the batch to its longest row, rounded up to a multiple of 64 an
 does). Bad settings are one line. join_docs: corpus groups (a folder's files together) are joined into documents of
 at least N tokens that never mix two groups. The retrieval task: the asked number sits at the requested depth
 (tokens counted with the tokenizer, a truncated one too), min_depth / spread (log-uniform depths) / length / keys
-shape the prompt, the reward scores right 1 and wrong / near misses 0, train and test numbers never meet (hash
-split), items are deterministic, and by_depth bins accuracy by distance as worked by hand.
+shape the prompt, answer="sentence" answers with the needle's own sentence, the reward scores right 1 and wrong /
+near misses 0, train and test numbers never meet (hash split), items are deterministic, and by_depth bins accuracy
+by distance as worked by hand.
 """
 import json
 import os
@@ -269,6 +270,16 @@ def test_retrieval_reward_split_and_determinism():
                                                                           task.train(2, seed=4)[1]["answer"]}
     with pytest.raises(tasks.TaskError, match="depth >= 16"):
         tasks.get("retrieval", dict(depth=400, length=300))
+    tok = tokenizer.get_tokenizer("cl100k_base")  # answer="sentence": the answer restates the needle
+    for keys in (1, 3):
+        task = tasks.get("retrieval", dict(depth=200, keys=keys, answer="sentence"))
+        for it, conv in zip(task.train(4, seed=6), task.sft_examples(4, seed=6)):
+            text, said = it["prompt"][0]["content"], conv[-1]["content"]
+            assert text.endswith("?") and tokens_after(tok, text, it["answer"]) == it["depth"]
+            assert said == it["needle"] + "." and said[:-1] in text and task.reward(said, it) == 1.0
+            assert said.startswith("The pass key ") and said.endswith(f" is {it['answer']}.")
+    with pytest.raises(tasks.TaskError, match="answer number or sentence"):
+        tasks.get("retrieval", dict(depth=400, answer="word"))
 
 
 def test_retrieval_accuracy_by_depth():
