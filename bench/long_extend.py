@@ -65,18 +65,12 @@ def score(path, depth, far, n, device):
     return sum(got) / len(got), task.by_depth(items, got)
 
 
-def loss_by_position(path, val_bin, length, n, device, bins=8):
-    """Mean next-token loss of the checkpoint at path over n held-out windows of `length` tokens of the base's
-    validation split (code the model never trained on), in `bins` equal position ranges: a model that uses
-    the positions keeps its loss flat or falling; one that cannot, rises past its trained length. A
-    pretraining checkpoint is built at `length` positions unscaled (the base as it is)."""
+def load(path, length, device):
+    """A checkpoint (a folder or a run's latest step) built at max(its positions, length), unscaled, in eval mode."""
     sys.path.insert(0, ROOT)
     from types import SimpleNamespace
 
-    import torch
-
     import checkpoint
-    import data
     import hf
     import weights
     from model import ModelConfig, Transformer
@@ -84,7 +78,33 @@ def loss_by_position(path, val_bin, length, n, device, bins=8):
     cfg = hf.read_config(ckpt)
     model = Transformer(ModelConfig.from_cfg(SimpleNamespace(**{**cfg, "block_size": max(cfg["block_size"], length)})))
     weights.load_model(ckpt, model)
-    model = model.to(device).eval()
+    return model.to(device).eval()
+
+
+def copy_loss(path, device, n=32, span=100):
+    """Can the base copy? Its mean loss on a random token sequence and on the same sequence repeated right after
+    (induction): without a drop, nothing in the base finds an earlier token to copy, and fine-tuning has no skill
+    to stretch to long range (a 4M model on CPU had none after 400 steps: 11.65 and 11.59)."""
+    import torch
+    model = load(path, 0, device)
+    span = min(span, model.cfg.block_size // 2)
+    x = torch.randint(1000, 4000, (n, span), generator=torch.Generator().manual_seed(0)).to(device)
+    seq = torch.cat([x, x], 1)
+    with torch.no_grad(), torch.autocast(device, torch.bfloat16, enabled=device == "cuda"):
+        loss = model(seq[:, :-1], seq[:, 1:], reduction="none").float().view(n, -1)
+    return round(loss[:, :span - 1].mean().item(), 3), round(loss[:, span:].mean().item(), 3)
+
+
+def loss_by_position(path, val_bin, length, n, device, bins=8):
+    """Mean next-token loss of the checkpoint at path over n held-out windows of `length` tokens of the base's
+    validation split (code the model never trained on), in `bins` equal position ranges: a model that uses
+    the positions keeps its loss flat or falling; one that cannot, rises past its trained length. A
+    pretraining checkpoint is built at `length` positions unscaled (the base as it is)."""
+    sys.path.insert(0, ROOT)
+    import torch
+
+    import data
+    model = load(path, length, device)
     total, count = torch.zeros(length), 0
     with torch.no_grad(), torch.autocast(device, torch.bfloat16, enabled=device == "cuda"):
         for x, y in data.eval_batches(val_bin, 1, length, n_batches=n, device=device):
@@ -129,6 +149,8 @@ def main():
         run(["pretrain.py", *pre, f"--out_dir={base}", f"--ckpt_every={a.pretrain_steps}", f"--data_dir={home}/data",
              "--val_fraction=0.05"], os.path.join(home, "base.log"))
     pretrain_s = time.time() - t0
+    first, second = copy_loss(base, "cpu" if a.tiny else "cuda")
+    print(f"base copy loss: {first} nats a token on random tokens, {second} on their repeat", flush=True)
     vocab = 4096 if a.tiny else 32768  # the base's tokenizer_vocab: depths in its tokens
     depth = a.length - min(512, a.length // 8)  # the prompt's template and question fit beside
     runs = {}
@@ -144,6 +166,7 @@ def main():
                        "--log_every=5", "--progress=False"],
                       os.path.join(out, f"ft_{t}.log"), wait=False)
     result = {"length": a.length, "far": a.far, "pretrain_steps": a.pretrain_steps, "pretrain_s": round(pretrain_s),
+              "base_copy_loss": [first, second],
               "steps": a.steps, "rows": a.rows, "lr": a.lr, "types": {}}
     for t, proc in runs.items():
         log = os.path.join(out, f"ft_{t}.log")
