@@ -9,9 +9,10 @@ training).
     python bench/long_extend.py --out=out/long_extend [--types=linear,dynamic,yarn,llama3] [--length=16384]
     python bench/long_extend.py --out=/tmp/long_extend --tiny      # CPU smoke test: tiny shapes, minutes
 
-Also the held-out loss by position (the base unscaled and each extension, on windows of --length tokens of
-the base's validation split). Writes OUT/long_extend.json (per type: the base's and the extended model's
-accuracy, by depth; the loss by position) and the runs' logs. Chance: a blind 5-digit guess, ~0; copying
+First the base's copy loss (random tokens, then the same again: a base that cannot copy has nothing to extend; a
+warning says so). Also the held-out loss by position (the base unscaled and each extension, on windows of --length
+tokens of the base's validation split). --base: one base for several runs. Writes OUT/long_extend.json (per type:
+the base's and the extended model's accuracy, by depth; the loss by position) and the runs' logs. Chance: a blind 5-digit guess, ~0; copying
 the one number in the prompt is the skill itself.
 """
 import argparse
@@ -151,6 +152,9 @@ def main():
     pretrain_s = time.time() - t0
     first, second = copy_loss(base, "cpu" if a.tiny else "cuda")
     print(f"base copy loss: {first} nats a token on random tokens, {second} on their repeat", flush=True)
+    if second > first - 1:
+        print("warning: the base does not copy (its repeat's loss is not a nat lower): retrieval needs that skill; "
+              "pretrain longer (--pretrain_steps)", flush=True)
     vocab = 4096 if a.tiny else 32768  # the base's tokenizer_vocab: depths in its tokens
     depth = a.length - min(512, a.length // 8)  # the prompt's template and question fit beside
     runs = {}
