@@ -250,6 +250,41 @@ class StaticCache(Cache):
                 dst.view(src.shape[0], n, *src.shape[1:]).copy_(src[:, None])
 
 
+PREFILL_MASK_BYTES = 2**30  # the largest (B, T, T) boolean mask of a padded prefill; beyond it, each row alone
+
+
+def prefill_rows(model, idx, mask, S):
+    """decode()'s prefill of B prompts (B, T) over their T slots of an S-slot StaticCache -> (the cache, the
+    last hidden state of each row). Without padding: the causal path (no mask tensor: flash). With left
+    padding, one batched forward in which query i sees the real keys j <= i (and itself: no NaN rows) while
+    its (B, T, T) mask stays within PREFILL_MASK_BYTES; past that (64 prompts of 16k tokens: 17 GB of mask),
+    each row alone over its real tokens on the causal path, its keys written to its last slots: memory linear
+    in T, the same positions (0 at a row's first real token) and so the same cache."""
+    B, T = idx.shape
+    slots = torch.arange(T, device=idx.device)
+    padded = not bool(mask.all())
+    left = bool((mask.diff(dim=1) >= 0).all())  # each row: padding, then its real tokens
+    if not padded or B * T * T <= PREFILL_MASK_BYTES or not left:
+        cache = StaticCache(S, slots)
+        cache.span = T
+        keys = None
+        if padded:
+            keys = ((slots[None, :] <= slots[:, None]) & mask[:, None, :]) | (slots[None, :] == slots[:, None])
+        h = model.hidden_states(idx, cache=cache, pos=position_ids(mask) if padded else None, attn_mask=keys)
+        return cache, h[:, -1]
+    cache, last = StaticCache(S, slots), []
+    cache.span = T
+    for b, n in enumerate(mask.sum(1).tolist()):
+        alone = StaticCache(n, slots[:n])
+        last.append(model.hidden_states(idx[b:b + 1, T - n:], cache=alone)[:, -1])
+        for mine, theirs in ((cache.k, alone.k), (cache.v, alone.v)):
+            if not mine:
+                mine.extend(t.new_zeros(B, t.shape[1], S, t.shape[3]) for t in theirs)
+            for dst, src in zip(mine, theirs):
+                dst[b, :, T - n:T] = src[0]
+    return cache, torch.cat(last)
+
+
 def flex_attend(q, k, v, mask):
     """Attention of q (R, H, T, D) over the cache's k, v (R, KV, L, D) with torch's flex_attention,
     the float key bias mask (R, 1, 1, L) added as its score_mod. Under torch.compile it is a Triton
@@ -577,13 +612,8 @@ def decode(model, prompts, max_new_tokens, *, vocab, n=1, temperature=1.0, top_k
     for m in mlps:
         m.split = not fuse_mlp
     try:
-        # prefill, B prompts over their T slots: query i sees real keys j <= i (and itself: no NaN rows)
-        prefill = StaticCache(S, torch.arange(T, device=dev))
-        prefill.span = T
-        q, k = torch.arange(T, device=dev)[:, None], torch.arange(T, device=dev)[None, :]
-        h = model.hidden_states(idx, cache=prefill, pos=position_ids(mask),
-                                attn_mask=((k <= q) & mask[:, None, :]) | (k == q))
-        logits = model.logits(h[:, -1]).repeat_interleave(n, dim=0)
+        prefill, h = prefill_rows(model, idx, mask, S)
+        logits = model.logits(h).repeat_interleave(n, dim=0)
 
         V = allowed.n  # the columns sampled from
         width = min(top_k, V) if candidates and top_k and temperature > 0 else V

@@ -24,6 +24,9 @@ Proves, on CPU in fp32 with tiny models:
 - stop tokens: each row is the free run up to and with its first stop token, then pad_id; mask and
   lengths say so; the whole batch stops at the first check_every boundary after every row stopped
   (counted model calls);
+- left-padded prompts whose prefill mask would pass PREFILL_MASK_BYTES are prefilled row by row over their real
+  tokens (counted calls) and give the batched prefill's tokens and log-probs (RoPE, learned positions, ALiBi with
+  a sliding window);
 - n samples per prompt: one prefill of the B prompts (counted rows); greedy rows of a prompt are
   identical and equal the n = 1 rollout; sampled rows of one prompt differ;
 - the decode step traces as one graph (torch.compile fullgraph=True, eager backend), also across
@@ -284,6 +287,20 @@ def test_n_samples_share_one_prefill():
     assert all(len(set(row.tolist())) > 1 for row in first)  # independent draws per sample row
     # and every row's first token is scored under its prompt's one prefill distribution
     assert (r.logprobs - teacher_forced(model, r, 2.0)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("kw", [LLAMA, GPT2, dict(LLAMA, pos_emb="alibi", sliding_window=4)],
+                         ids=["llama_gqa", "gpt2", "alibi_window"])
+def test_long_padded_prompts_prefill_row_by_row(kw, monkeypatch):
+    model = build(**kw)
+    ps = prompts((7, 2, 5))
+    want = generate.decode(model, ps, 10, vocab=V, n=2, temperature=0.8, seed=0)
+    monkeypatch.setattr(generate, "PREFILL_MASK_BYTES", 3 * 7 * 7 - 1)  # the (3, 7, 7) mask is past it
+    calls = counting(model)
+    got = generate.decode(model, ps, 10, vocab=V, n=2, temperature=0.8, seed=0)
+    assert calls[:4] == [(1, 7), (1, 2), (1, 5), (6, 1)]  # each row alone over its real tokens, then 6 rows
+    assert torch.equal(got.tokens, want.tokens) and (got.logprobs - want.logprobs).abs().max() <= 1e-5
+    assert (got.logprobs - teacher_forced(model, got, 0.8)).abs().max() <= 1e-5
 
 
 def test_step_traces_as_one_graph():
