@@ -253,18 +253,19 @@ class StaticCache(Cache):
 PREFILL_MASK_BYTES = 2**30  # the largest (B, T, T) boolean mask of a padded prefill; beyond it, each row alone
 
 
-def prefill_rows(model, idx, mask, S):
+def prefill_rows(model, idx, mask, S, by_row=True):
     """decode()'s prefill of B prompts (B, T) over their T slots of an S-slot StaticCache -> (the cache, the
     last hidden state of each row). Without padding: the causal path (no mask tensor: flash). With left
     padding, one batched forward in which query i sees the real keys j <= i (and itself: no NaN rows) while
     its (B, T, T) mask stays within PREFILL_MASK_BYTES; past that (64 prompts of 16k tokens: 17 GB of mask),
     each row alone over its real tokens on the causal path, its keys written to its last slots: memory linear
-    in T, the same positions (0 at a row's first real token) and so the same cache."""
+    in T, the same positions (0 at a row's first real token) and so the same cache. by_row=False: always one
+    forward (expert parallelism: every rank must run the same forwards, whatever its prompts)."""
     B, T = idx.shape
     slots = torch.arange(T, device=idx.device)
     padded = not bool(mask.all())
-    left = bool((mask.diff(dim=1) >= 0).all())  # each row: padding, then its real tokens
-    if not padded or B * T * T <= PREFILL_MASK_BYTES or not left:
+    left = bool((mask.int().diff(dim=1) >= 0).all())  # each row: padding, then its real tokens
+    if not padded or B * T * T <= PREFILL_MASK_BYTES or not left or not by_row:
         cache = StaticCache(S, slots)
         cache.span = T
         keys = None
@@ -612,7 +613,7 @@ def decode(model, prompts, max_new_tokens, *, vocab, n=1, temperature=1.0, top_k
     for m in mlps:
         m.split = not fuse_mlp
     try:
-        prefill, h = prefill_rows(model, idx, mask, S)
+        prefill, h = prefill_rows(model, idx, mask, S, by_row=group is None)
         logits = model.logits(h).repeat_interleave(n, dim=0)
 
         V = allowed.n  # the columns sampled from

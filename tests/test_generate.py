@@ -301,6 +301,11 @@ def test_long_padded_prompts_prefill_row_by_row(kw, monkeypatch):
     assert calls[:4] == [(1, 7), (1, 2), (1, 5), (6, 1)]  # each row alone over its real tokens, then 6 rows
     assert torch.equal(got.tokens, want.tokens) and (got.logprobs - want.logprobs).abs().max() <= 1e-5
     assert (got.logprobs - teacher_forced(model, got, 0.8)).abs().max() <= 1e-5
+    idx, mask = generate.pad_prompts(ps)
+    mask[0, 3] = False  # a hole, not left padding: one batched prefill under the mask
+    del calls[:]
+    generate.decode(model, idx, 4, vocab=V, temperature=0, attention_mask=mask)
+    assert calls[0] == (3, 7)
 
 
 def test_step_traces_as_one_graph():
