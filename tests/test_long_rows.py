@@ -1,20 +1,21 @@
 """Long rows (issue 58): one document per row, long documents offline, and a long-context retrieval task.
 
-Proves: data.Documents (rows="documents") puts exactly one document per row: every row's real tokens are a
-document's tokens (EOS-ended, as prepare writes them), or, for a document longer than the row, its consecutive
-pieces (split: each token after the first a target exactly once) or its head (truncate); the rest is EOS padding
-whose targets are IGNORE. Its description reports the rows' length distribution and padding share (worked out here
-with numpy) and says how many documents were cut and how. Data-parallel ranks read disjoint rows whose union is one
-process' batch, a saved state resumes the identical rows, and pretrain.py with rows="documents" stopped and resumed
-logs exactly the uninterrupted run's losses. A padded row's loss is each document's loss alone (the model's plain
-causal path: SDPA gets no mask and is_causal=True), and so are chat rows of one conversation each (chat.batch gives
-no mask and cuts the batch to its longest row, rounded up to a multiple of 64 and of T/16; the packed path still
-does). Bad settings are one line. join_docs: corpus groups (a folder's files together) are joined into documents of
-at least N tokens that never mix two groups. The retrieval task: the asked number sits at the requested depth
-(tokens counted with the tokenizer, a truncated one too), min_depth / spread (log-uniform depths) / length / keys
-shape the prompt, answer="sentence" answers with the needle's own sentence, the reward scores right 1 and wrong /
-near misses 0, train and test numbers never meet (hash split), items are deterministic, and by_depth bins accuracy
-by distance as worked by hand.
+Proves: data.Documents (rows="documents") puts exactly one document per row: every row's real tokens are a document's
+tokens (EOS-ended, as prepare writes them), or, for a document longer than the row, its consecutive pieces (split:
+each token after the first a target exactly once) or its head (truncate); the rest is EOS padding whose targets are
+IGNORE. Its description reports the rows' length distribution and padding share (worked out here with numpy) and says
+how many documents were cut and how. Data-parallel ranks read disjoint rows whose union is one process' batch, a
+saved state resumes the identical rows, and pretrain.py with rows="documents" stopped and resumed logs exactly the
+uninterrupted run's losses. A padded row's loss is each document's loss alone (the model's plain causal path: SDPA
+gets no mask and is_causal=True), and so are chat rows of one conversation each (chat.batch gives no mask and cuts
+the batch to its longest row, rounded up to a multiple of 64 and of T/16; the packed path still does). Greedy
+held-out answers decode at most a training micro-step's tokens at a time (counted calls), giving one batched call's
+answers. Bad settings are one line. join_docs: corpus groups (a folder's files together) are joined into documents of
+at least N tokens that never mix two groups. The retrieval task: the asked number sits at the requested depth (tokens
+counted with the tokenizer, a truncated one too), min_depth / spread (log-uniform depths) / length / keys shape the
+prompt, answer="sentence" answers with the needle's own sentence, the reward scores right 1 and wrong / near misses
+0, train and test numbers never meet (hash split), items are deterministic, and by_depth bins accuracy by distance as
+worked by hand.
 """
 import json
 import os
@@ -153,6 +154,28 @@ def test_chat_rows_of_one_conversation_take_the_causal_path():
         torch.testing.assert_close(loss[r, :len(ids) - 1], alone[0], rtol=1e-5, atol=1e-6)
     packed, _ = chat.pack(ex, 15)
     assert any(r.seg.max() > 0 for r in packed) and chat.batch(packed)[3] is not None  # packed: the block mask
+
+
+def test_long_prompts_decode_in_rows_of_a_micro_step(monkeypatch):
+    import generate
+    import weights
+    tok = tokenizer.get_tokenizer("cl100k_base", 300)
+    template = chat.default_template()
+    tok = tok.with_chat(template.special_tokens, template.eos)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=tok.n_vocab, block_size=128, n_layer=2, n_head=2, n_embd=32)).eval()
+    prompts = [[{"role": "user", "content": " ".join(["one two"] * k)}] for k in (3, 5, 7, 1, 4)]
+    lengths = [len(chat.encode(tok, template, p, add_generation_prompt=True)[0]) for p in prompts]
+    calls, decode = [], generate.decode
+    monkeypatch.setattr(generate, "decode", lambda m, ids, *a, **kw: (calls.append(len(ids)), decode(m, ids, *a,
+                                                                                                   **kw))[1])
+    cfg = SimpleNamespace(block_size=128, eval_tokens=5, micro_batch_size=8)
+    one = weights.DECODER.answers(model, tok, template, prompts, cfg)
+    assert calls == [5]  # 8 x 128 tokens hold every prompt and its answer
+    assert 128 // (max(lengths) + 5) == 2  # one row of 128 tokens holds two prompts and their answers
+    del calls[:]
+    cfg.micro_batch_size = 1
+    assert weights.DECODER.answers(model, tok, template, prompts, cfg) == one and calls == [2, 2, 1]
 
 
 def test_bad_row_settings_are_one_line():
