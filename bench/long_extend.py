@@ -170,8 +170,7 @@ def main():
                        "--pack=False",
                        f"--n_train={a.steps * a.rows}", f"--batch_size={a.rows}", f"--max_steps={a.steps}",
                        f"--lr={a.lr}", f"--warmup_steps={max(1, a.steps // 10)}", f"--n_eval={a.n_eval}",
-                       "--eval_tokens=12", "--eval_batch=8", f"--eval_every={max(1, a.steps // 2)}",
-                       f"--ckpt_every={a.steps}",
+                       "--eval_tokens=12", f"--eval_every={max(1, a.steps // 2)}", f"--ckpt_every={a.steps}",
                        "--log_every=5", "--progress=False"],
                       os.path.join(out, f"ft_{t}.log"), wait=False)
     result = {"length": a.length, "far": a.far, "pretrain_steps": a.pretrain_steps, "pretrain_s": round(pretrain_s),
