@@ -264,8 +264,9 @@ def prefill_rows(model, idx, mask, S, by_row=True):
     B, T = idx.shape
     slots = torch.arange(T, device=idx.device)
     padded = not bool(mask.all())
-    left = bool((mask.int().diff(dim=1) >= 0).all())  # each row: padding, then its real tokens
-    if not padded or B * T * T <= PREFILL_MASK_BYTES or not left or not by_row:
+    by_row = (by_row and padded and B * T * T > PREFILL_MASK_BYTES
+              and bool((mask.int().diff(dim=1) >= 0).all()))  # each row: padding, then its real tokens
+    if not by_row:
         cache = StaticCache(S, slots)
         cache.span = T
         keys = None
