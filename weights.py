@@ -231,7 +231,7 @@ class Family:
         need(new >= 1, f"a held-out prompt has {max(map(len, ids))} tokens: block_size {cfg.block_size} leaves no "
              f"room for an answer")
         # prompts decoded together: at most a training micro-step's tokens (long prompts: fewer rows of cache)
-        rows = max(1, getattr(cfg, "micro_batch_size", 1) * cfg.block_size // (max(map(len, ids)) + new))
+        rows = max(1, cfg.micro_batch_size * cfg.block_size // (max(map(len, ids)) + new))
         return [a for i in range(0, len(ids), rows) for a in self.decode(raw, tok, ids[i:i + rows], new)]
 
     def decode(self, raw, tok, ids, new):

@@ -56,7 +56,7 @@ def score(path, depth, far, n, device):
     items = task.test(n)
     got = []
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    run_cfg = SimpleNamespace(block_size=cfg.block_size, eval_tokens=12)
+    run_cfg = SimpleNamespace(block_size=cfg.block_size, eval_tokens=12, micro_batch_size=1)
     with torch.autocast(device, dtype=dtype, enabled=device == "cuda"):
         for i in range(0, len(items), 8):
             chunk = items[i:i + 8]
