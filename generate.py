@@ -536,8 +536,9 @@ def decode(model, prompts, max_new_tokens, *, vocab, n=1, temperature=1.0, top_k
     written in place at a device-tensor slot; the prefill runs once on the B prompts (prefill_rows: long
     padded ones a row at a time) and its cache rows are copied to each prompt's n sample rows; then a
     one-token decode step (Decoder.step) whose shapes never change: token, per-row position, cache slot
-    and key mask (a float bias, added to the scores) are device tensors the step reads and advances itself, so on CUDA it is
-    captured as a CUDA graph (by hand, cuda_graph; compile=True first fuses it with torch.compile)
+    and key mask (a float bias, added to the scores) are device tensors the step reads and advances
+    itself, so on CUDA it is captured as a CUDA graph (by hand, cuda_graph; compile=True first fuses it
+    with torch.compile)
     and replayed, one launch per token. A step attends only over the cache slots filled so far,
     rounded up to a multiple of `bucket`: one graph per bucket, all sharing one memory pool. The
     MLP's gate and up projections run as one matmul. The step samples inside the graph
