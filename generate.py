@@ -538,9 +538,8 @@ def decode(model, prompts, max_new_tokens, *, vocab, n=1, temperature=1.0, top_k
     one-token decode step (Decoder.step) whose shapes never change: token, per-row position, cache slot
     and key mask (a float bias, added to the scores) are device tensors the step reads and advances
     itself, so on CUDA it is captured as a CUDA graph (by hand, cuda_graph; compile=True first fuses it
-    with torch.compile)
-    and replayed, one launch per token. A step attends only over the cache slots filled so far,
-    rounded up to a multiple of `bucket`: one graph per bucket, all sharing one memory pool. The
+    with torch.compile) and replayed, one launch per token. A step attends only over the cache slots
+    filled so far, rounded up to a multiple of `bucket`: one graph per bucket, all sharing one memory pool. The
     MLP's gate and up projections run as one matmul. The step samples inside the graph
     (temperature, top-k, top-p, stop mask); the random numbers come from one exponential_ fill per
     step outside it (a captured graph cannot take a torch.Generator), and "is every row done?" is
