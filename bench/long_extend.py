@@ -11,9 +11,10 @@ training).
 
 First the base's copy loss (random tokens, then the same again: a base that cannot copy has nothing to extend; a
 warning says so). Also the held-out loss by position (the base unscaled, the base under each scaling before any
-fine-tune, and each extension, on windows of --length tokens of the base's validation split). --base: one base for several runs. Writes OUT/long_extend.json (per type:
-the base's and the extended model's accuracy, by depth; the loss by position) and the runs' logs. Chance: a blind
-5-digit guess, ~0; copying the one number in the prompt is the skill itself.
+fine-tune, and each extension, on windows of --length tokens of the base's validation split). --base: one base
+for several runs. Writes OUT/long_extend.json (per type: the base's and the extended model's accuracy, by depth;
+the loss by position) and the runs' logs. Chance: a blind 5-digit guess, ~0; copying the one number in the prompt
+is the skill itself.
 """
 import argparse
 import glob
