@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -134,6 +135,8 @@ def main():
                    "52%% right at 8k+ back for yarn and dynamic, still climbing)")
     p.add_argument("--rows", type=int, default=4, help="a step's rows (a row's cost is mostly fixed: more steps)")
     p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--sft_args", default="", help="more sft.py flags for every fine-tune, e.g. \"--schedule=linear "
+                   "--min_lr_ratio=0.02\" (the accuracy came in the cosine's last quarter, below ~1.3e-4)")
     p.add_argument("--n_eval", type=int, default=64)
     p.add_argument("--n_loss", type=int, default=8, help="held-out windows of --length tokens for the loss by position")
     p.add_argument("--data", default="python", help="the base's corpus (pretrain.py's data): stdlib alone is ~2.6M "
@@ -178,11 +181,11 @@ def main():
                        f"--n_train={a.steps * a.rows}", f"--batch_size={a.rows}", f"--max_steps={a.steps}",
                        f"--lr={a.lr}", f"--warmup_steps={max(1, a.steps // 10)}", f"--n_eval={a.n_eval}",
                        "--eval_tokens=12", f"--eval_every={max(1, a.steps // 4)}", f"--ckpt_every={a.steps}",
-                       "--log_every=5", "--progress=False"],
+                       "--log_every=5", "--progress=False", *shlex.split(a.sft_args)],
                       os.path.join(out, f"ft_{t}.log"), wait=False)
     result = {"length": a.length, "far": a.far, "pretrain_steps": a.pretrain_steps, "pretrain_s": round(pretrain_s),
               "base_copy_loss": [first, second],
-              "steps": a.steps, "rows": a.rows, "lr": a.lr, "types": {}}
+              "steps": a.steps, "rows": a.rows, "lr": a.lr, "sft_args": a.sft_args, "types": {}}
     for t, proc in runs.items():
         log = os.path.join(out, f"ft_{t}.log")
         if proc.wait():
