@@ -4,7 +4,8 @@ each rope_scaling type by a short full fine-tune on long documents (sft.py --tas
 buried in filler, 64 to length-512 tokens back, log-uniformly: most rows short), all types at once on the one GPU.
 Judged on held-out keys (never trained on: the task's hash split) at least --far tokens back, greedy, by depth; the
 base is each fine-tune's step-0 accuracy (sft.py's own line: the pretrained weights under that scaling, before
-training).
+training). --lm_steps: each type first extends the language model (pretrain.py from the base at --length, its
+scaling, the base's corpus), then the retrieval fine-tune starts there.
 
     python bench/long_extend.py --out=out/long_extend [--types=linear,dynamic,yarn,llama3] [--length=16384]
     python bench/long_extend.py --out=/tmp/long_extend --tiny      # CPU smoke test: tiny shapes, minutes
@@ -137,6 +138,11 @@ def main():
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--sft_args", default="", help="more sft.py flags for every fine-tune, e.g. \"--schedule=linear "
                    "--min_lr_ratio=0.02\" (the accuracy came in the cosine's last quarter, below ~1.3e-4)")
+    p.add_argument("--lm_steps", type=int, default=0, help="first extend the language model: pretrain.py from the "
+                   "base at --length with the type's scaling on its corpus, this many steps of --lm_rows rows (0: none, "
+                   "the retrieval fine-tune starts from the base)")
+    p.add_argument("--lm_rows", type=int, default=8)
+    p.add_argument("--lm_lr", type=float, default=1e-4)
     p.add_argument("--n_eval", type=int, default=64)
     p.add_argument("--n_loss", type=int, default=8, help="held-out windows of --length tokens for the loss by position")
     p.add_argument("--data", default="python", help="the base's corpus (pretrain.py's data): stdlib alone is ~2.6M "
@@ -171,10 +177,25 @@ def main():
               "pretrain longer (--pretrain_steps)", flush=True)
     vocab = 4096 if a.tiny else 32768  # the base's tokenizer_vocab: depths in its tokens
     depth = a.length - min(512, a.length // 8)  # the prompt's template and question fit beside
+    result = {"length": a.length, "far": a.far, "pretrain_steps": a.pretrain_steps, "pretrain_s": round(pretrain_s),
+              "base_copy_loss": [first, second], "lm_steps": a.lm_steps, "lm_rows": a.lm_rows, "lm_lr": a.lm_lr,
+              "steps": a.steps, "rows": a.rows, "lr": a.lr, "sft_args": a.sft_args, "types": {}}
+    start = {t: (base, [f"--rope_scaling={t}"]) for t in types}  # each fine-tune's init_from and its scaling
+    if a.lm_steps:  # the language model extended first (all at once), on the base's corpus and split
+        lms = {t: run(["pretrain.py", *pre, f"--init_from={base}", f"--out_dir={out}/lm_{t}", "--overwrite=True",
+                       f"--data_dir={home}/data", "--val_fraction=0.05", f"--block_size={a.length}",
+                       f"--rope_scaling={t}", f"--max_steps={a.lm_steps}", f"--batch_size={a.lm_rows}",
+                       "--micro_batch_size=1", f"--lr={a.lm_lr}", f"--warmup_steps={max(1, a.lm_steps // 10)}",
+                       f"--ckpt_every={a.lm_steps}", "--compile=False", "--progress=False"],
+                      os.path.join(out, f"lm_{t}.log"), wait=False) for t in types}
+        for t, proc in lms.items():
+            if proc.wait():
+                result["types"][t] = {"error": "".join(open(os.path.join(out, f"lm_{t}.log")).readlines()[-5:])}
+            start[t] = (f"{out}/lm_{t}", [])  # its positions are --length now: no scaling asked again
     runs = {}
-    for t in types:  # all at once: one GPU, shared
-        runs[t] = run(["sft.py", *ft, f"--init_from={base}", f"--out_dir={out}/ft_{t}", "--overwrite=True",
-                       f"--block_size={a.length}", f"--rope_scaling={t}", "--task=retrieval",
+    for t in [t for t in types if t not in result["types"]]:  # all at once: one GPU, shared
+        runs[t] = run(["sft.py", *ft, f"--init_from={start[t][0]}", f"--out_dir={out}/ft_{t}", "--overwrite=True",
+                       f"--block_size={a.length}", *start[t][1], "--task=retrieval",
                        "--task_args=" + json.dumps({"depth": depth, "min_depth": 64, "spread": "log",
                                                     "tokenizer_vocab": vocab, "answer": "sentence"}),
                        "--pack=False",
@@ -183,9 +204,6 @@ def main():
                        "--eval_tokens=12", f"--eval_every={max(1, a.steps // 4)}", f"--ckpt_every={a.steps}",
                        "--log_every=5", "--progress=False", *shlex.split(a.sft_args)],
                       os.path.join(out, f"ft_{t}.log"), wait=False)
-    result = {"length": a.length, "far": a.far, "pretrain_steps": a.pretrain_steps, "pretrain_s": round(pretrain_s),
-              "base_copy_loss": [first, second],
-              "steps": a.steps, "rows": a.rows, "lr": a.lr, "sft_args": a.sft_args, "types": {}}
     for t, proc in runs.items():
         log = os.path.join(out, f"ft_{t}.log")
         if proc.wait():
@@ -194,7 +212,7 @@ def main():
         text = open(log).read()
         acc = [float(x) / 100 for x in re.findall(r"^step \d+ \| held-out accuracy ([\d.]+)%", text, re.M)]
         acc_far, bins = score(f"{out}/ft_{t}", depth, a.far, a.n_eval, "cpu" if a.tiny else "cuda")
-        result["types"][t] = {"base_accuracy": acc[0] if acc else None, "after_accuracy": acc[-1] if acc else None,
+        result["types"][t] = {"start_accuracy" if a.lm_steps else "base_accuracy": acc[0] if acc else None, "after_accuracy": acc[-1] if acc else None,
                               f"accuracy_at_{a.far}_plus": acc_far, "by_depth": bins}
         print(t, json.dumps(result["types"][t]), flush=True)
         with open(os.path.join(out, "long_extend.json"), "w") as f:  # each type as it is scored
@@ -202,8 +220,9 @@ def main():
     val = sorted(glob.glob(os.path.join(home, "data", "**", "val.bin"), recursive=True))
     if val:  # the held-out loss by position: the base unscaled, then each extension
         done = [t for t in runs if "error" not in result["types"][t]]
-        for name, path, scaling in [("base", base, "")] + [(f"base+{t}", base, t) for t in runs] + \
-                [(t, f"{out}/ft_{t}", "") for t in done]:  # the base as it is, scaled untrained, fine-tuned
+        lm = [(f"lm_{t}", f"{out}/lm_{t}", "") for t in types if a.lm_steps and os.path.exists(f"{out}/lm_{t}/latest")]
+        for name, path, scaling in [("base", base, "")] + [(f"base+{t}", base, t) for t in types] + lm + \
+                [(t, f"{out}/ft_{t}", "") for t in done]:  # the base, scaled untrained, its LM extended, fine-tuned
             n, bins = loss_by_position(path, val[0], a.length, a.n_loss, "cpu" if a.tiny else "cuda", scaling=scaling)
             result.setdefault("loss_by_position", {})[name] = bins
             print(name, "loss by position", n, "windows:", " ".join(f"{b[2]:.3f}" for b in bins), flush=True)
