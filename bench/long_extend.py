@@ -132,15 +132,15 @@ def main():
     p.add_argument("--far", type=int, default=8192, help="judged on keys at least this many tokens back")
     p.add_argument("--pretrain_steps", type=int, default=1000, help="of 128 x 1,024 tokens (400 on python: copy "
                    "loss 12.04 -> 11.03 nats, barely copying)")
-    p.add_argument("--steps", type=int, default=600, help="fine-tuning steps of --rows rows each (200 of 8: 42 and "
-                   "52%% right at 8k+ back for yarn and dynamic, still climbing)")
+    p.add_argument("--steps", type=int, default=600, help="fine-tuning steps of --rows rows each (600 of 4: 42-53%% "
+                   "right at 8k+ back, most of it late in the schedule)")
     p.add_argument("--rows", type=int, default=4, help="a step's rows (a row's cost is mostly fixed: more steps)")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--sft_args", default="", help="more sft.py flags for every fine-tune, e.g. \"--schedule=linear "
                    "--min_lr_ratio=0.02\" (the accuracy came in the cosine's last quarter, below ~1.3e-4)")
     p.add_argument("--lm_steps", type=int, default=0, help="first extend the language model: pretrain.py from the "
-                   "base at --length with the type's scaling on its corpus, this many steps of --lm_rows rows (0: none, "
-                   "the retrieval fine-tune starts from the base)")
+                   "base at --length with the type's scaling on its corpus, this many steps of --lm_rows rows "
+                   "(0: none, the retrieval fine-tune starts from the base)")
     p.add_argument("--lm_rows", type=int, default=8)
     p.add_argument("--lm_lr", type=float, default=1e-4)
     p.add_argument("--n_eval", type=int, default=64)
@@ -212,8 +212,9 @@ def main():
         text = open(log).read()
         acc = [float(x) / 100 for x in re.findall(r"^step \d+ \| held-out accuracy ([\d.]+)%", text, re.M)]
         acc_far, bins = score(f"{out}/ft_{t}", depth, a.far, a.n_eval, "cpu" if a.tiny else "cuda")
-        result["types"][t] = {"start_accuracy" if a.lm_steps else "base_accuracy": acc[0] if acc else None, "after_accuracy": acc[-1] if acc else None,
-                              f"accuracy_at_{a.far}_plus": acc_far, "by_depth": bins}
+        first_acc, last_acc = (acc[0], acc[-1]) if acc else (None, None)  # step 0 (the base, or lm_steps' start)
+        result["types"][t] = {"start_accuracy" if a.lm_steps else "base_accuracy": first_acc,
+                              "after_accuracy": last_acc, f"accuracy_at_{a.far}_plus": acc_far, "by_depth": bins}
         print(t, json.dumps(result["types"][t]), flush=True)
         with open(os.path.join(out, "long_extend.json"), "w") as f:  # each type as it is scored
             json.dump(result, f, indent=1)
