@@ -115,11 +115,13 @@ def test_checks_catch_a_cycle_and_a_private_name(tmp_path):
 IMPORT_EACH = """
 import importlib, io, os, sys, traceback
 import torch  # the one heavy dependency (not ours), loaded once; each module is imported in a fork
-live = 0  # children running: two at a time (the CI machine's 2 cores)
+live, failed = 0, 0  # children running (two at a time: the CI machine's 2 cores); those that did not exit 0
+def reap():  # one child's end: a crash that wrote no FAIL line (a signal, a hard exit) fails the run too
+    global live, failed
+    live, failed = live - 1, failed + (os.wait()[1] != 0)
 for m in sys.argv[1:]:
     if live == 2:
-        os.wait()
-        live -= 1
+        reap()
     pid = os.fork()
     if pid == 0:  # the child: a fresh interpreter as far as our modules go (the parent imported none)
         sys.stdout = out = io.StringIO()
@@ -134,8 +136,8 @@ for m in sys.argv[1:]:
         os._exit(0)
     live += 1
 while live:
-    os.wait()
-    live -= 1
+    reap()
+sys.exit(1 if failed else 0)
 """
 
 
@@ -152,7 +154,7 @@ def test_every_module_imports_alone():
     assert len(mods) > 20
     bad = subprocess.run([sys.executable, "-c", IMPORT_EACH, "json", "no_such_module_here"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
-    assert "FAIL no_such_module_here" in bad.stderr and "FAIL json" not in bad.stderr
+    assert "FAIL no_such_module_here" in bad.stderr and "FAIL json" not in bad.stderr and bad.returncode == 1
 
 
 @pytest.mark.parametrize("script", ["pretrain", "sample"])
