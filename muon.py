@@ -23,6 +23,8 @@ Invariants: Newton-Schulz always sees a whole logical matrix (gathered over TP, 
 hold the one-process state (full_optim_state), which parallel.Net.load_full_state cuts into any
 layout.
 """
+import re
+
 import torch
 import torch.distributed as dist
 
@@ -117,6 +119,14 @@ def nesterov_ns(bufs, grads, mu, splits, steps, dtype, mode):
     return orthogonalize(nesterov(bufs, grads, mu), splits, steps, dtype, mode)
 
 
+def compile_options(version):
+    """Inductor options for the compiled NS step under torch `version`. Before 2.12, inductor's loop
+    reordering asserts on some fused nodes of this graph (FusedSchedulerNode.reorder_loops_by_dep_pair;
+    configs/speedrun.py's shapes on torch 2.11, an H100): it is switched off there. 2.12 fixed it."""
+    old = tuple(int(p) for p in re.findall(r"\d+", version)[:2]) < (2, 12)
+    return {"loop_ordering_after_fusion": False} if old else None
+
+
 class Muon(torch.optim.Optimizer):
     """param groups with "kind": "muon" | "adamw" (see the module docstring). grid: needed for TP
     and ZeRO-1 (None: one process).
@@ -151,7 +161,8 @@ class Muon(torch.optim.Optimizer):
         # scalings fuse around the batched matmuls instead of costing a launch per matrix each
         # (not under FSDP: each unit hands over a different set of matrices, a graph each)
         cuda = any(p.is_cuda for g in self.param_groups for p in g["params"])
-        maybe_compile = torch.compile if cuda and compile_ns else (lambda f: f)
+        opts = compile_options(torch.__version__)
+        maybe_compile = (lambda f: torch.compile(f, options=opts)) if cuda and compile_ns else (lambda f: f)
         self.orthogonalize, self.nesterov_ns = maybe_compile(orthogonalize), maybe_compile(nesterov_ns)
         self.zero1 = bool(zero1) and grid is not None and grid.dp > 1
         self.owner = {}  # id(param) -> owning dp rank (ZeRO-1)
