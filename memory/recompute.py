@@ -200,13 +200,17 @@ class Tiled(torch.autograd.Function):
 
 class TiledForward:
     """A module's forward over token tiles in training: Tiled where it records gradients, and tile by tile
-    without (a recomputed or offloaded block's first forward: no full-length intermediates there either)."""
+    without (a recomputed or offloaded block's first forward: no full-length intermediates there either).
+    (torch.compiler.disable wraps per instance, not at class definition: it imports dynamo, ~1 s a process.)"""
 
     def __init__(self, module, forward, tile):
         self.module, self.forward, self.tile = module, forward, tile
+        self.eager = torch.compiler.disable(self.run)  # a Python loop over tiles: runs eagerly (compile skips it)
 
-    @torch.compiler.disable  # a Python loop over tiles: runs eagerly (compile skips it)
     def __call__(self, x):
+        return self.eager(x)
+
+    def run(self, x):
         if not self.module.training:
             return self.forward(x)
         if not torch.is_grad_enabled():
@@ -221,6 +225,8 @@ class Checkpointed:
 
     def __init__(self, module, forward, offloader=None):
         self.module, self.forward, self.offloader = module, forward, offloader
+        if offloader is not None:  # host copies and side streams: the module runs eagerly (compile skips it)
+            self.offloaded = torch.compiler.disable(self.offload)
 
     def __call__(self, *args, **kwargs):
         if self.module.training and torch.is_grad_enabled() and not has_cache(args, kwargs):
@@ -230,8 +236,7 @@ class Checkpointed:
             return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
         return self.forward(*args, **kwargs)
 
-    @torch.compiler.disable  # host copies and side streams: the module runs eagerly (compile skips it)
-    def offloaded(self, args, kwargs):
+    def offload(self, args, kwargs):
         params, forward, rest = [p for p in self.module.parameters() if p.requires_grad], self.forward, args[1:]
         # the closure holds the other arguments only: one holding args would keep x on the device to the end
         return Offloaded.apply(lambda x: forward(x, *rest, **kwargs), self.offloader, args[0], *params)
