@@ -4,6 +4,7 @@ and the end of GRPO in one row.
 
     python bench/grpo_families.py --out=bench/results/families/<date> --base=out/life      # one GPU
     python bench/grpo_families.py --out=/tmp/fam --tiny --families=strings,units            # CPU, ~1 minute
+    python bench/grpo_families.py --out=<dir> --base=out/life --jobs=4    # four families side by side on one GPU
 
 Each stage runs as its users run it: `python sft.py configs/sft_life.py --init_from=<base> --task=<family>
 --task_args={}`, then `python grpo.py configs/grpo_life.py --init_from=<that SFT> --task=<family> --task_args={}
@@ -29,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -50,8 +52,9 @@ def stage(name, args, log, minutes=0.0):
     with open(log, "w") as f:
         f.write(f"$ python {' '.join(args)}\n")
         f.flush()
-        p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=f,
-                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **os.environ, "PYTHONUNBUFFERED": "1"}
+        p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                             env=env)  # (expandable segments: runs side by side strand no cache)
         try:
             p.wait(timeout=minutes * 60 if minutes else None)
         except subprocess.TimeoutExpired:
@@ -139,9 +142,41 @@ def report(rows, path):
                      f"{g['steps']} ({g['end_step']}){' stopped' if r['stopped'] else ''} | "
                      f"{r['grpo_seconds'] / 60:.1f} | {pct(g['frac_equal_groups_first'])} -> "
                      f"{pct(g['frac_equal_groups_last'])} |")
+    shared = sorted({r.get("jobs", 1) for r in rows} - {1})
+    if shared:
+        lines.append(f"\nGRPO minutes with {' or '.join(map(str, shared))} families side by side on the one GPU.")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return "\n".join(lines)
+
+
+def family_run(family, n, base, cfgs, common, a):
+    """One family: SFT from base, then GRPO from it (capped at a.minutes), its curves -> its row."""
+    here = os.path.join(a.out, family)
+    os.makedirs(here, exist_ok=True)
+    sft_dir, grpo_dir = (os.path.join(a.runs, f"{s}_{family}") for s in ("sft", "grpo"))
+    task = [f"--task={family}", "--task_args={}"]
+    sft_args = [*cfgs["sft"], f"--init_from={base}", f"--out_dir={sft_dir}", *task, f"--eval_tokens={n}", *common,
+                *a.sft.split()]
+    grpo_args = [*cfgs["grpo"], f"--init_from={sft_dir}", f"--out_dir={grpo_dir}", *task, f"--max_new_tokens={n}",
+                 *([f"--max_steps={a.grpo_steps}"] if a.grpo_steps else []), *common, *a.grpo.split()]
+    commands = {s: f"python {s}.py {' '.join(x)}" for s, x in (("sft", sft_args), ("grpo", grpo_args))}
+    rc = stage(f"{family} sft", ["sft.py", *sft_args], os.path.join(here, "sft.log"))[0]
+    rc, seconds, stopped = stage(f"{family} grpo", ["grpo.py", *grpo_args], os.path.join(here, "grpo.log"),
+                                 a.minutes) if not rc else (rc, 0.0, False)
+    try:
+        r = row(family, sft_dir, grpo_dir, os.path.join(here, "grpo.log"), seconds, stopped, n, commands)
+        for s, d in (("sft", sft_dir), ("grpo", grpo_dir)):
+            shutil.copy(os.path.join(d, "train_metrics.jsonl"), os.path.join(here, f"{s}_metrics.jsonl"))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        r = {"family": family, "failed": f"rc {rc}: {e}", "commands": commands}
+    if rc:
+        r["failed"] = f"rc {rc}"
+    r["jobs"] = a.jobs
+    if "grpo" in r:
+        stage(f"{family} plot", ["-m", "tools.plots", "--grpo", grpo_dir, f"--out={os.path.join(here, 'grpo.png')}"],
+              os.path.join(here, "plot.log"))
+    return r
 
 
 def main(argv=None):
@@ -155,6 +190,8 @@ def main(argv=None):
     p.add_argument("--grpo_steps", type=int, default=0, help="GRPO's max_steps (0: the config's)")
     p.add_argument("--sft", default="", help="--key=value for SFT (space separated)")
     p.add_argument("--grpo", default="", help="--key=value for GRPO (space separated)")
+    p.add_argument("--jobs", type=int, default=1, help="families run side by side on the one GPU (their minutes then "
+                   "share it: a cap met side by side is met alone; step times are not comparable)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: configs/tiny.py, sft_tiny.py, grpo_tiny.py")
     a = p.parse_args(argv)
     cfgs, common = (TINY if a.tiny else FULL), ["--overwrite=True", "--progress=False"]
@@ -165,32 +202,12 @@ def main(argv=None):
         if stage("pretrain", ["pretrain.py", *cfgs["pretrain"], f"--out_dir={base}", *common],
                  os.path.join(a.out, "pretrain.log"))[0]:
             raise SystemExit("pretraining failed")
-    for family in [f for f in a.families.split(",") if f]:
-        here, n = os.path.join(a.out, family), new_tokens(family, base)
-        os.makedirs(here, exist_ok=True)
-        sft_dir, grpo_dir = (os.path.join(a.runs, f"{s}_{family}") for s in ("sft", "grpo"))
-        task = [f"--task={family}", "--task_args={}"]
-        sft_args = [*cfgs["sft"], f"--init_from={base}", f"--out_dir={sft_dir}", *task, f"--eval_tokens={n}", *common,
-                    *a.sft.split()]
-        grpo_args = [*cfgs["grpo"], f"--init_from={sft_dir}", f"--out_dir={grpo_dir}", *task, f"--max_new_tokens={n}",
-                     *([f"--max_steps={a.grpo_steps}"] if a.grpo_steps else []), *common, *a.grpo.split()]
-        commands = {s: f"python {s}.py {' '.join(x)}" for s, x in (("sft", sft_args), ("grpo", grpo_args))}
-        rc = stage(f"{family} sft", ["sft.py", *sft_args], os.path.join(here, "sft.log"))[0]
-        rc, seconds, stopped = stage(f"{family} grpo", ["grpo.py", *grpo_args], os.path.join(here, "grpo.log"),
-                                     a.minutes) if not rc else (rc, 0.0, False)
-        try:
-            r = row(family, sft_dir, grpo_dir, os.path.join(here, "grpo.log"), seconds, stopped, n, commands)
-            for s, d in (("sft", sft_dir), ("grpo", grpo_dir)):
-                shutil.copy(os.path.join(d, "train_metrics.jsonl"), os.path.join(here, f"{s}_metrics.jsonl"))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            r = {"family": family, "failed": f"rc {rc}: {e}", "commands": commands}
-        if rc:
-            r["failed"] = f"rc {rc}"
-        with open(os.path.join(a.out, "rows.jsonl"), "a") as f:  # appended: families run in several calls add up
-            f.write(json.dumps(r) + "\n")
-        if "grpo" in r:
-            stage(f"{family} plot", ["-m", "tools.plots", "--grpo", grpo_dir, f"--out={os.path.join(here, 'grpo.png')}"],
-                  os.path.join(here, "plot.log"))
+    families = [f for f in a.families.split(",") if f]
+    lengths = {f: new_tokens(f, base) for f in families}
+    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # each thread waits on its family's stages
+        for r in pool.map(lambda f: family_run(f, lengths[f], base, cfgs, common, a), families):
+            with open(os.path.join(a.out, "rows.jsonl"), "a") as f:  # appended: families run in several calls add up
+                f.write(json.dumps(r) + "\n")
     rows = list({r["family"]: r for r in records(os.path.join(a.out, "rows.jsonl"))}.values())  # each family's latest
     runs = [r["grpo_dir"] for r in rows if "grpo" in r and os.path.isdir(r["grpo_dir"])]
     if runs:
