@@ -21,6 +21,7 @@ Proves (CPU, one process unless said):
 - --gpu_memory=24 prints plan.py's table (and, for a budget it exceeds, fit()'s knobs) and exits 0
   before any work: no out_dir, no data folder (pretrain.py, sft.py).
 """
+import concurrent.futures
 import copy
 import json
 import os
@@ -198,24 +199,31 @@ def test_memory_knob_refusals(args, msg):  # config.validate as above, in this p
 def test_knobs_keep_the_math_and_may_change_on_resume(tmp_path, data_dir):
     common = [f"--data_dir={data_dir}", "--max_steps=6", "--ckpt_every=3"]
     base, knobs, part = (str(tmp_path / n) for n in ("base", "knobs", "part"))
+    whole = ["--micro_batch_size=4", "--grad_clip=0"]  # the update in backward: one micro-batch, no clipping
+    plain, inb = str(tmp_path / "plain"), str(tmp_path / "inb")
+
+    def resumes():  # stopped at 3, resumed with other knobs; then a knob that changes the math, refused
+        pretrain(common + [f"--out_dir={part}", "--stop_at=3"])
+        r = pretrain(common + [f"--out_dir={part}", "--resume", "--loss_chunk=8", "--recompute=block"])
+        return r, pretrain(common + [f"--out_dir={part}", "--resume", "--adamw_state=8bit"], check=False)
+
+    def others():  # the knobs from the start; torch AdamW against the update in backward
+        pretrain(common + [f"--out_dir={knobs}", "--loss_chunk=16", "--recompute=mlp", "--recompute_every=2",
+                           "--adamw_state=offload", "--offload_activations=True"])
+        pretrain(common + whole + [f"--out_dir={plain}"])
+        pretrain(common + whole + [f"--out_dir={inb}", "--optimizer_in_backward=True", "--grad_checkpoint=True"])
+
     pretrain(common + [f"--out_dir={base}"])
-    pretrain(common + [f"--out_dir={knobs}", "--loss_chunk=16", "--recompute=mlp", "--recompute_every=2",
-                       "--adamw_state=offload", "--offload_activations=True"])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # independent runs, two at a time (the 2 cores)
+        chain, rest = pool.submit(resumes), pool.submit(others)
+        (r, refused), _ = chain.result(), rest.result()
     a, b = losses(base), losses(knobs)
     assert sorted(a) == sorted(b) == list(range(1, 7))
     assert all(abs(a[s] - b[s]) <= 1e-5 * abs(a[s]) for s in a), (a, b)
-    pretrain(common + [f"--out_dir={part}", "--stop_at=3"])
-    r = pretrain(common + [f"--out_dir={part}", "--resume", "--loss_chunk=8", "--recompute=block"])
     assert "loss_chunk: 0 -> 8" in r.stdout
     c = losses(part)
     assert all(abs(a[s] - c[s]) <= 1e-5 * abs(a[s]) for s in a), (a, c)
-    r = pretrain(common + [f"--out_dir={part}", "--resume", "--adamw_state=8bit"], check=False)
-    assert r.returncode == 2 and "adamw_state: 'fp32' -> '8bit'" in r.stderr
-    # the update in backward: torch AdamW's losses, one micro-batch a step and no clipping on both sides
-    whole = ["--micro_batch_size=4", "--grad_clip=0"]
-    plain, inb = str(tmp_path / "plain"), str(tmp_path / "inb")
-    pretrain(common + whole + [f"--out_dir={plain}"])
-    pretrain(common + whole + [f"--out_dir={inb}", "--optimizer_in_backward=True", "--grad_checkpoint=True"])
+    assert refused.returncode == 2 and "adamw_state: 'fp32' -> '8bit'" in refused.stderr
     a, b = losses(plain), losses(inb)
     assert sorted(a) == sorted(b) == list(range(1, 7)) and all(abs(a[s] - b[s]) <= 1e-5 * abs(a[s]) for s in a), (a, b)
 
