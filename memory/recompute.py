@@ -205,7 +205,14 @@ class TiledForward:
 
     def __init__(self, module, forward, tile):
         self.module, self.forward, self.tile = module, forward, tile
+        self.__setstate__({})
+
+    def __setstate__(self, state):  # (a copy's wrapper runs the copy's own module)
+        self.__dict__.update(state)
         self.eager = torch.compiler.disable(self.run)  # a Python loop over tiles: runs eagerly (compile skips it)
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "eager"}
 
     def __call__(self, x):
         return self.eager(x)
@@ -225,8 +232,15 @@ class Checkpointed:
 
     def __init__(self, module, forward, offloader=None):
         self.module, self.forward, self.offloader = module, forward, offloader
-        if offloader is not None:  # host copies and side streams: the module runs eagerly (compile skips it)
+        self.__setstate__({})
+
+    def __setstate__(self, state):  # (a copy's wrapper runs the copy's own module)
+        self.__dict__.update(state)
+        if self.offloader is not None:  # host copies and side streams: the module runs eagerly (compile skips it)
             self.offloaded = torch.compiler.disable(self.offload)
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "offloaded"}
 
     def __call__(self, *args, **kwargs):
         if self.module.training and torch.is_grad_enabled() and not has_cache(args, kwargs):

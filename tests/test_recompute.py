@@ -15,8 +15,8 @@ Proves:
   without a recompute the setting is refused; on a GPU (side stream) offloaded = checkpointed = plain;
 - mlp_tile (recompute.Tiled, MLPs over token tiles, one recomputed at a time): the loss and every gradient
   equal the untiled model's (relative 1e-5: matmuls over fewer rows sum in another order) for tiles that divide the tokens and
-  tiles that do not, with dropout, LoRA, and inside recomputed blocks, and compiled (aot_eager); only the MLPs'
-  inputs are kept;
+  tiles that do not, with dropout, LoRA, and inside recomputed blocks, and compiled (aot_eager); a deepcopy's
+  wrappers train the copy's own parameters (here and under offload); only the MLPs' inputs are kept;
 - FSDP2 and DP2 (2 gloo processes) with recompute=mlp every 2 / block every 2, DP2 and FSDP2 with
   offloaded blocks, TP2 with offloaded MLPs, TP2 with tiled MLPs and FSDP2 with tiled MLPs in recomputed
   blocks equal one process (weights after 2 AdamW steps with clipping, relative error <= 1e-5).
@@ -112,6 +112,9 @@ def test_tiled_mlp_equals_untiled(tile):
         own = {p.untyped_storage().data_ptr() for p in list(m.parameters()) + list(m.buffers())}
         kept[name] = sum(n for k, n in seen.items() if k not in own)
     assert kept["tile"] == kept["mlp"], kept
+    twin = copy.deepcopy(model)  # the copy's wrappers run the copy's MLPs: its own parameters get gradients
+    (l3, g3) = loss_and_grads(twin)
+    assert torch.equal(l3, l1) and g3.keys() == g1.keys() and all(torch.equal(g3[k], g1[k]) for k in g1)
     if tile == 5:  # compiled (aot_eager): the tiled MLPs run eagerly inside the graph, the same numbers
         compiled = torch.compile(recompute.apply(model_of(), "", 1, mlp_tile=tile), backend="aot_eager")
         (l2, g2), (l0, g0) = loss_and_grads(compiled), loss_and_grads(model_of())
@@ -133,7 +136,10 @@ def test_offload_keeps_inputs_on_the_host_until_backward():
     entries = list(offloader.saved)
     loss.backward()
     assert offloader.saved == [] and all(e["host"] is None and e["back"] is None for e in entries)  # nothing kept
-    assert copy.deepcopy(model).blocks[0].forward.offloader is not offloader
+    twin = copy.deepcopy(model)
+    assert twin.blocks[0].forward.offloader is not offloader
+    (l3, g3) = loss_and_grads(twin)  # the copy's wrappers run the copy's blocks: its own parameters get gradients
+    assert torch.equal(l3, l0) and g3.keys() == g0.keys() and all(torch.equal(g3[k], g0[k]) for k in g0)
     compiled = torch.compile(recompute.apply(model_of(dropout=0.1), "block", 1, True), backend="aot_eager")
     (l2, g2) = loss_and_grads(compiled)  # compile leaves the offloaded blocks eager: the same numbers
     assert torch.equal(l2, l0) and all(torch.equal(g2[f"_orig_mod.{k}"], g0[k]) for k in g0)
