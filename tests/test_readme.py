@@ -60,9 +60,14 @@ RUNS = {
 
 
 def pages():
-    """The manual's pages: README.md, then every folder's README.md and docs/*.md, sorted."""
+    """The manual's pages: README.md, then every folder's README.md and docs/*.md, sorted (in a git checkout,
+    the tracked ones: a user's ignored folder, a venv or another project's checkout, is not a page)."""
     found = [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "*", "README.md"))
              + glob.glob(os.path.join(ROOT, "docs", "*.md"))]
+    git = subprocess.run(["git", "-C", ROOT, "ls-files", "-z"], capture_output=True, text=True)
+    if git.returncode == 0 and git.stdout:
+        tracked = set(git.stdout.split("\0"))
+        found = [p for p in found if p in tracked]
     return ["README.md"] + sorted(p for p in found if not p.startswith(("out/", "data/", "tests/")))
 
 
