@@ -2,6 +2,7 @@
 
     python bench/speedrun.py --nanogpt=/path/to/nanoGPT [--nanogpt_tokens=150e6] [--results=<dir>]
     python bench/speedrun.py --nanogpt=... --rows=ingot --ablate=muon,relu2 --cap_gib=24   # more rows, same L
+    python bench/speedrun.py --nanogpt=... --rows=ingot --ablate=wsd --nanogpt_from=<results>/nanogpt  # a later call
     python bench/speedrun.py --nanogpt=... --tiny                                           # CPU smoke test
 
 Each row is a child process run as a user runs it; its result is kept in OUT/<row>/result.json and reused by a
@@ -162,6 +163,18 @@ def cached(path, setup, fresh):
     return res if res.get("setup") == setup else None
 
 
+WHERE = {"knobs": ("out_dir", "dataset"), "race": ("data_dir", "nano_dir")}  # where a call ran, not what it ran
+
+
+def setup_differs(saved, setup):
+    """The keys in which an earlier call's nanoGPT setup differs from this one's, its paths left out."""
+    def what(s):
+        return {f"{part}.{k}" if k else part: v for part, d in s.items()
+                for k, v in (d.items() if isinstance(d, dict) else [("", d)]) if k not in WHERE.get(part, ())}
+    a, b = what(saved), what(setup)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
 def save_json(path, obj):
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
@@ -294,6 +307,18 @@ def nanogpt_row(args, race):
     if res:
         print(f"nanogpt: reusing {out}/result.json (L = {res['L']:.4f}); --fresh runs it again")
         return res
+    if args.nanogpt_from:  # an earlier call's row (e.g. a committed race): the same recipe on the same tokens
+        with open(os.path.join(args.nanogpt_from, "result.json")) as f:
+            res = json.load(f)
+        differs = setup_differs(res["setup"], setup)
+        if differs:
+            raise SystemExit(f"--nanogpt_from={args.nanogpt_from}: its race differs from this one in "
+                             f"{', '.join(differs)}: leave --nanogpt_from out to run nanoGPT here")
+        shutil.copy(os.path.join(args.nanogpt_from, "windows.json"), os.path.join(out, "windows.json"))
+        res.update(setup=setup, reused_from=os.path.abspath(args.nanogpt_from))
+        save_json(os.path.join(out, "result.json"), res)
+        print(f"nanogpt: from {args.nanogpt_from} (L = {res['L']:.4f}, measured on {res['device']})")
+        return res
     with open(os.path.join(out, "race.py"), "w") as f:
         f.write("\n".join(["# the race's changes to config/train_gpt2.py (bench/speedrun.py writes this file)",
                            *(f"{k} = {v!r}" for k, v in knobs.items()), PEAK_HOOK]) + "\n")
@@ -421,7 +446,7 @@ def ingot_row(args, race, nano, name, extra=(), cap=0.0):
         scored = score(args, race, "ingot", run, os.path.join(out, "windows.json"))
         with open(os.path.join(args.out, "nanogpt", "windows.json")) as f:
             d = np.array(scored["windows"]) - np.array(json.load(f)["windows"])  # the same windows, paired
-        res.update(time_to_L_s=float(at[hit]), tokens_to_L=hit * per_step, steps_to_L=hit,
+        res.update(device=scored["device"], time_to_L_s=float(at[hit]), tokens_to_L=hit * per_step, steps_to_L=hit,
                    time_bracket_s=[float(at[prev]), float(at[hit])], resolution=float((at[hit] - at[prev]) / at[hit]),
                    final_minus_L=float(d.mean()), paired_se=float(d.std(ddof=1) / math.sqrt(len(d))))
     save_json(os.path.join(out, "result.json"), res)
@@ -437,6 +462,9 @@ def report(args, race, rows):
     nano = rows[0]
     print(f"\ntarget L = {nano['L']:.4f}: nanoGPT's final loss on {race['windows']} held-out windows of {race['T']} "
           f"tokens (standard error {nano['L_se'] or 0:.4f})")
+    if nano.get("reused_from"):
+        print(f"nanoGPT's row is an earlier call's ({nano['reused_from']}, {nano['device']}): its times are not this "
+              "call's, so compare ingot's rows with each other; the race itself is one call without --nanogpt_from")
     print("| row | reached | time to L s | ×nanoGPT | tokens to L | ×nanoGPT | warm-up s | tok/s | MFU | peak GB "
           "| wall s |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -465,7 +493,10 @@ def report(args, race, rows):
             measured = f"{r['peak_mem_gb'] * 1e9 / 2**30:.2f} GiB" if r.get("peak_mem_gb") is not None else "no peak"
             print(f"{r['row']}: the plan predicts {r['plan']['predicted_peak_gib']:.2f} GiB "
                   f"{' '.join(r['plan']['knobs']) or '(no keys added)'}; measured {measured}")
-    summary = {"commit": commit(ROOT), "date": time.strftime("%Y-%m-%d"), "device": nano["device"], "race": race,
+    ours = next((r["device"] for r in rows[1:] if "device" in r), None)  # ingot's, where nanoGPT's is an earlier call's
+    device = ours if nano.get("reused_from") else nano["device"]
+    summary = {"commit": commit(ROOT), "date": time.strftime("%Y-%m-%d"), "device": device, "race": race,
+               "nanogpt_from": nano.get("reused_from"),
                "L": nano["L"], "L_se": nano["L_se"], "goal": "ingot's time to L <= 1/3 of nanoGPT's (stretch: 1/5)",
                "rows": [{k: v for k, v in r.items() if k != "setup"} for r in rows]}
     save_json(os.path.join(args.out, "speedrun.json"), summary)
@@ -521,6 +552,8 @@ def main(argv=None):
     p.add_argument("--rows", default="nanogpt,ingot", help="nanogpt, ingot (any ingot row runs nanogpt first)")
     p.add_argument("--ablate", default="", help=f"techniques switched off in turn: {', '.join(TECHNIQUES)}")
     p.add_argument("--cap_gib", type=float, default=0.0, help="> 0: a row of ingot under this memory cap")
+    p.add_argument("--nanogpt_from", default="", help="an earlier call's nanogpt/ folder (result.json, windows.json; "
+                   "e.g. --results'): its L, for ingot's rows (ablations, a cap) without running nanoGPT again")
     p.add_argument("--nanogpt_tokens", type=float, default=150e6, help="nanoGPT's token budget (its steps: rounded)")
     p.add_argument("--nanogpt_evals", type=int, default=12, help="nanoGPT's evaluations (its curve's points)")
     p.add_argument("--nanogpt_args", default="", help="more of nanoGPT's --key=value settings")

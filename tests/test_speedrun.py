@@ -6,9 +6,13 @@ exactly the losses of an uninterrupted run; target_loss stops the run at the fir
 evaluation at or below it, after exactly the steps of the same run without it, and saves that step; and
 bench/speedrun.py --tiny races nanoGPT's own train.py against the config: nanoGPT reads our tokens, its val.bin
 holds exactly the held-out windows ingot evaluates, its target L agrees with train.py's own estimate, and the
-race's scoring of ingot's final model equals ingot's own last evaluation (the same windows). The race needs a
-checkout of karpathy/nanoGPT (INGOT_NANOGPT=<folder>): skipped without one.
+race's scoring of ingot's final model equals ingot's own last evaluation (the same windows); a later call with
+--nanogpt_from=<that race's nanogpt results> races ingot against its L without running train.py, and an earlier
+row is reused only for the same recipe on the same tokens (paths aside). The race needs a checkout of
+karpathy/nanoGPT (INGOT_NANOGPT=<folder>): skipped without one.
 """
+import copy
+import importlib.util
 import json
 import os
 import subprocess
@@ -105,3 +109,33 @@ def test_race_tiny_on_cpu(tmp_path):
     assert "--qk_norm=False" in rows["ingot-no-qk_norm"]["command"]
     assert rows["ingot-24gib"]["plan"]["predicted_peak_gib"] > 0
     assert (results / "speedrun.png").exists() or "matplotlib is not installed" in r.stdout
+    # a later call: ingot against the committed nanoGPT row, nanoGPT not run again
+    later = tmp_path / "later"
+    r = subprocess.run([sys.executable, "bench/speedrun.py", "--tiny", f"--nanogpt={nanogpt}", f"--out={later}",
+                        f"--data_dir={tmp_path / 'data'}", "--rows=ingot", f"--nanogpt_from={results / 'nanogpt'}"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    rep2 = json.loads((later / "speedrun.json").read_text())
+    assert rep2["L"] == rep["L"] and rep2["nanogpt_from"] == str(results / "nanogpt")
+    assert not (later / "nanogpt" / "train.log").exists() and "an earlier call's" in r.stdout
+    again = {row["row"]: row for row in rep2["rows"]}["ingot"]
+    assert again["final_val_loss"] == rows["ingot"]["final_val_loss"]  # the same run, scored against the same L
+
+
+def test_nanogpt_from_needs_the_same_race():
+    """setup_differs: an earlier nanoGPT row serves only the same recipe (knobs, train.py) on the same tokens."""
+    spec = importlib.util.spec_from_file_location("speedrun", os.path.join(ROOT, "bench", "speedrun.py"))
+    speedrun = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(speedrun)
+    saved = {"knobs": {"max_iters": 168, "out_dir": "/a/out/nanogpt", "dataset": "/a/out/nanogpt_data"},
+             "race": {"data_dir": "/a/data/python", "nano_dir": "/a/out/nanogpt_data", "T": 1024, "n_train": 99317421,
+                      "fingerprint": "f6553d550aa6f243"}, "nanogpt": "5ed1127a19d04243"}
+    moved = copy.deepcopy(saved)
+    moved["knobs"].update(out_dir="/b/nanogpt", dataset="/b/data")
+    moved["race"].update(data_dir="/b/data/python", nano_dir="/b/data")
+    assert speedrun.setup_differs(saved, moved) == []
+    other = copy.deepcopy(moved)
+    other["knobs"]["max_iters"], other["race"]["fingerprint"], other["nanogpt"] = 84, "0", "1"
+    assert speedrun.setup_differs(saved, other) == ["knobs.max_iters", "nanogpt", "race.fingerprint"]
+    del other["race"]["T"]
+    assert "race.T" in speedrun.setup_differs(saved, other)
