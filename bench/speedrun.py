@@ -11,7 +11,8 @@ config/train_gpt2.py OUT/nanogpt/race.py` in the checkout (never copied): GPT-2 
 weight decay 0.1, 491,520 tokens a step, bf16, compiled; race.py only cuts it to --nanogpt_tokens (cosine over
 all of it, warmup at llm.c's GPT-2 share, 700 of 19,073 steps), points it at the data and prints its peak
 memory. Its final model scored on the held-out windows is the target L. ingot: `pretrain.py configs/speedrun.py
---target_loss=L --eval_every=k` (k times L within --resolution for a run --goal times nanoGPT's speed);
+--max_steps=m --target_loss=L --eval_every=k` (m: its schedule spans --ingot_share of nanoGPT's tokens, 1/3;
+k times L within --resolution for a run --goal times nanoGPT's speed);
 ingot-no-<name>: an --ablate technique off (TECHNIQUES); ingot-<cap>gib: under set_per_process_memory_fraction
 with what its own --gpu_memory plan adds, beside the peak that plan predicts.
 Same tokens: the config's corpus and tokenizer (cl100k_base cut to 50,257 ids: offline, below nanoGPT's uint16
@@ -71,7 +72,7 @@ TECHNIQUES = {
     "fp8_head": {"fp8_head": False},
 }
 TINY_INGOT = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--value_embeds=1", "--block_size=64", "--batch_size=16",
-              "--micro_batch_size=8", "--compile=False", "--max_steps=60", "--warmup_steps=3", "--tokenizer_vocab=2048",
+              "--micro_batch_size=8", "--compile=False", "--warmup_steps=3", "--tokenizer_vocab=2048",
               "--max_docs=200"]
 TINY_NANOGPT = {"n_layer": 2, "n_head": 2, "n_embd": 64, "batch_size": 8, "gradient_accumulation_steps": 2,
                 "device": "cpu", "compile": False, "dtype": "float32"}
@@ -393,6 +394,9 @@ def ingot_row(args, race, nano, name, extra=(), cap=0.0):
     out, plan = os.path.join(args.out, name), None
     os.makedirs(out, exist_ok=True)
     more = list(extra)
+    if args.ingot_share and "max_steps" not in overrides(ingot_args(args) + more):  # the schedule's length
+        per_step = ingot_settings(args, more)["batch_size"] * race["T"]
+        more.append(f"--max_steps={math.ceil(args.ingot_share * nano['tokens_to_L'] / per_step)}")
     if cap:
         plan = gpu_plan(["pretrain.py", CONFIG, *ingot_args(args), *more], cap)
         more += plan["knobs"]
@@ -557,6 +561,8 @@ def main(argv=None):
     p.add_argument("--nanogpt_tokens", type=float, default=150e6, help="nanoGPT's token budget (its steps: rounded)")
     p.add_argument("--nanogpt_evals", type=int, default=12, help="nanoGPT's evaluations (its curve's points)")
     p.add_argument("--nanogpt_args", default="", help="more of nanoGPT's --key=value settings")
+    p.add_argument("--ingot_share", type=float, default=1 / 3, help="ingot's schedule (max_steps, so its decay) spans "
+                   "this share of nanoGPT's tokens: the goal's; 0 (or --max_steps in --ingot_args): the config's")
     p.add_argument("--ingot_args", default="", help="more pretrain.py --key=value settings for every ingot row")
     p.add_argument("--eval_windows", type=int, default=512, help="held-out windows (of block_size tokens)")
     p.add_argument("--resolution", type=float, default=0.02, help="the time to L within this share")

@@ -46,8 +46,8 @@ grad_clip = 1.0
 # --- the schedule: warm up briefly, hold, then decay to 0 at the end (where the loss falls fastest)
 batch_size = 256           # 256 x 1024 = 262k tokens a step: half nanoGPT's 0.5M, twice the steps for the tokens
 micro_batch_size = 32      # 8 accumulation steps; a speed knob only (the plan, --gpu_memory=24, says what fits)
-max_steps = 200            # 52M tokens, ~1/3 of the race's 150M for nanoGPT: the schedule's length (target_loss stops
-                           # it earlier); too short and the run ends above the target
+max_steps = 200            # 52M tokens: the schedule's length (target_loss stops it earlier); too short and the run
+                           # ends above the target. The race sets it to 1/3 of nanoGPT's tokens (--ingot_share)
 warmup_steps = 20
 schedule = "wsd"           # warmup-stable-decay. --ablate=wsd: cosine
 wsd_decay_frac = 0.4       # the last 40% of the steps decay linearly

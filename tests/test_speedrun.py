@@ -106,6 +106,7 @@ def test_race_tiny_on_cpu(tmp_path):
             assert rep["L"] + row["final_minus_L"] == pytest.approx(own[row["steps_to_L"]], abs=1e-4)
             assert row["tokens_to_L"] == row["steps_to_L"] * 16 * 64
             assert 0 <= row["time_bracket_s"][0] < row["time_bracket_s"][1] == row["time_to_L_s"]
+    assert all("--max_steps=14 " in row["command"] for row in rep["rows"][1:])  # 1/3 of nanoGPT's tokens (1,024 a step)
     assert "--qk_norm=False" in rows["ingot-no-qk_norm"]["command"]
     assert rows["ingot-24gib"]["plan"]["predicted_peak_gib"] > 0
     assert (results / "speedrun.png").exists() or "matplotlib is not installed" in r.stdout
