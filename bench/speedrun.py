@@ -592,6 +592,10 @@ def main(argv=None):
     unknown = [t for t in filter(None, args.ablate.split(",")) if t not in TECHNIQUES]
     if unknown:
         raise SystemExit(f"--ablate: unknown {unknown}; known: {', '.join(TECHNIQUES)}")
+    if args.nanogpt_from and not all(os.path.isfile(os.path.join(args.nanogpt_from, f))
+                                     for f in ("result.json", "windows.json")):
+        raise SystemExit(f"--nanogpt_from={args.nanogpt_from}: give an earlier race's nanogpt/ folder, with its "
+                         "result.json and windows.json (--results copies both)")
     os.makedirs(args.out, exist_ok=True)
     race = prepare_race(args)
     if args.prepare_only:
