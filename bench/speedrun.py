@@ -491,8 +491,11 @@ def report(args, race, rows):
             cost = f"; {r['time_to_L_s'] / ours['time_to_L_s']:.3f}x ingot's time" if ours and r is not ours else ""
             print(f"{r['row']}: {1 / r['time_ratio']:.2f}x nanoGPT's speed to L in training time, "
                   f"{1 / r['tokens_ratio']:.2f}x in tokens{cost}; final loss - L = {r['final_minus_L']:+.4f} "
-                  f"(paired standard error {r['paired_se'] or 0:.4f}); evaluations {r['resolution']:.1%} of its time "
-                  "to L apart" + (" (above --resolution: raise --goal)" if r["resolution"] > args.resolution else ""))
+                  f"(paired standard error {r['paired_se'] or 0:.4f}); L crossed between {r['time_bracket_s'][0]:.1f} "
+                  f"and {r['time_bracket_s'][1]:.1f} s, evaluations {r['resolution']:.1%} of its time to L apart"
+                  + ("" if r["resolution"] <= args.resolution else " (above --resolution: raise --goal)"
+                     if r["eval_every"] > 1 else " (every step evaluated: smaller steps, --ingot_args=--batch_size=..., "
+                     "time it finer)"))
         if r.get("plan"):
             measured = f"{r['peak_mem_gb'] * 1e9 / 2**30:.2f} GiB" if r.get("peak_mem_gb") is not None else "no peak"
             print(f"{r['row']}: the plan predicts {r['plan']['predicted_peak_gib']:.2f} GiB "
