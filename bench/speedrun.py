@@ -1,7 +1,7 @@
 """The race to a loss (issue 56): nanoGPT's own GPT-2 recipe, then ingot's configs/speedrun.py, on one GPU.
 
     python bench/speedrun.py --nanogpt=/path/to/nanoGPT [--nanogpt_tokens=150e6] [--results=<dir>]
-    python bench/speedrun.py --nanogpt=... --rows=ingot --ablate=muon,relu2 --cap_gib=24   # more rows, same L
+    python bench/speedrun.py --nanogpt=... --rows=ingot --ablate=muon,relu2 --seeds=3 --cap_gib=24  # more rows
     python bench/speedrun.py --nanogpt=... --rows=ingot --ablate=wsd --nanogpt_from=<results>/nanogpt  # a later call
     python bench/speedrun.py --nanogpt=... --tiny                                           # CPU smoke test
 
@@ -13,8 +13,9 @@ all of it, warmup at llm.c's GPT-2 share, 700 of 19,073 steps), points it at the
 memory. Its final model scored on the held-out windows is the target L. ingot: `pretrain.py configs/speedrun.py
 --max_steps=m --target_loss=L --eval_every=k` (m: its schedule spans --ingot_share of nanoGPT's tokens, 1/3;
 k times L within --resolution for a run --goal times nanoGPT's speed);
-ingot-no-<name>: an --ablate technique off (TECHNIQUES); ingot-<cap>gib: under set_per_process_memory_fraction
-with what its own --gpu_memory plan adds, beside the peak that plan predicts.
+ingot-no-<name>: an --ablate technique off (TECHNIQUES); ingot-seed<n>: --seeds more runs of ingot's row, the
+spread an ablation's cost must clear; ingot-<cap>gib: under set_per_process_memory_fraction with what its own
+--gpu_memory plan adds, beside the peak that plan predicts.
 Same tokens: the config's corpus and tokenizer (cl100k_base cut to 50,257 ids: offline, below nanoGPT's uint16
 limit), tokenized once (corpora/prepare.py); nanoGPT reads that train.bin, in its own order (random offsets
 from torch's generator; ingot: a seeded permutation of windows: another order would mean patching train.py).
@@ -462,6 +463,12 @@ def ingot_row(args, race, nano, name, extra=(), cap=0.0):
 # ---------------------------------------------------------------------------- the report
 
 
+def seed_spread(rows):
+    """ingot's times to L over its seed rows (ingot, ingot-seed<n>) -> (the times, (fastest, slowest) or None)."""
+    times = [r["time_to_L_s"] for r in rows if re.fullmatch(r"ingot(-seed\d+)?", r["row"]) and r.get("reached")]
+    return times, ((min(times), max(times)) if len(times) > 1 else None)
+
+
 def report(args, race, rows):
     nano = rows[0]
     print(f"\ntarget L = {nano['L']:.4f}: nanoGPT's final loss on {race['windows']} held-out windows of {race['T']} "
@@ -486,9 +493,16 @@ def report(args, race, rows):
                  f"{r['peak_mem_gb']:.2f}" if r.get("peak_mem_gb") is not None else "n/a", f"{r['process_wall_s']:.0f}"]
         print("| " + " | ".join(cells) + " |")
     ours = next((r for r in rows if r["row"] == "ingot" and r.get("reached")), None)
+    seeds, spread = seed_spread(rows)
+    if spread:
+        print(f"ingot over {len(seeds)} seeds: L in {spread[0]:.1f}-{spread[1]:.1f} s of training: an ablation's cost "
+              "counts where its time is above the slowest seed's")
     for r in rows[1:]:
         if r.get("reached"):  # a win in time at more tokens shows as a speed-up below 1x in tokens
             cost = f"; {r['time_to_L_s'] / ours['time_to_L_s']:.3f}x ingot's time" if ours and r is not ours else ""
+            if spread and r["row"].startswith("ingot-no-"):
+                r["beyond_seeds"] = r["time_to_L_s"] > spread[1]
+                cost += " (beyond the seeds' spread)" if r["beyond_seeds"] else " (within the seeds' spread)"
             print(f"{r['row']}: {1 / r['time_ratio']:.2f}x nanoGPT's speed to L in training time, "
                   f"{1 / r['tokens_ratio']:.2f}x in tokens{cost}; final loss - L = {r['final_minus_L']:+.4f} "
                   f"(paired standard error {r['paired_se'] or 0:.4f}); L crossed between {r['time_bracket_s'][0]:.1f} "
@@ -504,7 +518,8 @@ def report(args, race, rows):
     device = ours if nano.get("reused_from") else nano["device"]
     summary = {"commit": commit(ROOT), "date": time.strftime("%Y-%m-%d"), "device": device, "race": race,
                "nanogpt_from": nano.get("reused_from"),
-               "L": nano["L"], "L_se": nano["L_se"], "goal": "ingot's time to L <= 1/3 of nanoGPT's (stretch: 1/5)",
+               "L": nano["L"], "L_se": nano["L_se"], "seeds_time_to_L_s": seeds,
+               "goal": "ingot's time to L <= 1/3 of nanoGPT's (stretch: 1/5)",
                "rows": [{k: v for k, v in r.items() if k != "setup"} for r in rows]}
     save_json(os.path.join(args.out, "speedrun.json"), summary)
     print(f"results: {os.path.join(args.out, 'speedrun.json')}")
@@ -559,6 +574,8 @@ def main(argv=None):
     p.add_argument("--rows", default="nanogpt,ingot", help="nanogpt, ingot (any ingot row runs nanogpt first)")
     p.add_argument("--ablate", default="", help=f"techniques switched off in turn: {', '.join(TECHNIQUES)}")
     p.add_argument("--cap_gib", type=float, default=0.0, help="> 0: a row of ingot under this memory cap")
+    p.add_argument("--seeds", type=int, default=1, help="> 1: ingot's row at that many seeds (ingot-seed<n> rows): the "
+                   "spread of its time to L, which an --ablate row's cost must clear to count")
     p.add_argument("--nanogpt_from", default="", help="an earlier call's nanogpt/ folder (result.json, windows.json; "
                    "e.g. --results'): its L, for ingot's rows (ablations, a cap) without running nanoGPT again")
     p.add_argument("--nanogpt_tokens", type=float, default=150e6, help="nanoGPT's token budget (its steps: rounded)")
@@ -607,6 +624,9 @@ def main(argv=None):
     asked = [r for r in args.rows.split(",") if r]
     if "ingot" in asked:
         rows.append(ingot_row(args, race, rows[0], "ingot"))
+    seed = ingot_settings(args)["seed"]
+    for k in range(1, args.seeds):  # the same row at other seeds (initial weights, data order): its spread
+        rows.append(ingot_row(args, race, rows[0], f"ingot-seed{seed + k}", [f"--seed={seed + k}"]))
     for t in filter(None, args.ablate.split(",")):
         rows.append(ingot_row(args, race, rows[0], f"ingot-no-{t}", [f"--{k}={v}" for k, v in TECHNIQUES[t].items()]))
     if args.cap_gib:

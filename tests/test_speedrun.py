@@ -8,7 +8,8 @@ bench/speedrun.py --tiny races nanoGPT's own train.py against the config: nanoGP
 holds exactly the held-out windows ingot evaluates, its target L agrees with train.py's own estimate, and the
 race's scoring of ingot's final model equals ingot's own last evaluation (the same windows); a later call with
 --nanogpt_from=<that race's nanogpt results> races ingot against its L without running train.py, and an earlier
-row is reused only for the same recipe on the same tokens (paths aside). The race needs a checkout of
+row is reused only for the same recipe on the same tokens (paths aside); --seeds adds ingot's row at other seeds,
+whose fastest and slowest times to L are the spread an ablation's cost is judged against. The race needs a checkout of
 karpathy/nanoGPT (INGOT_NANOGPT=<folder>): skipped without one.
 """
 import copy
@@ -79,12 +80,18 @@ def test_race_tiny_on_cpu(tmp_path):
         pytest.skip("no nanoGPT checkout: set INGOT_NANOGPT to a clone of karpathy/nanoGPT")
     out, results = tmp_path / "race", tmp_path / "results"
     r = subprocess.run([sys.executable, "bench/speedrun.py", "--tiny", f"--nanogpt={nanogpt}", f"--out={out}",
-                        f"--data_dir={tmp_path / 'data'}", "--ablate=qk_norm", "--cap_gib=24", f"--results={results}"],
+                        f"--data_dir={tmp_path / 'data'}", "--ablate=qk_norm", "--seeds=2", "--cap_gib=24",
+                        f"--results={results}"],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     rep = json.loads((results / "speedrun.json").read_text())
     rows = {row["row"]: row for row in rep["rows"]}
-    assert list(rows) == ["nanogpt", "ingot", "ingot-no-qk_norm", "ingot-24gib"]
+    assert list(rows) == ["nanogpt", "ingot", "ingot-seed1338", "ingot-no-qk_norm", "ingot-24gib"]
+    assert "--seed=1338" in rows["ingot-seed1338"]["command"] and "--seed=" not in rows["ingot"]["command"]
+    times = [rows[n]["time_to_L_s"] for n in ("ingot", "ingot-seed1338") if rows[n]["reached"]]
+    assert rep["seeds_time_to_L_s"] == times
+    if len(times) == 2 and rows["ingot-no-qk_norm"]["reached"]:  # an ablation's cost against the seeds' spread
+        assert rows["ingot-no-qk_norm"]["beyond_seeds"] == (rows["ingot-no-qk_norm"]["time_to_L_s"] > max(times))
     race, nano = rep["race"], rows["nanogpt"]
     # nanoGPT's held-out file is the first windows of our validation split, token for token
     ours = np.fromfile(os.path.join(race["data_dir"], "val.bin"), dtype=np.uint16)
@@ -97,7 +104,7 @@ def test_race_tiny_on_cpu(tmp_path):
            if line.startswith(f"step {nano['steps_to_L']}: ")]
     assert abs(own[0] - rep["L"]) < 0.05, (own, rep["L"])
     assert nano["tokens_to_L"] == 40 * 8 * 2 * 64 and nano["time_to_L_s"] > 0
-    for name in ("ingot", "ingot-no-qk_norm", "ingot-24gib"):
+    for name in ("ingot", "ingot-seed1338", "ingot-no-qk_norm", "ingot-24gib"):
         row = rows[name]
         assert "--target_loss=" in row["command"] and row["curve"][0][0] == 0
         if row["reached"]:  # stopped at its first evaluation at or below L, scored on the same windows as nanoGPT's
@@ -123,11 +130,31 @@ def test_race_tiny_on_cpu(tmp_path):
     assert again["final_val_loss"] == rows["ingot"]["final_val_loss"]  # the same run, scored against the same L
 
 
-def test_nanogpt_from_needs_the_same_race():
-    """setup_differs: an earlier nanoGPT row serves only the same recipe (knobs, train.py) on the same tokens."""
+def load_speedrun():
     spec = importlib.util.spec_from_file_location("speedrun", os.path.join(ROOT, "bench", "speedrun.py"))
     speedrun = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(speedrun)
+    return speedrun
+
+
+def test_seed_spread_is_ingots_rows_alone():
+    """seed_spread: the fastest and slowest time to L over ingot and its ingot-seed<n> rows that reached L; ablation,
+    capped and unreached rows do not count, and one run has no spread."""
+    rows = [{"row": "nanogpt", "reached": True, "time_to_L_s": 180.0},
+            {"row": "ingot", "reached": True, "time_to_L_s": 11.5},
+            {"row": "ingot-seed1338", "reached": True, "time_to_L_s": 12.6},
+            {"row": "ingot-seed1339", "reached": True, "time_to_L_s": 10.9},
+            {"row": "ingot-seed1340", "reached": False},
+            {"row": "ingot-no-muon", "reached": True, "time_to_L_s": 22.2},
+            {"row": "ingot-24gib", "reached": True, "time_to_L_s": 14.0}]
+    speedrun = load_speedrun()
+    assert speedrun.seed_spread(rows) == ([11.5, 12.6, 10.9], (10.9, 12.6))
+    assert speedrun.seed_spread(rows[:2] + rows[5:]) == ([11.5], None)
+
+
+def test_nanogpt_from_needs_the_same_race():
+    """setup_differs: an earlier nanoGPT row serves only the same recipe (knobs, train.py) on the same tokens."""
+    speedrun = load_speedrun()
     saved = {"knobs": {"max_iters": 168, "out_dir": "/a/out/nanogpt", "dataset": "/a/out/nanogpt_data"},
              "race": {"data_dir": "/a/data/python", "nano_dir": "/a/out/nanogpt_data", "T": 1024, "n_train": 99317421,
                       "fingerprint": "f6553d550aa6f243"}, "nanogpt": "5ed1127a19d04243"}
