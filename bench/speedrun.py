@@ -514,8 +514,8 @@ def report(args, race, rows):
             measured = f"{r['peak_mem_gb'] * 1e9 / 2**30:.2f} GiB" if r.get("peak_mem_gb") is not None else "no peak"
             print(f"{r['row']}: the plan predicts {r['plan']['predicted_peak_gib']:.2f} GiB "
                   f"{' '.join(r['plan']['knobs']) or '(no keys added)'}; measured {measured}")
-    ours = next((r["device"] for r in rows[1:] if "device" in r), None)  # ingot's, where nanoGPT's is an earlier call's
-    device = ours if nano.get("reused_from") else nano["device"]
+    ingot_device = next((r["device"] for r in rows[1:] if "device" in r), None)  # where nanoGPT's is an earlier call's
+    device = ingot_device if nano.get("reused_from") else nano["device"]
     summary = {"commit": commit(ROOT), "date": time.strftime("%Y-%m-%d"), "device": device, "race": race,
                "nanogpt_from": nano.get("reused_from"),
                "L": nano["L"], "L_se": nano["L_se"], "seeds_time_to_L_s": seeds,
