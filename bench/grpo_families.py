@@ -8,7 +8,7 @@ and the end of GRPO in one row.
 
 Each stage runs as its users run it: `python sft.py configs/sft_life.py --init_from=<base> --task=<family>
 --task_args={}`, then `python grpo.py configs/grpo_life.py --init_from=<that SFT> --task=<family> --task_args={}
---max_new_tokens=<n>` (n: the family's longest worked solution in the base's tokens, plus a quarter, rounded up
+--max_new_tokens=<n>` (the SFT config's own task, `--families=countdown`, keeps its task_args: Countdown up to 199) (n: the family's longest worked solution in the base's tokens, plus a quarter, rounded up
 to 16; the SFT's eval_tokens too), with --sft / --grpo appended. --tiny: configs/tiny.py pretrained 20 steps
 (rows of 256 tokens) when no --base, configs/sft_tiny.py and grpo_tiny.py with a few steps each. --minutes
 caps each GRPO run's wall clock (start-up and evaluations included): at the cap it gets SIGTERM, saves and stops,
@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import runpy
 import shutil
 import signal
 import subprocess
@@ -73,7 +74,7 @@ def stage(name, args, log, minutes=0.0):
     return p.returncode, seconds, stopped
 
 
-def new_tokens(family, base):
+def new_tokens(family, base, task_args=None):
     """max_new_tokens for a family: its longest worked solution (2,000 training items) in the base's tokens, plus
     its end of turn, plus a quarter, rounded up to a multiple of 16."""
     import checkpoint
@@ -82,8 +83,15 @@ def new_tokens(family, base):
     with open(os.path.join(checkpoint.latest(base), "config.json")) as f:
         cfg = json.load(f)
     tok = tokenizer.get_tokenizer(cfg["tokenizer"], cfg.get("tokenizer_vocab", 0))
-    longest = max(len(tok.encode(it["solution"])) for it in tasks.get(family).train(2000, seed=0)) + 1
+    longest = max(len(tok.encode(it["solution"])) for it in tasks.get(family, task_args or {}).train(2000, seed=0)) + 1
     return 16 * math.ceil(1.25 * longest / 16)
+
+
+def settings(family, cfgs):
+    """A family's task_args: the SFT config's own when it names that task (configs/sft_life.py's Countdown up to
+    199, the family GRPO's recipe was tuned on), else {} (the family's defaults)."""
+    own = runpy.run_path(os.path.join(ROOT, cfgs["sft"][0]))
+    return dict(own.get("task_args", {})) if own.get("task") == family else {}
 
 
 def records(path):
@@ -155,7 +163,7 @@ def family_run(family, n, base, cfgs, common, a):
     here = os.path.join(a.out, family)
     os.makedirs(here, exist_ok=True)
     sft_dir, grpo_dir = (os.path.join(a.runs, f"{s}_{family}") for s in ("sft", "grpo"))
-    task = [f"--task={family}", "--task_args={}"]
+    task = [f"--task={family}", f"--task_args={json.dumps(settings(family, cfgs))}"]
     sft_args = [*cfgs["sft"], f"--init_from={base}", f"--out_dir={sft_dir}", *task, f"--eval_tokens={n}", *common,
                 *a.sft.split()]
     grpo_args = [*cfgs["grpo"], f"--init_from={sft_dir}", f"--out_dir={grpo_dir}", *task, f"--max_new_tokens={n}",
@@ -203,7 +211,7 @@ def main(argv=None):
                  os.path.join(a.out, "pretrain.log"))[0]:
             raise SystemExit("pretraining failed")
     families = [f for f in a.families.split(",") if f]
-    lengths = {f: new_tokens(f, base) for f in families}
+    lengths = {f: new_tokens(f, base, settings(f, cfgs)) for f in families}
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # each thread waits on its family's stages
         for r in pool.map(lambda f: family_run(f, lengths[f], base, cfgs, common, a), families):
             with open(os.path.join(a.out, "rows.jsonl"), "a") as f:  # appended: families run in several calls add up
