@@ -199,7 +199,9 @@ def main(argv=None):
     p.add_argument("--sft", default="", help="--key=value for SFT (space separated)")
     p.add_argument("--grpo", default="", help="--key=value for GRPO (space separated)")
     p.add_argument("--jobs", type=int, default=1, help="families run side by side on the one GPU (their minutes then "
-                   "share it: a cap met side by side is met alone; step times are not comparable)")
+                   "share it: a cap met side by side is met alone; step times are not comparable). Four life-shape "
+                   "GRPO runs held 16-24 GiB each and one ran out of memory on an 80 GB H100: there, add "
+                   "--grpo=--micro_batch_size=128 (the same steps, in more micro-batches)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: configs/tiny.py, sft_tiny.py, grpo_tiny.py")
     a = p.parse_args(argv)
     cfgs, common = (TINY if a.tiny else FULL), ["--overwrite=True", "--progress=False"]

@@ -229,10 +229,12 @@ class LongArithmetic(Family):
     """Multi-digit arithmetic with carries: a + b and a - b (a >= b) of 3-5 digit numbers, worked column by
     column from the units ("7 + 5 + 0 = 12, write 2, carry 1"; "12 - 8 - 0 = 4, borrow 1": the top digit plus
     10 when it borrows, minus the bottom digit and the borrow in), and a * m of a 3-4 digit a by m in [2, 99]
-    by place-value partial products ("4000 * 36 = 144000" ..., then their sum). The operation is drawn
-    uniformly; a term of a sum or difference has 3, 4 or 5 digits (equally likely), a product's a and m are
-    uniform. space(): 14,971,035,150 problems (99,900^2 sums, 99,900 x 99,901 / 2 differences, 9,900 x 98
-    products)."""
+    by place-value partial products ("4000 * 36 = 144000" ..., then their sum). Each number is first spelled
+    digit by digit ("digits of 4827: 4 8 2 7", one token a digit: a BPE token holds several, whose n-th digit
+    a small model cannot read), and a sum's or difference's written digits are read back highest first before
+    the answer ("digits of the answer: 8 5 2 2"). The operation is drawn uniformly; a term of a sum or
+    difference has 3, 4 or 5 digits (equally likely), a product's a and m are uniform. space():
+    14,971,035,150 problems (99,900^2 sums, 99,900 x 99,901 / 2 differences, 9,900 x 98 products)."""
     name = "long_arithmetic"
 
     def draw(self, rng):
@@ -244,13 +246,14 @@ class LongArithmetic(Family):
 
     def solve(self, problem):
         op, a, b = problem
+        spell = lambda x: f"digits of {x}: {' '.join(str(x))}"
         if op == "*":
             parts = [int(d) * 10 ** k * b for k, d in enumerate(reversed(str(a))) if d != "0"][::-1]  # highest first
-            steps = [f"{x // b} * {b} = {x}" for x in parts]
+            steps = [spell(a)] + [f"{x // b} * {b} = {x}" for x in parts]
             if len(parts) > 1:
                 steps.append(" + ".join(map(str, parts)) + f" = {a * b}")
             return f"What is {a} * {b}?", steps, str(a * b)
-        width, steps, carry = max(len(str(a)), len(str(b))), [], 0
+        width, steps, carry = max(len(str(a)), len(str(b))), [spell(a), spell(b)], 0
         top, bottom = (str(x)[::-1].ljust(width, "0") for x in (a, b))  # units first, zeros past the shorter
         for t, u in zip(map(int, top), map(int, bottom)):
             if op == "+":
@@ -261,7 +264,9 @@ class LongArithmetic(Family):
                 borrow = int(t - u - carry < 0)
                 steps.append(f"{t + 10 * borrow} - {u} - {carry} = {t + 10 * borrow - u - carry}, borrow {borrow}")
                 carry = borrow
-        return f"What is {a} {op} {b}?", steps, str(a + b if op == "+" else a - b)
+        answer = a + b if op == "+" else a - b
+        steps.append(f"digits of the answer: {' '.join(str(answer))}")
+        return f"What is {a} {op} {b}?", steps, str(answer)
 
     def space(self):
         d, m = digits_between(3, 5), digits_between(3, 4)

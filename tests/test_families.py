@@ -38,14 +38,18 @@ HAND = [
     ("word_problems", ("sharing", ("Emma", "cookies", 4, 12, 3, 5)), "Emma has 45 cookies and gets 3 more",
      "45 + 3 = 48\n48 / 4 = 12\n12 - 5 = 7", "7"),
     ("long_arithmetic", ("+", 4827, 3695), "What is 4827 + 3695?",
-     ("7 + 5 + 0 = 12, write 2, carry 1\n2 + 9 + 1 = 12, write 2, carry 1\n8 + 6 + 1 = 15, write 5, carry 1\n"
-      "4 + 3 + 1 = 8, write 8, carry 0"), "8522"),
+     ("digits of 4827: 4 8 2 7\ndigits of 3695: 3 6 9 5\n7 + 5 + 0 = 12, write 2, carry 1\n"
+      "2 + 9 + 1 = 12, write 2, carry 1\n8 + 6 + 1 = 15, write 5, carry 1\n4 + 3 + 1 = 8, write 8, carry 0\n"
+      "digits of the answer: 8 5 2 2"), "8522"),
     ("long_arithmetic", ("+", 99999, 100), "What is 99999 + 100?",
-     ("9 + 0 + 0 = 9, write 9, carry 0\n9 + 0 + 0 = 9, write 9, carry 0\n9 + 1 + 0 = 10, write 0, carry 1\n"
-      "9 + 0 + 1 = 10, write 0, carry 1\n9 + 0 + 1 = 10, write 0, carry 1"), "100099"),
+     ("digits of 99999: 9 9 9 9 9\ndigits of 100: 1 0 0\n9 + 0 + 0 = 9, write 9, carry 0\n"
+      "9 + 0 + 0 = 9, write 9, carry 0\n9 + 1 + 0 = 10, write 0, carry 1\n9 + 0 + 1 = 10, write 0, carry 1\n"
+      "9 + 0 + 1 = 10, write 0, carry 1\ndigits of the answer: 1 0 0 0 9 9"), "100099"),
     ("long_arithmetic", ("-", 5002, 378), "What is 5002 - 378?",
-     "12 - 8 - 0 = 4, borrow 1\n10 - 7 - 1 = 2, borrow 1\n10 - 3 - 1 = 6, borrow 1\n5 - 0 - 1 = 4, borrow 0", "4624"),
-    ("long_arithmetic", ("*", 305, 47), "What is 305 * 47?", "300 * 47 = 14100\n5 * 47 = 235\n14100 + 235 = 14335",
+     ("digits of 5002: 5 0 0 2\ndigits of 378: 3 7 8\n12 - 8 - 0 = 4, borrow 1\n10 - 7 - 1 = 2, borrow 1\n"
+      "10 - 3 - 1 = 6, borrow 1\n5 - 0 - 1 = 4, borrow 0\ndigits of the answer: 4 6 2 4"), "4624"),
+    ("long_arithmetic", ("*", 305, 47), "What is 305 * 47?",
+     "digits of 305: 3 0 5\n300 * 47 = 14100\n5 * 47 = 235\n14100 + 235 = 14335",
      "14335"),
     ("strings", ("reverse", "planet", None), "Reverse the letters of 'planet'.", "p l a n e t\nt e n a l p", "tenalp"),
     ("strings", ("sort", "planet", None), "Sort the letters of 'planet' in alphabetical order.",
@@ -135,11 +139,16 @@ def check_item(name, it):
     elif name == "long_arithmetic":
         a, op, b = re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\?", q).groups()
         assert int(answer) == eval(f"{a} {op} {b}")
+        assert lines[0] == f"digits of {a}: {' '.join(a)}"  # each number spelled digit by digit first
         if op == "*":  # place values of a (highest first) times b, then their sum
+            lines = lines[1:]
             places = [int(d) * 10 ** k for k, d in enumerate(reversed(a)) if d != "0"][::-1]
             assert [line.split(" * ")[0] for line in lines[:len(places)]] == [str(p) for p in places]
             assert sum(results[:len(places)]) == int(answer) and results[-1] == int(answer)
         else:
+            assert lines[1] == f"digits of {b}: {' '.join(b)}"
+            assert lines[-1] == f"digits of the answer: {' '.join(answer)}"
+            lines = lines[2:-1]
             cols = [re.fullmatch(r"(\d+) [-+] (\d) [-+] (\d) = (\d+), (?:write (\d), )?(carry|borrow) (\d)", line).groups()
                     for line in lines]
             top, bottom = a[::-1], b[::-1]
