@@ -15,6 +15,9 @@ caps each GRPO run's wall clock (start-up and evaluations included): at the cap 
 and its end is its last held-out evaluation (the row says so: "stopped": true). Without --base, configs/life.py
 (tiny: tiny.py) is pretrained into <runs>/base first.
 
+--variants runs GRPO several ways from each family's one SFT ('name:--key=value ...;...', each a row; the one named
+defaults writes grpo.*, another grpo_<name>.*): the ablations of a recipe, side by side with --jobs.
+
 Written under --out: <family>/{sft,grpo}.log and their metrics, rows.jsonl (one JSON row a family: SFT's held-out
 greedy accuracy before -> after, GRPO's held-out greedy and sampled accuracy at its first and last evaluation,
 its steps and minutes, the share of equal-reward groups, the commands), report.md (the table), curves.png
@@ -135,16 +138,17 @@ def pct(x):
 
 
 def report(rows, path):
-    lines = [("| family | SFT greedy before -> after (%) | GRPO start greedy / sampled (%) | GRPO end greedy / "
+    lines = [("| family | variant | SFT greedy before -> after (%) | GRPO start greedy / sampled (%) | GRPO end greedy / "
               "sampled (%) | gain greedy / sampled (points) | GRPO steps (last eval) | GRPO minutes | equal-reward "
               "groups first -> last log (%) |"),
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         g = r.get("grpo")
         if not g:
-            lines.append(f"| {r['family']} | failed: {r.get('failed', 'no held-out evaluation')} |||||||")
+            lines.append(f"| {r['family']} | {r.get('variant', 'defaults')} | failed: "
+                         f"{r.get('failed', 'no held-out evaluation')} |||||||")
             continue
-        lines.append(f"| {r['family']} | {pct(r['sft']['greedy_before'])} -> {pct(r['sft']['greedy_after'])} | "
+        lines.append(f"| {r['family']} | {r.get('variant', 'defaults')} | {pct(r['sft']['greedy_before'])} -> {pct(r['sft']['greedy_after'])} | "
                      f"{pct(g['start_greedy'])} / {pct(g['start_sampled'])} | {pct(g['end_greedy'])} / "
                      f"{pct(g['end_sampled'])} | {100 * g['gain_greedy']:+.1f} / {100 * g['gain_sampled']:+.1f} | "
                      f"{g['steps']} ({g['end_step']}){' stopped' if r['stopped'] else ''} | "
@@ -158,32 +162,56 @@ def report(rows, path):
     return "\n".join(lines)
 
 
-def family_run(family, n, base, cfgs, common, a):
-    """One family: SFT from base, then GRPO from it (capped at a.minutes), its curves -> its row."""
-    here = os.path.join(a.out, family)
+def variants(spec):
+    """--variants 'name:--key=value ...;name2:...' -> [(name, [args])]; "" -> [("defaults", [])]."""
+    out = []
+    for part in filter(None, (x.strip() for x in spec.split(";"))):
+        name, colon, args = part.partition(":")
+        if not colon or not re.fullmatch(r"[a-z0-9_]+", name) or name in {n for n, _ in out}:
+            raise SystemExit(f"--variants: {part!r} is not 'name:--key=value ...' with a new name of a-z, 0-9, _")
+        out.append((name, args.split()))
+    return out or [("defaults", [])]
+
+
+def sft_run(family, n, base, cfgs, common, a):
+    """SFT of one family from base -> (return code, its run folder, its command)."""
+    here, sft_dir = os.path.join(a.out, family), os.path.join(a.runs, f"sft_{family}")
     os.makedirs(here, exist_ok=True)
-    sft_dir, grpo_dir = (os.path.join(a.runs, f"{s}_{family}") for s in ("sft", "grpo"))
-    task = [f"--task={family}", f"--task_args={json.dumps(settings(family, cfgs))}"]
-    sft_args = [*cfgs["sft"], f"--init_from={base}", f"--out_dir={sft_dir}", *task, f"--eval_tokens={n}", *common,
-                *a.sft.split()]
-    grpo_args = [*cfgs["grpo"], f"--init_from={sft_dir}", f"--out_dir={grpo_dir}", *task, f"--max_new_tokens={n}",
-                 *([f"--max_steps={a.grpo_steps}"] if a.grpo_steps else []), *common, *a.grpo.split()]
-    commands = {s: f"python {s}.py {' '.join(x)}" for s, x in (("sft", sft_args), ("grpo", grpo_args))}
-    rc = stage(f"{family} sft", ["sft.py", *sft_args], os.path.join(here, "sft.log"))[0]
-    rc, seconds, stopped = stage(f"{family} grpo", ["grpo.py", *grpo_args], os.path.join(here, "grpo.log"),
-                                 a.minutes) if not rc else (rc, 0.0, False)
+    args = [*cfgs["sft"], f"--init_from={base}", f"--out_dir={sft_dir}", *task_keys(family, cfgs),
+            f"--eval_tokens={n}", *common, *a.sft.split()]
+    rc = stage(f"{family} sft", ["sft.py", *args], os.path.join(here, "sft.log"))[0]
+    return rc, sft_dir, f"python sft.py {' '.join(args)}"
+
+
+def task_keys(family, cfgs):
+    return [f"--task={family}", f"--task_args={json.dumps(settings(family, cfgs))}"]
+
+
+def grpo_run(family, variant, n, sft, cfgs, common, a):
+    """GRPO of one family and variant from its SFT (capped at a.minutes), its curves -> its row."""
+    (name, extra), (rc, sft_dir, sft_command) = variant, sft
+    suffix = "" if name == "defaults" else f"_{name}"
+    here, grpo_dir = os.path.join(a.out, family), os.path.join(a.runs, f"grpo_{family}{suffix}")
+    args = [*cfgs["grpo"], f"--init_from={sft_dir}", f"--out_dir={grpo_dir}", *task_keys(family, cfgs),
+            f"--max_new_tokens={n}", *([f"--max_steps={a.grpo_steps}"] if a.grpo_steps else []), *common,
+            *a.grpo.split(), *extra]
+    commands = {"sft": sft_command, "grpo": f"python grpo.py {' '.join(args)}"}
+    log = os.path.join(here, f"grpo{suffix}.log")
+    rc, seconds, stopped = stage(f"{family} grpo{suffix}", ["grpo.py", *args], log, a.minutes) if not rc \
+        else (rc, 0.0, False)
     try:
-        r = row(family, sft_dir, grpo_dir, os.path.join(here, "grpo.log"), seconds, stopped, n, commands)
-        for s, d in (("sft", sft_dir), ("grpo", grpo_dir)):
+        r = row(family, sft_dir, grpo_dir, log, seconds, stopped, n, commands)
+        for s, d in (("sft", sft_dir), (f"grpo{suffix}", grpo_dir)):
             shutil.copy(os.path.join(d, "train_metrics.jsonl"), os.path.join(here, f"{s}_metrics.jsonl"))
     except (OSError, ValueError, KeyError, TypeError) as e:
         r = {"family": family, "failed": f"rc {rc}: {e}", "commands": commands}
     if rc:
         r["failed"] = f"rc {rc}"
-    r["jobs"] = a.jobs
+    r.update(variant=name, variant_args=extra, jobs=a.jobs)
     if "grpo" in r:
-        stage(f"{family} plot", ["-m", "tools.plots", "--grpo", grpo_dir, f"--out={os.path.join(here, 'grpo.png')}"],
-              os.path.join(here, "plot.log"))
+        stage(f"{family} plot{suffix}", ["-m", "tools.plots", "--grpo", grpo_dir,
+                                         f"--out={os.path.join(here, f'grpo{suffix}.png')}"],
+              os.path.join(here, f"plot{suffix}.log"))
     return r
 
 
@@ -198,6 +226,8 @@ def main(argv=None):
     p.add_argument("--grpo_steps", type=int, default=0, help="GRPO's max_steps (0: the config's)")
     p.add_argument("--sft", default="", help="--key=value for SFT (space separated)")
     p.add_argument("--grpo", default="", help="--key=value for GRPO (space separated)")
+    p.add_argument("--variants", default="", help="GRPO variants from each family's one SFT, each a row: "
+                   "'name:--key=value ...;name2:...' on top of --grpo (default: one, 'defaults')")
     p.add_argument("--jobs", type=int, default=1, help="families run side by side on the one GPU (their minutes then "
                    "share it: a cap met side by side is met alone; step times are not comparable). Four life-shape "
                    "GRPO runs held 16-24 GiB each and one ran out of memory on an 80 GB H100: there, add "
@@ -212,13 +242,16 @@ def main(argv=None):
         if stage("pretrain", ["pretrain.py", *cfgs["pretrain"], f"--out_dir={base}", *common],
                  os.path.join(a.out, "pretrain.log"))[0]:
             raise SystemExit("pretraining failed")
-    families = [f for f in a.families.split(",") if f]
+    families, kinds = [f for f in a.families.split(",") if f], variants(a.variants)
     lengths = {f: new_tokens(f, base, settings(f, cfgs)) for f in families}
-    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # each thread waits on its family's stages
-        for r in pool.map(lambda f: family_run(f, lengths[f], base, cfgs, common, a), families):
+    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # each thread waits on its stage
+        sfts = dict(zip(families, pool.map(lambda f: sft_run(f, lengths[f], base, cfgs, common, a), families)))
+        jobs = [(f, v) for f in families for v in kinds]
+        for r in pool.map(lambda j: grpo_run(j[0], j[1], lengths[j[0]], sfts[j[0]], cfgs, common, a), jobs):
             with open(os.path.join(a.out, "rows.jsonl"), "a") as f:  # appended: families run in several calls add up
                 f.write(json.dumps(r) + "\n")
-    rows = list({r["family"]: r for r in records(os.path.join(a.out, "rows.jsonl"))}.values())  # each family's latest
+    rows = list({(r["family"], r.get("variant", "defaults")): r  # each family and variant's latest
+                 for r in records(os.path.join(a.out, "rows.jsonl"))}.values())
     runs = [r["grpo_dir"] for r in rows if "grpo" in r and os.path.isdir(r["grpo_dir"])]
     if runs:
         stage("curves", ["-m", "tools.plots", "--grpo", *runs, f"--out={os.path.join(a.out, 'curves.png')}"],

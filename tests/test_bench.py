@@ -71,3 +71,29 @@ def test_bench_memory_tiny(tmp_path):
     assert [r["row"] for r in rows] == ["qlora8b+chunk+ckpt", "qlora8b+chunk"]
     assert all(r["tokens_per_s"] > 0 and r["predicted_gib"] > 0 and "measured_gib" not in r for r in rows), rows
     assert rows[0]["knobs"]["lora_base_dtype"] == "nf4" and rows[0]["knobs"]["grad_checkpoint"]
+
+
+def test_grpo_families_variants_and_report(tmp_path):
+    """bench/grpo_families.py: --variants parses to (name, args) with 'defaults' alone when empty, refuses a bad
+    spec in one line, and the report has one row a family and variant with the gains worked here by hand."""
+    import pytest
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import grpo_families as gf
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+    assert gf.variants("") == [("defaults", [])]
+    assert gf.variants("defaults:;ds:--dynamic_sampling=True --refill_rounds=2") == [
+        ("defaults", []), ("ds", ["--dynamic_sampling=True", "--refill_rounds=2"])]
+    for bad in ("ds", "Ds:--lr=1", "a:--lr=1;a:--lr=2"):
+        with pytest.raises(SystemExit, match="--variants"):
+            gf.variants(bad)
+    g = dict(start_greedy=0.326, start_sampled=0.192, end_greedy=0.332, end_sampled=0.216, gain_greedy=0.006,
+             gain_sampled=0.024, steps=169, end_step=150, frac_equal_groups_first=0.534, frac_equal_groups_last=0.563)
+    rows = [{"family": "word_problems", "variant": "ds", "sft": {"greedy_before": 0.0, "greedy_after": 0.326},
+             "grpo": g, "stopped": True, "grpo_seconds": 306.0, "jobs": 4},
+            {"family": "strings", "failed": "rc 1"}]
+    text = gf.report(rows, str(tmp_path / "report.md"))
+    assert ("| word_problems | ds | 0.0 -> 32.6 | 32.6 / 19.2 | 33.2 / 21.6 | +0.6 / +2.4 | 169 (150) stopped | 5.1 | "
+            "53.4 -> 56.3 |") in text
+    assert "| strings | defaults | failed: rc 1 |" in text and "4 families side by side" in text
