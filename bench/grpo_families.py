@@ -8,8 +8,9 @@ and the end of GRPO in one row.
 
 Each stage runs as its users run it: `python sft.py configs/sft_life.py --init_from=<base> --task=<family>
 --task_args={}`, then `python grpo.py configs/grpo_life.py --init_from=<that SFT> --task=<family> --task_args={}
---max_new_tokens=<n>` (the SFT config's own task, `--families=countdown`, keeps its task_args: Countdown up to 199) (n: the family's longest worked solution in the base's tokens, plus a quarter, rounded up
-to 16; the SFT's eval_tokens too), with --sft / --grpo appended. --tiny: configs/tiny.py pretrained 20 steps
+--max_new_tokens=<n>` (n: the family's longest worked solution in the base's tokens, plus a quarter, rounded up
+to 16; the SFT's eval_tokens too), with --sft / --grpo appended; the SFT config's own task (`--families=countdown`)
+keeps its task_args (Countdown up to 199). --tiny: configs/tiny.py pretrained 20 steps
 (rows of 256 tokens) when no --base, configs/sft_tiny.py and grpo_tiny.py with a few steps each. --minutes
 caps each GRPO run's wall clock (start-up and evaluations included): at the cap it gets SIGTERM, saves and stops,
 and its end is its last held-out evaluation (the row says so: "stopped": true). Without --base, configs/life.py
@@ -138,7 +139,8 @@ def pct(x):
 
 
 def report(rows, path):
-    lines = [("| family | variant | SFT greedy before -> after (%) | GRPO start greedy / sampled (%) | GRPO end greedy / "
+    lines = [("| family | variant | SFT greedy before -> after (%) | GRPO start greedy / sampled (%) | GRPO end "
+              "greedy / "
               "sampled (%) | gain greedy / sampled (points) | GRPO steps (last eval) | GRPO minutes | equal-reward "
               "groups first -> last log (%) |"),
              "|---|---|---|---|---|---|---|---|---|"]
@@ -148,7 +150,8 @@ def report(rows, path):
             lines.append(f"| {r['family']} | {r.get('variant', 'defaults')} | failed: "
                          f"{r.get('failed', 'no held-out evaluation')} |||||||")
             continue
-        lines.append(f"| {r['family']} | {r.get('variant', 'defaults')} | {pct(r['sft']['greedy_before'])} -> {pct(r['sft']['greedy_after'])} | "
+        lines.append(f"| {r['family']} | {r.get('variant', 'defaults')} | {pct(r['sft']['greedy_before'])} -> "
+                     f"{pct(r['sft']['greedy_after'])} | "
                      f"{pct(g['start_greedy'])} / {pct(g['start_sampled'])} | {pct(g['end_greedy'])} / "
                      f"{pct(g['end_sampled'])} | {100 * g['gain_greedy']:+.1f} / {100 * g['gain_sampled']:+.1f} | "
                      f"{g['steps']} ({g['end_step']}){' stopped' if r['stopped'] else ''} | "

@@ -86,8 +86,10 @@ def flat_heldout(history, b=BANDS):
                                           "lower lr, raise beta")
     if informative >= b["informative"]:
         return "signal_without_gain", (f"{informative:.0%} of groups carry a learning signal, yet the training reward "
-                                       f"is flat and {seen}: raise lr, more samples per prompt (group_size), or "
-                                       "filter prompts by pass rate (keep those the model sometimes solves)")
+                                       f"rose by {up:.3f} (under {b['rising']}) and {seen}: dynamic_sampling=True "
+                                       "(equal groups then no longer dilute the step), raise lr, more samples per "
+                                       "prompt (group_size), or filter prompts by pass rate (keep those the model "
+                                       "sometimes solves)")
     return None
 
 
