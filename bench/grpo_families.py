@@ -238,6 +238,13 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: configs/tiny.py, sft_tiny.py, grpo_tiny.py")
     a = p.parse_args(argv)
     cfgs, common = (TINY if a.tiny else FULL), ["--overwrite=True", "--progress=False"]
+    families, kinds = [f for f in a.families.split(",") if f], variants(a.variants)  # bad input: before any work
+    from posttrain import tasks
+    for f in families:
+        try:
+            tasks.get(f, settings(f, cfgs))
+        except tasks.TaskError as e:
+            raise SystemExit(f"--families: {e}") from None
     os.makedirs(a.out, exist_ok=True)
     base = a.base
     if not base:
@@ -245,7 +252,6 @@ def main(argv=None):
         if stage("pretrain", ["pretrain.py", *cfgs["pretrain"], f"--out_dir={base}", *common],
                  os.path.join(a.out, "pretrain.log"))[0]:
             raise SystemExit("pretraining failed")
-    families, kinds = [f for f in a.families.split(",") if f], variants(a.variants)
     lengths = {f: new_tokens(f, base, settings(f, cfgs)) for f in families}
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # each thread waits on its stage
         sfts = dict(zip(families, pool.map(lambda f: sft_run(f, lengths[f], base, cfgs, common, a), families)))
