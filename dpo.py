@@ -361,7 +361,7 @@ def main(argv):
     # ------------------------------------------------------------------------ training loop
     if cfg.eval_every and step == 0:
         evaluate()
-    last, interrupt, stopped = cfg.stop_at or cfg.max_steps, lifecycle.Interrupt(grid), False
+    last, interrupt, stopped = cfg.stop_at or cfg.max_steps, lifecycle.Interrupt(grid, cfg.max_minutes), False
     sums, logged = {}, step  # objective()'s metric sums since the last log line
     clock.lap()
     while step < last:

@@ -352,7 +352,7 @@ def main(argv):
     # ------------------------------------------------------------------------ training loop
     if cfg.eval_every and step == 0:
         evaluate()
-    last, interrupt, stopped = cfg.stop_at or cfg.max_steps, lifecycle.Interrupt(grid), False
+    last, interrupt, stopped = cfg.stop_at or cfg.max_steps, lifecycle.Interrupt(grid, cfg.max_minutes), False
     tally, judged_tally, first = {}, {}, step + 1  # what the log line reports, summed over its steps
     dead, logged, warned = 0, step, {}  # steps in a row without signal (diagnose.dead), the warnings said
     while step < last:

@@ -388,11 +388,13 @@ class Interrupt:
     SIGTERM to every worker and kills them 30 s later: time to finish a step and save; Ctrl-C in a
     terminal reaches every process, and torchrun forwards it once more.) A repeat within `echo`
     seconds is that same event; a later one gives up: the previous handlers come back and the
-    signal is raised again (Ctrl-C, then Ctrl-C again, stops at once).
+    signal is raised again (Ctrl-C, then Ctrl-C again, stops at once). minutes > 0 (max_minutes):
+    the same all-reduce says when any rank is past that many minutes since this was made (`late`).
     """
 
-    def __init__(self, grid, signals=(signal.SIGTERM, signal.SIGINT), echo=2.0):
-        self.flag, self.signum, self.when, self.echo = False, None, 0.0, echo
+    def __init__(self, grid, minutes=0.0, signals=(signal.SIGTERM, signal.SIGINT), echo=2.0):
+        self.flag, self.signum, self.when, self.echo, self.late = False, None, 0.0, echo, False
+        self.deadline = time.monotonic() + 60 * minutes if minutes else None
         # new_group is collective: every rank creates it, whatever the main backend is
         self.group = dist.new_group(backend="gloo") if grid.world > 1 else None
         self.previous = {s: signal.signal(s, self.handle) for s in signals}
@@ -405,12 +407,13 @@ class Interrupt:
             self.flag, self.signum, self.when = True, signum, time.monotonic()
 
     def requested(self):
-        """True on every rank once any rank got a signal. Collective: every rank calls it each step."""
-        if self.group is None:
-            return self.flag
-        t = torch.tensor([int(self.flag)])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item())
+        """True on every rank once any rank got a signal; sets `late` (max_minutes) on every rank alike.
+        Collective: every rank calls it each step."""
+        t = torch.tensor([int(self.flag), int(self.deadline is not None and time.monotonic() > self.deadline)])
+        if self.group is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self.late = bool(t[1])
+        return bool(t[0])
 
     def name(self):
         return signal.Signals(self.signum).name if self.signum else "a signal on another rank"
@@ -425,12 +428,16 @@ def end_of_step(step, last, cfg, interrupt, save, evaluate, say, clock=None, tar
     the evaluation (every cfg.eval_every steps, and always at the last step: pass evaluate=None for
     none) after the checkpoint, so that an evaluation that fails never costs the steps before it.
     target > 0 (pretraining's target_loss): an evaluation that returns a held-out loss <= target saves
-    (unless the cadence just did) and stops the run. All of it stays off clock (the throughput timer);
+    (unless the cadence just did) and stops the run. Past max_minutes (interrupt.late) the step is the
+    last: saved, evaluated, the run stops. All of it stays off clock (the throughput timer);
     say is the stage's rank-0 line writer. Returns True when the run must stop."""
     if interrupt.requested():
         save()
         say(f"{interrupt.name()}: saved step {step} in {cfg.out_dir}; continue with --resume")
         return True
+    if interrupt.late:
+        last = step
+        say(f"max_minutes={cfg.max_minutes:g} reached: step {step} is the last (saved{', evaluated' * bool(evaluate)})")
     do_save = (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == last
     do_eval = evaluate is not None and (step == last or (cfg.eval_every and step % cfg.eval_every == 0))
     if do_save or do_eval:  # (the clock waits for the GPU: never on a plain step)
@@ -444,7 +451,7 @@ def end_of_step(step, last, cfg, interrupt, save, evaluate, say, clock=None, tar
                 say(f"held-out loss {held_out:.4f} <= target_loss {target:g} at step {step}: saved in "
                     f"{cfg.out_dir}, stopping")
                 return True
-    return False
+    return interrupt.late
 
 
 def track_held(held, step, value):

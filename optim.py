@@ -17,6 +17,8 @@ from parallelism import fsdp
 OPTIM_DEFAULTS = dict(
     max_steps=1000,          # optimizer steps (the schedule's length)
     stop_at=0,               # stop early at this step, e.g. to fit a job time limit (0: run to max_steps)
+    max_minutes=0.0,         # stop after the first step past this many minutes of the training loop, saved and
+                             # evaluated as a last step (0: no limit; loading and the first evaluation not counted)
     optimizer="adamw",       # adamw | muon (hidden matrices; the rest AdamW)
     lr=6e-4,                 # peak learning rate (after warmup)
     min_lr_ratio=0.1,        # final lr = lr * min_lr_ratio
@@ -29,7 +31,7 @@ OPTIM_DEFAULTS = dict(
     eps=1e-8,                # AdamW's denominator floor
     grad_clip=1.0,           # 0: no clipping
 )
-RESUME_FREE = ("stop_at",)  # of these, the keys a resumed run may change (lifecycle.RESUME_FREE)
+RESUME_FREE = ("stop_at", "max_minutes")  # of these, the keys a resumed run may change (lifecycle.RESUME_FREE)
 
 
 def check(cfg, world=1):
@@ -38,6 +40,7 @@ def check(cfg, world=1):
     need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1]")
     need(cfg.max_steps > 0, f"max_steps={cfg.max_steps} must be positive")
     need(0 <= cfg.stop_at <= cfg.max_steps, f"stop_at={cfg.stop_at} must be in [0, max_steps={cfg.max_steps}]")
+    need(cfg.max_minutes >= 0, f"max_minutes={cfg.max_minutes} must be >= 0 (0: no limit)")
     need(cfg.warmup_steps >= 0, f"warmup_steps={cfg.warmup_steps} must be >= 0")
     need(cfg.schedule in ("cosine", "linear", "wsd", "constant"),
          f"schedule='{cfg.schedule}' is not one of cosine, linear, wsd, constant")

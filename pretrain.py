@@ -162,7 +162,7 @@ def main(argv):
     write = bar.write if grid.is_main else say  # lines above the progress bar
     if cfg.eval_every and step == 0:
         evaluate()
-    last, interrupt, stopped, first = cfg.stop_at or cfg.max_steps, lifecycle.Interrupt(grid), False, step + 1
+    last, interrupt, stopped, first = cfg.stop_at or cfg.max_steps, lifecycle.Interrupt(grid, cfg.max_minutes), False, step + 1
     loss_sum, t_steps = torch.zeros((), device=grid.device), 0  # summed over the steps since the last log line
     clock.lap()
     while step < last:

@@ -244,7 +244,7 @@ def main(argv):
     # ------------------------------------------------------------------------ training loop
     if step == 0:
         evaluate()
-    last, interrupt, stopped = cfg.stop_at or cfg.max_steps, lifecycle.Interrupt(grid), False
+    last, interrupt, stopped = cfg.stop_at or cfg.max_steps, lifecycle.Interrupt(grid, cfg.max_minutes), False
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not (grid.is_main and cfg.progress), dynamic_ncols=True)
     write = bar.write if grid.is_main else say
     tally, logged, first = torch.zeros(2, device=grid.device), step, step + 1  # summed NLL, assistant tokens

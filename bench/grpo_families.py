@@ -12,10 +12,12 @@ Each stage runs as its users run it: `python sft.py configs/sft_life.py --init_f
 to 16; the SFT's eval_tokens too), with --sft / --grpo appended; the SFT config's own task (`--families=countdown`)
 keeps its task_args (Countdown up to 199). --tiny: configs/tiny.py pretrained 20 steps
 (rows of 256 tokens) when no --base, configs/sft_tiny.py and grpo_tiny.py with a few steps each. --minutes
-caps each GRPO run's wall clock (start-up and evaluations included): at the cap it gets SIGTERM, saves and stops,
-and its end is its last held-out evaluation (the row says so: "stopped": true). Without --base, configs/life.py
-(tiny: tiny.py) is pretrained into <runs>/base first.
+is each GRPO run's --max_minutes (its training loop; the step past it is the last: saved and evaluated, the row
+says "stopped": true); 5 minutes later a run still going gets SIGTERM. Without --base, configs/life.py (tiny:
+tiny.py) is pretrained into <runs>/base first.
 
+--stages=sft stops after the SFTs; --stages=grpo starts GRPO from the SFT runs already under --runs (sft_<family>),
+so one set of SFTs serves several calls (a tuning wave, then the judged one).
 --variants runs GRPO several ways from each family's one SFT ('name:--key=value ...;...', each a row; the one named
 defaults writes grpo.*, another grpo_<name>.*): the ablations of a recipe, side by side with --jobs.
 
@@ -126,9 +128,10 @@ def row(family, sft_dir, grpo_dir, log, seconds, stopped, n, commands):
                        "gain_sampled": end["heldout_reward"] - start["heldout_reward"],
                        "steps": max((r["step"] for r in grpo), default=0)}
         with open(log) as f:  # the stage's closing line: the steps it ran and its minutes (start-up included)
-            done = re.findall(r"GRPO (?:done|stopped): (\d+) steps in ([\d.]+) min", f.read())
+            done = re.findall(r"GRPO (done|stopped): (\d+) steps in ([\d.]+) min", f.read())
         if done:
-            out["grpo"].update(steps=int(done[-1][0]), stage_minutes=float(done[-1][1]))
+            out["grpo"].update(steps=int(done[-1][1]), stage_minutes=float(done[-1][2]))
+            out["stopped"] = stopped or done[-1][0] == "stopped"
         (_, e0), (_, e1) = first_last(grpo, "frac_equal_groups")
         out["grpo"].update(frac_equal_groups_first=e0, frac_equal_groups_last=e1)
     return out
@@ -195,12 +198,14 @@ def grpo_run(family, variant, n, sft, cfgs, common, a):
     (name, extra), (rc, sft_dir, sft_command) = variant, sft
     suffix = "" if name == "defaults" else f"_{name}"
     here, grpo_dir = os.path.join(a.out, family), os.path.join(a.runs, f"grpo_{family}{suffix}")
+    os.makedirs(here, exist_ok=True)
     args = [*cfgs["grpo"], f"--init_from={sft_dir}", f"--out_dir={grpo_dir}", *task_keys(family, cfgs),
-            f"--max_new_tokens={n}", *([f"--max_steps={a.grpo_steps}"] if a.grpo_steps else []), *common,
+            f"--max_new_tokens={n}", *([f"--max_steps={a.grpo_steps}"] if a.grpo_steps else []),
+            *([f"--max_minutes={a.minutes:g}"] if a.minutes else []), *common,
             *a.grpo.split(), *extra]
     commands = {"sft": sft_command, "grpo": f"python grpo.py {' '.join(args)}"}
     log = os.path.join(here, f"grpo{suffix}.log")
-    rc, seconds, stopped = stage(f"{family} grpo{suffix}", ["grpo.py", *args], log, a.minutes) if not rc \
+    rc, seconds, stopped = stage(f"{family} grpo{suffix}", ["grpo.py", *args], log, a.minutes and a.minutes + 5) if not rc \
         else (rc, 0.0, False)
     try:
         r = row(family, sft_dir, grpo_dir, log, seconds, stopped, n, commands)
@@ -225,7 +230,7 @@ def main(argv=None):
                    "configs/tiny.py, into <runs>/base first)")
     p.add_argument("--runs", default="out/families", help="the folder the stages' out_dirs go under (checkpoints)")
     p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated task names (any of tasks.TASKS)")
-    p.add_argument("--minutes", type=float, default=10.0, help="each GRPO run's wall-clock cap (0: none)")
+    p.add_argument("--minutes", type=float, default=10.0, help="each GRPO run's --max_minutes (0: none)")
     p.add_argument("--grpo_steps", type=int, default=0, help="GRPO's max_steps (0: the config's)")
     p.add_argument("--sft", default="", help="--key=value for SFT (space separated)")
     p.add_argument("--grpo", default="", help="--key=value for GRPO (space separated)")
@@ -235,6 +240,8 @@ def main(argv=None):
                    "share it: a cap met side by side is met alone; step times are not comparable). Four life-shape "
                    "GRPO runs held 16-24 GiB each and one ran out of memory on an 80 GB H100: there, add "
                    "--grpo=--micro_batch_size=128 (the same steps, in more micro-batches)")
+    p.add_argument("--stages", default="sft,grpo", choices=("sft,grpo", "sft", "grpo"),
+                   help="sft: stop after the SFTs; grpo: GRPO from the SFT runs already under --runs")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: configs/tiny.py, sft_tiny.py, grpo_tiny.py")
     a = p.parse_args(argv)
     cfgs, common = (TINY if a.tiny else FULL), ["--overwrite=True", "--progress=False"]
@@ -245,8 +252,13 @@ def main(argv=None):
             tasks.get(f, settings(f, cfgs))
         except tasks.TaskError as e:
             raise SystemExit(f"--families: {e}") from None
+    base, sft_dirs = a.base, {f: os.path.join(a.runs, f"sft_{f}") for f in families}
+    missing = [f for f in families if a.stages == "grpo" and not os.path.isfile(os.path.join(sft_dirs[f], "train_metrics.jsonl"))]
+    if missing:
+        raise SystemExit(f"--stages=grpo: no SFT run of {', '.join(missing)} under {a.runs}: run --stages=sft first")
     os.makedirs(a.out, exist_ok=True)
-    base = a.base
+    if not base and a.stages == "grpo":
+        base = os.path.join(a.runs, "base")
     if not base:
         base = os.path.join(a.runs, "base")
         if stage("pretrain", ["pretrain.py", *cfgs["pretrain"], f"--out_dir={base}", *common],
@@ -254,7 +266,13 @@ def main(argv=None):
             raise SystemExit("pretraining failed")
     lengths = {f: new_tokens(f, base, settings(f, cfgs)) for f in families}
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # each thread waits on its stage
-        sfts = dict(zip(families, pool.map(lambda f: sft_run(f, lengths[f], base, cfgs, common, a), families)))
+        if a.stages == "grpo":
+            sfts = {f: (0, sft_dirs[f], "(an earlier call's SFT: its sft.log)") for f in families}
+        else:
+            sfts = dict(zip(families, pool.map(lambda f: sft_run(f, lengths[f], base, cfgs, common, a), families)))
+        if a.stages == "sft":
+            bad = [f for f, (rc, _, _) in sfts.items() if rc]
+            raise SystemExit(f"SFT failed: {', '.join(bad)}" if bad else 0)
         jobs = [(f, v) for f in families for v in kinds]
         for r in pool.map(lambda j: grpo_run(j[0], j[1], lengths[j[0]], sfts[j[0]], cfgs, common, a), jobs):
             with open(os.path.join(a.out, "rows.jsonl"), "a") as f:  # appended: families run in several calls add up

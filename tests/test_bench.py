@@ -75,7 +75,8 @@ def test_bench_memory_tiny(tmp_path):
 
 def test_grpo_families_variants_and_report(tmp_path):
     """bench/grpo_families.py: --variants parses to (name, args) with 'defaults' alone when empty, refuses a bad
-    spec in one line, and the report has one row a family and variant with the gains worked here by hand."""
+    spec in one line, and the report has one row a family and variant with the gains worked here by hand;
+    --stages=grpo without the family's SFT run under --runs stops in one line before any work."""
     import pytest
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
@@ -88,6 +89,9 @@ def test_grpo_families_variants_and_report(tmp_path):
     for bad in ("ds", "Ds:--lr=1", "a:--lr=1;a:--lr=2"):
         with pytest.raises(SystemExit, match="--variants"):
             gf.variants(bad)
+    with pytest.raises(SystemExit, match="--stages=grpo: no SFT run of units under .*: run --stages=sft first"):
+        gf.main([f"--out={tmp_path / 'o'}", f"--runs={tmp_path / 'runs'}", "--stages=grpo", "--families=units", "--tiny"])
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "o").exists()
     g = dict(start_greedy=0.326, start_sampled=0.192, end_greedy=0.332, end_sampled=0.216, gain_greedy=0.006,
              gain_sampled=0.024, steps=169, end_step=150, frac_equal_groups_first=0.534, frac_equal_groups_last=0.563)
     rows = [{"family": "word_problems", "variant": "ds", "sft": {"greedy_before": 0.0, "greedy_after": 0.326},

@@ -8,6 +8,7 @@ Proves, each case a finding of issue 13 that failed before:
 - SIGTERM sent to the whole process group (as a scheduler or Ctrl-C does) finishes the current
   step on every rank, saves it, and the workers exit 0; resuming from that checkpoint logs exactly
   the losses of an uninterrupted run;
+- past max_minutes both ranks make the same step the last: saved and evaluated, as at max_steps, and said once;
 - a second run into a folder a live run holds refuses at once, naming the holder.
 """
 import json
@@ -111,6 +112,16 @@ def test_sigterm_saves_and_resumes_exactly(tmp_path, data_dir):
     assert sorted(b) == list(range(1, k + 4))
     for s in range(1, k + 4):
         assert a[s] == b[s], f"step {s}: uninterrupted {a[s]!r} vs interrupted and resumed {b[s]!r}"
+
+
+def test_max_minutes_ends_the_run_at_a_step(tmp_path, data_dir):
+    out = str(tmp_path / "run")  # 0.0001 minutes: over before the first step ends, on both ranks
+    r = run([f"--data_dir={data_dir}/main", "--max_steps=5000", "--ckpt_every=0", "--eval_every=1000",
+             "--max_minutes=0.0001", f"--out_dir={out}"])
+    assert r.stdout.count("max_minutes=0.0001 reached: step 1 is the last (saved, evaluated)") == 1, r.stdout[-2000:]
+    assert "pretraining stopped: 1 steps" in r.stdout
+    assert sorted(losses(out)) == [1] and [m["step"] for m in metrics(out) if "val_loss" in m] == [0, 1]
+    assert os.path.isfile(os.path.join(out, "step_000001", "complete.json"))
 
 
 def test_second_run_into_held_folder_refused(tmp_path, data_dir):
