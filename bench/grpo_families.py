@@ -5,6 +5,7 @@ and the end of GRPO in one row.
     python bench/grpo_families.py --out=bench/results/families/<date> --base=out/life      # one GPU
     python bench/grpo_families.py --out=/tmp/fam --tiny --families=strings,units            # CPU, ~1 minute
     python bench/grpo_families.py --out=<dir> --base=out/life --jobs=4    # four families side by side on one GPU
+    python bench/grpo_families.py --out=<dir> --jobs=8 --tune=word_problems,units --variants='lr1e5:--lr=1e-5'
 
 Each stage runs as its users run it: `python sft.py configs/sft_life.py --init_from=<base> --task=<family>
 --task_args={}`, then `python grpo.py configs/grpo_life.py --init_from=<that SFT> --task=<family> --task_args={}
@@ -20,6 +21,9 @@ tiny.py) is pretrained into <runs>/base first.
 so one set of SFTs serves several calls (a tuning wave, then the judged one).
 --variants runs GRPO several ways from each family's one SFT ('name:--key=value ...;...', each a row; the one named
 defaults writes grpo.*, another grpo_<name>.*): the ablations of a recipe, side by side with --jobs.
+--tune=word_problems,units: a recipe tuned on some families, judged on others. GRPO runs every variant (and defaults)
+on the tuning families first; pick() chooses one by a rule fixed before any judged run; then --families (default:
+the others) run with defaults and the picked variant (pick.json; each row names its wave).
 
 Written under --out: <family>/{sft,grpo}.log and their metrics, rows.jsonl (one JSON row a family: SFT's held-out
 greedy accuracy before -> after, GRPO's held-out greedy and sampled accuracy at its first and last evaluation,
@@ -141,7 +145,7 @@ def pct(x):
     return "-" if x is None else f"{100 * x:.1f}"
 
 
-def report(rows, path):
+def report(rows, path, note=""):
     lines = [("| family | variant | SFT greedy before -> after (%) | GRPO start greedy / sampled (%) | GRPO end "
               "greedy / "
               "sampled (%) | gain greedy / sampled (points) | GRPO steps (last eval) | GRPO minutes | equal-reward "
@@ -163,9 +167,24 @@ def report(rows, path):
     shared = sorted({r.get("jobs", 1) for r in rows} - {1})
     if shared:
         lines.append(f"\nGRPO minutes with {' or '.join(map(str, shared))} families side by side on the one GPU.")
+    lines += [f"\n{note}"] if note else []
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return "\n".join(lines)
+
+
+def pick(rows, kinds, tuned, margin=0.01):
+    """The tuning wave's rule: the variant with the highest mean held-out greedy gain over the tuning families (a
+    row on each), unless it beats 'defaults' by under `margin` -> ((name, args), {variant: mean gain})."""
+    gains = {}
+    for r in rows:
+        if "grpo" in r and "failed" not in r and r["family"] in tuned:
+            gains.setdefault(r["variant"], {})[r["family"]] = r["grpo"]["gain_greedy"]
+    mean = {v: sum(g.values()) / len(g) for v, g in gains.items() if set(g) == set(tuned)}
+    best = max(mean, key=mean.get, default="defaults")
+    if best != "defaults" and mean[best] < mean.get("defaults", -math.inf) + margin:
+        best = "defaults"
+    return (best, dict(kinds)[best]), mean
 
 
 def variants(spec):
@@ -193,19 +212,19 @@ def task_keys(family, cfgs):
     return [f"--task={family}", f"--task_args={json.dumps(settings(family, cfgs))}"]
 
 
-def grpo_run(family, variant, n, sft, cfgs, common, a):
-    """GRPO of one family and variant from its SFT (capped at a.minutes), its curves -> its row."""
+def grpo_run(family, variant, n, sft, cfgs, common, a, minutes):
+    """GRPO of one family and variant from its SFT (max_minutes: the wave's), its curves -> its row."""
     (name, extra), (rc, sft_dir, sft_command) = variant, sft
     suffix = "" if name == "defaults" else f"_{name}"
     here, grpo_dir = os.path.join(a.out, family), os.path.join(a.runs, f"grpo_{family}{suffix}")
     os.makedirs(here, exist_ok=True)
     args = [*cfgs["grpo"], f"--init_from={sft_dir}", f"--out_dir={grpo_dir}", *task_keys(family, cfgs),
             f"--max_new_tokens={n}", *([f"--max_steps={a.grpo_steps}"] if a.grpo_steps else []),
-            *([f"--max_minutes={a.minutes:g}"] if a.minutes else []), *common,
+            *([f"--max_minutes={minutes:g}"] if minutes else []), *common,
             *a.grpo.split(), *extra]
     commands = {"sft": sft_command, "grpo": f"python grpo.py {' '.join(args)}"}
     log = os.path.join(here, f"grpo{suffix}.log")
-    rc, seconds, stopped = stage(f"{family} grpo{suffix}", ["grpo.py", *args], log, a.minutes and a.minutes + 5) if not rc \
+    rc, seconds, stopped = stage(f"{family} grpo{suffix}", ["grpo.py", *args], log, minutes and minutes + 5) if not rc \
         else (rc, 0.0, False)
     try:
         r = row(family, sft_dir, grpo_dir, log, seconds, stopped, n, commands)
@@ -229,7 +248,11 @@ def main(argv=None):
     p.add_argument("--base", default="", help="a pretrained run folder (default: pretrain configs/life.py, tiny: "
                    "configs/tiny.py, into <runs>/base first)")
     p.add_argument("--runs", default="out/families", help="the folder the stages' out_dirs go under (checkpoints)")
-    p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated task names (any of tasks.TASKS)")
+    p.add_argument("--families", default="", help="comma-separated task names (any of tasks.TASKS; default: "
+                   f"{','.join(FAMILIES)}, less --tune's)")
+    p.add_argument("--tune_minutes", type=float, default=None, help="the tuning wave's --minutes (default: --minutes)")
+    p.add_argument("--tune", default="", help="families to pick a variant on first (pick()); --families are then "
+                   "judged with defaults and that variant")
     p.add_argument("--minutes", type=float, default=10.0, help="each GRPO run's --max_minutes (0: none)")
     p.add_argument("--grpo_steps", type=int, default=0, help="GRPO's max_steps (0: the config's)")
     p.add_argument("--sft", default="", help="--key=value for SFT (space separated)")
@@ -245,15 +268,22 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: configs/tiny.py, sft_tiny.py, grpo_tiny.py")
     a = p.parse_args(argv)
     cfgs, common = (TINY if a.tiny else FULL), ["--overwrite=True", "--progress=False"]
-    families, kinds = [f for f in a.families.split(",") if f], variants(a.variants)  # bad input: before any work
+    tuned, kinds = [f for f in a.tune.split(",") if f], variants(a.variants)  # bad input: before any work
+    families = [f for f in (a.families or ",".join(f for f in FAMILIES if f not in tuned)).split(",") if f]
+    if set(tuned) & set(families):
+        raise SystemExit(f"--tune: {', '.join(sorted(set(tuned) & set(families)))} also in --families: a family tuned "
+                         "on is not judged")
+    if tuned and "defaults" not in dict(kinds):
+        kinds = [("defaults", []), *kinds]  # the rule's baseline
     from posttrain import tasks
-    for f in families:
+    for f in tuned + families:
         try:
             tasks.get(f, settings(f, cfgs))
         except tasks.TaskError as e:
             raise SystemExit(f"--families: {e}") from None
-    base, sft_dirs = a.base, {f: os.path.join(a.runs, f"sft_{f}") for f in families}
-    missing = [f for f in families if a.stages == "grpo" and not os.path.isfile(os.path.join(sft_dirs[f], "train_metrics.jsonl"))]
+    everyone = tuned + families
+    base, sft_dirs = a.base, {f: os.path.join(a.runs, f"sft_{f}") for f in everyone}
+    missing = [f for f in everyone if a.stages == "grpo" and not os.path.isfile(os.path.join(sft_dirs[f], "train_metrics.jsonl"))]
     if missing:
         raise SystemExit(f"--stages=grpo: no SFT run of {', '.join(missing)} under {a.runs}: run --stages=sft first")
     os.makedirs(a.out, exist_ok=True)
@@ -264,26 +294,46 @@ def main(argv=None):
         if stage("pretrain", ["pretrain.py", *cfgs["pretrain"], f"--out_dir={base}", *common],
                  os.path.join(a.out, "pretrain.log"))[0]:
             raise SystemExit("pretraining failed")
-    lengths = {f: new_tokens(f, base, settings(f, cfgs)) for f in families}
+    lengths = {f: new_tokens(f, base, settings(f, cfgs)) for f in everyone}
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # each thread waits on its stage
         if a.stages == "grpo":
-            sfts = {f: (0, sft_dirs[f], "(an earlier call's SFT: its sft.log)") for f in families}
+            sfts = {f: (0, sft_dirs[f], "(an earlier call's SFT: its sft.log)") for f in everyone}
         else:
-            sfts = dict(zip(families, pool.map(lambda f: sft_run(f, lengths[f], base, cfgs, common, a), families)))
+            sfts = dict(zip(everyone, pool.map(lambda f: sft_run(f, lengths[f], base, cfgs, common, a), everyone)))
         if a.stages == "sft":
             bad = [f for f, (rc, _, _) in sfts.items() if rc]
             raise SystemExit(f"SFT failed: {', '.join(bad)}" if bad else 0)
-        jobs = [(f, v) for f in families for v in kinds]
-        for r in pool.map(lambda j: grpo_run(j[0], j[1], lengths[j[0]], sfts[j[0]], cfgs, common, a), jobs):
-            with open(os.path.join(a.out, "rows.jsonl"), "a") as f:  # appended: families run in several calls add up
-                f.write(json.dumps(r) + "\n")
+
+        def wave(fams, ks, name):
+            out = []
+            minutes = a.minutes if name != "tune" or a.tune_minutes is None else a.tune_minutes
+            for r in pool.map(lambda j: grpo_run(j[0], j[1], lengths[j[0]], sfts[j[0]], cfgs, common, a, minutes),
+                              [(f, v) for f in fams for v in ks]):
+                out.append({**r, **({"wave": name} if name else {})})
+                with open(os.path.join(a.out, "rows.jsonl"), "a") as f:  # appended: several calls add up
+                    f.write(json.dumps(out[-1]) + "\n")
+            return out
+        if tuned:
+            chosen, means = pick(wave(tuned, kinds, "tune"), kinds, tuned)
+            with open(os.path.join(a.out, "pick.json"), "w") as f:
+                json.dump({"tuned_on": tuned, "mean_gain_greedy": means, "picked": chosen[0], "args": chosen[1]}, f)
+            print(f"picked {chosen[0]!r} on {', '.join(tuned)}: mean greedy gains {json.dumps(means)}", flush=True)
+            kinds = [("defaults", []), *([chosen] if chosen[0] != "defaults" else [])]
+        wave(families, kinds, "judge" if tuned else "")
     rows = list({(r["family"], r.get("variant", "defaults")): r  # each family and variant's latest
                  for r in records(os.path.join(a.out, "rows.jsonl"))}.values())
     runs = [r["grpo_dir"] for r in rows if "grpo" in r and os.path.isdir(r["grpo_dir"])]
     if runs:
         stage("curves", ["-m", "tools.plots", "--grpo", *runs, f"--out={os.path.join(a.out, 'curves.png')}"],
               os.path.join(a.out, "plot.log"))
-    print(report(rows, os.path.join(a.out, "report.md")))
+    note = ""
+    if os.path.isfile(os.path.join(a.out, "pick.json")):
+        with open(os.path.join(a.out, "pick.json")) as f:
+            k = json.load(f)
+        note = (f"Tuned on {', '.join(k['tuned_on'])}: picked {k['picked']} (the highest mean greedy gain, "
+                f"{', '.join(f'{v} {100 * g:+.1f}' for v, g in k['mean_gain_greedy'].items())}; defaults unless a "
+                f"point better); the others judged with defaults{'' if k['picked'] == 'defaults' else ' and it'}.")
+    print(report(rows, os.path.join(a.out, "report.md"), note))
     if any("failed" in r for r in rows):
         raise SystemExit("some families failed: " + ", ".join(r["family"] for r in rows if "failed" in r))
 

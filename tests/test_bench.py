@@ -76,7 +76,9 @@ def test_bench_memory_tiny(tmp_path):
 def test_grpo_families_variants_and_report(tmp_path):
     """bench/grpo_families.py: --variants parses to (name, args) with 'defaults' alone when empty, refuses a bad
     spec in one line, and the report has one row a family and variant with the gains worked here by hand;
-    --stages=grpo without the family's SFT run under --runs stops in one line before any work."""
+    --stages=grpo without the family's SFT run under --runs stops in one line before any work, as does a family
+    both tuned on and judged; pick() takes the highest mean greedy gain over the tuning families, only a variant
+    with a row on each, and keeps defaults unless beaten by a point (gains worked here by hand)."""
     import pytest
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
@@ -92,6 +94,19 @@ def test_grpo_families_variants_and_report(tmp_path):
     with pytest.raises(SystemExit, match="--stages=grpo: no SFT run of units under .*: run --stages=sft first"):
         gf.main([f"--out={tmp_path / 'o'}", f"--runs={tmp_path / 'runs'}", "--stages=grpo", "--families=units", "--tiny"])
     assert not (tmp_path / "runs").exists() and not (tmp_path / "o").exists()
+    with pytest.raises(SystemExit, match="--tune: units also in --families: a family tuned on is not judged"):
+        gf.main([f"--out={tmp_path / 'o'}", "--tune=word_problems,units", "--families=units,strings", "--tiny"])
+    kinds = gf.variants("defaults:;lr:--lr=1e-5;ds:--dynamic_sampling=True;half:--lr=1e-6")
+
+    def r(family, variant, gain, failed=False):
+        return {"family": family, "variant": variant, "grpo": {"gain_greedy": gain}, **({"failed": "rc 1"} if failed else {})}
+    rows = [r("a", "defaults", 0.006), r("b", "defaults", -0.002), r("a", "lr", 0.03), r("b", "lr", 0.01),
+            r("a", "ds", 0.05), r("b", "ds", 0.0, failed=True), r("a", "half", 0.2), r("c", "half", 0.2)]
+    (name, args), means = gf.pick(rows, kinds, ["a", "b"])  # ds failed on b, half has no row on b: out
+    assert (name, args) == ("lr", ["--lr=1e-5"]) and means == pytest.approx({"defaults": 0.002, "lr": 0.02})
+    rows[2]["grpo"]["gain_greedy"] = 0.012  # lr's mean 0.011: beats defaults' 0.002 by under a point
+    assert gf.pick(rows, kinds, ["a", "b"])[0] == ("defaults", [])
+    assert gf.pick([], kinds, ["a", "b"]) == (("defaults", []), {})
     g = dict(start_greedy=0.326, start_sampled=0.192, end_greedy=0.332, end_sampled=0.216, gain_greedy=0.006,
              gain_sampled=0.024, steps=169, end_step=150, frac_equal_groups_first=0.534, frac_equal_groups_last=0.563)
     rows = [{"family": "word_problems", "variant": "ds", "sft": {"greedy_before": 0.0, "greedy_after": 0.326},
