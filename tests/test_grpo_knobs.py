@@ -11,6 +11,8 @@ Proves:
   normalisers those groups'; with 1 more round it stops at the cap with 1 group; a GRPO step (2 epochs,
   KL, micro-batches) on the refilled batch under DP2 (groups spanning ranks, rows dropped unevenly)
   gives one process's weights, gradient norm and logged sums;
+- dynamic_sampling alone (no refill, beta 0) scales the gradient by all tokens / kept tokens and leaves an
+  AdamW step's weights unchanged (what docs/stages.md says: its use is with refill_rounds);
 - entropy_coeff: the entropy term equals, value and gradient, the entropy of softmax(logits / T) computed
   by torch.distributions.Categorical on each completion alone (no padding), masked and normalised like
   the loss (grpo / dapo / dr_grpo); grpo.learn's gradient norm with entropy_coeff = 0.3 is that of the
@@ -155,6 +157,30 @@ def test_refill_two_processes_equal_one(tmp_path):
     want = refill_step(cfg, parallel.init(cfg))
     for k in range(2):
         assert_close(torch.load(tmp_path / f"rank{k}.pt", weights_only=False), want, f"rank {k}")
+
+
+def test_dynamic_sampling_alone_only_rescales():
+    """dynamic_sampling without refill (beta 0): equal groups have zero advantage, so leaving them out only
+    divides the loss by fewer tokens: the gradient is the full batch's times all tokens / kept tokens, and
+    AdamW divides the scale out (eps 1e-16 here): the same weights after the step, which moved."""
+    import parallel
+    from model import ModelConfig, Transformer
+    r, rewards = round_rollout(build(), 0)  # round 0: 1 informative group of 3
+    out = {}
+    for ds in (False, True):
+        cfg = knob_cfg(dynamic_sampling=ds, grad_clip=0.0, micro_batch_size=12, loss_type="dapo", eps=1e-16)
+        grid = parallel.init(cfg)
+        batch, _ = grpo.score(r, rewards, grid, cfg, [STOP])
+        torch.manual_seed(0)
+        net = parallel.parallelize(Transformer(ModelConfig.from_cfg(cfg)), grid, cfg)
+        before = {k: v.clone() for k, v in net.full_state(optimizer=False)[0].items()}
+        _, norm = learn(net, batch, cfg, 1e-3)
+        out[ds] = batch.n_tokens, float(norm), net.full_state(optimizer=False)[0]
+    (n_all, g_all, w_all), (n_kept, g_kept, w_kept) = out[False], out[True]
+    assert n_kept < n_all and abs(g_kept / g_all - n_all / n_kept) <= 1e-5 * n_all / n_kept
+    assert max((w_all[k] - before[k]).abs().max() for k in w_all) > 5e-4  # the step moved the weights
+    for k in w_all:
+        assert torch.allclose(w_all[k], w_kept[k], atol=1e-6), k
 
 
 # ----------------------------------------------------------------------------- entropy
