@@ -2,7 +2,7 @@
 
     lease = lifecycle.claim(cfg, grid, free=RESUME_FREE)   # out_dir locked, resume picked, settings checked
     trainer, step = lifecycle.resume(lease, net, say)      # weights, optimizer, RNG of the checkpoint (or None, 0)
-    clock, interrupt = lifecycle.Clock(device), lifecycle.Interrupt(grid)
+    clock, interrupt = lifecycle.Clock(device), lifecycle.Interrupt(grid, cfg.max_minutes)
     while step < last: ...; step += 1
         if lifecycle.end_of_step(step, last, cfg, interrupt, save, evaluate, say, clock): break
 
@@ -15,8 +15,8 @@ The run folder is owned by one run at a time (claim: the lock, then the policy):
 - resume takes the newest checkpoint that verifies, names the ones it skipped and why, and refuses
   changed settings that break exactness (RESUME_FREE, a stage's own) unless --force_resume.
 end_of_step: a signal (every rank agrees) saves and stops; then the checkpoint cadence, then the
-evaluation (a failing evaluation never costs the steps before it; one at a target loss saves and stops);
-all of it off the throughput clock.
+evaluation (a failing evaluation never costs the steps before it; one at a target loss saves and stops;
+past max_minutes the step is the last); all of it off the throughput clock.
 """
 import contextlib
 import fcntl
