@@ -4,7 +4,7 @@ and the end of GRPO in one row.
 
     python bench/grpo_families.py --out=bench/results/families/<date> --base=out/life      # one GPU
     python bench/grpo_families.py --out=/tmp/fam --tiny --families=strings,units            # CPU, ~1 minute
-    python bench/grpo_families.py --out=<dir> --base=out/life --jobs=4    # four families side by side on one GPU
+    python bench/grpo_families.py --out=<dir> --base=out/life --jobs=4    # four runs side by side on one GPU
     python bench/grpo_families.py --out=<dir> --jobs=8 --tune=word_problems,units --variants='lr1e5:--lr=1e-5'
 
 Each stage runs as its users run it: `python sft.py configs/sft_life.py --init_from=<base> --task=<family>
@@ -166,7 +166,7 @@ def report(rows, path, note=""):
                      f"{pct(g['frac_equal_groups_last'])} |")
     shared = sorted({r.get("jobs", 1) for r in rows} - {1})
     if shared:
-        lines.append(f"\nGRPO minutes with {' or '.join(map(str, shared))} families side by side on the one GPU.")
+        lines.append(f"\nGRPO minutes with {' or '.join(map(str, shared))} GRPO runs side by side on the one GPU (--jobs).")
     lines += [f"\n{note}"] if note else []
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -115,4 +115,4 @@ def test_grpo_families_variants_and_report(tmp_path):
     text = gf.report(rows, str(tmp_path / "report.md"))
     assert ("| word_problems | ds | 0.0 -> 32.6 | 32.6 / 19.2 | 33.2 / 21.6 | +0.6 / +2.4 | 169 (150) stopped | 5.1 | "
             "53.4 -> 56.3 |") in text
-    assert "| strings | defaults | failed: rc 1 |" in text and "4 families side by side" in text
+    assert "| strings | defaults | failed: rc 1 |" in text and "4 GRPO runs side by side" in text
