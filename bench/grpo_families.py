@@ -307,9 +307,9 @@ def main(argv=None):
         def wave(fams, ks, name):
             out = []
             minutes = a.minutes if name != "tune" or a.tune_minutes is None else a.tune_minutes
-            for r in pool.map(lambda j: grpo_run(j[0], j[1], lengths[j[0]], sfts[j[0]], cfgs, common, a, minutes),
-                              [(f, v) for f in fams for v in ks]):
-                out.append({**r, **({"wave": name} if name else {})})
+            runs = [(f, v) for f in fams for v in ks]
+            for r in pool.map(lambda j: grpo_run(j[0], j[1], lengths[j[0]], sfts[j[0]], cfgs, common, a, minutes), runs):
+                out.append({**r, "jobs": min(a.jobs, len(runs)), **({"wave": name} if name else {})})
                 with open(os.path.join(a.out, "rows.jsonl"), "a") as f:  # appended: several calls add up
                     f.write(json.dumps(out[-1]) + "\n")
             return out
