@@ -1,34 +1,25 @@
 """GRPO across task families: from one pretrained base, SFT then GRPO on each family of posttrain/families.py
-(and any other task), every setting as the life configs give it, each family's held-out accuracy at the start
-and the end of GRPO in one row.
+(and any other task), every setting as the life configs give it; each family's held-out accuracy in one row.
 
     python bench/grpo_families.py --out=bench/results/families/<date> --base=out/life      # one GPU
     python bench/grpo_families.py --out=/tmp/fam --tiny --families=strings,units            # CPU, ~1 minute
-    python bench/grpo_families.py --out=<dir> --base=out/life --jobs=4    # four runs side by side on one GPU
     python bench/grpo_families.py --out=<dir> --jobs=8 --tune=word_problems,units --variants='lr1e5:--lr=1e-5'
 
-Each stage runs as its users run it: `python sft.py configs/sft_life.py --init_from=<base> --task=<family>
+Each stage runs as users run it: `python sft.py configs/sft_life.py --init_from=<base> --task=<family>
 --task_args={}`, then `python grpo.py configs/grpo_life.py --init_from=<that SFT> --task=<family> --task_args={}
---max_new_tokens=<n>` (n: the family's longest worked solution in the base's tokens, plus a quarter, rounded up
-to 16; the SFT's eval_tokens too), with --sft / --grpo appended; the SFT config's own task (`--families=countdown`)
-keeps its task_args (Countdown up to 199). --tiny: configs/tiny.py pretrained 20 steps
-(rows of 256 tokens) when no --base, configs/sft_tiny.py and grpo_tiny.py with a few steps each. --minutes
-is each GRPO run's --max_minutes (its training loop; the step past it is the last: saved and evaluated, the row
-says "stopped": true); 5 minutes later a run still going gets SIGTERM. Without --base, configs/life.py (tiny:
-tiny.py) is pretrained into <runs>/base first.
+--max_new_tokens=<n>` (n: the family's longest worked solution in the base's tokens plus a quarter, rounded up to
+16), with --sft / --grpo appended (countdown keeps sft_life.py's task_args). Without --base, configs/life.py (tiny:
+tiny.py, 20 steps) is pretrained into <runs>/base first. --minutes is each GRPO run's --max_minutes (the step past
+it is the last, saved and evaluated; 5 minutes later a run still going gets SIGTERM). --jobs: runs side by side.
+--stages=sft stops after the SFTs; --stages=grpo starts from the SFT runs already under --runs.
+--variants runs GRPO several ways from each family's one SFT ('name:--key=value ...;...', a row each; defaults
+writes grpo.*, another grpo_<name>.*). --tune=<families>: a recipe tuned on some families, judged on others: every
+variant (and defaults) on those first; pick() chooses one by a rule fixed before any judged run; then --families
+(default: the others) run with defaults and the pick (pick.json; each row names its wave).
 
---stages=sft stops after the SFTs; --stages=grpo starts GRPO from the SFT runs already under --runs (sft_<family>),
-so one set of SFTs serves several calls (a tuning wave, then the judged one).
---variants runs GRPO several ways from each family's one SFT ('name:--key=value ...;...', each a row; the one named
-defaults writes grpo.*, another grpo_<name>.*): the ablations of a recipe, side by side with --jobs.
---tune=word_problems,units: a recipe tuned on some families, judged on others. GRPO runs every variant (and defaults)
-on the tuning families first; pick() chooses one by a rule fixed before any judged run; then --families (default:
-the others) run with defaults and the picked variant (pick.json; each row names its wave).
-
-Written under --out: <family>/{sft,grpo}.log and their metrics, rows.jsonl (one JSON row a family: SFT's held-out
-greedy accuracy before -> after, GRPO's held-out greedy and sampled accuracy at its first and last evaluation,
-its steps and minutes, the share of equal-reward groups, the commands), report.md (the table), curves.png
-(`python -m tools.plots --grpo` of every family's GRPO run) and <family>/grpo.png.
+Written under --out: <family>/{sft,grpo}.log and their metrics, rows.jsonl (a row per family and variant: SFT's
+held-out greedy accuracy before -> after, GRPO's greedy and sampled accuracy at its first and last evaluation,
+steps, minutes, equal-reward groups, the commands), report.md, curves.png and <family>/grpo.png.
 """
 import argparse
 import json
