@@ -278,11 +278,9 @@ def main(argv=None):
     if missing:
         raise SystemExit(f"--stages=grpo: no SFT run of {', '.join(missing)} under {a.runs}: run --stages=sft first")
     os.makedirs(a.out, exist_ok=True)
-    if not base and a.stages == "grpo":
-        base = os.path.join(a.runs, "base")
     if not base:
         base = os.path.join(a.runs, "base")
-        if stage("pretrain", ["pretrain.py", *cfgs["pretrain"], f"--out_dir={base}", *common],
+        if a.stages != "grpo" and stage("pretrain", ["pretrain.py", *cfgs["pretrain"], f"--out_dir={base}", *common],
                  os.path.join(a.out, "pretrain.log"))[0]:
             raise SystemExit("pretraining failed")
     lengths = {f: new_tokens(f, base, settings(f, cfgs)) for f in everyone}
