@@ -91,7 +91,9 @@ def test_race_tiny_on_cpu(tmp_path):
     times = [rows[n]["time_to_L_s"] for n in ("ingot", "ingot-seed1338") if rows[n]["reached"]]
     assert rep["seeds_time_to_L_s"] == times
     if len(times) == 2 and rows["ingot-no-qk_norm"]["reached"]:  # an ablation's cost against the seeds' spread
-        assert rows["ingot-no-qk_norm"]["beyond_seeds"] == (rows["ingot-no-qk_norm"]["time_to_L_s"] > max(times))
+        t = rows["ingot-no-qk_norm"]["time_to_L_s"]
+        assert rows["ingot-no-qk_norm"]["against_seeds"] == ("slower" if t > max(times) else
+                                                             "faster" if t < min(times) else "within")
     race, nano = rep["race"], rows["nanogpt"]
     # nanoGPT's held-out file is the first windows of our validation split, token for token
     ours = np.fromfile(os.path.join(race["data_dir"], "val.bin"), dtype=np.uint16)
@@ -139,7 +141,7 @@ def load_speedrun():
 
 def test_seed_spread_is_ingots_rows_alone():
     """seed_spread: the fastest and slowest time to L over ingot and its ingot-seed<n> rows that reached L; ablation,
-    capped and unreached rows do not count, and one run has no spread."""
+    capped and unreached rows do not count, and one run has no spread. against_seeds places an ablation's time."""
     rows = [{"row": "nanogpt", "reached": True, "time_to_L_s": 180.0},
             {"row": "ingot", "reached": True, "time_to_L_s": 11.5},
             {"row": "ingot-seed1338", "reached": True, "time_to_L_s": 12.6},
@@ -150,6 +152,9 @@ def test_seed_spread_is_ingots_rows_alone():
     speedrun = load_speedrun()
     assert speedrun.seed_spread(rows) == ([11.5, 12.6, 10.9], (10.9, 12.6))
     assert speedrun.seed_spread(rows[:2] + rows[5:]) == ([11.5], None)
+    # an ablation's time against that spread: slower than the slowest seed, faster than the fastest, or inside it
+    assert [speedrun.against_seeds(t, (10.9, 12.6)) for t in (22.2, 12.6, 11.0, 10.9, 10.2)] == \
+        ["slower", "within", "within", "within", "faster"]
 
 
 def test_nanogpt_from_needs_the_same_race():
