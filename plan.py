@@ -12,9 +12,9 @@ sharded as the layout shards them); bf16 compute copies autocast keeps of fp32 m
 part's made again in backward); gradients (fp32; DataParallel's buckets full size, ZeRO-1 too);
 optimizer state (AdamW 8 B a parameter, Muon's momentum 4, 8-bit ~2.03, offloaded 0); activations
 (block_bytes: per token and block from model.py's ops, equal to the bytes a CPU keeps with its
-composite rms_norm, tests/test_plan.py); the loss's largest backward phase (logits, or chunked.py's
-chunk and head buffers); a tied embedding's lookup gradient; Muon's step temporaries; a KV cache. Peak:
-weights + state + the larger of backward's holding (copies, activations, logits or one part recomputed;
+composite rms_norm, tests/test_plan.py; compiled, a model may keep less); the loss's largest backward
+phase (logits, or chunked.py's chunk and head buffers); a tied embedding's lookup gradient; Muon's step
+temporaries; a KV cache. Peak: weights + state + the larger of backward's holding (copies, activations, logits or one part recomputed;
 gradients too under DP / FSDP) and its end / the optimizer step (the gradients + the embedding's or Muon's).
 
 fit() walks LADDER, knobs ordered by their cost in speed (recompute before 8-bit AdamW as measured
@@ -33,7 +33,7 @@ import lora
 import muon
 import weights
 from memory import optim_memory, qlora
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, value_layer
 
 GiB = 2 ** 30
 PLAN_DEFAULTS = dict(  # the memory plan's config key (memory/README.md: what a 24 GB card needs)
@@ -133,6 +133,8 @@ def block_bytes(cfg, tp=1, compute=2, part="all", fused_norm=True):
     if getattr(cfg, "pack", False) and KV < H:  # SFT's packed rows: a mask, so model.sdpa repeats k and v to every
         # head (q, k, v all H wide are kept, not k and the v copy) and SDPA keeps the mask as a bias, T per token
         attn += a * 2 * (H - KV) * D + a * (cfg.seq_len or cfg.block_size)
+    if m.qk_norm:  # model.RMSNorm on q and k per head (not lean): an fp32 copy kept, rstd per head (composite: normed)
+        attn += (4 + (4 if not cfg.lora_r and not fused_norm else 0)) * (H + KV) * D + 4 * (H + KV)
     attn += 2 * r * 4  # the adapters' h (q, k, v; proj), LoRA only
     split = m.gated and not r  # model.MLP's two-matmul path on a plain nn.Linear: one input cast per matmul
     mlp = norm + (cast or 4 * C) * (2 if split and cast else 1)
@@ -164,6 +166,15 @@ def activations(cfg, tokens, tp=1, compute=2, fused_norm=True):
     if cfg.mlp_tile:  # the MLP's internals (without its norm) become its input, one tile of them at a time in backward
         mlp = block_bytes(cfg, tp, compute, "mlp", fused_norm) - norm
         full, tile = full - mlp + res * m.n_embd, min(cfg.mlp_tile, tokens) * mlp
+    # value embeddings: l0 v + l1 ve (l trained) keeps ve (fp32, an embedding's output) and v, a view of qkv's output
+    # (all of it kept: q and k are new tensors with rope or qk_norm) or, without, the mixed v SDPA keeps; where the
+    # attention is recomputed, ve alone (the checkpoint's input). unet_skips (its weights trained): the middle
+    # block's output, kept by its skip weight's product (the other skips are saved block inputs)
+    H, KV, D = m.n_head // tp, max(1, m.kv_heads // tp), m.head_dim
+    mixed = (compute * (H + 2 * KV) * D if m.pos_emb == "rope" or m.qk_norm else compute * KV * D) + 4 * KV * D
+    redone = [i % every == 0 and mode in ("block", "attn") for i in range(m.n_layer) if value_layer(m, i) is not None]
+    extra = sum(4 * KV * D if r else 0 if cfg.lora_r else mixed for r in redone)
+    extra += res * m.n_embd if m.unet_skips and not cfg.lora_r else 0
     n_ck = -(-m.n_layer // every) if mode else 0  # blocks 0, every, 2 every, ... are checkpointed
     if mode == "block":  # the block's input only
         kept, redo = res * m.n_embd, full
@@ -175,7 +186,7 @@ def activations(cfg, tokens, tp=1, compute=2, fused_norm=True):
     if mode and cfg.offload_activations:  # each part's input waits on the host: in backward
         kept, redo = kept - res * m.n_embd, redo + 2 * res * m.n_embd  # its own is back and the next one's coming
     final = norm + (2 * m.n_embd if compute == 2 else 0)  # norm_f, the head's input
-    saved = tokens * ((m.n_layer - n_ck) * full + n_ck * kept + final)
+    saved = tokens * ((m.n_layer - n_ck) * full + n_ck * kept + final + extra)
     if cfg.lora_r and mode != "block":  # a frozen embedding: the first norm's input needs no gradient, nothing kept
         saved -= tokens * norm
     # a recomputed block's internals stay while its MLP's tiles are rebuilt; an attention's come after them

@@ -187,12 +187,17 @@ def test_activations_equal_measured(kw):
                                 *(dict(lora_r=4, lora_base_dtype="bfloat16", **k) for k in (
                                     {}, dict(fp32_residual=False), dict(recompute="mlp"), dict(recompute="attn"),
                                     dict(recompute="mlp", fp32_residual=False), dict(recompute="block"),
-                                    dict(mlp_tile=8), dict(mlp_tile=8, recompute="attn"))), dict(mlp_tile=8)])
+                                    dict(mlp_tile=8), dict(mlp_tile=8, recompute="attn"))), dict(mlp_tile=8),
+                                *(dict(qk_norm=True, value_embeds=1, unet_skips=True, **k) for k in (  # speedrun's
+                                    {}, dict(fp32_residual=False, activation="gelu"), dict(pos_emb="learned"),
+                                    dict(grad_checkpoint=True), dict(recompute="attn"),
+                                    dict(lora_r=4, lora_base_dtype="bfloat16")))])
 def test_activations_per_token_equal_measured(kw):
     """The bytes a forward keeps per token (the difference of two lengths: weight copies cancel) are
     the plan's exactly, for the knobs fit() recommends: a bf16 stream (its norms still keep an fp32
     input), recomputed MLPs / attention / blocks, tiled MLPs, a LoRA base in bf16 (a bf16 stream whatever
-    fp32_residual says; the frozen embedding's first norm keeps nothing)."""
+    fp32_residual says; the frozen embedding's first norm keeps nothing); configs/speedrun.py's options (q and k
+    normed, value embeddings mixed into v, U-net skips), also under recompute, learned positions and LoRA."""
     cfg = train_cfg(TINY, **kw)
     (p1, _), (p2, _) = (plan.activations(cfg, 2 * T, 1, 2, fused_norm=False) for T in (12, 28))
     assert measured(cfg, 28) - measured(cfg, 12) == p2 - p1 - 2 * 16 * 2 * C  # (less the head's input cast)
