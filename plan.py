@@ -14,8 +14,9 @@ optimizer state (AdamW 8 B a parameter, Muon's momentum 4, 8-bit ~2.03, offloade
 (block_bytes: per token and block from model.py's ops, equal to the bytes a CPU keeps with its
 composite rms_norm, tests/test_plan.py; compiled, a model may keep less); the loss's largest backward
 phase (logits, or chunked.py's chunk and head buffers); a tied embedding's lookup gradient; Muon's step
-temporaries; a KV cache. Peak: weights + state + the larger of backward's holding (copies, activations, logits or one part recomputed;
-gradients too under DP / FSDP) and its end / the optimizer step (the gradients + the embedding's or Muon's).
+temporaries; a KV cache. Peak: weights + state + the larger of backward's holding (copies, activations,
+logits or one part recomputed; gradients too under DP / FSDP) and its end / the optimizer step (the
+gradients + the embedding's or Muon's).
 
 fit() walks LADDER, knobs ordered by their cost in speed (recompute before 8-bit AdamW as measured
 on the 1B shape, BENCHMARKS.md; the rest judged, offload_activations among them; each applied only
